@@ -1,0 +1,19 @@
+//! What both binaries need and neither owns: parsing Hugging Face / z-lab `config.json` files,
+//! opening safetensors checkpoints (single file or sharded, memory-mapped) with errors that name
+//! the file and the tensor, and locating a model either in a local directory or in the Hugging
+//! Face cache; the tokenizer, chat-template rendering and incremental detokenization with stop
+//! strings, so prompts are built identically by the server and the trainer. No model math lives here (that is `dflash-models`), and no HTTP (that is
+//! `dflash-serve`).
+
+pub mod chat;
+pub mod config;
+pub mod detokenize;
+pub mod error;
+pub mod hub;
+pub mod tokenizer;
+pub mod weights;
+
+pub use config::{DFlashConfig, LayerType, Qwen3Config, RopeScaling};
+pub use error::{ConfigError, HubError, WeightError};
+pub use hub::{resolve_model, ModelLocation};
+pub use weights::WeightFiles;

@@ -1,0 +1,256 @@
+//! The DFlash block-diffusion drafter in the z-lab format (z-lab `dflash/model.py`,
+//! `DFlashDraftModel`).
+//!
+//! Context conditioning is "KV injection": the target's tapped hidden states of each committed
+//! position go through `fc` and `hidden_norm`, and every draft layer's own `k_proj`/`k_norm`/RoPE
+//! and `v_proj` turn them into K/V rows. Those rows depend only on the committed token, so they
+//! are computed once and cached; the cache only ever holds committed context. A draft writes the
+//! block's K/V into the rows just past the context, attends, and leaves `len` unchanged, so the
+//! next round overwrites them (no crop needed). Embeddings and `lm_head` are the target's.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use dflash_common::{DFlashConfig, LayerType, WeightFiles};
+
+use crate::attention::{attend, AttnPattern};
+use crate::error::{ModelError, ModelResult};
+use crate::kv_cache::{LayerCache, SequenceCache};
+use crate::layer::{linear, DecoderLayer};
+use crate::ops::{rms_norm, OpsMode};
+use crate::qwen3::Qwen3Model;
+use crate::rope::RotaryEmbedding;
+
+/// One sequence's draft request.
+pub struct DraftInput<'a> {
+    pub cache: &'a mut SequenceCache,
+    /// Target features `[n_new, taps * hidden]` of the positions committed since the last draft
+    /// (they occupy positions `cache.len() ..`). `None` when nothing new was committed.
+    pub context: Option<&'a Tensor>,
+    /// `[bonus, mask, ..., mask]`, `block_size` tokens, at positions starting right after the
+    /// context.
+    pub block: &'a [u32],
+}
+
+#[derive(Debug, Clone)]
+pub struct DFlashDrafter {
+    cfg: DFlashConfig,
+    fc: Tensor,
+    hidden_norm: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor,
+    rope: RotaryEmbedding,
+    embed_tokens: Tensor,
+    lm_head: Tensor,
+    dtype: DType,
+    device: Device,
+    mode: OpsMode,
+}
+
+impl DFlashDrafter {
+    /// Loads a z-lab drafter directory for `target` (embeddings and `lm_head` are borrowed).
+    pub fn load(dir: &Path, target: &Qwen3Model, mode: OpsMode) -> ModelResult<Self> {
+        let config_path = dir.join("config.json");
+        let cfg = DFlashConfig::from_file(&config_path)?;
+        cfg.check_against_target(&config_path, target.config())?;
+        let weights = WeightFiles::open_dir(dir)?;
+        Self::from_weights(cfg, &weights, target, mode)
+    }
+
+    pub fn from_weights(cfg: DFlashConfig, w: &WeightFiles, target: &Qwen3Model, mode: OpsMode) -> ModelResult<Self> {
+        let (dtype, device) = (target.dtype(), target.device().clone());
+        let h = cfg.layers.hidden_size;
+        let f = cfg.target_layer_ids.len();
+        // Some exports prefix the drafter tensors with `model.`; z-lab's do not.
+        let prefix = if w.contains("fc.weight") || !w.contains("model.fc.weight") { "" } else { "model." };
+        let t = |name: &str, shape: &[usize]| w.tensor(&format!("{prefix}{name}"), shape, dtype, &device);
+        let fc = t("fc.weight", &[h, f * h])?;
+        let hidden_norm = t("hidden_norm.weight", &[h])?;
+        let norm = t("norm.weight", &[h])?;
+        let layers = (0..cfg.layers.num_hidden_layers)
+            .map(|i| DecoderLayer::load(w, &format!("{prefix}layers.{i}"), &cfg.layers, dtype, &device, mode))
+            .collect::<ModelResult<Vec<_>>>()?;
+        let rope = RotaryEmbedding::new(&cfg.layers, target.rope().max_positions() + cfg.block_size, &device)?;
+        Ok(Self {
+            cfg,
+            fc,
+            hidden_norm,
+            layers,
+            norm,
+            rope,
+            embed_tokens: target.embed_weight().clone(),
+            lm_head: target.lm_head_weight().clone(),
+            dtype,
+            device,
+            mode,
+        })
+    }
+
+    pub fn config(&self) -> &DFlashConfig {
+        &self.cfg
+    }
+    pub fn block_size(&self) -> usize {
+        self.cfg.block_size
+    }
+    pub fn mask_token_id(&self) -> u32 {
+        self.cfg.mask_token_id
+    }
+    pub fn target_layer_ids(&self) -> &[usize] {
+        &self.cfg.target_layer_ids
+    }
+
+    /// A context cache for up to `capacity` committed positions (plus the transient block rows).
+    pub fn new_cache(&self, capacity: usize) -> ModelResult<SequenceCache> {
+        let c = &self.cfg.layers;
+        Ok(SequenceCache::new_attention(
+            c.num_hidden_layers,
+            c.num_key_value_heads,
+            c.head_dim,
+            capacity + self.cfg.block_size,
+            self.dtype,
+            &self.device,
+        )?)
+    }
+
+    fn positions(&self, start: usize, n: usize) -> ModelResult<Tensor> {
+        let p: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
+        if start + n > self.rope.max_positions() {
+            return Err(ModelError::PositionOutOfRange { position: start + n - 1, max: self.rope.max_positions() });
+        }
+        Ok(Tensor::new(p.as_slice(), &self.device)?)
+    }
+
+    /// `hidden_norm(fc(features))`: the fused context feature of each committed position.
+    pub fn context_features(&self, features: &Tensor) -> ModelResult<Tensor> {
+        let x = linear(&features.to_dtype(self.dtype)?, &self.fc)?;
+        Ok(rms_norm(&x, &self.hidden_norm, self.cfg.layers.rms_norm_eps, self.mode)?)
+    }
+
+    fn check(&self, batch: &[DraftInput<'_>]) -> ModelResult<()> {
+        let b = self.cfg.block_size;
+        let width = self.cfg.target_layer_ids.len() * self.cfg.layers.hidden_size;
+        for (s, item) in batch.iter().enumerate() {
+            if item.block.len() != b {
+                return Err(ModelError::BadInput(format!("sequence {s}: block of {} tokens, block_size is {b}", item.block.len())));
+            }
+            let n_new = match item.context {
+                Some(c) => {
+                    let (n, w) = c.dims2()?;
+                    if w != width {
+                        return Err(ModelError::BadInput(format!("sequence {s}: context features are {w} wide, expected {width}")));
+                    }
+                    n
+                }
+                None => 0,
+            };
+            if item.cache.len() + n_new == 0 {
+                return Err(ModelError::BadInput(format!("sequence {s}: a draft needs at least one context position")));
+            }
+            item.cache.check_room(n_new + b)?;
+        }
+        Ok(())
+    }
+
+    /// Appends each sequence's new context, then drafts its block. Returns the drafter's final
+    /// normed hidden states for all block slots, `[batch * block_size, hidden]`.
+    pub fn forward(&self, batch: &mut [DraftInput<'_>]) -> ModelResult<Tensor> {
+        self.check(batch)?;
+        self.append_context(batch)?;
+        let b = self.cfg.block_size;
+        let mut tokens = Vec::with_capacity(batch.len() * b);
+        let mut positions = Vec::with_capacity(batch.len() * b);
+        for item in batch.iter() {
+            tokens.extend_from_slice(item.block);
+            let start = item.cache.len();
+            positions.extend((start..start + b).map(|p| p as u32));
+        }
+        let ids = Tensor::new(tokens.as_slice(), &self.device)?;
+        let mut h = self.embed_tokens.index_select(&ids, 0)?;
+        let pos = Tensor::new(positions.as_slice(), &self.device)?;
+        let (cos, sin) = self.rope.gather(&pos)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let x = layer.input_norm(&h)?;
+            let (q, k, v) = layer.qkv(&x, &cos, &sin)?;
+            let mut outs = Vec::with_capacity(batch.len());
+            for (s, item) in batch.iter().enumerate() {
+                let len = item.cache.len();
+                let LayerCache::Attention(kv) = item.cache.layer(li);
+                // Block rows are written past the committed context and never made live.
+                kv.write(len, &k.narrow(1, s * b, b)?, &v.narrow(1, s * b, b)?)?;
+                let (kc, vc) = kv.view(len + b)?;
+                let pattern = match self.cfg.layers.layer_types[li] {
+                    LayerType::FullAttention => AttnPattern::Full,
+                    LayerType::SlidingAttention => AttnPattern::Sliding {
+                        window: self.cfg.layers.sliding_window.unwrap_or(usize::MAX),
+                        first_position: len,
+                    },
+                };
+                let mask = pattern.mask(len, b, &self.device)?;
+                outs.push(attend(&q.narrow(1, s * b, b)?, &kc, &vc, mask.as_ref(), self.mode)?);
+            }
+            let attn = Tensor::cat(&outs, 0)?;
+            h = layer.finish(&h, &attn)?;
+        }
+        Ok(rms_norm(&h, &self.norm, self.cfg.layers.rms_norm_eps, self.mode)?)
+    }
+
+    /// Draft logits for block slots `1..block_size` of every sequence:
+    /// `[batch * (block_size - 1), vocab]`, f32.
+    pub fn draft_logits(&self, batch: &mut [DraftInput<'_>]) -> ModelResult<Tensor> {
+        let n = batch.len();
+        let b = self.cfg.block_size;
+        let hidden = self.forward(batch)?;
+        let rows: Vec<u32> = (0..n).flat_map(|s| (1..b).map(move |k| (s * b + k) as u32)).collect();
+        let rows = Tensor::new(rows.as_slice(), &self.device)?;
+        self.lm_head(&hidden.index_select(&rows, 0)?)
+    }
+
+    /// The target's `lm_head` on drafter hidden states, in f32.
+    pub fn lm_head(&self, hidden: &Tensor) -> ModelResult<Tensor> {
+        Ok(linear(hidden, &self.lm_head)?.to_dtype(DType::F32)?)
+    }
+
+    fn append_context(&self, batch: &mut [DraftInput<'_>]) -> ModelResult<()> {
+        let parts: Vec<&Tensor> = batch.iter().filter_map(|i| i.context).collect();
+        if parts.is_empty() {
+            return Ok(());
+        }
+        let features = Tensor::cat(&parts, 0)?;
+        let ctx = self.context_features(&features)?;
+        let mut positions = Vec::new();
+        for item in batch.iter() {
+            let n = item.context.map(|c| c.dim(0)).transpose()?.unwrap_or(0);
+            let start = item.cache.len();
+            positions.extend((start..start + n).map(|p| p as u32));
+        }
+        let last = positions.iter().copied().max().unwrap_or(0) as usize;
+        if last >= self.rope.max_positions() {
+            return Err(ModelError::PositionOutOfRange { position: last, max: self.rope.max_positions() });
+        }
+        let pos = Tensor::new(positions.as_slice(), &self.device)?;
+        let (cos, sin) = self.rope.gather(&pos)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let (k, v) = layer.kv(&ctx, &cos, &sin)?;
+            let mut off = 0;
+            for item in batch.iter() {
+                let Some(c) = item.context else { continue };
+                let n = c.dim(0)?;
+                let LayerCache::Attention(kv) = item.cache.layer(li);
+                kv.write(item.cache.len(), &k.narrow(1, off, n)?, &v.narrow(1, off, n)?)?;
+                off += n;
+            }
+        }
+        for item in batch.iter_mut() {
+            if let Some(c) = item.context {
+                let n = c.dim(0)?;
+                item.cache.advance(n);
+            }
+        }
+        Ok(())
+    }
+
+    /// Positions a helper caller may want: the block of a cache starts at `cache.len()`.
+    pub fn block_positions(&self, cache: &SequenceCache) -> ModelResult<Tensor> {
+        self.positions(cache.len(), self.cfg.block_size)
+    }
+}

@@ -1,0 +1,114 @@
+//! The Qwen3 decoder layer (HF `modeling_qwen3.py`: `Qwen3Attention`, `Qwen3MLP`,
+//! `Qwen3DecoderLayer`), shared by the target and the DFlash drafter, whose layers have the same
+//! weights and layout (z-lab `Qwen3DFlashDecoderLayer`). Only where K/V come from and which
+//! pattern the queries use differ; that lives with each model.
+
+use candle_core::{DType, Device, Result, Tensor};
+use dflash_common::{Qwen3Config, WeightFiles};
+
+use crate::error::ModelResult;
+use crate::ops::{rms_norm, rope, OpsMode};
+
+/// `x @ wᵀ` for `x: [rows, in]`, `w: [out, in]` (a bias-free `nn.Linear`).
+pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    x.matmul(&w.t()?)
+}
+
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+    eps: f64,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    mode: OpsMode,
+}
+
+impl DecoderLayer {
+    /// Loads `{prefix}.self_attn.*`, `{prefix}.mlp.*` and the two norms, checking every shape.
+    pub fn load(
+        w: &WeightFiles,
+        prefix: &str,
+        cfg: &Qwen3Config,
+        dtype: DType,
+        device: &Device,
+        mode: OpsMode,
+    ) -> ModelResult<Self> {
+        let h = cfg.hidden_size;
+        let (nh, nkv, d, i) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size);
+        let t = |name: &str, shape: &[usize]| w.tensor(&format!("{prefix}.{name}"), shape, dtype, device);
+        Ok(Self {
+            input_layernorm: t("input_layernorm.weight", &[h])?,
+            post_attention_layernorm: t("post_attention_layernorm.weight", &[h])?,
+            q_proj: t("self_attn.q_proj.weight", &[nh * d, h])?,
+            k_proj: t("self_attn.k_proj.weight", &[nkv * d, h])?,
+            v_proj: t("self_attn.v_proj.weight", &[nkv * d, h])?,
+            o_proj: t("self_attn.o_proj.weight", &[h, nh * d])?,
+            q_norm: t("self_attn.q_norm.weight", &[d])?,
+            k_norm: t("self_attn.k_norm.weight", &[d])?,
+            gate_proj: t("mlp.gate_proj.weight", &[i, h])?,
+            up_proj: t("mlp.up_proj.weight", &[i, h])?,
+            down_proj: t("mlp.down_proj.weight", &[h, i])?,
+            eps: cfg.rms_norm_eps,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: d,
+            mode,
+        })
+    }
+
+    pub fn input_norm(&self, x: &Tensor) -> Result<Tensor> {
+        rms_norm(x, &self.input_layernorm, self.eps, self.mode)
+    }
+
+    /// Per-head projection, per-head RMSNorm, then RoPE: `[rows, hidden]` -> `[heads, rows, d]`.
+    fn project(&self, x: &Tensor, w: &Tensor, norm: Option<&Tensor>, heads: usize, rot: Option<(&Tensor, &Tensor)>) -> Result<Tensor> {
+        let rows = x.dim(0)?;
+        let mut y = linear(x, w)?.reshape((rows, heads, self.head_dim))?;
+        if let Some(n) = norm {
+            y = rms_norm(&y, n, self.eps, self.mode)?;
+        }
+        if let Some((cos, sin)) = rot {
+            y = rope(&y, cos, sin, self.mode)?;
+        }
+        y.transpose(0, 1)?.contiguous()
+    }
+
+    /// Queries, keys and values of already-normed input `x: [rows, hidden]` at the positions
+    /// whose rotary rows are `cos`, `sin`: `[heads, rows, d]`, `[kv_heads, rows, d]` twice.
+    pub fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let q = self.project(x, &self.q_proj, Some(&self.q_norm), self.num_heads, Some((cos, sin)))?;
+        let (k, v) = self.kv(x, cos, sin)?;
+        Ok((q, k, v))
+    }
+
+    /// Keys and values only (the DFlash context path: no query, no input norm).
+    pub fn kv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor)> {
+        let k = self.project(x, &self.k_proj, Some(&self.k_norm), self.num_kv_heads, Some((cos, sin)))?;
+        let v = self.project(x, &self.v_proj, None, self.num_kv_heads, None)?;
+        Ok((k, v))
+    }
+
+    /// `residual + o_proj(attn)`, then the MLP block with its own residual.
+    pub fn finish(&self, residual: &Tensor, attn: &Tensor) -> Result<Tensor> {
+        let x = (residual + linear(attn, &self.o_proj)?)?;
+        let h = rms_norm(&x, &self.post_attention_layernorm, self.eps, self.mode)?;
+        let gate = linear(&h, &self.gate_proj)?.silu()?;
+        let up = linear(&h, &self.up_proj)?;
+        x + linear(&(gate * up)?, &self.down_proj)?
+    }
+
+    pub fn mode(&self) -> OpsMode {
+        self.mode
+    }
+}

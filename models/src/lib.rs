@@ -1,0 +1,23 @@
+//! Model math, once: the Qwen3 target and the DFlash drafter on candle, their caches, and the
+//! attention patterns speculative decoding needs (causal, tree, full block, sliding window).
+//!
+//! Inference and the trainer's differentiable forward share these layers; [`ops::OpsMode`]
+//! picks fused kernels or differentiable compositions once per model. HTTP, scheduling and
+//! data pipelines live in `dflash-serve` and `dflash-train`.
+
+pub mod attention;
+pub mod dflash;
+pub mod error;
+pub mod kv_cache;
+pub mod layer;
+pub mod ops;
+pub mod qwen3;
+pub mod rope;
+pub mod spec;
+
+pub use attention::AttnPattern;
+pub use dflash::{DFlashDrafter, DraftInput};
+pub use error::{ModelError, ModelResult};
+pub use kv_cache::SequenceCache;
+pub use ops::OpsMode;
+pub use qwen3::{ForwardOutput, Qwen3Model, SeqForward};

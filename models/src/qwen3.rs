@@ -1,0 +1,255 @@
+//! Qwen3 dense target (HF `Qwen3ForCausalLM`), built for speculative decoding.
+//!
+//! One forward takes a batch of sequences, each with its own cache, new tokens, absolute
+//! positions and attention pattern. All tokens are flattened into one `[tokens, hidden]` matrix
+//! so every projection is one GEMM; only attention runs per sequence. It returns logits only
+//! for the rows asked for and the raw residual-stream output of the layers asked for (taps:
+//! the output of decoder layer i is HF `hidden_states[i + 1]`, before any final norm).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use dflash_common::{Qwen3Config, WeightFiles};
+
+use crate::attention::{attend, AttnPattern};
+use crate::error::{ModelError, ModelResult};
+use crate::kv_cache::{LayerCache, SequenceCache};
+use crate::layer::{linear, DecoderLayer};
+use crate::ops::{rms_norm, OpsMode};
+use crate::rope::RotaryEmbedding;
+
+/// One sequence's part of a batched forward.
+pub struct SeqForward<'a> {
+    pub cache: &'a mut SequenceCache,
+    pub tokens: &'a [u32],
+    /// Absolute position of each token (tree nodes at equal depth share one).
+    pub positions: &'a [u32],
+    pub pattern: &'a AttnPattern,
+    /// Indices into `tokens` whose logits are wanted, in output order.
+    pub logit_rows: &'a [usize],
+}
+
+#[derive(Debug)]
+pub struct ForwardOutput {
+    /// `[Σ logit_rows, vocab]` in f32, sequences in batch order.
+    pub logits: Option<Tensor>,
+    /// `[Σ tokens, taps.len() * hidden]`: the requested layers' outputs, concatenated in the
+    /// order asked (the layout DFlash's `fc` expects).
+    pub taps: Option<Tensor>,
+    /// Start of each sequence's tokens in the flattened rows (`len = batch + 1`).
+    pub token_offsets: Vec<usize>,
+    /// Start of each sequence's logit rows (`len = batch + 1`).
+    pub logit_offsets: Vec<usize>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Qwen3Model {
+    cfg: Qwen3Config,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor,
+    lm_head: Tensor,
+    rope: RotaryEmbedding,
+    dtype: DType,
+    device: Device,
+    mode: OpsMode,
+}
+
+impl Qwen3Model {
+    /// Loads a Hugging Face Qwen3 checkpoint directory. `max_positions` bounds the rotary table
+    /// (and therefore every sequence's length).
+    pub fn load(dir: &Path, dtype: DType, device: &Device, max_positions: usize, mode: OpsMode) -> ModelResult<Self> {
+        let cfg = Qwen3Config::from_file(dir.join("config.json"))?;
+        let weights = WeightFiles::open_dir(dir)?;
+        Self::from_weights(cfg, &weights, dtype, device, max_positions, mode)
+    }
+
+    pub fn from_weights(
+        cfg: Qwen3Config,
+        w: &WeightFiles,
+        dtype: DType,
+        device: &Device,
+        max_positions: usize,
+        mode: OpsMode,
+    ) -> ModelResult<Self> {
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(ModelError::Unsupported(format!("dtype {dtype:?}; use f32, bf16 or f16")));
+        }
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let embed_tokens = w.tensor("model.embed_tokens.weight", &[v, h], dtype, device)?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::load(w, &format!("model.layers.{i}"), &cfg, dtype, device, mode))
+            .collect::<ModelResult<Vec<_>>>()?;
+        let norm = w.tensor("model.norm.weight", &[h], dtype, device)?;
+        // Tied checkpoints (Qwen3-4B, tiny-coder-demo) store no lm_head; some still ship a copy.
+        let lm_head = if cfg.tie_word_embeddings && !w.contains("lm_head.weight") {
+            embed_tokens.clone()
+        } else {
+            w.tensor("lm_head.weight", &[v, h], dtype, device)?
+        };
+        let rope = RotaryEmbedding::new(&cfg, max_positions, device)?;
+        Ok(Self {
+            cfg,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            dtype,
+            device: device.clone(),
+            mode,
+        })
+    }
+
+    pub fn config(&self) -> &Qwen3Config {
+        &self.cfg
+    }
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn rope(&self) -> &RotaryEmbedding {
+        &self.rope
+    }
+    pub fn embed_weight(&self) -> &Tensor {
+        &self.embed_tokens
+    }
+    pub fn lm_head_weight(&self) -> &Tensor {
+        &self.lm_head
+    }
+
+    /// A cache for one sequence holding up to `capacity` positions.
+    pub fn new_cache(&self, capacity: usize) -> ModelResult<SequenceCache> {
+        Ok(SequenceCache::new_attention(
+            self.cfg.num_hidden_layers,
+            self.cfg.num_key_value_heads,
+            self.cfg.head_dim,
+            capacity,
+            self.dtype,
+            &self.device,
+        )?)
+    }
+
+    /// Token embeddings `[n, hidden]`.
+    pub fn embed(&self, tokens: &[u32]) -> ModelResult<Tensor> {
+        let ids = Tensor::new(tokens, &self.device)?;
+        Ok(self.embed_tokens.index_select(&ids, 0)?)
+    }
+
+    /// `lm_head(x)` in f32 for already-normed rows (the drafter applies its own norm).
+    pub fn lm_head(&self, x: &Tensor) -> ModelResult<Tensor> {
+        Ok(linear(x, &self.lm_head)?.to_dtype(DType::F32)?)
+    }
+
+    fn check(&self, batch: &[SeqForward<'_>], taps: &[usize]) -> ModelResult<()> {
+        if batch.is_empty() {
+            return Err(ModelError::BadInput("empty batch".into()));
+        }
+        if let Some(&bad) = taps.iter().find(|&&l| l >= self.layers.len()) {
+            return Err(ModelError::BadInput(format!("tap layer {bad} but the model has {} layers", self.layers.len())));
+        }
+        for (s, seq) in batch.iter().enumerate() {
+            let t = seq.tokens.len();
+            if t == 0 {
+                return Err(ModelError::BadInput(format!("sequence {s} has no new tokens")));
+            }
+            if seq.positions.len() != t {
+                return Err(ModelError::BadInput(format!("sequence {s}: {t} tokens but {} positions", seq.positions.len())));
+            }
+            if let Some(&tok) = seq.tokens.iter().find(|&&x| x as usize >= self.cfg.vocab_size) {
+                return Err(ModelError::BadInput(format!("token id {tok} is outside the vocabulary ({})", self.cfg.vocab_size)));
+            }
+            if let Some(&p) = seq.positions.iter().find(|&&p| p as usize >= self.rope.max_positions()) {
+                return Err(ModelError::PositionOutOfRange { position: p as usize, max: self.rope.max_positions() });
+            }
+            if let Some(&r) = seq.logit_rows.iter().find(|&&r| r >= t) {
+                return Err(ModelError::BadInput(format!("sequence {s}: logit row {r} but only {t} tokens")));
+            }
+            match seq.pattern {
+                AttnPattern::Causal | AttnPattern::Tree { .. } => {}
+                other => return Err(ModelError::BadInput(format!("target attention must be causal or tree, got {other:?}"))),
+            }
+            seq.pattern.validate(t).map_err(ModelError::BadInput)?;
+            seq.cache.check_room(t)?;
+            if seq.cache.num_layers() != self.layers.len() {
+                return Err(ModelError::BadInput(format!("sequence {s}: cache has {} layers, model {}", seq.cache.num_layers(), self.layers.len())));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the new tokens of every sequence through the model, appending their K/V to each
+    /// sequence's cache. On error nothing becomes live in any cache.
+    pub fn forward(&self, batch: &mut [SeqForward<'_>], taps: &[usize]) -> ModelResult<ForwardOutput> {
+        self.check(batch, taps)?;
+        let mut token_offsets = vec![0];
+        let mut logit_offsets = vec![0];
+        let mut all_tokens = Vec::new();
+        let mut all_positions = Vec::new();
+        let mut logit_rows = Vec::new();
+        for seq in batch.iter() {
+            let off = all_tokens.len();
+            all_tokens.extend_from_slice(seq.tokens);
+            all_positions.extend_from_slice(seq.positions);
+            logit_rows.extend(seq.logit_rows.iter().map(|&r| (off + r) as u32));
+            token_offsets.push(all_tokens.len());
+            logit_offsets.push(logit_rows.len());
+        }
+        let masks = batch
+            .iter()
+            .map(|s| s.pattern.mask(s.cache.len(), s.tokens.len(), &self.device))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let positions = Tensor::new(all_positions.as_slice(), &self.device)?;
+        let (cos, sin) = self.rope.gather(&positions)?;
+        let mut x = self.embed(&all_tokens)?;
+        let mut tapped: HashMap<usize, Tensor> = HashMap::new();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = layer.input_norm(&x)?;
+            let (q, k, v) = layer.qkv(&h, &cos, &sin)?;
+            let mut outs = Vec::with_capacity(batch.len());
+            for (s, seq) in batch.iter().enumerate() {
+                let (off, t) = (token_offsets[s], seq.tokens.len());
+                let len = seq.cache.len();
+                let LayerCache::Attention(kv) = seq.cache.layer(li);
+                kv.write(len, &k.narrow(1, off, t)?, &v.narrow(1, off, t)?)?;
+                let (kc, vc) = kv.view(len + t)?;
+                outs.push(attend(&q.narrow(1, off, t)?, &kc, &vc, masks[s].as_ref(), self.mode)?);
+            }
+            let attn = if outs.len() == 1 { outs.pop().expect("one output") } else { Tensor::cat(&outs, 0)? };
+            x = layer.finish(&x, &attn)?;
+            if taps.contains(&li) {
+                tapped.insert(li, x.clone());
+            }
+        }
+        for seq in batch.iter_mut() {
+            seq.cache.advance(seq.tokens.len());
+        }
+        let taps = if taps.is_empty() {
+            None
+        } else {
+            let parts: Vec<&Tensor> = taps.iter().map(|l| &tapped[l]).collect();
+            Some(Tensor::cat(&parts, 1)?)
+        };
+        let logits = if logit_rows.is_empty() {
+            None
+        } else {
+            let rows = Tensor::new(logit_rows.as_slice(), &self.device)?;
+            let h = rms_norm(&x.index_select(&rows, 0)?, &self.norm, self.cfg.rms_norm_eps, self.mode)?;
+            Some(self.lm_head(&h)?)
+        };
+        Ok(ForwardOutput {
+            logits,
+            taps,
+            token_offsets,
+            logit_offsets,
+        })
+    }
+
+    /// The final norm (HF puts `norm(h_last)` in the last `hidden_states` slot).
+    pub fn final_norm(&self, x: &Tensor) -> ModelResult<Tensor> {
+        Ok(rms_norm(x, &self.norm, self.cfg.rms_norm_eps, self.mode)?)
+    }
+}
