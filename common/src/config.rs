@@ -154,10 +154,11 @@ fn field_err(path: &Path, field: &str, message: impl Into<String>) -> ConfigErro
 
 fn parse_rope_scaling(path: &Path, raw: &RawConfig) -> Result<(f64, RopeScaling), ConfigError> {
     // transformers 5 folds rope_theta into rope_parameters; older files keep it top-level.
-    let params = raw.rope_scaling.as_ref().filter(|v| !v.is_null()).or(raw
-        .rope_parameters
+    let params = raw
+        .rope_scaling
         .as_ref()
-        .filter(|v| !v.is_null()));
+        .filter(|v| !v.is_null())
+        .or(raw.rope_parameters.as_ref().filter(|v| !v.is_null()));
     let theta_from_params = raw
         .rope_parameters
         .as_ref()
@@ -271,7 +272,11 @@ fn layers_from_raw(path: &Path, raw: &RawConfig) -> Result<Qwen3Config, ConfigEr
         .head_dim
         .unwrap_or(raw.hidden_size / raw.num_attention_heads);
     if head_dim == 0 || head_dim % 2 != 0 {
-        return Err(field_err(path, "head_dim", format!("{head_dim} must be a positive even number")));
+        return Err(field_err(
+            path,
+            "head_dim",
+            format!("{head_dim} must be a positive even number"),
+        ));
     }
     if raw.attention_bias {
         return Err(field_err(
@@ -282,7 +287,11 @@ fn layers_from_raw(path: &Path, raw: &RawConfig) -> Result<Qwen3Config, ConfigEr
     }
     if let Some(act) = &raw.hidden_act {
         if act != "silu" {
-            return Err(field_err(path, "hidden_act", format!("`{act}` is not supported; only silu")));
+            return Err(field_err(
+                path,
+                "hidden_act",
+                format!("`{act}` is not supported; only silu"),
+            ));
         }
     }
     let (rope_theta, rope_scaling) = parse_rope_scaling(path, raw)?;
@@ -295,17 +304,27 @@ fn layers_from_raw(path: &Path, raw: &RawConfig) -> Result<Qwen3Config, ConfigEr
         Some(Value::Array(a)) => a
             .iter()
             .map(|v| {
-                v.as_u64()
-                    .map(|x| x as u32)
-                    .ok_or_else(|| field_err(path, "eos_token_id", "must hold non-negative integers"))
+                v.as_u64().map(|x| x as u32).ok_or_else(|| {
+                    field_err(path, "eos_token_id", "must hold non-negative integers")
+                })
             })
             .collect::<Result<_, _>>()?,
-        Some(_) => return Err(field_err(path, "eos_token_id", "must be an integer or a list of integers")),
+        Some(_) => {
+            return Err(field_err(
+                path,
+                "eos_token_id",
+                "must be an integer or a list of integers",
+            ))
+        }
     };
     let layer_types = parse_layer_types(path, raw)?;
     let sliding_window = if layer_types.contains(&LayerType::SlidingAttention) {
         Some(raw.sliding_window.ok_or_else(|| {
-            field_err(path, "sliding_window", "layer_types has sliding_attention layers but sliding_window is not set")
+            field_err(
+                path,
+                "sliding_window",
+                "layer_types has sliding_attention layers but sliding_window is not set",
+            )
         })?)
     } else {
         None
@@ -386,17 +405,35 @@ impl DFlashConfig {
             return Err(field_err(path, "block_size", format!("{block_size} is too small: a block holds the bonus token plus at least one draft")));
         }
         let mask_token_id = dflash.and_then(|d| d.mask_token_id).ok_or_else(|| {
-            field_err(path, "dflash_config.mask_token_id", "required: the id of the mask token in the target vocabulary")
+            field_err(
+                path,
+                "dflash_config.mask_token_id",
+                "required: the id of the mask token in the target vocabulary",
+            )
         })?;
         let target_layer_ids = match dflash.and_then(|d| d.target_layer_ids.clone()) {
             Some(ids) if !ids.is_empty() => ids,
-            Some(_) => return Err(field_err(path, "dflash_config.target_layer_ids", "must not be empty")),
+            Some(_) => {
+                return Err(field_err(
+                    path,
+                    "dflash_config.target_layer_ids",
+                    "must not be empty",
+                ))
+            }
             None => {
                 let n = raw.num_target_layers.ok_or_else(|| {
-                    field_err(path, "num_target_layers", "needed when dflash_config.target_layer_ids is absent")
+                    field_err(
+                        path,
+                        "num_target_layers",
+                        "needed when dflash_config.target_layer_ids is absent",
+                    )
                 })?;
                 if n < 4 {
-                    return Err(field_err(path, "num_target_layers", format!("{n} is too small for the default layer rule (needs at least 4)")));
+                    return Err(field_err(
+                        path,
+                        "num_target_layers",
+                        format!("{n} is too small for the default layer rule (needs at least 4)"),
+                    ));
                 }
                 default_target_layer_ids(n, layers.num_hidden_layers)
             }
@@ -409,8 +446,35 @@ impl DFlashConfig {
         })
     }
 
+    /// A config for a fresh drafter of `num_layers` full-attention layers shaped like `target`;
+    /// `target_layer_ids` defaults to the published rule.
+    pub fn for_target(
+        target: &Qwen3Config,
+        num_layers: usize,
+        block_size: usize,
+        mask_token_id: u32,
+        target_layer_ids: Option<Vec<usize>>,
+    ) -> Self {
+        let mut layers = target.clone();
+        layers.num_hidden_layers = num_layers;
+        layers.layer_types = vec![LayerType::FullAttention; num_layers];
+        layers.sliding_window = None;
+        let target_layer_ids = target_layer_ids
+            .unwrap_or_else(|| default_target_layer_ids(target.num_hidden_layers, num_layers));
+        Self {
+            layers,
+            block_size,
+            mask_token_id,
+            target_layer_ids,
+        }
+    }
+
     /// Checks the drafter against the target it will be paired with; the error names the file.
-    pub fn check_against_target(&self, path: &Path, target: &Qwen3Config) -> Result<(), ConfigError> {
+    pub fn check_against_target(
+        &self,
+        path: &Path,
+        target: &Qwen3Config,
+    ) -> Result<(), ConfigError> {
         if self.layers.hidden_size != target.hidden_size {
             return Err(field_err(
                 path,
@@ -418,18 +482,29 @@ impl DFlashConfig {
                 format!("drafter hidden_size {} differs from the target's {}; this drafter was made for another target", self.layers.hidden_size, target.hidden_size),
             ));
         }
-        if let Some(&bad) = self.target_layer_ids.iter().find(|&&id| id >= target.num_hidden_layers) {
+        if let Some(&bad) = self
+            .target_layer_ids
+            .iter()
+            .find(|&&id| id >= target.num_hidden_layers)
+        {
             return Err(field_err(
                 path,
                 "dflash_config.target_layer_ids",
-                format!("layer {bad} does not exist: the target has {} layers (0..{})", target.num_hidden_layers, target.num_hidden_layers - 1),
+                format!(
+                    "layer {bad} does not exist: the target has {} layers (0..{})",
+                    target.num_hidden_layers,
+                    target.num_hidden_layers - 1
+                ),
             ));
         }
         if self.mask_token_id as usize >= target.vocab_size {
             return Err(field_err(
                 path,
                 "dflash_config.mask_token_id",
-                format!("{} is outside the target vocabulary ({} rows)", self.mask_token_id, target.vocab_size),
+                format!(
+                    "{} is outside the target vocabulary ({} rows)",
+                    self.mask_token_id, target.vocab_size
+                ),
             ));
         }
         Ok(())

@@ -22,7 +22,10 @@ pub enum AttnPattern {
     Full,
     /// DFlash sliding layers: causal among new tokens; committed row j is visible to the new
     /// token at position p only if `j > p - window` (the window includes the token itself).
-    Sliding { window: usize, first_position: usize },
+    Sliding {
+        window: usize,
+        first_position: usize,
+    },
 }
 
 impl AttnPattern {
@@ -35,7 +38,9 @@ impl AttnPattern {
             for (i, p) in parents.iter().enumerate() {
                 if let Some(p) = p {
                     if *p >= i {
-                        return Err(format!("tree node {i} has parent {p}: parents must precede children"));
+                        return Err(format!(
+                            "tree node {i} has parent {p}: parents must precede children"
+                        ));
                     }
                 }
             }
@@ -63,7 +68,10 @@ impl AttnPattern {
                 }
                 vis.into_iter().map(|v| if v { 0.0 } else { neg }).collect()
             }
-            AttnPattern::Sliding { window, first_position } => {
+            AttnPattern::Sliding {
+                window,
+                first_position,
+            } => {
                 let mut m = vec![0f32; t * (c + t)];
                 for i in 0..t {
                     let pos = first_position + i;
@@ -95,7 +103,13 @@ impl AttnPattern {
 ///
 /// `q: [n_heads, t, d]`, `k`, `v: [n_kv_heads, L, d]`, `mask: [t, L]` (f32). Scores and softmax
 /// run in f32 whatever the model dtype. Returns `[t, n_heads * d]`.
-pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, mode: OpsMode) -> Result<Tensor> {
+pub fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    mode: OpsMode,
+) -> Result<Tensor> {
     let (n_heads, t, d) = q.dims3()?;
     let (n_kv, l, _) = k.dims3()?;
     let groups = n_heads / n_kv;
@@ -113,7 +127,9 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, mode: O
     let probs = softmax_last_dim(&scores, mode)?.to_dtype(dtype)?;
     let probs = probs.reshape((n_kv, groups * t, l))?;
     let out = probs.matmul(&v.contiguous()?)?; // [n_kv, groups*t, d]
-    out.reshape((n_heads, t, d))?.transpose(0, 1)?.reshape((t, n_heads * d))
+    out.reshape((n_heads, t, d))?
+        .transpose(0, 1)?
+        .reshape((t, n_heads * d))
 }
 
 #[cfg(test)]
@@ -135,7 +151,9 @@ mod tests {
     #[test]
     fn tree_mask_shows_prefix_ancestors_and_self_only() {
         // root 0; 1,2 children of 0; 3 child of 1; 4 child of 2
-        let p = AttnPattern::Tree { parents: vec![None, Some(0), Some(0), Some(1), Some(2)] };
+        let p = AttnPattern::Tree {
+            parents: vec![None, Some(0), Some(0), Some(1), Some(2)],
+        };
         let v = visible(&p.mask(3, 5, &Device::Cpu).unwrap(), 5, 8);
         let expect_block = [
             [1, 0, 0, 0, 0],
@@ -147,7 +165,11 @@ mod tests {
         for i in 0..5 {
             assert!(v[i][..3].iter().all(|&x| x), "prefix visible to node {i}");
             for j in 0..5 {
-                assert_eq!(v[i][3 + j], expect_block[i][j] == 1, "node {i} sees node {j}");
+                assert_eq!(
+                    v[i][3 + j],
+                    expect_block[i][j] == 1,
+                    "node {i} sees node {j}"
+                );
             }
         }
     }
@@ -158,17 +180,28 @@ mod tests {
         assert_eq!(v[0], vec![true, true, true, false, false]);
         assert_eq!(v[2], vec![true; 5]);
         // block at positions 10..13, 10 committed rows, window 4: slot k sees rows >= 10+k-3
-        let p = AttnPattern::Sliding { window: 4, first_position: 10 };
+        let p = AttnPattern::Sliding {
+            window: 4,
+            first_position: 10,
+        };
         let v = visible(&p.mask(10, 3, &Device::Cpu).unwrap(), 3, 13);
-        assert_eq!(&v[0][..10], &[false, false, false, false, false, false, false, true, true, true]);
+        assert_eq!(
+            &v[0][..10],
+            &[false, false, false, false, false, false, false, true, true, true]
+        );
         assert_eq!(&v[0][10..], &[true, false, false]);
-        assert_eq!(&v[2][..10], &[false, false, false, false, false, false, false, false, false, true]);
+        assert_eq!(
+            &v[2][..10],
+            &[false, false, false, false, false, false, false, false, false, true]
+        );
         assert_eq!(&v[2][10..], &[true, true, true]);
     }
 
     #[test]
     fn parents_must_precede_children() {
-        let p = AttnPattern::Tree { parents: vec![None, Some(1)] };
+        let p = AttnPattern::Tree {
+            parents: vec![None, Some(1)],
+        };
         assert!(p.validate(2).is_err());
     }
 }

@@ -19,6 +19,7 @@ use crate::kv_cache::{LayerCache, SequenceCache};
 use crate::layer::{linear, DecoderLayer};
 use crate::ops::{rms_norm, OpsMode};
 use crate::qwen3::Qwen3Model;
+use crate::random::WeightRng;
 use crate::rope::RotaryEmbedding;
 
 /// One sequence's draft request.
@@ -57,20 +58,80 @@ impl DFlashDrafter {
         Self::from_weights(cfg, &weights, target, mode)
     }
 
-    pub fn from_weights(cfg: DFlashConfig, w: &WeightFiles, target: &Qwen3Model, mode: OpsMode) -> ModelResult<Self> {
+    pub fn from_weights(
+        cfg: DFlashConfig,
+        w: &WeightFiles,
+        target: &Qwen3Model,
+        mode: OpsMode,
+    ) -> ModelResult<Self> {
         let (dtype, device) = (target.dtype(), target.device().clone());
         let h = cfg.layers.hidden_size;
         let f = cfg.target_layer_ids.len();
         // Some exports prefix the drafter tensors with `model.`; z-lab's do not.
-        let prefix = if w.contains("fc.weight") || !w.contains("model.fc.weight") { "" } else { "model." };
-        let t = |name: &str, shape: &[usize]| w.tensor(&format!("{prefix}{name}"), shape, dtype, &device);
+        let prefix = if w.contains("fc.weight") || !w.contains("model.fc.weight") {
+            ""
+        } else {
+            "model."
+        };
+        let t = |name: &str, shape: &[usize]| {
+            w.tensor(&format!("{prefix}{name}"), shape, dtype, &device)
+        };
         let fc = t("fc.weight", &[h, f * h])?;
         let hidden_norm = t("hidden_norm.weight", &[h])?;
         let norm = t("norm.weight", &[h])?;
         let layers = (0..cfg.layers.num_hidden_layers)
-            .map(|i| DecoderLayer::load(w, &format!("{prefix}layers.{i}"), &cfg.layers, dtype, &device, mode))
+            .map(|i| {
+                DecoderLayer::load(
+                    w,
+                    &format!("{prefix}layers.{i}"),
+                    &cfg.layers,
+                    dtype,
+                    &device,
+                    mode,
+                )
+            })
             .collect::<ModelResult<Vec<_>>>()?;
-        let rope = RotaryEmbedding::new(&cfg.layers, target.rope().max_positions() + cfg.block_size, &device)?;
+        let rope = RotaryEmbedding::new(
+            &cfg.layers,
+            target.rope().max_positions() + cfg.block_size,
+            &device,
+        )?;
+        Ok(Self {
+            cfg,
+            fc,
+            hidden_norm,
+            layers,
+            norm,
+            rope,
+            embed_tokens: target.embed_weight().clone(),
+            lm_head: target.lm_head_weight().clone(),
+            dtype,
+            device,
+            mode,
+        })
+    }
+
+    /// A freshly initialised drafter of `cfg`'s shape for `target` (seeded random weights).
+    pub fn random(
+        cfg: DFlashConfig,
+        target: &Qwen3Model,
+        seed: u64,
+        mode: OpsMode,
+    ) -> ModelResult<Self> {
+        let (dtype, device) = (target.dtype(), target.device().clone());
+        let h = cfg.layers.hidden_size;
+        let mut rng = WeightRng::new(seed);
+        let fc = rng.linear(h, cfg.target_layer_ids.len() * h, dtype, &device)?;
+        let hidden_norm = rng.norm(h, dtype, &device)?;
+        let layers = (0..cfg.layers.num_hidden_layers)
+            .map(|_| DecoderLayer::random(&mut rng, &cfg.layers, dtype, &device, mode))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let norm = rng.norm(h, dtype, &device)?;
+        let rope = RotaryEmbedding::new(
+            &cfg.layers,
+            target.rope().max_positions() + cfg.block_size,
+            &device,
+        )?;
         Ok(Self {
             cfg,
             fc,
@@ -112,18 +173,15 @@ impl DFlashDrafter {
         )?)
     }
 
-    fn positions(&self, start: usize, n: usize) -> ModelResult<Tensor> {
-        let p: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
-        if start + n > self.rope.max_positions() {
-            return Err(ModelError::PositionOutOfRange { position: start + n - 1, max: self.rope.max_positions() });
-        }
-        Ok(Tensor::new(p.as_slice(), &self.device)?)
-    }
-
     /// `hidden_norm(fc(features))`: the fused context feature of each committed position.
     pub fn context_features(&self, features: &Tensor) -> ModelResult<Tensor> {
         let x = linear(&features.to_dtype(self.dtype)?, &self.fc)?;
-        Ok(rms_norm(&x, &self.hidden_norm, self.cfg.layers.rms_norm_eps, self.mode)?)
+        Ok(rms_norm(
+            &x,
+            &self.hidden_norm,
+            self.cfg.layers.rms_norm_eps,
+            self.mode,
+        )?)
     }
 
     fn check(&self, batch: &[DraftInput<'_>]) -> ModelResult<()> {
@@ -131,20 +189,27 @@ impl DFlashDrafter {
         let width = self.cfg.target_layer_ids.len() * self.cfg.layers.hidden_size;
         for (s, item) in batch.iter().enumerate() {
             if item.block.len() != b {
-                return Err(ModelError::BadInput(format!("sequence {s}: block of {} tokens, block_size is {b}", item.block.len())));
+                return Err(ModelError::BadInput(format!(
+                    "sequence {s}: block of {} tokens, block_size is {b}",
+                    item.block.len()
+                )));
             }
             let n_new = match item.context {
                 Some(c) => {
                     let (n, w) = c.dims2()?;
                     if w != width {
-                        return Err(ModelError::BadInput(format!("sequence {s}: context features are {w} wide, expected {width}")));
+                        return Err(ModelError::BadInput(format!(
+                            "sequence {s}: context features are {w} wide, expected {width}"
+                        )));
                     }
                     n
                 }
                 None => 0,
             };
             if item.cache.len() + n_new == 0 {
-                return Err(ModelError::BadInput(format!("sequence {s}: a draft needs at least one context position")));
+                return Err(ModelError::BadInput(format!(
+                    "sequence {s}: a draft needs at least one context position"
+                )));
             }
             item.cache.check_room(n_new + b)?;
         }
@@ -186,12 +251,23 @@ impl DFlashDrafter {
                     },
                 };
                 let mask = pattern.mask(len, b, &self.device)?;
-                outs.push(attend(&q.narrow(1, s * b, b)?, &kc, &vc, mask.as_ref(), self.mode)?);
+                outs.push(attend(
+                    &q.narrow(1, s * b, b)?,
+                    &kc,
+                    &vc,
+                    mask.as_ref(),
+                    self.mode,
+                )?);
             }
             let attn = Tensor::cat(&outs, 0)?;
             h = layer.finish(&h, &attn)?;
         }
-        Ok(rms_norm(&h, &self.norm, self.cfg.layers.rms_norm_eps, self.mode)?)
+        Ok(rms_norm(
+            &h,
+            &self.norm,
+            self.cfg.layers.rms_norm_eps,
+            self.mode,
+        )?)
     }
 
     /// Draft logits for block slots `1..block_size` of every sequence:
@@ -200,7 +276,9 @@ impl DFlashDrafter {
         let n = batch.len();
         let b = self.cfg.block_size;
         let hidden = self.forward(batch)?;
-        let rows: Vec<u32> = (0..n).flat_map(|s| (1..b).map(move |k| (s * b + k) as u32)).collect();
+        let rows: Vec<u32> = (0..n)
+            .flat_map(|s| (1..b).map(move |k| (s * b + k) as u32))
+            .collect();
         let rows = Tensor::new(rows.as_slice(), &self.device)?;
         self.lm_head(&hidden.index_select(&rows, 0)?)
     }
@@ -225,7 +303,10 @@ impl DFlashDrafter {
         }
         let last = positions.iter().copied().max().unwrap_or(0) as usize;
         if last >= self.rope.max_positions() {
-            return Err(ModelError::PositionOutOfRange { position: last, max: self.rope.max_positions() });
+            return Err(ModelError::PositionOutOfRange {
+                position: last,
+                max: self.rope.max_positions(),
+            });
         }
         let pos = Tensor::new(positions.as_slice(), &self.device)?;
         let (cos, sin) = self.rope.gather(&pos)?;
@@ -236,7 +317,11 @@ impl DFlashDrafter {
                 let Some(c) = item.context else { continue };
                 let n = c.dim(0)?;
                 let LayerCache::Attention(kv) = item.cache.layer(li);
-                kv.write(item.cache.len(), &k.narrow(1, off, n)?, &v.narrow(1, off, n)?)?;
+                kv.write(
+                    item.cache.len(),
+                    &k.narrow(1, off, n)?,
+                    &v.narrow(1, off, n)?,
+                )?;
                 off += n;
             }
         }
@@ -247,10 +332,5 @@ impl DFlashDrafter {
             }
         }
         Ok(())
-    }
-
-    /// Positions a helper caller may want: the block of a cache starts at `cache.len()`.
-    pub fn block_positions(&self, cache: &SequenceCache) -> ModelResult<Tensor> {
-        self.positions(cache.len(), self.cfg.block_size)
     }
 }

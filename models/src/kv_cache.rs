@@ -21,7 +21,13 @@ pub struct KvBuffer {
 }
 
 impl KvBuffer {
-    pub fn new(num_kv_heads: usize, capacity: usize, head_dim: usize, dtype: DType, device: &Device) -> Result<Self> {
+    pub fn new(
+        num_kv_heads: usize,
+        capacity: usize,
+        head_dim: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let shape = (num_kv_heads, capacity, head_dim);
         Ok(Self {
             k: Tensor::zeros(shape, dtype, device)?,
@@ -78,7 +84,10 @@ impl SequenceCache {
         device: &Device,
     ) -> Result<Self> {
         let layers = (0..num_layers)
-            .map(|_| KvBuffer::new(num_kv_heads, capacity, head_dim, dtype, device).map(LayerCache::Attention))
+            .map(|_| {
+                KvBuffer::new(num_kv_heads, capacity, head_dim, dtype, device)
+                    .map(LayerCache::Attention)
+            })
             .collect::<Result<_>>()?;
         Ok(Self {
             layers,
@@ -127,7 +136,10 @@ impl SequenceCache {
     /// Drops every row at or after `len`.
     pub fn truncate(&mut self, len: usize) -> ModelResult<()> {
         if len > self.len {
-            return Err(ModelError::BadCacheOp(format!("truncate to {len} but only {} rows are live", self.len)));
+            return Err(ModelError::BadCacheOp(format!(
+                "truncate to {len} but only {} rows are live",
+                self.len
+            )));
         }
         self.len = len;
         Ok(())
@@ -137,7 +149,10 @@ impl SequenceCache {
     /// `[start, start + keep.len())`; drops the rest. Used to commit an accepted tree path.
     pub fn compact(&mut self, start: usize, keep: &[usize]) -> ModelResult<()> {
         let ascending = keep.windows(2).all(|w| w[0] < w[1]);
-        if !ascending || keep.first().is_some_and(|&r| r < start) || keep.last().is_some_and(|&r| r >= self.len) {
+        if !ascending
+            || keep.first().is_some_and(|&r| r < start)
+            || keep.last().is_some_and(|&r| r >= self.len)
+        {
             return Err(ModelError::BadCacheOp(format!(
                 "compact(start={start}, keep={keep:?}) needs ascending rows in [{start}, {})",
                 self.len

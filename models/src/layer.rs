@@ -8,6 +8,7 @@ use dflash_common::{Qwen3Config, WeightFiles};
 
 use crate::error::ModelResult;
 use crate::ops::{rms_norm, rope, OpsMode};
+use crate::random::WeightRng;
 
 /// `x @ wᵀ` for `x: [rows, in]`, `w: [out, in]` (a bias-free `nn.Linear`).
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -45,8 +46,15 @@ impl DecoderLayer {
         mode: OpsMode,
     ) -> ModelResult<Self> {
         let h = cfg.hidden_size;
-        let (nh, nkv, d, i) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size);
-        let t = |name: &str, shape: &[usize]| w.tensor(&format!("{prefix}.{name}"), shape, dtype, device);
+        let (nh, nkv, d, i) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        );
+        let t = |name: &str, shape: &[usize]| {
+            w.tensor(&format!("{prefix}.{name}"), shape, dtype, device)
+        };
         Ok(Self {
             input_layernorm: t("input_layernorm.weight", &[h])?,
             post_attention_layernorm: t("post_attention_layernorm.weight", &[h])?,
@@ -67,12 +75,54 @@ impl DecoderLayer {
         })
     }
 
+    /// A layer with seeded random weights of the config's shape.
+    pub fn random(
+        rng: &mut WeightRng,
+        cfg: &Qwen3Config,
+        dtype: DType,
+        device: &Device,
+        mode: OpsMode,
+    ) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let (nh, nkv, d, i) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        );
+        Ok(Self {
+            input_layernorm: rng.norm(h, dtype, device)?,
+            post_attention_layernorm: rng.norm(h, dtype, device)?,
+            q_proj: rng.linear(nh * d, h, dtype, device)?,
+            k_proj: rng.linear(nkv * d, h, dtype, device)?,
+            v_proj: rng.linear(nkv * d, h, dtype, device)?,
+            o_proj: rng.linear(h, nh * d, dtype, device)?,
+            q_norm: rng.norm(d, dtype, device)?,
+            k_norm: rng.norm(d, dtype, device)?,
+            gate_proj: rng.linear(i, h, dtype, device)?,
+            up_proj: rng.linear(i, h, dtype, device)?,
+            down_proj: rng.linear(h, i, dtype, device)?,
+            eps: cfg.rms_norm_eps,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: d,
+            mode,
+        })
+    }
+
     pub fn input_norm(&self, x: &Tensor) -> Result<Tensor> {
         rms_norm(x, &self.input_layernorm, self.eps, self.mode)
     }
 
     /// Per-head projection, per-head RMSNorm, then RoPE: `[rows, hidden]` -> `[heads, rows, d]`.
-    fn project(&self, x: &Tensor, w: &Tensor, norm: Option<&Tensor>, heads: usize, rot: Option<(&Tensor, &Tensor)>) -> Result<Tensor> {
+    fn project(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        norm: Option<&Tensor>,
+        heads: usize,
+        rot: Option<(&Tensor, &Tensor)>,
+    ) -> Result<Tensor> {
         let rows = x.dim(0)?;
         let mut y = linear(x, w)?.reshape((rows, heads, self.head_dim))?;
         if let Some(n) = norm {
@@ -87,14 +137,26 @@ impl DecoderLayer {
     /// Queries, keys and values of already-normed input `x: [rows, hidden]` at the positions
     /// whose rotary rows are `cos`, `sin`: `[heads, rows, d]`, `[kv_heads, rows, d]` twice.
     pub fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let q = self.project(x, &self.q_proj, Some(&self.q_norm), self.num_heads, Some((cos, sin)))?;
+        let q = self.project(
+            x,
+            &self.q_proj,
+            Some(&self.q_norm),
+            self.num_heads,
+            Some((cos, sin)),
+        )?;
         let (k, v) = self.kv(x, cos, sin)?;
         Ok((q, k, v))
     }
 
     /// Keys and values only (the DFlash context path: no query, no input norm).
     pub fn kv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor)> {
-        let k = self.project(x, &self.k_proj, Some(&self.k_norm), self.num_kv_heads, Some((cos, sin)))?;
+        let k = self.project(
+            x,
+            &self.k_proj,
+            Some(&self.k_norm),
+            self.num_kv_heads,
+            Some((cos, sin)),
+        )?;
         let v = self.project(x, &self.v_proj, None, self.num_kv_heads, None)?;
         Ok((k, v))
     }

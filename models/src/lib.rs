@@ -12,6 +12,7 @@ pub mod kv_cache;
 pub mod layer;
 pub mod ops;
 pub mod qwen3;
+pub mod random;
 pub mod rope;
 pub mod spec;
 

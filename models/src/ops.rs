@@ -72,7 +72,16 @@ mod tests {
     use candle_core::{Device, Var};
 
     fn close(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
     }
 
     #[test]
@@ -104,15 +113,26 @@ mod tests {
         let sin = Tensor::randn(0f64, 1.0, (2, 2), &dev)?;
         let probe = Tensor::randn(0f64, 1.0, (2, 3, 4), &dev)?;
         let fns: Vec<(&str, Box<dyn Fn(&Tensor) -> Result<Tensor>>)> = vec![
-            ("rms_norm", Box::new(|x| rms_norm(x, &w, 1e-6, OpsMode::Differentiable))),
-            ("softmax", Box::new(|x| softmax_last_dim(x, OpsMode::Differentiable))),
-            ("rope", Box::new(|x| rope(x, &cos, &sin, OpsMode::Differentiable))),
+            (
+                "rms_norm",
+                Box::new(|x| rms_norm(x, &w, 1e-6, OpsMode::Differentiable)),
+            ),
+            (
+                "softmax",
+                Box::new(|x| softmax_last_dim(x, OpsMode::Differentiable)),
+            ),
+            (
+                "rope",
+                Box::new(|x| rope(x, &cos, &sin, OpsMode::Differentiable)),
+            ),
         ];
         for (name, f) in fns {
             let var = Var::from_tensor(&x0)?;
             let loss = (f(var.as_tensor())? * &probe)?.sum_all()?;
             let grads = loss.backward()?;
-            let g = grads.get(var.as_tensor()).expect("gradient reaches the input");
+            let g = grads
+                .get(var.as_tensor())
+                .expect("gradient reaches the input");
             let g: Vec<f64> = g.flatten_all()?.to_vec1()?;
             let base: Vec<f64> = x0.flatten_all()?.to_vec1()?;
             let eps = 1e-6;
@@ -121,10 +141,18 @@ mod tests {
                 plus[i] += eps;
                 let mut minus = base.clone();
                 minus[i] -= eps;
-                let lp = (f(&Tensor::from_vec(plus, x0.shape(), &dev)?)? * &probe)?.sum_all()?.to_scalar::<f64>()?;
-                let lm = (f(&Tensor::from_vec(minus, x0.shape(), &dev)?)? * &probe)?.sum_all()?.to_scalar::<f64>()?;
+                let lp = (f(&Tensor::from_vec(plus, x0.shape(), &dev)?)? * &probe)?
+                    .sum_all()?
+                    .to_scalar::<f64>()?;
+                let lm = (f(&Tensor::from_vec(minus, x0.shape(), &dev)?)? * &probe)?
+                    .sum_all()?
+                    .to_scalar::<f64>()?;
                 let numeric = (lp - lm) / (2.0 * eps);
-                assert!((numeric - g[i]).abs() < 1e-5, "{name}: d/dx[{i}] autograd {} vs numeric {numeric}", g[i]);
+                assert!(
+                    (numeric - g[i]).abs() < 1e-5,
+                    "{name}: d/dx[{i}] autograd {} vs numeric {numeric}",
+                    g[i]
+                );
             }
         }
         Ok(())

@@ -17,6 +17,7 @@ use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::{LayerCache, SequenceCache};
 use crate::layer::{linear, DecoderLayer};
 use crate::ops::{rms_norm, OpsMode};
+use crate::random::WeightRng;
 use crate::rope::RotaryEmbedding;
 
 /// One sequence's part of a batched forward.
@@ -59,7 +60,13 @@ pub struct Qwen3Model {
 impl Qwen3Model {
     /// Loads a Hugging Face Qwen3 checkpoint directory. `max_positions` bounds the rotary table
     /// (and therefore every sequence's length).
-    pub fn load(dir: &Path, dtype: DType, device: &Device, max_positions: usize, mode: OpsMode) -> ModelResult<Self> {
+    pub fn load(
+        dir: &Path,
+        dtype: DType,
+        device: &Device,
+        max_positions: usize,
+        mode: OpsMode,
+    ) -> ModelResult<Self> {
         let cfg = Qwen3Config::from_file(dir.join("config.json"))?;
         let weights = WeightFiles::open_dir(dir)?;
         Self::from_weights(cfg, &weights, dtype, device, max_positions, mode)
@@ -74,7 +81,9 @@ impl Qwen3Model {
         mode: OpsMode,
     ) -> ModelResult<Self> {
         if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
-            return Err(ModelError::Unsupported(format!("dtype {dtype:?}; use f32, bf16 or f16")));
+            return Err(ModelError::Unsupported(format!(
+                "dtype {dtype:?}; use f32, bf16 or f16"
+            )));
         }
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let embed_tokens = w.tensor("model.embed_tokens.weight", &[v, h], dtype, device)?;
@@ -87,6 +96,41 @@ impl Qwen3Model {
             embed_tokens.clone()
         } else {
             w.tensor("lm_head.weight", &[v, h], dtype, device)?
+        };
+        let rope = RotaryEmbedding::new(&cfg, max_positions, device)?;
+        Ok(Self {
+            cfg,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            dtype,
+            device: device.clone(),
+            mode,
+        })
+    }
+
+    /// A model of `cfg`'s shape with seeded random weights (benchmarks; no checkpoint needed).
+    pub fn random(
+        cfg: Qwen3Config,
+        seed: u64,
+        dtype: DType,
+        device: &Device,
+        max_positions: usize,
+        mode: OpsMode,
+    ) -> ModelResult<Self> {
+        let mut rng = WeightRng::new(seed);
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let embed_tokens = rng.normal(&[v, h], 0.0, 1.0, dtype, device)?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|_| DecoderLayer::random(&mut rng, &cfg, dtype, device, mode))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let norm = rng.norm(h, dtype, device)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed_tokens.clone()
+        } else {
+            rng.linear(v, h, dtype, device)?
         };
         let rope = RotaryEmbedding::new(&cfg, max_positions, device)?;
         Ok(Self {
@@ -149,33 +193,65 @@ impl Qwen3Model {
             return Err(ModelError::BadInput("empty batch".into()));
         }
         if let Some(&bad) = taps.iter().find(|&&l| l >= self.layers.len()) {
-            return Err(ModelError::BadInput(format!("tap layer {bad} but the model has {} layers", self.layers.len())));
+            return Err(ModelError::BadInput(format!(
+                "tap layer {bad} but the model has {} layers",
+                self.layers.len()
+            )));
         }
         for (s, seq) in batch.iter().enumerate() {
             let t = seq.tokens.len();
             if t == 0 {
-                return Err(ModelError::BadInput(format!("sequence {s} has no new tokens")));
+                return Err(ModelError::BadInput(format!(
+                    "sequence {s} has no new tokens"
+                )));
             }
             if seq.positions.len() != t {
-                return Err(ModelError::BadInput(format!("sequence {s}: {t} tokens but {} positions", seq.positions.len())));
+                return Err(ModelError::BadInput(format!(
+                    "sequence {s}: {t} tokens but {} positions",
+                    seq.positions.len()
+                )));
             }
-            if let Some(&tok) = seq.tokens.iter().find(|&&x| x as usize >= self.cfg.vocab_size) {
-                return Err(ModelError::BadInput(format!("token id {tok} is outside the vocabulary ({})", self.cfg.vocab_size)));
+            if let Some(&tok) = seq
+                .tokens
+                .iter()
+                .find(|&&x| x as usize >= self.cfg.vocab_size)
+            {
+                return Err(ModelError::BadInput(format!(
+                    "token id {tok} is outside the vocabulary ({})",
+                    self.cfg.vocab_size
+                )));
             }
-            if let Some(&p) = seq.positions.iter().find(|&&p| p as usize >= self.rope.max_positions()) {
-                return Err(ModelError::PositionOutOfRange { position: p as usize, max: self.rope.max_positions() });
+            if let Some(&p) = seq
+                .positions
+                .iter()
+                .find(|&&p| p as usize >= self.rope.max_positions())
+            {
+                return Err(ModelError::PositionOutOfRange {
+                    position: p as usize,
+                    max: self.rope.max_positions(),
+                });
             }
             if let Some(&r) = seq.logit_rows.iter().find(|&&r| r >= t) {
-                return Err(ModelError::BadInput(format!("sequence {s}: logit row {r} but only {t} tokens")));
+                return Err(ModelError::BadInput(format!(
+                    "sequence {s}: logit row {r} but only {t} tokens"
+                )));
             }
             match seq.pattern {
                 AttnPattern::Causal | AttnPattern::Tree { .. } => {}
-                other => return Err(ModelError::BadInput(format!("target attention must be causal or tree, got {other:?}"))),
+                other => {
+                    return Err(ModelError::BadInput(format!(
+                        "target attention must be causal or tree, got {other:?}"
+                    )))
+                }
             }
             seq.pattern.validate(t).map_err(ModelError::BadInput)?;
             seq.cache.check_room(t)?;
             if seq.cache.num_layers() != self.layers.len() {
-                return Err(ModelError::BadInput(format!("sequence {s}: cache has {} layers, model {}", seq.cache.num_layers(), self.layers.len())));
+                return Err(ModelError::BadInput(format!(
+                    "sequence {s}: cache has {} layers, model {}",
+                    seq.cache.num_layers(),
+                    self.layers.len()
+                )));
             }
         }
         Ok(())
@@ -183,7 +259,11 @@ impl Qwen3Model {
 
     /// Runs the new tokens of every sequence through the model, appending their K/V to each
     /// sequence's cache. On error nothing becomes live in any cache.
-    pub fn forward(&self, batch: &mut [SeqForward<'_>], taps: &[usize]) -> ModelResult<ForwardOutput> {
+    pub fn forward(
+        &self,
+        batch: &mut [SeqForward<'_>],
+        taps: &[usize],
+    ) -> ModelResult<ForwardOutput> {
         self.check(batch, taps)?;
         let mut token_offsets = vec![0];
         let mut logit_offsets = vec![0];
@@ -216,9 +296,19 @@ impl Qwen3Model {
                 let LayerCache::Attention(kv) = seq.cache.layer(li);
                 kv.write(len, &k.narrow(1, off, t)?, &v.narrow(1, off, t)?)?;
                 let (kc, vc) = kv.view(len + t)?;
-                outs.push(attend(&q.narrow(1, off, t)?, &kc, &vc, masks[s].as_ref(), self.mode)?);
+                outs.push(attend(
+                    &q.narrow(1, off, t)?,
+                    &kc,
+                    &vc,
+                    masks[s].as_ref(),
+                    self.mode,
+                )?);
             }
-            let attn = if outs.len() == 1 { outs.pop().expect("one output") } else { Tensor::cat(&outs, 0)? };
+            let attn = if outs.len() == 1 {
+                outs.pop().expect("one output")
+            } else {
+                Tensor::cat(&outs, 0)?
+            };
             x = layer.finish(&x, &attn)?;
             if taps.contains(&li) {
                 tapped.insert(li, x.clone());
@@ -237,7 +327,12 @@ impl Qwen3Model {
             None
         } else {
             let rows = Tensor::new(logit_rows.as_slice(), &self.device)?;
-            let h = rms_norm(&x.index_select(&rows, 0)?, &self.norm, self.cfg.rms_norm_eps, self.mode)?;
+            let h = rms_norm(
+                &x.index_select(&rows, 0)?,
+                &self.norm,
+                self.cfg.rms_norm_eps,
+                self.mode,
+            )?;
             Some(self.lm_head(&h)?)
         };
         Ok(ForwardOutput {

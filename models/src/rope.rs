@@ -24,8 +24,9 @@ fn yarn_inv_freq(
     beta_slow: f64,
 ) -> Vec<f64> {
     let dim = head_dim as f64;
-    let correction_dim =
-        |rot: f64| dim * (original_max as f64 / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+    let correction_dim = |rot: f64| {
+        dim * (original_max as f64 / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
+    };
     let low = correction_dim(beta_fast).floor().max(0.0);
     let high = correction_dim(beta_slow).ceil().min(dim - 1.0);
     let high = if low == high { high + 0.001 } else { high };
@@ -45,7 +46,9 @@ impl RotaryEmbedding {
     pub fn new(cfg: &Qwen3Config, max_positions: usize, device: &Device) -> Result<Self> {
         let d = cfg.head_dim;
         let base = cfg.rope_theta;
-        let plain: Vec<f64> = (0..d / 2).map(|i| 1.0 / base.powf((2 * i) as f64 / d as f64)).collect();
+        let plain: Vec<f64> = (0..d / 2)
+            .map(|i| 1.0 / base.powf((2 * i) as f64 / d as f64))
+            .collect();
         let (inv_freq, position_scale, attention_scale) = match &cfg.rope_scaling {
             RopeScaling::Default => (plain, 1.0, 1.0),
             RopeScaling::Linear { factor } => (plain, 1.0 / factor, 1.0),
@@ -56,9 +59,20 @@ impl RotaryEmbedding {
                 beta_slow,
                 attention_factor,
             } => {
-                let mscale = attention_factor.unwrap_or(if *factor > 1.0 { 0.1 * factor.ln() + 1.0 } else { 1.0 });
+                let mscale = attention_factor.unwrap_or(if *factor > 1.0 {
+                    0.1 * factor.ln() + 1.0
+                } else {
+                    1.0
+                });
                 (
-                    yarn_inv_freq(d, base, *factor, *original_max_position_embeddings, *beta_fast, *beta_slow),
+                    yarn_inv_freq(
+                        d,
+                        base,
+                        *factor,
+                        *original_max_position_embeddings,
+                        *beta_fast,
+                        *beta_slow,
+                    ),
                     1.0,
                     mscale,
                 )
@@ -67,7 +81,9 @@ impl RotaryEmbedding {
         // HF keeps inv_freq and the angles in f32; doing the same keeps parity at 1e-6.
         let inv_freq: Vec<f32> = inv_freq.iter().map(|&f| f as f32).collect();
         let inv_freq = Tensor::from_vec(inv_freq, (1, d / 2), device)?;
-        let positions: Vec<f32> = (0..max_positions).map(|p| (p as f64 * position_scale) as f32).collect();
+        let positions: Vec<f32> = (0..max_positions)
+            .map(|p| (p as f64 * position_scale) as f32)
+            .collect();
         let positions = Tensor::from_vec(positions, (max_positions, 1), device)?;
         let freqs = positions.broadcast_mul(&inv_freq)?;
         let cos = (freqs.cos()? * attention_scale)?;
@@ -85,7 +101,10 @@ impl RotaryEmbedding {
 
     /// cos/sin rows for `positions` (a u32 tensor of absolute positions): `[tokens, head_dim/2]`.
     pub fn gather(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
-        Ok((self.cos.index_select(positions, 0)?, self.sin.index_select(positions, 0)?))
+        Ok((
+            self.cos.index_select(positions, 0)?,
+            self.sin.index_select(positions, 0)?,
+        ))
     }
 
     /// Full-width tables `[positions, head_dim]` as HF returns them, for parity tests.

@@ -7,7 +7,9 @@ use candle_core::{Device, Tensor};
 
 /// `tests/fixtures/<name>` in this repository.
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name)
 }
 
 /// The bundled demo target, `serve/assets/tiny-coder-demo`.
@@ -22,21 +24,43 @@ pub fn shared_model(name: &str) -> PathBuf {
         panic!("DFLASH_FIXTURES is not set: point it at shared/fixtures (e.g. DFLASH_FIXTURES=../shared/fixtures) to run this test")
     });
     let dir = PathBuf::from(root).join("models").join(name);
-    assert!(dir.is_dir(), "{} does not exist: DFLASH_FIXTURES must point at shared/fixtures", dir.display());
+    assert!(
+        dir.is_dir(),
+        "{} does not exist: DFLASH_FIXTURES must point at shared/fixtures",
+        dir.display()
+    );
     dir
 }
 
 pub fn load_expected(dir: &str) -> HashMap<String, Tensor> {
     let path = fixture(dir).join("expected.safetensors");
-    candle_core::safetensors::load(&path, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    candle_core::safetensors::load(&path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// Max |a - b| over all elements (both converted to f32 on the CPU).
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let a = a.to_device(&Device::Cpu).unwrap().to_dtype(candle_core::DType::F32).unwrap();
-    let b = b.to_device(&Device::Cpu).unwrap().to_dtype(candle_core::DType::F32).unwrap();
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    let a = a
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(candle_core::DType::F32)
+        .unwrap();
+    let b = b
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(candle_core::DType::F32)
+        .unwrap();
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
 }
 
 #[derive(Debug, Clone, serde::Deserialize)]

@@ -9,9 +9,27 @@ fn model() -> Qwen3Model {
     Qwen3Model::load(&demo_model(), DType::F32, &Device::Cpu, 256, OpsMode::Fused).unwrap()
 }
 
-fn run(m: &Qwen3Model, cache: &mut SequenceCache, tokens: &[u32], positions: &[u32], pattern: &AttnPattern) -> Tensor {
+fn run(
+    m: &Qwen3Model,
+    cache: &mut SequenceCache,
+    tokens: &[u32],
+    positions: &[u32],
+    pattern: &AttnPattern,
+) -> Tensor {
     let rows: Vec<usize> = (0..tokens.len()).collect();
-    m.forward(&mut [SeqForward { cache, tokens, positions, pattern, logit_rows: &rows }], &[]).unwrap().logits.unwrap()
+    m.forward(
+        &mut [SeqForward {
+            cache,
+            tokens,
+            positions,
+            pattern,
+            logit_rows: &rows,
+        }],
+        &[],
+    )
+    .unwrap()
+    .logits
+    .unwrap()
 }
 
 fn scratch(m: &Qwen3Model, tokens: &[u32]) -> SequenceCache {
@@ -23,7 +41,13 @@ fn scratch(m: &Qwen3Model, tokens: &[u32]) -> SequenceCache {
 
 fn probe(m: &Qwen3Model, cache: &mut SequenceCache) -> Tensor {
     let p = cache.len() as u32;
-    run(m, cache, &[42, 7, 1999], &[p, p + 1, p + 2], &AttnPattern::Causal)
+    run(
+        m,
+        cache,
+        &[42, 7, 1999],
+        &[p, p + 1, p + 2],
+        &AttnPattern::Causal,
+    )
 }
 
 const PROMPT: [u32; 9] = [8187, 1723, 198, 1865, 324, 921, 621, 480, 43];
@@ -40,7 +64,10 @@ fn truncate_equals_recompute_from_scratch() {
     let mut fresh = scratch(&m, &committed);
     let d = max_abs_diff(&probe(&m, &mut c), &probe(&m, &mut fresh));
     assert!(d < 1e-4, "logits after truncate differ by {d}");
-    assert!(c.truncate(99).is_err(), "truncating beyond the live rows is refused");
+    assert!(
+        c.truncate(99).is_err(),
+        "truncating beyond the live rows is refused"
+    );
 }
 
 #[test]
@@ -63,10 +90,19 @@ fn compact_of_accepted_tree_path_equals_recompute_from_scratch() {
     let rows = Tensor::new(&[0u32, 2, 4, 5], &Device::Cpu).unwrap();
     let fresh_tail = {
         let mut f = scratch(&m, &PROMPT);
-        run(&m, &mut f, &[100, 300, 500, 600], &[9, 10, 11, 12], &AttnPattern::Causal)
+        run(
+            &m,
+            &mut f,
+            &[100, 300, 500, 600],
+            &[9, 10, 11, 12],
+            &AttnPattern::Causal,
+        )
     };
     assert!(max_abs_diff(&logits.index_select(&rows, 0).unwrap(), &fresh_tail) < 1e-4);
     let d = max_abs_diff(&probe(&m, &mut c), &probe(&m, &mut fresh));
     assert!(d < 1e-4, "logits after compaction differ by {d}");
-    assert!(c.compact(9, &[12, 10]).is_err(), "non-ascending rows are refused");
+    assert!(
+        c.compact(9, &[12, 10]).is_err(),
+        "non-ascending rows are refused"
+    );
 }

@@ -9,13 +9,29 @@ use dflash_tests::{argmax_rows, fixture, load_expected, max_abs_diff};
 const TOL: f32 = 1e-4;
 
 fn ids(t: &Tensor) -> Vec<u32> {
-    t.flatten_all().unwrap().to_dtype(DType::I64).unwrap().to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect()
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::I64)
+        .unwrap()
+        .to_vec1::<i64>()
+        .unwrap()
+        .iter()
+        .map(|&x| x as u32)
+        .collect()
 }
 
 #[test]
 fn dflash_logits_match_zlab_reference() {
-    let target = Qwen3Model::load(&fixture("qwen3-tiny-random"), DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();
-    let drafter = DFlashDrafter::load(&fixture("dflash-tiny-random"), &target, OpsMode::Fused).unwrap();
+    let target = Qwen3Model::load(
+        &fixture("qwen3-tiny-random"),
+        DType::F32,
+        &Device::Cpu,
+        64,
+        OpsMode::Fused,
+    )
+    .unwrap();
+    let drafter =
+        DFlashDrafter::load(&fixture("dflash-tiny-random"), &target, OpsMode::Fused).unwrap();
     let exp = load_expected("dflash-tiny-random");
     assert_eq!(drafter.block_size(), 4);
 
@@ -25,35 +41,67 @@ fn dflash_logits_match_zlab_reference() {
     let mut tcache = target.new_cache(64).unwrap();
     let out = target
         .forward(
-            &mut [SeqForward { cache: &mut tcache, tokens: &ctx_ids, positions: &pos, pattern: &AttnPattern::Causal, logit_rows: &[7] }],
+            &mut [SeqForward {
+                cache: &mut tcache,
+                tokens: &ctx_ids,
+                positions: &pos,
+                pattern: &AttnPattern::Causal,
+                logit_rows: &[7],
+            }],
             drafter.target_layer_ids(),
         )
         .unwrap();
     let taps = out.taps.unwrap();
     let d = max_abs_diff(&taps, &exp["target_hidden"].squeeze(0).unwrap());
-    assert!(d < TOL, "target taps differ from the reference's target_hidden by {d}");
+    assert!(
+        d < TOL,
+        "target taps differ from the reference's target_hidden by {d}"
+    );
     assert_eq!(argmax_rows(&out.logits.unwrap()), vec![4561]);
 
     // Round 1: 8 context positions, block [4561, mask x 3] at positions 8..11.
-    let d = max_abs_diff(&drafter.context_features(&exp["target_hidden"].squeeze(0).unwrap()).unwrap(), &exp["context_features"].squeeze(0).unwrap());
+    let d = max_abs_diff(
+        &drafter
+            .context_features(&exp["target_hidden"].squeeze(0).unwrap())
+            .unwrap(),
+        &exp["context_features"].squeeze(0).unwrap(),
+    );
     assert!(d < TOL, "context features differ by {d}");
     let mut dcache = drafter.new_cache(64).unwrap();
     let block = ids(&exp["block_input_ids"]);
     let hidden = drafter
-        .forward(&mut [DraftInput { cache: &mut dcache, context: Some(&exp["target_hidden"].squeeze(0).unwrap()), block: &block }])
+        .forward(&mut [DraftInput {
+            cache: &mut dcache,
+            context: Some(&exp["target_hidden"].squeeze(0).unwrap()),
+            block: &block,
+        }])
         .unwrap();
     let d = max_abs_diff(&hidden, &exp["draft_hidden"].squeeze(0).unwrap());
     assert!(d < TOL, "round-1 draft hidden differs by {d}");
-    let d = max_abs_diff(&drafter.lm_head(&hidden).unwrap(), &exp["logits"].squeeze(0).unwrap());
+    let d = max_abs_diff(
+        &drafter.lm_head(&hidden).unwrap(),
+        &exp["logits"].squeeze(0).unwrap(),
+    );
     assert!(d < TOL, "round-1 logits differ by {d}");
     assert_eq!(dcache.len(), 8, "the block never becomes context");
 
     // Round 2: one committed position (8), block [793, mask x 3] at 9..12.
     let block2 = ids(&exp["step2_block_input_ids"]);
     let logits2 = drafter
-        .draft_logits(&mut [DraftInput { cache: &mut dcache, context: Some(&exp["step2_target_hidden"].squeeze(0).unwrap()), block: &block2 }])
+        .draft_logits(&mut [DraftInput {
+            cache: &mut dcache,
+            context: Some(&exp["step2_target_hidden"].squeeze(0).unwrap()),
+            block: &block2,
+        }])
         .unwrap();
-    let d = max_abs_diff(&logits2, &exp["step2_logits"].squeeze(0).unwrap().narrow(0, 1, 3).unwrap());
+    let d = max_abs_diff(
+        &logits2,
+        &exp["step2_logits"]
+            .squeeze(0)
+            .unwrap()
+            .narrow(0, 1, 3)
+            .unwrap(),
+    );
     assert!(d < TOL, "round-2 logits differ by {d}");
     assert_eq!(argmax_rows(&logits2), ids(&exp["step2_draft_token_ids"]));
     assert_eq!(dcache.len(), 9);

@@ -22,7 +22,13 @@ fn prefill(m: &Qwen3Model, cache: &mut dflash_models::SequenceCache, prompt: &[u
     let pos: Vec<u32> = (0..prompt.len() as u32).collect();
     let out = m
         .forward(
-            &mut [SeqForward { cache, tokens: prompt, positions: &pos, pattern: &AttnPattern::Causal, logit_rows: &[prompt.len() - 1] }],
+            &mut [SeqForward {
+                cache,
+                tokens: prompt,
+                positions: &pos,
+                pattern: &AttnPattern::Causal,
+                logit_rows: &[prompt.len() - 1],
+            }],
             &[],
         )
         .unwrap();
@@ -49,12 +55,23 @@ fn decode(m: &Qwen3Model, case: &GreedyCase, how: Path16) -> Vec<u32> {
         let t = block.len();
         let pos: Vec<u32> = (start as u32..(start + t) as u32).collect();
         let pattern = match how {
-            Path16::TreePath16 => AttnPattern::Tree { parents: (0..t).map(|i| i.checked_sub(1)).collect() },
+            Path16::TreePath16 => AttnPattern::Tree {
+                parents: (0..t).map(|i| i.checked_sub(1)).collect(),
+            },
             _ => AttnPattern::Causal,
         };
         let rows: Vec<usize> = (0..t).collect();
         let res = m
-            .forward(&mut [SeqForward { cache: &mut cache, tokens: &block, positions: &pos, pattern: &pattern, logit_rows: &rows }], &[])
+            .forward(
+                &mut [SeqForward {
+                    cache: &mut cache,
+                    tokens: &block,
+                    positions: &pos,
+                    pattern: &pattern,
+                    logit_rows: &rows,
+                }],
+                &[],
+            )
             .unwrap();
         let pred = argmax_rows(&res.logits.unwrap());
         // Accept drafts while the model agrees, then emit its own token (chain verification).
@@ -73,9 +90,17 @@ fn decode(m: &Qwen3Model, case: &GreedyCase, how: Path16) -> Vec<u32> {
 fn check_model(dir: &Path, name: &str) {
     let m = Qwen3Model::load(dir, DType::F32, &Device::Cpu, 512, OpsMode::Fused).unwrap();
     for case in greedy_cases(name) {
-        for (how, label) in [(Path16::OneByOne, "one token per forward"), (Path16::Causal16, "16-token causal"), (Path16::TreePath16, "16-token single-path tree")] {
+        for (how, label) in [
+            (Path16::OneByOne, "one token per forward"),
+            (Path16::Causal16, "16-token causal"),
+            (Path16::TreePath16, "16-token single-path tree"),
+        ] {
             let got = decode(&m, &case, how);
-            assert_eq!(got, case.output_ids, "{name} prompt {} via {label}", case.id);
+            assert_eq!(
+                got, case.output_ids,
+                "{name} prompt {} via {label}",
+                case.id
+            );
         }
     }
 }

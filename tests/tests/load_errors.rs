@@ -15,9 +15,14 @@ fn tmpdir(name: &str) -> PathBuf {
 }
 
 fn copy_config(from: &Path, to: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(from.join("config.json")).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(from.join("config.json")).unwrap()).unwrap();
     edit(&mut v);
-    std::fs::write(to.join("config.json"), serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    std::fs::write(
+        to.join("config.json"),
+        serde_json::to_string_pretty(&v).unwrap(),
+    )
+    .unwrap();
 }
 
 fn tensors(dir: &Path) -> HashMap<String, Tensor> {
@@ -37,7 +42,10 @@ fn missing_tensor_names_the_tensor_and_directory() {
     t.remove("model.layers.1.mlp.up_proj.weight");
     candle_core::safetensors::save(&t, dir.join("model.safetensors")).unwrap();
     let e = load_target(&dir).unwrap_err().to_string();
-    assert!(e.contains("model.layers.1.mlp.up_proj.weight") && e.contains(&dir.display().to_string()), "{e}");
+    assert!(
+        e.contains("model.layers.1.mlp.up_proj.weight") && e.contains(&dir.display().to_string()),
+        "{e}"
+    );
 }
 
 #[test]
@@ -47,7 +55,13 @@ fn shape_mismatch_names_file_tensor_and_shapes() {
     copy_config(&src, &dir, |v| v["intermediate_size"] = 96.into());
     std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
     let e = load_target(&dir).unwrap_err().to_string();
-    assert!(e.contains("model.safetensors") && e.contains("gate_proj") && e.contains("[128, 64]") && e.contains("[96, 64]"), "{e}");
+    assert!(
+        e.contains("model.safetensors")
+            && e.contains("gate_proj")
+            && e.contains("[128, 64]")
+            && e.contains("[96, 64]"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -56,7 +70,10 @@ fn wrongly_typed_config_field_is_named() {
     let dir = tmpdir("type");
     copy_config(&src, &dir, |v| v["num_attention_heads"] = "four".into());
     let e = load_target(&dir).unwrap_err().to_string();
-    assert!(e.contains("config.json") && e.contains("num_attention_heads"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("num_attention_heads"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -64,17 +81,30 @@ fn drafter_with_taps_beyond_target_depth_is_refused() {
     let target = load_target(&fixture("qwen3-tiny-random")).unwrap();
     let src = fixture("dflash-tiny-random");
     let dir = tmpdir("taps");
-    copy_config(&src, &dir, |v| v["dflash_config"]["target_layer_ids"] = serde_json::json!([0, 5]));
+    copy_config(&src, &dir, |v| {
+        v["dflash_config"]["target_layer_ids"] = serde_json::json!([0, 5])
+    });
     std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
-    let e = DFlashDrafter::load(&dir, &target, OpsMode::Fused).unwrap_err().to_string();
-    assert!(e.contains("config.json") && e.contains("target_layer_ids") && e.contains('5'), "{e}");
+    let e = DFlashDrafter::load(&dir, &target, OpsMode::Fused)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("config.json") && e.contains("target_layer_ids") && e.contains('5'),
+        "{e}"
+    );
 }
 
 #[test]
 fn drafter_for_another_hidden_size_is_refused() {
-    let target = Qwen3Model::load(&demo_model(), DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();
-    let e = DFlashDrafter::load(&fixture("dflash-tiny-random"), &target, OpsMode::Fused).unwrap_err().to_string();
-    assert!(e.contains("config.json") && e.contains("hidden_size") && e.contains("256"), "{e}");
+    let target =
+        Qwen3Model::load(&demo_model(), DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();
+    let e = DFlashDrafter::load(&fixture("dflash-tiny-random"), &target, OpsMode::Fused)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("config.json") && e.contains("hidden_size") && e.contains("256"),
+        "{e}"
+    );
 }
 
 /// The same weights split over two shards with an index load and compute identically.
@@ -87,13 +117,21 @@ fn sharded_checkpoint_loads_and_matches_single_file() {
     let (mut a, mut b) = (HashMap::new(), HashMap::new());
     let mut map = serde_json::Map::new();
     for (name, tensor) in t {
-        let (part, file) = if name.contains("layers.1") || name == "lm_head.weight" { (&mut b, "model-00002-of-00002.safetensors") } else { (&mut a, "model-00001-of-00002.safetensors") };
+        let (part, file) = if name.contains("layers.1") || name == "lm_head.weight" {
+            (&mut b, "model-00002-of-00002.safetensors")
+        } else {
+            (&mut a, "model-00001-of-00002.safetensors")
+        };
         map.insert(name.clone(), file.into());
         part.insert(name, tensor);
     }
     candle_core::safetensors::save(&a, dir.join("model-00001-of-00002.safetensors")).unwrap();
     candle_core::safetensors::save(&b, dir.join("model-00002-of-00002.safetensors")).unwrap();
-    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::json!({"metadata": {}, "weight_map": map}).to_string()).unwrap();
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+    )
+    .unwrap();
     let sharded = load_target(&dir).unwrap();
     let single = load_target(&src).unwrap();
     assert!(max_abs_diff(sharded.lm_head_weight(), single.lm_head_weight()) == 0.0);

@@ -12,11 +12,26 @@ use dflash_tests::{fixture, load_expected, max_abs_diff};
 const TOL: f32 = 1e-4;
 
 fn model() -> Qwen3Model {
-    Qwen3Model::load(&fixture("qwen3-tiny-random"), DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap()
+    Qwen3Model::load(
+        &fixture("qwen3-tiny-random"),
+        DType::F32,
+        &Device::Cpu,
+        64,
+        OpsMode::Fused,
+    )
+    .unwrap()
 }
 
 fn ids(t: &Tensor) -> Vec<u32> {
-    t.flatten_all().unwrap().to_dtype(DType::I64).unwrap().to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect()
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::I64)
+        .unwrap()
+        .to_vec1::<i64>()
+        .unwrap()
+        .iter()
+        .map(|&x| x as u32)
+        .collect()
 }
 
 #[test]
@@ -29,7 +44,13 @@ fn qwen3_logits_and_taps_match_transformers_f32() {
     let mut cache = m.new_cache(64).unwrap();
     let out = m
         .forward(
-            &mut [SeqForward { cache: &mut cache, tokens: &tokens, positions: &positions, pattern: &AttnPattern::Causal, logit_rows: &rows }],
+            &mut [SeqForward {
+                cache: &mut cache,
+                tokens: &tokens,
+                positions: &positions,
+                pattern: &AttnPattern::Causal,
+                logit_rows: &rows,
+            }],
             &[0, 1],
         )
         .unwrap();
@@ -40,17 +61,26 @@ fn qwen3_logits_and_taps_match_transformers_f32() {
     let h = m.config().hidden_size;
     let layer_outputs = &exp["layer_outputs"];
     for l in 0..2 {
-        let d = max_abs_diff(&taps.narrow(1, l * h, h).unwrap(), &layer_outputs.get(l).unwrap().squeeze(0).unwrap());
+        let d = max_abs_diff(
+            &taps.narrow(1, l * h, h).unwrap(),
+            &layer_outputs.get(l).unwrap().squeeze(0).unwrap(),
+        );
         assert!(d < TOL, "tap of layer {l} differs by {d}");
     }
     // HF's hidden_states tuple: [1] is layer 0's output, [2] is norm(layer 1's output).
     let hs = &exp["hidden_states"];
-    let d = max_abs_diff(&taps.narrow(1, 0, h).unwrap(), &hs.get(1).unwrap().squeeze(0).unwrap());
+    let d = max_abs_diff(
+        &taps.narrow(1, 0, h).unwrap(),
+        &hs.get(1).unwrap().squeeze(0).unwrap(),
+    );
     assert!(d < TOL, "hidden_states[1] differs by {d}");
     let normed = m.final_norm(&taps.narrow(1, h, h).unwrap()).unwrap();
     let d = max_abs_diff(&normed, &hs.get(2).unwrap().squeeze(0).unwrap());
     assert!(d < TOL, "hidden_states[2] differs by {d}");
-    let d = max_abs_diff(&m.embed(&tokens).unwrap(), &hs.get(0).unwrap().squeeze(0).unwrap());
+    let d = max_abs_diff(
+        &m.embed(&tokens).unwrap(),
+        &hs.get(0).unwrap().squeeze(0).unwrap(),
+    );
     assert!(d < TOL, "embeddings differ by {d}");
     assert_eq!(cache.len(), tokens.len());
 }
@@ -74,13 +104,28 @@ fn qwen3_cached_decode_matches_transformers_logits() {
     let mut cache = m.new_cache(64).unwrap();
     let pos: Vec<u32> = (0..5).collect();
     let out = m
-        .forward(&mut [SeqForward { cache: &mut cache, tokens: &tokens[..5], positions: &pos, pattern: &AttnPattern::Causal, logit_rows: &[4] }], &[])
+        .forward(
+            &mut [SeqForward {
+                cache: &mut cache,
+                tokens: &tokens[..5],
+                positions: &pos,
+                pattern: &AttnPattern::Causal,
+                logit_rows: &[4],
+            }],
+            &[],
+        )
         .unwrap();
     assert!(max_abs_diff(&out.logits.unwrap(), &full.narrow(0, 4, 1).unwrap()) < TOL);
     for i in 5..tokens.len() {
         let out = m
             .forward(
-                &mut [SeqForward { cache: &mut cache, tokens: &tokens[i..i + 1], positions: &[i as u32], pattern: &AttnPattern::Causal, logit_rows: &[0] }],
+                &mut [SeqForward {
+                    cache: &mut cache,
+                    tokens: &tokens[i..i + 1],
+                    positions: &[i as u32],
+                    pattern: &AttnPattern::Causal,
+                    logit_rows: &[0],
+                }],
                 &[],
             )
             .unwrap();
@@ -103,8 +148,20 @@ fn qwen3_batched_forward_matches_single_sequences() {
     let out = m
         .forward(
             &mut [
-                SeqForward { cache: &mut c1, tokens: &tokens, positions: &p12, pattern: &AttnPattern::Causal, logit_rows: &rows12 },
-                SeqForward { cache: &mut c2, tokens: &tokens[..7], positions: &p7, pattern: &AttnPattern::Causal, logit_rows: &[6] },
+                SeqForward {
+                    cache: &mut c1,
+                    tokens: &tokens,
+                    positions: &p12,
+                    pattern: &AttnPattern::Causal,
+                    logit_rows: &rows12,
+                },
+                SeqForward {
+                    cache: &mut c2,
+                    tokens: &tokens[..7],
+                    positions: &p7,
+                    pattern: &AttnPattern::Causal,
+                    logit_rows: &[6],
+                },
             ],
             &[],
         )
@@ -112,5 +169,10 @@ fn qwen3_batched_forward_matches_single_sequences() {
     let logits = out.logits.unwrap();
     assert_eq!(out.logit_offsets, vec![0, 12, 13]);
     assert!(max_abs_diff(&logits.narrow(0, 0, 12).unwrap(), &full) < TOL);
-    assert!(max_abs_diff(&logits.narrow(0, 12, 1).unwrap(), &full.narrow(0, 6, 1).unwrap()) < TOL);
+    assert!(
+        max_abs_diff(
+            &logits.narrow(0, 12, 1).unwrap(),
+            &full.narrow(0, 6, 1).unwrap()
+        ) < TOL
+    );
 }

@@ -1,10 +1,20 @@
 //! Speculative decoding: tree construction, the acceptance walk and sampling (pure functions),
-//! and the decoding engine built on them.
+//! the proposers, and the decoding engine built on them.
 
+pub mod engine;
+pub mod oracle;
+pub mod proposer;
 pub mod sampling;
+pub mod stats;
 pub mod tree;
 
+pub use engine::{
+    Algorithm, Engine, EngineConfig, EngineError, FinishReason, GenerationRequest, SeqEvent,
+};
+pub use oracle::{Noise, OracleProposer};
+pub use proposer::{DFlashProposer, ProposeItem, Proposer, SeqId};
 pub use sampling::{argmax, Sampler, SamplingError, SamplingParams};
+pub use stats::{RoundStats, SeqStats};
 pub use tree::{
     build_ddtree, chain_tree, topk_from_logprobs, topk_logprobs, walk, DraftTree, TopK, TreeError,
 };

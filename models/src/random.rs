@@ -1,0 +1,61 @@
+//! Seeded random weights: for the benchmark (any published shape, no download) and for tests
+//! that need a fresh drafter. Generated on the host with ChaCha so every device sees the same
+//! values for the same seed.
+
+use candle_core::{DType, Device, Result, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+pub struct WeightRng {
+    rng: ChaCha8Rng,
+}
+
+impl WeightRng {
+    pub fn new(seed: u64) -> Self {
+        Self {
+            rng: ChaCha8Rng::seed_from_u64(seed),
+        }
+    }
+
+    /// Normal(mean, std) entries (Box-Muller), as `dtype` on `device`.
+    pub fn normal(
+        &mut self,
+        shape: &[usize],
+        mean: f32,
+        std: f32,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let mut v = Vec::with_capacity(n);
+        while v.len() < n {
+            let u1: f32 = self.rng.random::<f32>().max(f32::MIN_POSITIVE);
+            let u2: f32 = self.rng.random::<f32>();
+            let r = (-2.0 * u1.ln()).sqrt();
+            let th = 2.0 * std::f32::consts::PI * u2;
+            v.push(mean + std * r * th.cos());
+            if v.len() < n {
+                v.push(mean + std * r * th.sin());
+            }
+        }
+        Tensor::from_vec(v, shape, &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)
+    }
+
+    /// A linear layer's weight `[out, in]` with entries N(0, 1/in) (unit-variance outputs).
+    pub fn linear(
+        &mut self,
+        out: usize,
+        inp: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        self.normal(&[out, inp], 0.0, 1.0 / (inp as f32).sqrt(), dtype, device)
+    }
+
+    /// An RMSNorm weight near one.
+    pub fn norm(&mut self, n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+        self.normal(&[n], 1.0, 0.1, dtype, device)
+    }
+}

@@ -1,0 +1,539 @@
+//! The decoding engine. A step is a transaction per sequence:
+//! **propose** (one batched proposer call), **verify** (one batched target forward over every
+//! sequence's tree, chain or single token), **commit** (walk the tree with the target's own
+//! token at every node, keep the accepted path's K/V and features) and **roll back** the rest
+//! (cache compaction drops rejected rows; the proposer never sees them).
+//!
+//! Lossless by construction: every committed token is the target's own choice at a node whose
+//! context is exactly the committed prefix (argmax at T=0, a sample from the target's filtered
+//! distribution at T>0). Drafts only decide how many of those choices one forward can make.
+
+use std::time::Instant;
+
+use candle_core::Tensor;
+
+use crate::attention::AttnPattern;
+use crate::error::ModelError;
+use crate::kv_cache::SequenceCache;
+use crate::qwen3::{Qwen3Model, SeqForward};
+use crate::spec::proposer::{ProposeItem, Proposer, SeqId};
+use crate::spec::sampling::{Sampler, SamplingError, SamplingParams};
+use crate::spec::stats::{RoundStats, SeqStats};
+use crate::spec::tree::{build_ddtree, chain_tree, walk, DraftTree};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    /// One target token per forward: the baseline.
+    Plain,
+    /// DFlash chain: verify `[bonus, d1 .. d(B-1)]` causally, keep the longest matching prefix.
+    Chain,
+    /// DFlash + DDTree: best-first tree of `budget` nodes (root excluded), one tree forward.
+    DDTree { budget: usize },
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub algorithm: Algorithm,
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Prompt plus generated tokens per sequence (SGLang's --context-length).
+    pub max_context: usize,
+    /// Largest DDTree budget a request may ask for (it sizes the verify width).
+    pub max_ddtree_budget: usize,
+    /// End-of-sequence ids (generation_config's list), honoured unless `ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
+    /// Seed for requests that bring none (each sequence derives its own stream from it).
+    pub seed: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {prompt} tokens but the context length is {max_context}")]
+    PromptTooLong { prompt: usize, max_context: usize },
+    #[error("prompt ({prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context length {max_context}; lower max_new_tokens")]
+    ContextExceeded {
+        prompt: usize,
+        max_new_tokens: usize,
+        max_context: usize,
+    },
+    #[error("max_new_tokens must be at least 1")]
+    ZeroMaxNewTokens,
+    #[error("token id {token} is outside the vocabulary ({vocab})")]
+    TokenOutOfVocab { token: u32, vocab: usize },
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    #[error("ddtree budget {budget} is outside 1..={max}")]
+    BadBudget { budget: usize, max: usize },
+    #[error("speculative algorithm {0:?} needs a drafter, but none is loaded")]
+    NoProposer(Algorithm),
+    #[error("no sequence with id {0}")]
+    UnknownSequence(SeqId),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+impl From<candle_core::Error> for EngineError {
+    fn from(e: candle_core::Error) -> Self {
+        EngineError::Model(ModelError::Candle(e))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Length,
+    /// Stopped by this token (EOS or a stop_token_id); it is the last token emitted.
+    Stop(u32),
+}
+
+/// What one step produced for one sequence.
+#[derive(Debug, Clone)]
+pub struct SeqEvent {
+    pub id: SeqId,
+    pub tokens: Vec<u32>,
+    pub finished: Option<FinishReason>,
+    /// Set for verify rounds (not for the prefill token).
+    pub round: Option<RoundStats>,
+    /// Totals so far, for meta_info and metrics.
+    pub stats: SeqStats,
+}
+
+struct Sequence {
+    id: SeqId,
+    req: GenerationRequest,
+    cache: SequenceCache,
+    /// Prompt and generated tokens; once prefilled the last one is the bonus token, which is
+    /// not yet in the target cache (`cache.len() == tokens.len() - 1`).
+    tokens: Vec<u32>,
+    generated: usize,
+    sampler: Sampler,
+    /// Target features of committed positions the proposer has not seen.
+    pending_features: Option<Tensor>,
+    prefilled: bool,
+    stats: SeqStats,
+}
+
+pub struct Engine {
+    target: Qwen3Model,
+    proposer: Option<Box<dyn Proposer>>,
+    config: EngineConfig,
+    seqs: Vec<Sequence>,
+    next_id: SeqId,
+}
+
+impl Engine {
+    pub fn new(
+        target: Qwen3Model,
+        proposer: Option<Box<dyn Proposer>>,
+        config: EngineConfig,
+    ) -> Self {
+        Self {
+            target,
+            proposer,
+            config,
+            seqs: Vec::new(),
+            next_id: 0,
+        }
+    }
+
+    pub fn target(&self) -> &Qwen3Model {
+        &self.target
+    }
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+    pub fn num_active(&self) -> usize {
+        self.seqs.len()
+    }
+    /// Drafts per round of the loaded proposer (0 without one).
+    pub fn max_depth(&self) -> usize {
+        self.proposer.as_ref().map_or(0, |p| p.max_depth())
+    }
+
+    fn verify_width(&self, algorithm: Algorithm) -> usize {
+        1 + match algorithm {
+            Algorithm::Plain => 0,
+            Algorithm::Chain => self.max_depth(),
+            Algorithm::DDTree { budget } => budget,
+        }
+    }
+
+    /// Validates and admits a request. Nothing changes on error.
+    pub fn add(&mut self, req: GenerationRequest) -> Result<SeqId, EngineError> {
+        let max_context = self.config.max_context;
+        if req.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if req.prompt.len() > max_context {
+            return Err(EngineError::PromptTooLong {
+                prompt: req.prompt.len(),
+                max_context,
+            });
+        }
+        if req.max_new_tokens == 0 {
+            return Err(EngineError::ZeroMaxNewTokens);
+        }
+        if req.prompt.len() + req.max_new_tokens > max_context {
+            return Err(EngineError::ContextExceeded {
+                prompt: req.prompt.len(),
+                max_new_tokens: req.max_new_tokens,
+                max_context,
+            });
+        }
+        let vocab = self.target.config().vocab_size;
+        if let Some(&token) = req
+            .prompt
+            .iter()
+            .chain(&req.stop_token_ids)
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(EngineError::TokenOutOfVocab { token, vocab });
+        }
+        req.sampling.validate()?;
+        match req.algorithm {
+            Algorithm::Plain => {}
+            Algorithm::Chain | Algorithm::DDTree { .. } if self.proposer.is_none() => {
+                return Err(EngineError::NoProposer(req.algorithm))
+            }
+            Algorithm::Chain => {}
+            Algorithm::DDTree { budget } => {
+                if budget == 0 || budget > self.config.max_ddtree_budget {
+                    return Err(EngineError::BadBudget {
+                        budget,
+                        max: self.config.max_ddtree_budget,
+                    });
+                }
+            }
+        }
+        let id = self.next_id;
+        let capacity = max_context + self.verify_width(req.algorithm);
+        let cache = self.target.new_cache(capacity)?;
+        if let (Some(p), true) = (self.proposer.as_mut(), req.algorithm != Algorithm::Plain) {
+            p.open(id, capacity)?;
+        }
+        self.next_id += 1;
+        let sampler = Sampler::new(
+            req.sampling.clone(),
+            self.config
+                .seed
+                .wrapping_add(id.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+        );
+        let depth = self.max_depth();
+        self.seqs.push(Sequence {
+            id,
+            tokens: req.prompt.clone(),
+            req,
+            cache,
+            generated: 0,
+            sampler,
+            pending_features: None,
+            prefilled: false,
+            stats: SeqStats::new(depth),
+        });
+        Ok(id)
+    }
+
+    /// Drops a sequence (abort). Unknown ids are an error so callers notice double removal.
+    pub fn remove(&mut self, id: SeqId) -> Result<(), EngineError> {
+        let i = self
+            .seqs
+            .iter()
+            .position(|s| s.id == id)
+            .ok_or(EngineError::UnknownSequence(id))?;
+        let seq = self.seqs.remove(i);
+        if let Some(p) = self.proposer.as_mut() {
+            if seq.req.algorithm != Algorithm::Plain {
+                p.close(id);
+            }
+        }
+        Ok(())
+    }
+
+    fn taps(&self) -> Vec<usize> {
+        self.proposer
+            .as_ref()
+            .map_or_else(Vec::new, |p| p.target_layers())
+    }
+
+    /// Advances every sequence: prefills new ones, then runs one speculative round for all.
+    /// Finished sequences are removed after their final event.
+    pub fn step(&mut self) -> Result<Vec<SeqEvent>, EngineError> {
+        let mut events = Vec::new();
+        if self.seqs.iter().any(|s| !s.prefilled) {
+            self.prefill(&mut events)?;
+        }
+        if !self.seqs.is_empty() {
+            self.round(&mut events)?;
+        }
+        Ok(events)
+    }
+
+    fn prefill(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
+        let taps = self.taps();
+        let idx: Vec<usize> = (0..self.seqs.len())
+            .filter(|&i| !self.seqs[i].prefilled)
+            .collect();
+        let positions: Vec<Vec<u32>> = idx
+            .iter()
+            .map(|&i| (0..self.seqs[i].tokens.len() as u32).collect())
+            .collect();
+        let last_rows: Vec<[usize; 1]> = idx
+            .iter()
+            .map(|&i| [self.seqs[i].tokens.len() - 1])
+            .collect();
+        let out = {
+            let mut batch: Vec<SeqForward<'_>> = Vec::with_capacity(idx.len());
+            let mut pos_iter = positions.iter().zip(&last_rows);
+            for seq in self.seqs.iter_mut().filter(|s| !s.prefilled) {
+                let (pos, rows) = pos_iter
+                    .next()
+                    .expect("one position list per unprefilled sequence");
+                batch.push(SeqForward {
+                    cache: &mut seq.cache,
+                    tokens: &seq.tokens,
+                    positions: pos,
+                    pattern: &AttnPattern::Causal,
+                    logit_rows: rows,
+                });
+            }
+            self.target.forward(&mut batch, &taps)?
+        };
+        let logits = out
+            .logits
+            .ok_or_else(|| ModelError::BadInput("prefill returned no logits".into()))?;
+        let rows = logits.to_vec2::<f32>()?;
+        for (k, &i) in idx.iter().enumerate() {
+            let seq = &mut self.seqs[i];
+            seq.prefilled = true;
+            let token = seq.sampler.sample(&rows[k]);
+            if seq.req.algorithm != Algorithm::Plain {
+                if let Some(t) = &out.taps {
+                    let (a, b) = (out.token_offsets[k], out.token_offsets[k + 1]);
+                    seq.pending_features = Some(t.narrow(0, a, b - a)?);
+                }
+            }
+            let (emitted, finished) = commit_tokens(seq, &[token], &self.config.eos_token_ids);
+            events.push(SeqEvent {
+                id: seq.id,
+                tokens: emitted,
+                finished,
+                round: None,
+                stats: seq.stats.clone(),
+            });
+        }
+        self.reap(events);
+        Ok(())
+    }
+
+    fn round(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
+        let vocab = self.target.config().vocab_size;
+        let t_draft = Instant::now();
+        let spec: Vec<usize> = (0..self.seqs.len())
+            .filter(|&i| self.seqs[i].req.algorithm != Algorithm::Plain)
+            .collect();
+        let mut proposals = if spec.is_empty() {
+            Vec::new()
+        } else {
+            let features: Vec<Option<Tensor>> = spec
+                .iter()
+                .map(|&i| self.seqs[i].pending_features.take())
+                .collect();
+            let items: Vec<ProposeItem<'_>> = spec
+                .iter()
+                .zip(&features)
+                .map(|(&i, f)| {
+                    let s = &self.seqs[i];
+                    let top_k = match s.req.algorithm {
+                        Algorithm::DDTree { budget } => budget.min(vocab),
+                        _ => 1,
+                    };
+                    ProposeItem {
+                        seq: s.id,
+                        tokens: &s.tokens,
+                        features: f.as_ref(),
+                        top_k,
+                    }
+                })
+                .collect();
+            let proposer = self
+                .proposer
+                .as_mut()
+                .ok_or(EngineError::NoProposer(Algorithm::Chain))?;
+            proposer.propose(&items)?
+        }
+        .into_iter();
+        let draft_time = t_draft.elapsed();
+
+        let trees: Vec<DraftTree> = self
+            .seqs
+            .iter()
+            .map(|s| {
+                let bonus = *s
+                    .tokens
+                    .last()
+                    .expect("prefilled sequences hold a bonus token");
+                match s.req.algorithm {
+                    Algorithm::Plain => DraftTree::root_only(bonus),
+                    Algorithm::Chain => chain_tree(
+                        bonus,
+                        &proposals
+                            .next()
+                            .map(|p| p.argmax_tokens())
+                            .unwrap_or_default(),
+                    ),
+                    Algorithm::DDTree { budget } => proposals.next().map_or_else(
+                        || DraftTree::root_only(bonus),
+                        |p| build_ddtree(bonus, &p, budget),
+                    ),
+                }
+            })
+            .collect();
+
+        let t_verify = Instant::now();
+        let taps = self.taps();
+        let starts: Vec<usize> = self.seqs.iter().map(|s| s.cache.len()).collect();
+        let positions: Vec<Vec<u32>> = trees
+            .iter()
+            .zip(&starts)
+            .map(|(t, &s)| t.positions(s))
+            .collect();
+        let patterns: Vec<AttnPattern> = trees
+            .iter()
+            .map(|t| {
+                if t.is_chain() {
+                    AttnPattern::Causal
+                } else {
+                    AttnPattern::Tree {
+                        parents: t.parents().to_vec(),
+                    }
+                }
+            })
+            .collect();
+        let rows: Vec<Vec<usize>> = trees.iter().map(|t| (0..t.len()).collect()).collect();
+        let out = {
+            let mut batch: Vec<SeqForward<'_>> = self
+                .seqs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, s)| SeqForward {
+                    cache: &mut s.cache,
+                    tokens: &trees[i].tokens,
+                    positions: &positions[i],
+                    pattern: &patterns[i],
+                    logit_rows: &rows[i],
+                })
+                .collect();
+            self.target.forward(&mut batch, &taps)?
+        };
+        let logits = out
+            .logits
+            .ok_or_else(|| ModelError::BadInput("verify returned no logits".into()))?;
+        // Greedy rows only need the argmax, taken on the device; sampled rows come to the host.
+        let argmax = logits.argmax(1)?.to_vec1::<u32>()?;
+        let verify_time = t_verify.elapsed();
+
+        let t_commit = Instant::now();
+        for (i, tree) in trees.iter().enumerate() {
+            let (a, b) = (out.logit_offsets[i], out.logit_offsets[i + 1]);
+            let seq = &mut self.seqs[i];
+            let posterior: Vec<u32> = if seq.sampler.params().is_greedy() {
+                argmax[a..b].to_vec()
+            } else {
+                let rows = logits.narrow(0, a, b - a)?.to_vec2::<f32>()?;
+                rows.iter().map(|r| seq.sampler.sample(r)).collect()
+            };
+            let (accepted, next) = walk(tree, &posterior);
+            let start = starts[i];
+            let keep: Vec<usize> = accepted.iter().map(|&n| start + n).collect();
+            seq.cache.compact(start, &keep)?;
+            if seq.req.algorithm != Algorithm::Plain {
+                if let Some(t) = &out.taps {
+                    let idx: Vec<u32> = accepted
+                        .iter()
+                        .map(|&n| (out.token_offsets[i] + n) as u32)
+                        .collect();
+                    let idx = Tensor::new(idx.as_slice(), t.device())?;
+                    seq.pending_features = Some(t.index_select(&idx, 0)?);
+                }
+            }
+            let mut new_tokens: Vec<u32> = accepted[1..].iter().map(|&n| tree.tokens[n]).collect();
+            new_tokens.push(next);
+            let (emitted, finished) = commit_tokens(seq, &new_tokens, &self.config.eos_token_ids);
+            let round = RoundStats {
+                tree_nodes: tree.num_nodes(),
+                max_depth: tree.depths.iter().copied().max().unwrap_or(0),
+                accepted_drafts: accepted.len() - 1,
+                committed: emitted.len(),
+                draft_time,
+                verify_time,
+                commit_time: t_commit.elapsed(),
+            };
+            seq.stats.record(&round);
+            events.push(SeqEvent {
+                id: seq.id,
+                tokens: emitted,
+                finished,
+                round: Some(round),
+                stats: seq.stats.clone(),
+            });
+        }
+        self.reap(events);
+        Ok(())
+    }
+
+    /// Removes the sequences whose final event is in `events`.
+    fn reap(&mut self, events: &[SeqEvent]) {
+        for e in events.iter().filter(|e| e.finished.is_some()) {
+            if self.seqs.iter().any(|s| s.id == e.id) {
+                let _ = self.remove(e.id);
+            }
+        }
+    }
+
+    /// Runs one request to completion alone (tests, the offline tools).
+    pub fn generate(
+        &mut self,
+        req: GenerationRequest,
+    ) -> Result<(Vec<u32>, SeqStats), EngineError> {
+        let id = self.add(req)?;
+        let mut out = Vec::new();
+        loop {
+            for e in self.step()? {
+                if e.id == id {
+                    out.extend_from_slice(&e.tokens);
+                    if e.finished.is_some() {
+                        return Ok((out, e.stats));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Appends `new` to the sequence until a stop condition; returns the emitted tokens and why it
+/// finished. A block is cut right after a stop token or at the length limit.
+fn commit_tokens(seq: &mut Sequence, new: &[u32], eos: &[u32]) -> (Vec<u32>, Option<FinishReason>) {
+    let mut emitted = Vec::with_capacity(new.len());
+    for &t in new {
+        seq.tokens.push(t);
+        seq.generated += 1;
+        emitted.push(t);
+        let is_stop =
+            seq.req.stop_token_ids.contains(&t) || (!seq.req.ignore_eos && eos.contains(&t));
+        if is_stop {
+            return (emitted, Some(FinishReason::Stop(t)));
+        }
+        if seq.generated >= seq.req.max_new_tokens {
+            return (emitted, Some(FinishReason::Length));
+        }
+    }
+    (emitted, None)
+}
