@@ -33,7 +33,11 @@ fn hub_cache() -> Cache {
 
 fn offline() -> bool {
     matches!(
-        std::env::var("HF_HUB_OFFLINE").ok().as_deref().map(str::to_ascii_lowercase).as_deref(),
+        std::env::var("HF_HUB_OFFLINE")
+            .ok()
+            .as_deref()
+            .map(str::to_ascii_lowercase)
+            .as_deref(),
         Some("1" | "true" | "yes" | "on")
     )
 }
@@ -97,7 +101,9 @@ fn cached_snapshot(cache: &Cache, repo: &str) -> Option<PathBuf> {
     let cached = cache.repo(Repo::model(repo.to_string()));
     let config = cached.get("config.json")?;
     let dir = config.parent()?.to_path_buf();
-    if cached.get("model.safetensors.index.json").is_none() && cached.get("model.safetensors").is_none() {
+    if cached.get("model.safetensors.index.json").is_none()
+        && cached.get("model.safetensors").is_none()
+    {
         return None;
     }
     weight_files_in(&dir)
@@ -118,7 +124,9 @@ fn download(cache: &Cache, repo: &str) -> Result<ModelLocation, HubError> {
         .build()
         .map_err(|e| err("(client)", e.to_string()))?;
     let r = api.model(repo.to_string());
-    let config = r.get("config.json").map_err(|e| err("config.json", e.to_string()))?;
+    let config = r
+        .get("config.json")
+        .map_err(|e| err("config.json", e.to_string()))?;
     let dir = config
         .parent()
         .map(Path::to_path_buf)

@@ -2,8 +2,8 @@
 //! opening safetensors checkpoints (single file or sharded, memory-mapped) with errors that name
 //! the file and the tensor, and locating a model either in a local directory or in the Hugging
 //! Face cache; the tokenizer, chat-template rendering and incremental detokenization with stop
-//! strings, so prompts are built identically by the server and the trainer. No model math lives here (that is `dflash-models`), and no HTTP (that is
-//! `dflash-serve`).
+//! strings, so prompts are built identically by the server and the trainer. No model math lives
+//! here (that is `dflash-models`), and no HTTP (that is `dflash-serve`).
 
 pub mod chat;
 pub mod config;

@@ -23,7 +23,10 @@ impl std::fmt::Debug for WeightFiles {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WeightFiles")
             .field("dir", &self.dir)
-            .field("files", &self.files.iter().map(|(p, _)| p).collect::<Vec<_>>())
+            .field(
+                "files",
+                &self.files.iter().map(|(p, _)| p).collect::<Vec<_>>(),
+            )
             .finish()
     }
 }
@@ -112,16 +115,23 @@ impl WeightFiles {
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor, WeightError> {
-        let &idx = self.route.get(name).ok_or_else(|| WeightError::MissingTensor {
-            dir: self.dir.clone(),
-            name: name.to_string(),
-            files: self
-                .files
-                .iter()
-                .map(|(p, _)| p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default())
-                .collect::<Vec<_>>()
-                .join(", "),
-        })?;
+        let &idx = self
+            .route
+            .get(name)
+            .ok_or_else(|| WeightError::MissingTensor {
+                dir: self.dir.clone(),
+                name: name.to_string(),
+                files: self
+                    .files
+                    .iter()
+                    .map(|(p, _)| {
+                        p.file_name()
+                            .map(|f| f.to_string_lossy().into_owned())
+                            .unwrap_or_default()
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })?;
         let (file, st) = &self.files[idx];
         let view = st.get(name).map_err(|e| WeightError::Load {
             file: file.clone(),

@@ -118,13 +118,22 @@ impl DFlashDrafter {
         seed: u64,
         mode: OpsMode,
     ) -> ModelResult<Self> {
+        Self::random_with(cfg, target, &mut WeightRng::new(seed), mode)
+    }
+
+    /// As [`Self::random`], drawing from `rng`.
+    pub fn random_with(
+        cfg: DFlashConfig,
+        target: &Qwen3Model,
+        rng: &mut WeightRng,
+        mode: OpsMode,
+    ) -> ModelResult<Self> {
         let (dtype, device) = (target.dtype(), target.device().clone());
         let h = cfg.layers.hidden_size;
-        let mut rng = WeightRng::new(seed);
         let fc = rng.linear(h, cfg.target_layer_ids.len() * h, dtype, &device)?;
         let hidden_norm = rng.norm(h, dtype, &device)?;
         let layers = (0..cfg.layers.num_hidden_layers)
-            .map(|_| DecoderLayer::random(&mut rng, &cfg.layers, dtype, &device, mode))
+            .map(|_| DecoderLayer::random(rng, &cfg.layers, dtype, &device, mode))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let norm = rng.norm(h, dtype, &device)?;
         let rope = RotaryEmbedding::new(

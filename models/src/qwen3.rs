@@ -120,11 +120,22 @@ impl Qwen3Model {
         max_positions: usize,
         mode: OpsMode,
     ) -> ModelResult<Self> {
-        let mut rng = WeightRng::new(seed);
+        Self::random_with(cfg, &mut WeightRng::new(seed), dtype, device, max_positions, mode)
+    }
+
+    /// As [`Self::random`], drawing from `rng` ([`WeightRng::on_device`] for 8B shapes).
+    pub fn random_with(
+        cfg: Qwen3Config,
+        rng: &mut WeightRng,
+        dtype: DType,
+        device: &Device,
+        max_positions: usize,
+        mode: OpsMode,
+    ) -> ModelResult<Self> {
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let embed_tokens = rng.normal(&[v, h], 0.0, 1.0, dtype, device)?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|_| DecoderLayer::random(&mut rng, &cfg, dtype, device, mode))
+            .map(|_| DecoderLayer::random(rng, &cfg, dtype, device, mode))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let norm = rng.norm(h, dtype, device)?;
         let lm_head = if cfg.tie_word_embeddings {

@@ -7,14 +7,21 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 pub struct WeightRng {
-    rng: ChaCha8Rng,
+    /// `None`: draw on the device with its own generator (fast for billions of weights, but
+    /// not reproducible across devices).
+    rng: Option<ChaCha8Rng>,
 }
 
 impl WeightRng {
     pub fn new(seed: u64) -> Self {
         Self {
-            rng: ChaCha8Rng::seed_from_u64(seed),
+            rng: Some(ChaCha8Rng::seed_from_u64(seed)),
         }
+    }
+
+    /// Weights drawn by the device's generator: for benchmarks of full-size shapes.
+    pub fn on_device() -> Self {
+        Self { rng: None }
     }
 
     /// Normal(mean, std) entries (Box-Muller), as `dtype` on `device`.
@@ -26,11 +33,14 @@ impl WeightRng {
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor> {
+        let Some(rng) = self.rng.as_mut() else {
+            return Tensor::randn(mean, std, shape, device)?.to_dtype(dtype);
+        };
         let n: usize = shape.iter().product();
         let mut v = Vec::with_capacity(n);
         while v.len() < n {
-            let u1: f32 = self.rng.random::<f32>().max(f32::MIN_POSITIVE);
-            let u2: f32 = self.rng.random::<f32>();
+            let u1: f32 = rng.random::<f32>().max(f32::MIN_POSITIVE);
+            let u2: f32 = rng.random::<f32>();
             let r = (-2.0 * u1.ln()).sqrt();
             let th = 2.0 * std::f32::consts::PI * u2;
             v.push(mean + std * r * th.cos());

@@ -1,5 +1,71 @@
-//! dflash-serve: the HTTP server lands with the server issue.
-fn main() {
-    eprintln!("dflash-serve: not built yet");
-    std::process::exit(1);
+//! `dflash-serve`: parse the command line once, load the tokenizer and model, start the engine
+//! thread and serve. anyhow lives only here.
+
+use anyhow::Context;
+use clap::Parser;
+use dflash_serve::cli::Args;
+use dflash_serve::config::ServeConfig;
+use dflash_serve::engine::real::RealEngine;
+use dflash_serve::engine::StepEngine;
+use dflash_serve::server;
+use dflash_serve::state::ModelAssets;
+
+fn init_tracing(level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    tracing_subscriber::fmt().with_env_filter(filter).init();
+}
+
+/// The decoding engine for `config`: the Qwen3 target, plus the DFlash drafter when speculating.
+fn load_engine(
+    config: &ServeConfig,
+    model_dir: &std::path::Path,
+    assets: &ModelAssets,
+) -> anyhow::Result<Box<dyn StepEngine>> {
+    let engine = RealEngine::load(
+        config,
+        model_dir,
+        assets.lower.context_length,
+        assets.lower.eos_token_ids.clone(),
+    )?;
+    Ok(Box::new(engine))
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    init_tracing(&args.log_level);
+    let config = ServeConfig::from_args(&args)?;
+    tracing::info!("server_args={config:?}");
+    let location = dflash_common::resolve_model(&config.model_path)
+        .with_context(|| format!("--model-path {}", config.model_path))?;
+    let tokenizer_dir = config
+        .tokenizer_path
+        .clone()
+        .unwrap_or_else(|| location.dir.clone());
+    let assets = ModelAssets::load(&config, &location.dir, &tokenizer_dir)
+        .with_context(|| format!("loading the tokenizer from {}", tokenizer_dir.display()))?;
+    let engine = load_engine(&config, &location.dir, &assets)?;
+    tracing::info!(
+        "max_running_requests={}, context_len={}, max_queued_requests={}",
+        config.max_running_requests,
+        assets.lower.context_length,
+        config.max_queued_requests
+    );
+    let addr = format!("{}:{}", config.host, config.port);
+    let state =
+        server::build_state(config, assets, engine).context("starting the engine thread")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("binding {addr} (--host/--port)"))?;
+        tracing::info!("The server is fired up and ready to roll!");
+        tracing::info!("serving on http://{addr}");
+        server::serve(listener, state, server::shutdown_signal())
+            .await
+            .context("serving")
+    })
 }

@@ -24,7 +24,12 @@ fn kwargs(v: Json) -> Map<String, Json> {
     v.as_object().cloned().unwrap_or_default()
 }
 
-fn render(tpl: &ChatTemplate, messages: &[Json], gen: bool, kw: Option<&Map<String, Json>>) -> String {
+fn render(
+    tpl: &ChatTemplate,
+    messages: &[Json],
+    gen: bool,
+    kw: Option<&Map<String, Json>>,
+) -> String {
     tpl.render(&ChatRenderInput {
         messages,
         tools: None,
@@ -38,7 +43,12 @@ fn render(tpl: &ChatTemplate, messages: &[Json], gen: bool, kw: Option<&Map<Stri
 fn demo_template_without_thinking_matches_transformers() {
     let (_, tpl) = demo();
     let kw = kwargs(json!({"enable_thinking": false}));
-    let out = render(&tpl, &[json!({"role": "user", "content": "Write a trie."})], true, Some(&kw));
+    let out = render(
+        &tpl,
+        &[json!({"role": "user", "content": "Write a trie."})],
+        true,
+        Some(&kw),
+    );
     assert_eq!(
         out,
         "<|im_start|>user\nWrite a trie.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
@@ -48,7 +58,12 @@ fn demo_template_without_thinking_matches_transformers() {
 #[test]
 fn unset_enable_thinking_is_undefined_so_the_model_opens_its_own_think_block() {
     let (_, tpl) = demo();
-    let out = render(&tpl, &[json!({"role": "user", "content": "Write a trie."})], true, None);
+    let out = render(
+        &tpl,
+        &[json!({"role": "user", "content": "Write a trie."})],
+        true,
+        None,
+    );
     expect![[r#"
         <|im_start|>user
         Write a trie.<|im_end|>
@@ -111,7 +126,10 @@ fn rendered_lru_cache_prompt_tokenizes_to_the_greedy_fixture_input_ids() {
     let thinking = tok
         .encode(&render(&tpl, &messages, true, None), false)
         .expect("encodes");
-    assert_ne!(thinking, want, "enable_thinking unset must not reproduce the fixture");
+    assert_ne!(
+        thinking, want,
+        "enable_thinking unset must not reproduce the fixture"
+    );
 }
 
 #[test]
@@ -129,7 +147,10 @@ fn raise_exception_surfaces_the_template_message() {
         })
         .expect_err("raises");
     assert!(matches!(err, TemplateError::Raised { .. }), "{err:?}");
-    assert_eq!(err.to_string(), "Conversation roles must alternate user/assistant");
+    assert_eq!(
+        err.to_string(),
+        "Conversation roles must alternate user/assistant"
+    );
 }
 
 #[test]
@@ -194,9 +215,15 @@ fn list_valued_chat_template_picks_default_or_the_named_one() {
     .expect("config");
     let dir = demo_dir();
     let plain = ChatTemplate::from_model(&dir, &config, None).expect("default");
-    assert_eq!(plain.render(&ChatRenderInput::default()).expect("renders"), "plain");
+    assert_eq!(
+        plain.render(&ChatRenderInput::default()).expect("renders"),
+        "plain"
+    );
     let tools = ChatTemplate::from_model(&dir, &config, Some("tool_use")).expect("named");
-    assert_eq!(tools.render(&ChatRenderInput::default()).expect("renders"), "tools");
+    assert_eq!(
+        tools.render(&ChatRenderInput::default()).expect("renders"),
+        "tools"
+    );
     let err = ChatTemplate::from_model(&dir, &config, Some("rag")).expect_err("unknown");
     assert_eq!(
         err.to_string(),

@@ -1,0 +1,184 @@
+//! The command line, in SGLang's spelling (`python -m sglang.launch_server` flags), so launch
+//! lines can be pasted unchanged. Unique prefixes work as with argparse (`--speculative-algo`).
+//! Parsed once into [`crate::config::ServeConfig`]; nothing else reads these fields.
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DTypeArg {
+    Auto,
+    #[value(name = "bfloat16")]
+    BFloat16,
+    #[value(name = "float16", alias = "half")]
+    Float16,
+    #[value(name = "float32", alias = "float")]
+    Float32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum VerifyArg {
+    /// Verify a tree of draft candidates (DDTree); wider, higher acceptance.
+    Ddtree,
+    /// Verify the drafter's single most likely continuation.
+    Chain,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DrafterArg {
+    /// The drafter z-lab publishes for the target (Qwen/Qwen3-8B -> z-lab/Qwen3-8B-DFlash-b16),
+    /// from the Hugging Face cache.
+    #[value(name = "z-lab")]
+    ZLab,
+}
+
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "dflash-serve",
+    version,
+    infer_long_args = true,
+    about = "SGLang- and OpenAI-compatible server for Qwen3 targets with DFlash speculative decoding.",
+    long_about = "SGLang- and OpenAI-compatible server for Qwen3 targets with DFlash speculative decoding.\n\nWith no arguments it serves the bundled tiny-coder-demo model on CPU at http://127.0.0.1:30000.\nFlags use SGLang's spelling, so `python -m sglang.launch_server` lines work unchanged; flags SGLang has\nthat dflash-serve cannot honour are refused by name."
+)]
+pub struct Args {
+    /// Model directory or Hugging Face repo id [default: the bundled tiny-coder-demo]
+    #[arg(long = "model-path", visible_alias = "model", help_heading = "Model")]
+    pub model_path: Option<String>,
+    /// Tokenizer directory [default: the model directory]
+    #[arg(long, help_heading = "Model")]
+    pub tokenizer_path: Option<PathBuf>,
+    /// Weight dtype; auto uses bfloat16 on CUDA and float32 on CPU
+    #[arg(long, value_enum, default_value = "auto", help_heading = "Model")]
+    pub dtype: DTypeArg,
+    /// Device: cpu, cuda or cuda:N
+    #[arg(long, default_value = "cpu", help_heading = "Model")]
+    pub device: String,
+    /// Context length [default: the model's max_position_embeddings]
+    #[arg(long, help_heading = "Model")]
+    pub context_length: Option<usize>,
+    /// Name returned by /v1/models and used in metric labels [default: the model path]
+    #[arg(long, help_heading = "Model")]
+    pub served_model_name: Option<String>,
+    /// Chat template file (Jinja) overriding the tokenizer's
+    #[arg(long, help_heading = "Model")]
+    pub chat_template: Option<PathBuf>,
+    /// Which of several named templates in tokenizer_config.json to use
+    #[arg(long, help_heading = "Model")]
+    pub hf_chat_template_name: Option<String>,
+    /// JSON object of chat-template variables for every request, e.g. '{"enable_thinking": false}'
+    #[arg(long, help_heading = "Model")]
+    pub default_chat_template_kwargs: Option<String>,
+
+    /// Address to bind
+    #[arg(long, default_value = "127.0.0.1", help_heading = "HTTP")]
+    pub host: String,
+    #[arg(long, default_value_t = 30000, help_heading = "HTTP")]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` (health and metrics stay open)
+    #[arg(long, help_heading = "HTTP")]
+    pub api_key: Option<String>,
+    /// Serve Prometheus metrics at /metrics
+    #[arg(long, help_heading = "HTTP")]
+    pub enable_metrics: bool,
+    /// Largest accepted request body, in bytes
+    #[arg(long, default_value_t = 32 * 1024 * 1024, help_heading = "HTTP")]
+    pub max_request_body_bytes: usize,
+
+    /// Sequences decoded together [default: 48 when speculating, else 64]
+    #[arg(long, help_heading = "Scheduling")]
+    pub max_running_requests: Option<usize>,
+    /// Requests allowed to wait for a slot before new ones get 503
+    #[arg(long, default_value_t = 1024, help_heading = "Scheduling")]
+    pub max_queued_requests: usize,
+    /// Log a decode line every N engine steps
+    #[arg(long, default_value_t = 40, help_heading = "Scheduling")]
+    pub decode_log_interval: usize,
+    /// Log level when RUST_LOG is not set
+    #[arg(long, default_value = "info", help_heading = "Scheduling")]
+    pub log_level: String,
+
+    /// DFLASH or NONE (case-insensitive)
+    #[arg(long, help_heading = "Speculative decoding")]
+    pub speculative_algorithm: Option<String>,
+    /// DFlash drafter directory or Hugging Face repo id
+    #[arg(
+        long,
+        visible_aliases = ["speculative-draft-model", "speculative-draft"],
+        help_heading = "Speculative decoding"
+    )]
+    pub speculative_draft_model_path: Option<String>,
+    /// Use a published drafter instead of a path
+    #[arg(long, value_enum, help_heading = "Speculative decoding")]
+    pub drafter: Option<DrafterArg>,
+    /// DFlash block size [default: the drafter's block_size]
+    #[arg(long, help_heading = "Speculative decoding")]
+    pub speculative_num_draft_tokens: Option<usize>,
+    /// DFLASH alias of --speculative-num-draft-tokens (must agree with it when both are given)
+    #[arg(long, help_heading = "Speculative decoding")]
+    pub speculative_dflash_block_size: Option<usize>,
+    /// How drafts are verified
+    #[arg(
+        long,
+        value_enum,
+        default_value = "ddtree",
+        help_heading = "Speculative decoding"
+    )]
+    pub speculative_verify: VerifyArg,
+    /// Tree nodes verified per round with --speculative-verify ddtree
+    #[arg(long, default_value_t = 32, help_heading = "Speculative decoding")]
+    pub speculative_ddtree_budget: usize,
+    /// Forced to 1 for DFLASH, as in SGLang
+    #[arg(long, help_heading = "Speculative decoding")]
+    pub speculative_num_steps: Option<usize>,
+    /// Forced to 1 for DFLASH, as in SGLang
+    #[arg(long, help_heading = "Speculative decoding")]
+    pub speculative_eagle_topk: Option<usize>,
+
+    /// Accepted for compatibility; only 1 is supported
+    #[arg(long, visible_aliases = ["tensor-parallel-size", "tp"], help_heading = "SGLang compatibility")]
+    pub tp_size: Option<usize>,
+    /// Accepted for compatibility; only 1 is supported
+    #[arg(long, help_heading = "SGLang compatibility")]
+    pub dp_size: Option<usize>,
+    /// Accepted for compatibility; only 1 is supported
+    #[arg(long, help_heading = "SGLang compatibility")]
+    pub pp_size: Option<usize>,
+    /// Refused: dflash-serve loads bf16/f16/f32 weights only
+    #[arg(long, help_heading = "SGLang compatibility")]
+    pub quantization: Option<String>,
+    /// Only `auto` is supported
+    #[arg(long, help_heading = "SGLang compatibility")]
+    pub kv_cache_dtype: Option<String>,
+    /// Refused: no reasoning parser yet
+    #[arg(long, help_heading = "SGLang compatibility")]
+    pub reasoning_parser: Option<String>,
+    /// Refused: no tool-call parser yet
+    #[arg(long, help_heading = "SGLang compatibility")]
+    pub tool_call_parser: Option<String>,
+    /// No effect (no remote code is ever run); accepted so launch lines work
+    #[arg(long, help_heading = "SGLang compatibility")]
+    pub trust_remote_code: bool,
+    /// No effect yet (memory is sized per request); accepted with a warning
+    #[arg(long, help_heading = "SGLang compatibility")]
+    pub mem_fraction_static: Option<f64>,
+    /// No effect (one attention implementation); accepted with a warning
+    #[arg(long, help_heading = "SGLang compatibility")]
+    pub attention_backend: Option<String>,
+    /// No effect (no CUDA graphs); accepted with a warning
+    #[arg(
+        long,
+        visible_alias = "cuda-graph-max-bs-decode",
+        help_heading = "SGLang compatibility"
+    )]
+    pub cuda_graph_max_bs: Option<usize>,
+    /// No effect (no CUDA graphs); accepted with a warning
+    #[arg(long, help_heading = "SGLang compatibility")]
+    pub disable_cuda_graph: bool,
+    /// No effect (no radix cache yet); accepted with a warning
+    #[arg(long, help_heading = "SGLang compatibility")]
+    pub disable_radix_cache: bool,
+    /// No effect (no warm-up request yet); accepted with a warning
+    #[arg(long, help_heading = "SGLang compatibility")]
+    pub skip_server_warmup: bool,
+}

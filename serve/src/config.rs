@@ -1,0 +1,392 @@
+//! `ServeConfig`: the command line parsed once into typed settings. A bad value stops startup
+//! with a message naming the flag; SGLang flags we cannot honour are refused by name, and the
+//! ones that are harmless no-ops here are accepted with a warning (never silently).
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use crate::cli::{Args, DTypeArg, DrafterArg, VerifyArg};
+
+/// `--max-running-requests` when speculating and not given (SGLang resets it to 48).
+pub const SPEC_DEFAULT_MAX_RUNNING: usize = 48;
+/// `--max-running-requests` for plain decoding when not given.
+pub const PLAIN_DEFAULT_MAX_RUNNING: usize = 64;
+/// Where the bundled demo model lives, relative to the serve crate or the executable.
+pub const DEMO_MODEL_DIR: &str = "assets/tiny-coder-demo";
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{flag} {value}: {reason}")]
+    BadValue {
+        flag: &'static str,
+        value: String,
+        reason: String,
+    },
+    #[error("{flag} is not supported by dflash-serve: {reason}")]
+    Unsupported { flag: &'static str, reason: String },
+    #[error("no --model-path given and the bundled demo model was not found (looked in {looked}); pass --model-path DIR_OR_REPO")]
+    NoDemoModel { looked: String },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    Auto,
+    BFloat16,
+    Float16,
+    Float32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSpec {
+    Cpu,
+    Cuda(usize),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DraftSource {
+    /// A directory or repo id given with --speculative-draft-model-path.
+    Path(String),
+    /// `--drafter z-lab`: the repo derived from the target's repo id.
+    ZLab { repo: String },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerifyMode {
+    Chain,
+    DDTree { budget: usize },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpeculativeConfig {
+    pub draft: DraftSource,
+    /// Block size; `None` means the drafter's `block_size`.
+    pub num_draft_tokens: Option<usize>,
+    pub verify: VerifyMode,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServeConfig {
+    /// As given (a directory or repo id); echoed as `model_path` in /server_info.
+    pub model_path: String,
+    pub tokenizer_path: Option<PathBuf>,
+    pub served_model_name: String,
+    pub host: String,
+    pub port: u16,
+    pub dtype: DType,
+    pub device: DeviceSpec,
+    pub context_length: Option<usize>,
+    pub max_running_requests: usize,
+    pub max_queued_requests: usize,
+    pub api_key: Option<String>,
+    pub chat_template: Option<PathBuf>,
+    pub hf_chat_template_name: Option<String>,
+    pub default_chat_template_kwargs: Map<String, Value>,
+    pub enable_metrics: bool,
+    pub max_request_body_bytes: usize,
+    pub decode_log_interval: usize,
+    pub log_level: String,
+    pub speculative: Option<SpeculativeConfig>,
+}
+
+fn parse_device(s: &str) -> Result<DeviceSpec, ConfigError> {
+    let bad = |reason: &str| ConfigError::BadValue {
+        flag: "--device",
+        value: s.to_string(),
+        reason: reason.to_string(),
+    };
+    match s.to_ascii_lowercase().as_str() {
+        "cpu" => Ok(DeviceSpec::Cpu),
+        "cuda" => Ok(DeviceSpec::Cuda(0)),
+        other => match other.strip_prefix("cuda:") {
+            Some(n) => n
+                .parse()
+                .map(DeviceSpec::Cuda)
+                .map_err(|_| bad("expected cpu, cuda or cuda:N with N a GPU index")),
+            None => Err(bad("expected cpu, cuda or cuda:N")),
+        },
+    }
+}
+
+/// `Qwen/Qwen3-8B` -> `z-lab/Qwen3-8B-DFlash-b16`.
+pub fn zlab_drafter_repo(target: &str) -> Option<String> {
+    let (_, name) = target.split_once('/')?;
+    if name.is_empty() || name.contains('/') || Path::new(target).exists() {
+        return None;
+    }
+    Some(format!("z-lab/{name}-DFlash-b16"))
+}
+
+/// The bundled demo: next to this crate's sources (a checkout) or next to the executable.
+pub fn find_demo_model() -> Result<PathBuf, ConfigError> {
+    let mut candidates = vec![PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(DEMO_MODEL_DIR)];
+    if let Some(dir) = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+    {
+        candidates.push(dir.join(DEMO_MODEL_DIR));
+    }
+    candidates
+        .iter()
+        .find(|p| p.join("config.json").is_file())
+        .cloned()
+        .ok_or_else(|| ConfigError::NoDemoModel {
+            looked: candidates
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+}
+
+fn only_one(flag: &'static str, v: Option<usize>) -> Result<(), ConfigError> {
+    match v {
+        Some(n) if n != 1 => Err(ConfigError::Unsupported {
+            flag,
+            reason: format!("dflash-serve runs on one device, so only 1 is allowed (given {n}); remove the flag"),
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn refuse(
+    flag: &'static str,
+    v: &Option<String>,
+    allowed: &[&str],
+    reason: &str,
+) -> Result<(), ConfigError> {
+    match v {
+        Some(s) if !allowed.iter().any(|a| a.eq_ignore_ascii_case(s)) => {
+            Err(ConfigError::Unsupported {
+                flag,
+                reason: format!("{reason} (given `{s}`); remove the flag"),
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+fn warn_no_effect(args: &Args) {
+    let ignored = [
+        (args.trust_remote_code, "--trust-remote-code"),
+        (args.mem_fraction_static.is_some(), "--mem-fraction-static"),
+        (args.attention_backend.is_some(), "--attention-backend"),
+        (args.cuda_graph_max_bs.is_some(), "--cuda-graph-max-bs"),
+        (args.disable_cuda_graph, "--disable-cuda-graph"),
+        (args.disable_radix_cache, "--disable-radix-cache"),
+        (args.skip_server_warmup, "--skip-server-warmup"),
+    ];
+    for (given, flag) in ignored {
+        if given {
+            tracing::warn!(
+                "{flag} has no effect in dflash-serve; accepted so SGLang launch lines work"
+            );
+        }
+    }
+}
+
+fn speculative(args: &Args, model_path: &str) -> Result<Option<SpeculativeConfig>, ConfigError> {
+    let algo = args
+        .speculative_algorithm
+        .as_deref()
+        .map(str::to_ascii_uppercase);
+    let enabled = match algo.as_deref() {
+        None => args.speculative_draft_model_path.is_some() || args.drafter.is_some(),
+        Some("DFLASH") => true,
+        Some("NONE") => false,
+        Some(other) => {
+            return Err(ConfigError::BadValue {
+                flag: "--speculative-algorithm",
+                value: other.to_string(),
+                reason: "dflash-serve implements DFLASH (and NONE for plain decoding); EAGLE, EAGLE3, NEXTN, STANDALONE, NGRAM and DSPARK are SGLang-only".into(),
+            })
+        }
+    };
+    if !enabled {
+        return Ok(None);
+    }
+    let draft = match (&args.speculative_draft_model_path, args.drafter) {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::BadValue {
+                flag: "--drafter",
+                value: "z-lab".into(),
+                reason: "give either --drafter or --speculative-draft-model-path, not both".into(),
+            })
+        }
+        (Some(p), None) => DraftSource::Path(p.clone()),
+        (None, Some(DrafterArg::ZLab)) => DraftSource::ZLab {
+            repo: zlab_drafter_repo(model_path).ok_or_else(|| ConfigError::BadValue {
+                flag: "--drafter",
+                value: "z-lab".into(),
+                reason: format!("needs --model-path to be a Hugging Face repo id like Qwen/Qwen3-8B (given `{model_path}`); pass --speculative-draft-model-path DIR instead"),
+            })?,
+        },
+        (None, None) => {
+            return Err(ConfigError::BadValue {
+                flag: "--speculative-algorithm",
+                value: "DFLASH".into(),
+                reason: "needs a drafter: pass --speculative-draft-model-path DIR_OR_REPO or --drafter z-lab".into(),
+            })
+        }
+    };
+    let num_draft_tokens = match (
+        args.speculative_num_draft_tokens,
+        args.speculative_dflash_block_size,
+    ) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(ConfigError::BadValue {
+                flag: "--speculative-dflash-block-size",
+                value: b.to_string(),
+                reason: format!(
+                    "must equal --speculative-num-draft-tokens ({a}) when both are given"
+                ),
+            })
+        }
+        (Some(n), _) | (None, Some(n)) if n < 2 => {
+            return Err(ConfigError::BadValue {
+                flag: "--speculative-num-draft-tokens",
+                value: n.to_string(),
+                reason: "a DFlash block needs at least 2 tokens".into(),
+            })
+        }
+        (a, b) => a.or(b),
+    };
+    for (flag, v) in [
+        ("--speculative-num-steps", args.speculative_num_steps),
+        ("--speculative-eagle-topk", args.speculative_eagle_topk),
+    ] {
+        if matches!(v, Some(n) if n != 1) {
+            tracing::warn!("{flag} is forced to 1 for DFLASH (as SGLang does)");
+        }
+    }
+    let verify = match args.speculative_verify {
+        VerifyArg::Chain => VerifyMode::Chain,
+        VerifyArg::Ddtree if args.speculative_ddtree_budget == 0 => {
+            return Err(ConfigError::BadValue {
+                flag: "--speculative-ddtree-budget",
+                value: "0".into(),
+                reason: "the tree needs at least 1 node; use --speculative-verify chain for a single path".into(),
+            })
+        }
+        VerifyArg::Ddtree => VerifyMode::DDTree {
+            budget: args.speculative_ddtree_budget,
+        },
+    };
+    Ok(Some(SpeculativeConfig {
+        draft,
+        num_draft_tokens,
+        verify,
+    }))
+}
+
+impl ServeConfig {
+    pub fn from_args(args: &Args) -> Result<Self, ConfigError> {
+        only_one("--tp-size", args.tp_size)?;
+        only_one("--dp-size", args.dp_size)?;
+        only_one("--pp-size", args.pp_size)?;
+        refuse(
+            "--quantization",
+            &args.quantization,
+            &[],
+            "quantized weights are not supported",
+        )?;
+        refuse(
+            "--kv-cache-dtype",
+            &args.kv_cache_dtype,
+            &["auto"],
+            "the KV cache uses the model dtype",
+        )?;
+        refuse(
+            "--reasoning-parser",
+            &args.reasoning_parser,
+            &[],
+            "reasoning separation is not implemented yet",
+        )?;
+        refuse(
+            "--tool-call-parser",
+            &args.tool_call_parser,
+            &[],
+            "tool-call parsing is not implemented yet",
+        )?;
+        warn_no_effect(args);
+
+        let model_path = match &args.model_path {
+            Some(p) => p.clone(),
+            None => find_demo_model()?.display().to_string(),
+        };
+        let speculative = speculative(args, &model_path)?;
+        let device = parse_device(&args.device)?;
+        if let Some(0) = args.context_length {
+            return Err(ConfigError::BadValue {
+                flag: "--context-length",
+                value: "0".into(),
+                reason: "must be at least 1".into(),
+            });
+        }
+        let max_running_requests = match args.max_running_requests {
+            Some(0) => {
+                return Err(ConfigError::BadValue {
+                    flag: "--max-running-requests",
+                    value: "0".into(),
+                    reason: "must be at least 1".into(),
+                })
+            }
+            Some(n) => n,
+            None if speculative.is_some() => SPEC_DEFAULT_MAX_RUNNING,
+            None => PLAIN_DEFAULT_MAX_RUNNING,
+        };
+        let default_chat_template_kwargs = match &args.default_chat_template_kwargs {
+            None => Map::new(),
+            Some(text) => match serde_json::from_str::<Value>(text) {
+                Ok(Value::Object(m)) => m,
+                _ => {
+                    return Err(ConfigError::BadValue {
+                        flag: "--default-chat-template-kwargs",
+                        value: text.clone(),
+                        reason: "expected a JSON object, e.g. '{\"enable_thinking\": false}'"
+                            .into(),
+                    })
+                }
+            },
+        };
+        let served_model_name = args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| default_served_name(&model_path, args.model_path.is_none()));
+        Ok(Self {
+            model_path,
+            tokenizer_path: args.tokenizer_path.clone(),
+            served_model_name,
+            host: args.host.clone(),
+            port: args.port,
+            dtype: match args.dtype {
+                DTypeArg::Auto => DType::Auto,
+                DTypeArg::BFloat16 => DType::BFloat16,
+                DTypeArg::Float16 => DType::Float16,
+                DTypeArg::Float32 => DType::Float32,
+            },
+            device,
+            context_length: args.context_length,
+            max_running_requests,
+            max_queued_requests: args.max_queued_requests,
+            api_key: args.api_key.clone(),
+            chat_template: args.chat_template.clone(),
+            hf_chat_template_name: args.hf_chat_template_name.clone(),
+            default_chat_template_kwargs,
+            enable_metrics: args.enable_metrics,
+            max_request_body_bytes: args.max_request_body_bytes,
+            decode_log_interval: args.decode_log_interval,
+            log_level: args.log_level.clone(),
+            speculative,
+        })
+    }
+}
+
+/// SGLang serves the model path as the name; for the bundled demo that would be a long local
+/// path, so it is served as `tiny-coder-demo`.
+fn default_served_name(model_path: &str, is_demo: bool) -> String {
+    if is_demo {
+        return "tiny-coder-demo".into();
+    }
+    model_path.to_string()
+}

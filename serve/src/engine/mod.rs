@@ -1,0 +1,131 @@
+//! The boundary between HTTP and the model: one engine thread owns the model and steps every
+//! active sequence; handlers talk to it only through channels, with token ids in and out.
+//!
+//! [`StepEngine`] is the small surface the thread needs. The real implementation wraps
+//! `dflash_models::spec::engine::Engine` (see [`real`]); tests drive the same thread and HTTP
+//! layer with a deterministic scripted engine. No tensor crosses this boundary, and no JSON.
+
+pub mod real;
+pub mod thread;
+
+pub use thread::{spawn_engine_thread, EngineFailure, EngineHandle, EngineStats, SeqUpdate};
+
+/// Identifies one sequence inside an engine.
+pub type SeqId = u64;
+
+/// Sampling as the engine sees it, after defaults and validation (see `generation::lower`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineSampling {
+    /// 0 means greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    /// `None` means the whole vocabulary.
+    pub top_k: Option<usize>,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    pub seed: Option<u64>,
+}
+
+impl EngineSampling {
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: None,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            seed: None,
+        }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == Some(1)
+    }
+}
+
+/// One generation as the engine receives it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineRequest {
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub sampling: EngineSampling,
+    /// Ids that end the sequence: the request's `stop_token_ids` plus the model's EOS ids unless
+    /// `ignore_eos` (the server folds them in so the engine needs no tokenizer).
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+/// Why the engine ended a sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineFinish {
+    /// `max_new_tokens` reached.
+    Length,
+    /// A stop token was committed (it is the last of the event's tokens).
+    Stop(u32),
+}
+
+/// Tokens one step committed for one sequence, with its speculative statistics for that step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepEvent {
+    pub id: SeqId,
+    pub tokens: Vec<u32>,
+    pub finished: Option<EngineFinish>,
+    /// Draft tokens accepted in this step (bonus token excluded).
+    pub accepted_drafts: usize,
+    /// Target verify forwards this sequence took part in during this step (0 without drafting).
+    pub verify_rounds: usize,
+}
+
+/// The engine refused a request at admission; the message says what to change (HTTP 400).
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+#[error("{message}")]
+pub struct AdmitError {
+    pub message: String,
+}
+
+/// A step failed; every active sequence is aborted with this message (HTTP 500).
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+#[error("engine step failed: {message}")]
+pub struct StepError {
+    pub message: String,
+}
+
+/// What the engine was built with, for `/server_info` and the acceptance statistics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineInfo {
+    /// Draft tokens proposed per verify round (block size - 1 for a chain); 0 without drafting.
+    pub drafts_per_round: usize,
+}
+
+/// What the engine thread needs from a decoding engine.
+pub trait StepEngine: Send + 'static {
+    fn add(&mut self, req: EngineRequest) -> Result<SeqId, AdmitError>;
+    /// One round for every active sequence. Finished sequences are dropped by the engine.
+    fn step(&mut self) -> Result<Vec<StepEvent>, StepError>;
+    /// Drops a sequence that has not finished (client gone, stop string matched).
+    fn remove(&mut self, id: SeqId);
+    fn num_active(&self) -> usize;
+    fn info(&self) -> EngineInfo;
+}
+
+impl StepEngine for Box<dyn StepEngine> {
+    fn add(&mut self, req: EngineRequest) -> Result<SeqId, AdmitError> {
+        (**self).add(req)
+    }
+    fn step(&mut self) -> Result<Vec<StepEvent>, StepError> {
+        (**self).step()
+    }
+    fn remove(&mut self, id: SeqId) {
+        (**self).remove(id)
+    }
+    fn num_active(&self) -> usize {
+        (**self).num_active()
+    }
+    fn info(&self) -> EngineInfo {
+        (**self).info()
+    }
+}

@@ -1,0 +1,97 @@
+//! `POST /generate`: SGLang's native route. Text or token ids in, `{text, output_ids,
+//! meta_info}` out (a list for batches and `n > 1`); streams carry the cumulative text and ids
+//! in every chunk, as SGLang does by default.
+
+pub mod convert;
+pub mod types;
+pub mod validate;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+use tracing::Instrument;
+
+use super::stream::{self, RenderChunk};
+use crate::error::{ApiError, ErrorShape, NativeError};
+use crate::generation::{Chunk, Generation};
+use crate::state::AppState;
+
+pub async fn handle(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, NativeError> {
+    let req: types::GenerateRequest =
+        super::parse_json(&headers, body, state.config.max_request_body_bytes, false)?;
+    let valid = validate::validate(&req, state.model.lower.vocab_size)?;
+    let (batch, streaming) = (valid.batch, valid.stream);
+    let span = tracing::info_span!(
+        "generate",
+        request_id = tracing::field::Empty,
+        stream = streaming
+    );
+    async move {
+        let worker = state.clone();
+        let prepared = tokio::task::spawn_blocking(move || convert::lower_generate(&worker, valid))
+            .await
+            .map_err(|e| ApiError::Internal(format!("tokenizer worker failed: {e}")))??;
+        if let Some(first) = prepared.first() {
+            tracing::Span::current().record("request_id", first.rid.as_str());
+        }
+        let mut gens = stream::start_all(&state, prepared).await?;
+        if streaming {
+            return Ok(stream::respond(
+                gens,
+                Cumulative { batch },
+                ErrorShape::Native,
+                |_| Vec::new(),
+            ));
+        }
+        stream::run_all(&mut gens).await?;
+        let items: Vec<Value> = gens.iter().map(|g| item(g, None)).collect();
+        let body = if batch {
+            Value::Array(items)
+        } else {
+            items.into_iter().next().unwrap_or(Value::Null)
+        };
+        Ok((
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            body.to_string(),
+        )
+            .into_response())
+    }
+    .instrument(span)
+    .await
+    .map_err(NativeError)
+}
+
+fn item(g: &Generation, index: Option<usize>) -> Value {
+    let mut v = json!({
+        "text": g.text(),
+        "output_ids": g.output_ids(),
+        "meta_info": g.meta_info(),
+    });
+    if let (Some(i), Some(obj)) = (index, v.as_object_mut()) {
+        obj.insert("index".into(), json!(i));
+    }
+    v
+}
+
+/// Every chunk repeats the whole text and ids so far (`bench_serving` sets
+/// `generated_text = data["text"]`); batch chunks carry their `index`.
+struct Cumulative {
+    batch: bool,
+}
+
+impl RenderChunk for Cumulative {
+    fn render(&self, index: usize, g: &Generation, chunk: &Chunk, _first: bool) -> Vec<Value> {
+        if chunk.new_ids.is_empty() && chunk.finish.is_none() {
+            return Vec::new();
+        }
+        vec![item(g, self.batch.then_some(index))]
+    }
+}

@@ -1,0 +1,203 @@
+//! Operational routes: health (a real one-token generation, as SGLang probes), readiness, model
+//! and server info (flattened settings plus a non-empty `internal_states` with
+//! `avg_spec_accept_length`, which benchmark tools index without guards), cache flush, metrics.
+
+use std::time::Duration;
+
+use axum::extract::{Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::config::{DraftSource, VerifyMode};
+use crate::engine::{EngineRequest, EngineSampling, SeqUpdate};
+use crate::state::AppState;
+
+/// SGLANG_HEALTH_CHECK_TIMEOUT's default.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(20);
+/// Version reported in /server_info: the SGLang API level this server follows.
+pub const SGLANG_API_VERSION: &str = "0.5.23";
+
+pub async fn health(State(state): State<AppState>) -> Response {
+    if state.engine.is_shutting_down() {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
+    let mut rx = state.engine.submit(EngineRequest {
+        prompt: vec![0],
+        max_new_tokens: 1,
+        sampling: EngineSampling::greedy(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: true,
+    });
+    let probe = async {
+        loop {
+            match rx.recv().await {
+                Some(SeqUpdate::Admitted { .. }) => continue,
+                Some(SeqUpdate::Step { .. }) => return true,
+                Some(SeqUpdate::Failed(_)) | None => return false,
+            }
+        }
+    };
+    match tokio::time::timeout(HEALTH_TIMEOUT, probe).await {
+        Ok(true) => StatusCode::OK.into_response(),
+        _ => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+    }
+}
+
+pub async fn ready(State(state): State<AppState>) -> StatusCode {
+    if state.engine.is_shutting_down() {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    }
+}
+
+pub async fn model_info(State(state): State<AppState>) -> Json<Value> {
+    let c = &state.config;
+    Json(json!({
+        "model_path": c.model_path,
+        "tokenizer_path": c.tokenizer_path.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| c.model_path.clone()),
+        "is_generation": true,
+        "preferred_sampling_params": null,
+        "weight_version": "default",
+        "has_image_understanding": false,
+        "has_audio_understanding": false,
+        "model_type": state.model.model_type,
+        "architectures": state.model.architectures,
+        "served_model_name": c.served_model_name,
+        "load_format": "safetensors",
+        "reasoning_parser": null,
+        "tool_call_parser": null,
+        "disaggregation_mode": "null",
+    }))
+}
+
+/// The resolved settings under SGLang's `server_args` names.
+fn server_args(state: &AppState) -> serde_json::Map<String, Value> {
+    let c = &state.config;
+    let spec = c.speculative.as_ref();
+    let draft = spec.map(|s| match &s.draft {
+        DraftSource::Path(p) => p.clone(),
+        DraftSource::ZLab { repo } => repo.clone(),
+    });
+    let (verify, budget) = match spec.map(|s| s.verify) {
+        Some(VerifyMode::Chain) => (Some("chain"), None),
+        Some(VerifyMode::DDTree { budget }) => (Some("ddtree"), Some(budget)),
+        None => (None, None),
+    };
+    let ctx = state.model.lower.context_length;
+    let v = json!({
+        "model_path": c.model_path,
+        "tokenizer_path": c.tokenizer_path.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| c.model_path.clone()),
+        "served_model_name": c.served_model_name,
+        "host": c.host,
+        "port": c.port,
+        "dtype": format!("{:?}", c.dtype).to_ascii_lowercase(),
+        "device": match c.device { crate::config::DeviceSpec::Cpu => "cpu".to_string(), crate::config::DeviceSpec::Cuda(i) => format!("cuda:{i}") },
+        "context_length": ctx,
+        "max_running_requests": c.max_running_requests,
+        "max_queued_requests": c.max_queued_requests,
+        "tp_size": 1, "dp_size": 1, "pp_size": 1,
+        "kv_cache_dtype": "auto",
+        "enable_metrics": c.enable_metrics,
+        "decode_log_interval": c.decode_log_interval,
+        "speculative_algorithm": spec.map(|_| "DFLASH"),
+        "speculative_draft_model_path": draft,
+        "speculative_num_steps": spec.map(|_| 1),
+        "speculative_eagle_topk": spec.map(|_| 1),
+        "speculative_num_draft_tokens": spec.and_then(|s| s.num_draft_tokens),
+        "speculative_verify": verify,
+        "speculative_ddtree_budget": budget,
+        "api_key": null,
+    });
+    match v {
+        Value::Object(m) => m,
+        _ => serde_json::Map::new(),
+    }
+}
+
+pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
+    let stats = state.engine.stats();
+    let ctx = state.model.lower.context_length;
+    let mut internal = server_args(&state);
+    internal.insert("world_size".into(), json!(1));
+    internal.insert(
+        "effective_max_running_requests_per_dp".into(),
+        json!(state.config.max_running_requests),
+    );
+    internal.insert(
+        "last_gen_throughput".into(),
+        json!(stats.last_gen_throughput),
+    );
+    internal.insert(
+        "avg_spec_accept_length".into(),
+        json!(stats.avg_spec_accept_length()),
+    );
+    internal.insert(
+        "memory_usage".into(),
+        json!({"weight": 0.0, "kvcache": 0.0, "graph": 0.0, "token_capacity": ctx}),
+    );
+    let mut top = server_args(&state);
+    top.insert("status".into(), json!("ready"));
+    top.insert(
+        "max_total_num_tokens".into(),
+        json!(ctx * state.config.max_running_requests),
+    );
+    top.insert("max_req_input_len".into(), json!(ctx.saturating_sub(1)));
+    top.insert("startup_time".into(), json!(state.started_unix));
+    top.insert("internal_states".into(), json!([Value::Object(internal)]));
+    top.insert("version".into(), json!(SGLANG_API_VERSION));
+    top.insert("frontend".into(), json!("rust"));
+    top.insert("num_running_reqs".into(), json!(stats.num_running));
+    top.insert("num_queue_reqs".into(), json!(stats.num_waiting));
+    Json(Value::Object(top))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct FlushQuery {
+    #[serde(default)]
+    timeout: Option<f64>,
+}
+
+/// There is no prefix cache yet, so a flush succeeds exactly when nothing is running or
+/// waiting (SGLang's rule), polling until `timeout` seconds.
+pub async fn flush_cache(State(state): State<AppState>, Query(q): Query<FlushQuery>) -> Response {
+    let deadline = tokio::time::Instant::now()
+        + Duration::from_secs_f64(
+            q.timeout
+                .filter(|t| t.is_finite() && *t >= 0.0)
+                .unwrap_or(0.0)
+                .min(3600.0),
+        );
+    loop {
+        if state.engine.flush_cache().await {
+            return (StatusCode::OK, "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n").into_response();
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return (
+                StatusCode::BAD_REQUEST,
+                "Cache not flushed: requests are running or waiting. Retry when idle or pass ?timeout=SECONDS.\n",
+            )
+                .into_response();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    if !state.config.enable_metrics {
+        return (
+            StatusCode::NOT_FOUND,
+            "metrics are off; start the server with --enable-metrics\n",
+        )
+            .into_response();
+    }
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
+}

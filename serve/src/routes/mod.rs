@@ -1,0 +1,123 @@
+//! The HTTP surface: one module per endpoint (wire types, validation and lowering in a folder
+//! beside it), the router, and API-key auth. Handlers never see a tensor: they lower requests to
+//! `PreparedRequest` and talk to the engine thread through `Generation`.
+
+pub mod generate;
+pub mod info;
+pub mod openai;
+pub mod sse;
+pub mod stream;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderMap, Method};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+use serde::de::DeserializeOwned;
+use tower_http::cors::CorsLayer;
+
+use crate::error::{ApiError, ErrorShape};
+use crate::state::AppState;
+
+pub fn router(state: AppState) -> Router {
+    let limit = state.config.max_request_body_bytes;
+    Router::new()
+        .route("/generate", post(generate::handle).put(generate::handle))
+        .route(
+            "/v1/chat/completions",
+            post(openai::chat_completions::handle),
+        )
+        .route("/v1/completions", post(openai::completions::handle))
+        .route("/v1/models", get(openai::models::list))
+        .route("/v1/models/{model}", get(openai::models::one))
+        .route("/health", get(info::health))
+        .route("/health_generate", get(info::health))
+        .route("/ready", get(info::ready))
+        .route("/get_model_info", get(info::model_info))
+        .route("/model_info", get(info::model_info))
+        .route("/get_server_info", get(info::server_info))
+        .route("/server_info", get(info::server_info))
+        .route(
+            "/flush_cache",
+            get(info::flush_cache).post(info::flush_cache),
+        )
+        .route("/metrics", get(info::metrics))
+        .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(CorsLayer::permissive())
+        .with_state(state)
+}
+
+/// `--api-key`: `Authorization: Bearer KEY` on every route except health, readiness and metrics
+/// (and CORS preflights), as SGLang does.
+async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let Some(key) = state.config.api_key.as_deref() else {
+        return next.run(req).await;
+    };
+    let path = req.uri().path();
+    let open = req.method() == Method::OPTIONS
+        || path.starts_with("/health")
+        || path == "/ready"
+        || path == "/metrics";
+    if open || bearer_matches(req.headers(), key) {
+        return next.run(req).await;
+    }
+    ApiError::Unauthorized.into_response_as(ErrorShape::OpenAi)
+}
+
+fn bearer_matches(headers: &HeaderMap, key: &str) -> bool {
+    let Some(value) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let Some((scheme, token)) = value.split_once(' ') else {
+        return false;
+    };
+    scheme.eq_ignore_ascii_case("bearer")
+        && constant_time_eq(token.trim().as_bytes(), key.as_bytes())
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Reads a JSON body: content type (when `require_json`), size limit, then serde with the path of
+/// the offending field in the message.
+pub fn parse_json<T: DeserializeOwned>(
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    limit: usize,
+    require_json: bool,
+) -> Result<T, ApiError> {
+    if require_json {
+        let ct = headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        if !ct.to_ascii_lowercase().starts_with("application/json") {
+            return Err(ApiError::MediaType);
+        }
+    }
+    let body = body.map_err(|e| match e {
+        BytesRejection::FailedToBufferBody(_) => ApiError::PayloadTooLarge { limit },
+        other => ApiError::BadJson(other.body_text()),
+    })?;
+    let de = &mut serde_json::Deserializer::from_slice(&body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path.is_empty() || path == "." {
+            ApiError::BadJson(format!("Invalid JSON body: {inner}"))
+        } else {
+            ApiError::BadJson(format!("Invalid request: `{path}`: {inner}"))
+        }
+    })
+}

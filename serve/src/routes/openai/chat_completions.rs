@@ -1,0 +1,149 @@
+//! `POST /v1/chat/completions`. Streams follow SGLang's chunk order: a role chunk, content
+//! deltas (`reasoning_content: null` always present), a separate finish chunk with
+//! `matched_stop`, the usage chunk when asked, then `[DONE]`.
+
+pub mod convert;
+pub mod types;
+pub mod validate;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+use tracing::Instrument;
+
+use super::{counts_of, usage, usage_chunk};
+use crate::error::{ApiError, ErrorShape, OpenAiError};
+use crate::generation::{new_rid, Chunk, Generation};
+use crate::routes::stream::{self, RenderChunk};
+use crate::state::{unix_now, AppState};
+
+const OBJECT: &str = "chat.completion";
+const CHUNK_OBJECT: &str = "chat.completion.chunk";
+
+pub async fn handle(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, OpenAiError> {
+    let req: types::ChatRequest =
+        crate::routes::parse_json(&headers, body, state.config.max_request_body_bytes, true)?;
+    let valid = validate::validate(&req)?;
+    let rid = req.common.rid.clone().unwrap_or_else(new_rid);
+    let span = tracing::info_span!("chat_completions", request_id = %rid, model = %state.config.served_model_name);
+    async move {
+        let (worker, req2, rid2) = (state.clone(), req.clone(), rid.clone());
+        let prepared =
+            tokio::task::spawn_blocking(move || convert::lower_chat(&worker, &req2, valid, &rid2))
+                .await
+                .map_err(|e| ApiError::Internal(format!("tokenizer worker failed: {e}")))??;
+        let mut gens = stream::start_all(&state, prepared).await?;
+        let (model, created, n) = (req.common.model_name(), unix_now(), req.common.n());
+        if req.common.stream {
+            let render = Render {
+                id: rid.clone(),
+                model: model.clone(),
+                created,
+            };
+            let include_usage = req.common.include_usage();
+            let tail = move |counts: &[stream::Counts]| {
+                if include_usage {
+                    vec![usage_chunk(&rid, CHUNK_OBJECT, created, &model, counts, n)]
+                } else {
+                    Vec::new()
+                }
+            };
+            return Ok(stream::respond(gens, render, ErrorShape::OpenAi, tail));
+        }
+        stream::run_all(&mut gens).await?;
+        let with_meta = req.return_meta_info == Some(true);
+        let choices: Vec<Value> = gens
+            .iter()
+            .enumerate()
+            .map(|(i, g)| choice(i, g, with_meta))
+            .collect();
+        Ok(Json(json!({
+            "id": rid,
+            "object": OBJECT,
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": usage(&counts_of(&gens), n, false),
+            "metadata": {"weight_version": "default"},
+        }))
+        .into_response())
+    }
+    .instrument(span)
+    .await
+    .map_err(OpenAiError)
+}
+
+fn choice(index: usize, g: &Generation, with_meta: bool) -> Value {
+    let mut c = json!({
+        "index": index,
+        "message": {"role": "assistant", "content": g.text(), "reasoning_content": null},
+        "logprobs": null,
+        "finish_reason": g.finish().map(|f| f.openai_reason()),
+        "matched_stop": g.finish().map(|f| f.matched_stop()).unwrap_or(Value::Null),
+    });
+    if let (true, Some(obj)) = (with_meta, c.as_object_mut()) {
+        obj.insert("meta_info".into(), g.meta_info());
+    }
+    c
+}
+
+struct Render {
+    id: String,
+    model: String,
+    created: u64,
+}
+
+impl Render {
+    fn chunk(
+        &self,
+        index: usize,
+        delta: Value,
+        finish: Option<&crate::generation::Finish>,
+    ) -> Value {
+        json!({
+            "id": self.id,
+            "object": CHUNK_OBJECT,
+            "created": self.created,
+            "model": self.model,
+            "choices": [{
+                "index": index,
+                "delta": delta,
+                "logprobs": null,
+                "finish_reason": finish.map(|f| f.openai_reason()),
+                "matched_stop": finish.map(|f| f.matched_stop()).unwrap_or(Value::Null),
+            }],
+        })
+    }
+}
+
+impl RenderChunk for Render {
+    fn render(&self, index: usize, _g: &Generation, chunk: &Chunk, first: bool) -> Vec<Value> {
+        let mut out = Vec::new();
+        if first {
+            out.push(self.chunk(
+                index,
+                json!({"reasoning_content": null, "role": "assistant", "content": ""}),
+                None,
+            ));
+        }
+        if !chunk.delta.is_empty() {
+            out.push(self.chunk(
+                index,
+                json!({"reasoning_content": null, "content": chunk.delta}),
+                None,
+            ));
+        }
+        if let Some(finish) = &chunk.finish {
+            out.push(self.chunk(index, json!({"reasoning_content": null}), Some(finish)));
+        }
+        out
+    }
+}

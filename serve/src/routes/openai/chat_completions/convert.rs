@@ -1,0 +1,60 @@
+//! `/v1/chat/completions` lowering: render the chat template (server defaults from
+//! `--default-chat-template-kwargs`, overridden by the request's `chat_template_kwargs`;
+//! `reasoning_effort` sets `enable_thinking` when neither did), tokenize without adding special
+//! tokens (the template has them), and budget up to the context when no max is given.
+
+use dflash_common::chat::ChatRenderInput;
+use serde_json::{Map, Value};
+
+use super::types::ChatRequest;
+use super::validate::ValidChat;
+use crate::error::ApiError;
+use crate::generation::{lower, DefaultBudget, PreparedRequest};
+use crate::state::AppState;
+
+pub fn template_kwargs(state: &AppState, req: &ChatRequest) -> Map<String, Value> {
+    let mut kwargs = state.config.default_chat_template_kwargs.clone();
+    if let Some(k) = &req.chat_template_kwargs {
+        for (key, value) in k {
+            kwargs.insert(key.clone(), value.clone());
+        }
+    }
+    if let Some(effort) = &req.reasoning_effort {
+        let on = effort.as_str() != Some("none");
+        kwargs.entry("enable_thinking").or_insert(Value::Bool(on));
+        kwargs.entry("thinking").or_insert(Value::Bool(on));
+    }
+    kwargs
+}
+
+pub fn lower_chat(
+    state: &AppState,
+    req: &ChatRequest,
+    valid: ValidChat,
+    rid: &str,
+) -> Result<Vec<PreparedRequest>, ApiError> {
+    let template = state
+        .model
+        .template
+        .as_ref()
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let kwargs = template_kwargs(state, req);
+    let prompt = template.render(&ChatRenderInput {
+        messages: &valid.messages,
+        tools: req.tools.as_deref(),
+        add_generation_prompt: true,
+        kwargs: Some(&kwargs),
+    })?;
+    let ids = state.model.tokenizer.encode(&prompt, false)?;
+    let (max, field) = req.max();
+    let sampling = req.common.sampling(max, field);
+    let prepared = lower(
+        rid.to_string(),
+        ids,
+        &sampling,
+        DefaultBudget::RestOfContext,
+        &state.model.lower,
+    )?;
+    let n = req.common.n();
+    Ok((0..n).map(|k| prepared.sample(k, n)).collect())
+}

@@ -1,0 +1,112 @@
+//! `POST /v1/completions`.
+
+pub mod convert;
+pub mod types;
+pub mod validate;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+use tracing::Instrument;
+
+use super::{counts_of, usage, usage_chunk};
+use crate::error::{ApiError, ErrorShape, OpenAiError};
+use crate::generation::{new_rid, Chunk, Generation};
+use crate::routes::stream::{self, RenderChunk};
+use crate::state::{unix_now, AppState};
+
+const OBJECT: &str = "text_completion";
+
+pub async fn handle(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, OpenAiError> {
+    let req: types::CompletionRequest =
+        crate::routes::parse_json(&headers, body, state.config.max_request_body_bytes, true)?;
+    let prompts = validate::validate(&req, state.model.lower.vocab_size)?;
+    let rid = req.common.rid.clone().unwrap_or_else(new_rid);
+    let span = tracing::info_span!("completions", request_id = %rid, model = %state.config.served_model_name);
+    async move {
+        let (worker, req2, rid2) = (state.clone(), req.clone(), rid.clone());
+        let prepared = tokio::task::spawn_blocking(move || {
+            convert::lower_completion(&worker, &req2, prompts, &rid2)
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("tokenizer worker failed: {e}")))??;
+        let mut gens = stream::start_all(&state, prepared).await?;
+        let (model, created, n) = (req.common.model_name(), unix_now(), req.common.n());
+        if req.common.stream {
+            let render = Render {
+                id: rid.clone(),
+                model: model.clone(),
+                created,
+            };
+            let include_usage = req.common.include_usage();
+            let tail = move |counts: &[stream::Counts]| {
+                if include_usage {
+                    vec![usage_chunk(&rid, OBJECT, created, &model, counts, n)]
+                } else {
+                    Vec::new()
+                }
+            };
+            return Ok(stream::respond(gens, render, ErrorShape::OpenAi, tail));
+        }
+        stream::run_all(&mut gens).await?;
+        let choices: Vec<Value> = gens
+            .iter()
+            .enumerate()
+            .map(|(i, g)| choice(i, g, g.text()))
+            .collect();
+        Ok(Json(json!({
+            "id": rid,
+            "object": OBJECT,
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": usage(&counts_of(&gens), n, false),
+            "metadata": {"weight_version": "default"},
+        }))
+        .into_response())
+    }
+    .instrument(span)
+    .await
+    .map_err(OpenAiError)
+}
+
+fn choice(index: usize, g: &Generation, text: &str) -> Value {
+    json!({
+        "index": index,
+        "text": text,
+        "logprobs": null,
+        "finish_reason": g.finish().map(|f| f.openai_reason()),
+        "matched_stop": g.finish().map(|f| f.matched_stop()).unwrap_or(Value::Null),
+    })
+}
+
+/// Text deltas; `finish_reason` rides on the last text chunk (no separate finish chunk).
+struct Render {
+    id: String,
+    model: String,
+    created: u64,
+}
+
+impl RenderChunk for Render {
+    fn render(&self, index: usize, g: &Generation, chunk: &Chunk, _first: bool) -> Vec<Value> {
+        if chunk.delta.is_empty() && chunk.finish.is_none() {
+            return Vec::new();
+        }
+        vec![json!({
+            "id": self.id,
+            "object": OBJECT,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice(index, g, &chunk.delta)],
+            "usage": null,
+        })]
+    }
+}

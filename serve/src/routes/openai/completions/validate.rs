@@ -1,0 +1,53 @@
+//! `/v1/completions` rules.
+
+use super::types::{CompletionRequest, PromptField};
+use crate::routes::generate::validate::PromptInput;
+use crate::validation::{self as v, ValidationError};
+
+pub fn validate(
+    req: &CompletionRequest,
+    vocab_size: usize,
+) -> Result<Vec<PromptInput>, ValidationError> {
+    v::check_unsupported("echo", req.echo == Some(true))?;
+    v::check_unsupported(
+        "logprobs",
+        !matches!(req.logprobs, None | Some(serde_json::Value::Null)),
+    )?;
+    v::check_unsupported(
+        "suffix",
+        req.suffix.as_deref().is_some_and(|s| !s.is_empty()),
+    )?;
+    v::check_unsupported("best_of", matches!(req.best_of, Some(b) if b > 1))?;
+    v::check_unsupported(
+        "response_format",
+        !matches!(&req.response_format, None | Some(serde_json::Value::Null))
+            && req
+                .response_format
+                .as_ref()
+                .and_then(|f| f.get("type"))
+                .and_then(|t| t.as_str())
+                != Some("text"),
+    )?;
+    v::check_at_least("max_tokens", 1, req.max_tokens)?;
+    req.common.check(req.max_tokens, "max_tokens")?;
+    let prompts = match &req.prompt {
+        None => return Err(ValidationError::EmptyPrompt),
+        Some(PromptField::Text(t)) => vec![PromptInput::Text(t.clone())],
+        Some(PromptField::Texts(ts)) => ts.iter().cloned().map(PromptInput::Text).collect(),
+        Some(PromptField::Ids(ids)) => vec![PromptInput::Ids(v::check_token_ids(
+            "prompt", ids, vocab_size,
+        )?)],
+        Some(PromptField::IdsBatch(list)) => list
+            .iter()
+            .map(|ids| v::check_token_ids("prompt", ids, vocab_size).map(PromptInput::Ids))
+            .collect::<Result<_, _>>()?,
+    };
+    let empty = |p: &PromptInput| match p {
+        PromptInput::Text(t) => t.is_empty(),
+        PromptInput::Ids(ids) => ids.is_empty(),
+    };
+    if prompts.is_empty() || prompts.iter().any(empty) {
+        return Err(ValidationError::EmptyPrompt);
+    }
+    Ok(prompts)
+}

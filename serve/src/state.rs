@@ -1,0 +1,147 @@
+//! Everything a handler can reach: the parsed config, the tokenizer and chat template, the engine
+//! handle and the metrics. Built once at startup; cloning is one `Arc`.
+
+use std::ops::Deref;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use dflash_common::chat::{ChatTemplate, TemplateError};
+use dflash_common::tokenizer::{Tokenizer, TokenizerError};
+use serde::Deserialize;
+
+use crate::config::ServeConfig;
+use crate::engine::EngineHandle;
+use crate::generation::{LowerContext, SamplingDefaults};
+use crate::metrics::ServerMetrics;
+
+/// What the HTTP layer knows about the model: text side only.
+#[derive(Debug)]
+pub struct ModelAssets {
+    pub tokenizer: Arc<Tokenizer>,
+    /// `Err` keeps the reason so chat requests can say why there is no template.
+    pub template: Result<Arc<ChatTemplate>, Arc<TemplateError>>,
+    pub lower: LowerContext,
+    pub model_type: String,
+    pub architectures: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AssetError {
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    #[error("cannot read {path}: {message}")]
+    ModelConfig { path: String, message: String },
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct ModelConfigHead {
+    #[serde(default)]
+    model_type: String,
+    #[serde(default)]
+    architectures: Vec<String>,
+    #[serde(default)]
+    max_position_embeddings: Option<usize>,
+}
+
+impl ModelAssets {
+    /// Loads the tokenizer (from `tokenizer_dir`), the chat template (`--chat-template` file, or
+    /// the tokenizer's) and the few `config.json` / `generation_config.json` fields serving uses.
+    pub fn load(
+        config: &ServeConfig,
+        model_dir: &Path,
+        tokenizer_dir: &Path,
+    ) -> Result<Self, AssetError> {
+        let tokenizer = Tokenizer::from_dir(tokenizer_dir)?;
+        let template = match &config.chat_template {
+            Some(path) => Ok(Arc::new(ChatTemplate::from_file(path, tokenizer.config())?)),
+            None => match ChatTemplate::from_model(
+                tokenizer_dir,
+                tokenizer.config(),
+                config.hf_chat_template_name.as_deref(),
+            ) {
+                Ok(t) => Ok(Arc::new(t)),
+                Err(TemplateError::Missing) => Err(Arc::new(TemplateError::Missing)),
+                Err(e) => return Err(e.into()),
+            },
+        };
+        let head: ModelConfigHead = read_json(&model_dir.join("config.json"))?;
+        let defaults: SamplingDefaults = read_json(&model_dir.join("generation_config.json"))?;
+        let context_length = config
+            .context_length
+            .or(head.max_position_embeddings)
+            .unwrap_or(4096);
+        let lower = LowerContext {
+            context_length,
+            vocab_size: tokenizer.vocab_size(),
+            eos_token_ids: tokenizer.eos_token_ids().to_vec(),
+            defaults,
+        };
+        Ok(Self {
+            tokenizer: Arc::new(tokenizer),
+            template,
+            lower,
+            model_type: head.model_type,
+            architectures: head.architectures,
+        })
+    }
+}
+
+fn read_json<T: for<'de> Deserialize<'de> + Default>(path: &Path) -> Result<T, AssetError> {
+    if !path.exists() {
+        return Ok(T::default());
+    }
+    let err = |message: String| AssetError::ModelConfig {
+        path: path.display().to_string(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    serde_json::from_str(&text).map_err(|e| err(e.to_string()))
+}
+
+#[derive(Debug)]
+pub struct AppInner {
+    pub config: ServeConfig,
+    pub model: ModelAssets,
+    pub engine: EngineHandle,
+    pub metrics: Arc<ServerMetrics>,
+    pub started: Instant,
+    pub started_unix: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct AppState(Arc<AppInner>);
+
+impl AppState {
+    pub fn new(
+        config: ServeConfig,
+        model: ModelAssets,
+        engine: EngineHandle,
+        metrics: Arc<ServerMetrics>,
+    ) -> Self {
+        Self(Arc::new(AppInner {
+            config,
+            model,
+            engine,
+            metrics,
+            started: Instant::now(),
+            started_unix: unix_now(),
+        }))
+    }
+}
+
+impl Deref for AppState {
+    type Target = AppInner;
+    fn deref(&self) -> &AppInner {
+        &self.0
+    }
+}
+
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}

@@ -1,0 +1,201 @@
+//! Request rules shared by `/generate`, `/v1/completions` and `/v1/chat/completions`. One variant
+//! per rule; each message names the field as the client spelled it, the bound and the value
+//! given, so it says what to change. Context-length messages keep SGLang's exact wording because
+//! clients match on it.
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ValidationError {
+    #[error("Either text, input_ids or input_embeds should be provided.")]
+    NoPrompt,
+    #[error("Only one of text, input_ids or input_embeds may be provided; got {given}.")]
+    SeveralPrompts { given: String },
+    #[error("Prompt cannot be empty")]
+    EmptyPrompt,
+    #[error("`messages` must be a non-empty list of {{\"role\", \"content\"}} objects")]
+    EmptyMessages,
+    #[error("`messages[{index}]`: {problem}")]
+    BadMessage { index: usize, problem: String },
+    #[error("`{field}` must be a finite number >= 0. Given: {value}")]
+    Temperature { field: &'static str, value: f64 },
+    #[error("`{field}` must be in (0, 1]. Given: {value}")]
+    TopP { field: &'static str, value: f64 },
+    #[error("`{field}` must be -1 (disable) or at least 1. Given: {value}")]
+    TopK { field: &'static str, value: i64 },
+    #[error("`{field}` must be in [0, 1]. Given: {value}")]
+    MinP { field: &'static str, value: f64 },
+    #[error("`{field}` must be in [-2, 2]. Given: {value}")]
+    Penalty { field: &'static str, value: f64 },
+    #[error("`{field}` must be in (0, 2]. Given: {value}")]
+    RepetitionPenalty { field: &'static str, value: f64 },
+    #[error("`{field}` must be >= {min}. Given: {value}")]
+    TooSmall {
+        field: &'static str,
+        min: i64,
+        value: i64,
+    },
+    #[error("`{field}` must be <= {max}. Given: {value}")]
+    TooLarge {
+        field: &'static str,
+        max: i64,
+        value: i64,
+    },
+    #[error("`{min_field}` ({min}) must be <= `{max_field}` ({max})")]
+    MinAboveMax {
+        min_field: &'static str,
+        min: i64,
+        max_field: &'static str,
+        max: i64,
+    },
+    #[error("`{field}` has {count} entries; at most {max} are allowed")]
+    TooManyStops {
+        field: &'static str,
+        count: usize,
+        max: usize,
+    },
+    #[error("`{field}` contains token id {value}, outside the vocabulary [0, {vocab_size})")]
+    TokenOutOfRange {
+        field: &'static str,
+        value: i64,
+        vocab_size: usize,
+    },
+    #[error("`{field}` has {got} entries but the batch has {batch} prompts; give one per prompt or a single one")]
+    BatchMismatch {
+        field: &'static str,
+        got: usize,
+        batch: usize,
+    },
+    #[error("`{field}` is not supported by dflash-serve; remove it from the request")]
+    Unsupported { field: &'static str },
+    #[error(
+        "The input ({input} tokens) is longer than the model's context length ({context} tokens)."
+    )]
+    PromptTooLong { input: usize, context: usize },
+    #[error("Requested token count exceeds the model's maximum context length of {context} tokens. You requested a total of {total} tokens: {input} tokens from the input messages and {completion} tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit.")]
+    TotalTooLong {
+        context: usize,
+        total: usize,
+        input: usize,
+        completion: usize,
+    },
+}
+
+/// The most stop strings one request may give.
+pub const MAX_STOP_STRINGS: usize = 32;
+/// The most parallel samples (`n`) one request may ask for.
+pub const MAX_N: i64 = 64;
+
+pub fn check_temperature(field: &'static str, v: Option<f64>) -> Result<(), ValidationError> {
+    match v {
+        Some(value) if !value.is_finite() || value < 0.0 => {
+            Err(ValidationError::Temperature { field, value })
+        }
+        _ => Ok(()),
+    }
+}
+
+pub fn check_top_p(field: &'static str, v: Option<f64>) -> Result<(), ValidationError> {
+    match v {
+        Some(value) if !(value > 0.0 && value <= 1.0) => {
+            Err(ValidationError::TopP { field, value })
+        }
+        _ => Ok(()),
+    }
+}
+
+pub fn check_top_k(field: &'static str, v: Option<i64>) -> Result<(), ValidationError> {
+    match v {
+        Some(value) if value != -1 && value < 1 => Err(ValidationError::TopK { field, value }),
+        _ => Ok(()),
+    }
+}
+
+pub fn check_min_p(field: &'static str, v: Option<f64>) -> Result<(), ValidationError> {
+    match v {
+        Some(value) if !(0.0..=1.0).contains(&value) => Err(ValidationError::MinP { field, value }),
+        _ => Ok(()),
+    }
+}
+
+pub fn check_penalty(field: &'static str, v: Option<f64>) -> Result<(), ValidationError> {
+    match v {
+        Some(value) if !(-2.0..=2.0).contains(&value) => {
+            Err(ValidationError::Penalty { field, value })
+        }
+        _ => Ok(()),
+    }
+}
+
+pub fn check_repetition_penalty(
+    field: &'static str,
+    v: Option<f64>,
+) -> Result<(), ValidationError> {
+    match v {
+        Some(value) if !(value > 0.0 && value <= 2.0) => {
+            Err(ValidationError::RepetitionPenalty { field, value })
+        }
+        _ => Ok(()),
+    }
+}
+
+pub fn check_at_least(
+    field: &'static str,
+    min: i64,
+    v: Option<i64>,
+) -> Result<(), ValidationError> {
+    match v {
+        Some(value) if value < min => Err(ValidationError::TooSmall { field, min, value }),
+        _ => Ok(()),
+    }
+}
+
+pub fn check_n(field: &'static str, v: Option<i64>) -> Result<(), ValidationError> {
+    check_at_least(field, 1, v)?;
+    match v {
+        Some(value) if value > MAX_N => Err(ValidationError::TooLarge {
+            field,
+            max: MAX_N,
+            value,
+        }),
+        _ => Ok(()),
+    }
+}
+
+pub fn check_stop_count(field: &'static str, stops: &[String]) -> Result<(), ValidationError> {
+    if stops.len() > MAX_STOP_STRINGS {
+        return Err(ValidationError::TooManyStops {
+            field,
+            count: stops.len(),
+            max: MAX_STOP_STRINGS,
+        });
+    }
+    Ok(())
+}
+
+/// Checks ids against the vocabulary and narrows them to `u32`.
+pub fn check_token_ids(
+    field: &'static str,
+    ids: &[i64],
+    vocab_size: usize,
+) -> Result<Vec<u32>, ValidationError> {
+    ids.iter()
+        .map(|&value| {
+            if value < 0 || value as u64 >= vocab_size as u64 {
+                Err(ValidationError::TokenOutOfRange {
+                    field,
+                    value,
+                    vocab_size,
+                })
+            } else {
+                Ok(value as u32)
+            }
+        })
+        .collect()
+}
+
+pub fn check_unsupported(field: &'static str, present: bool) -> Result<(), ValidationError> {
+    if present {
+        Err(ValidationError::Unsupported { field })
+    } else {
+        Ok(())
+    }
+}

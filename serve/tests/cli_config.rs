@@ -1,0 +1,167 @@
+//! The command line: SGLang spellings, old aliases, argparse-style prefixes, typed settings, and
+//! refusals that name the flag.
+
+use clap::Parser;
+use dflash_serve::cli::Args;
+use dflash_serve::config::{ConfigError, DType, DeviceSpec, DraftSource, ServeConfig, VerifyMode};
+
+fn config(argv: &[&str]) -> Result<ServeConfig, ConfigError> {
+    let mut full = vec!["dflash-serve"];
+    full.extend_from_slice(argv);
+    let args = Args::try_parse_from(full).unwrap_or_else(|e| panic!("{e}"));
+    ServeConfig::from_args(&args)
+}
+
+#[test]
+fn no_arguments_serve_the_bundled_demo_on_cpu() {
+    let c = config(&[]).expect("defaults");
+    assert!(
+        c.model_path.ends_with("assets/tiny-coder-demo"),
+        "{}",
+        c.model_path
+    );
+    assert_eq!((c.host.as_str(), c.port), ("127.0.0.1", 30000));
+    assert_eq!(c.device, DeviceSpec::Cpu);
+    assert_eq!(c.dtype, DType::Auto);
+    assert_eq!(c.served_model_name, "tiny-coder-demo");
+    assert!(c.speculative.is_none());
+}
+
+#[test]
+fn dflash_is_case_insensitive_and_defaults_max_running_to_48() {
+    let c = config(&[
+        "--model-path",
+        "Qwen/Qwen3-8B",
+        "--speculative-algorithm",
+        "dflash",
+        "--drafter",
+        "z-lab",
+    ])
+    .expect("ok");
+    let spec = c.speculative.expect("speculative");
+    assert_eq!(
+        spec.draft,
+        DraftSource::ZLab {
+            repo: "z-lab/Qwen3-8B-DFlash-b16".into()
+        }
+    );
+    assert_eq!(spec.verify, VerifyMode::DDTree { budget: 32 });
+    assert_eq!(c.max_running_requests, 48);
+}
+
+#[test]
+fn old_spellings_and_unique_prefixes_are_accepted() {
+    let c = config(&[
+        "--model",
+        "Qwen/Qwen3-8B",
+        "--speculative-algo",
+        "DFLASH",
+        "--speculative-draft",
+        "z-lab/Qwen3-8B-DFlash-b16",
+        "--speculative-verify",
+        "chain",
+        "--cuda-graph-max-bs",
+        "8",
+        "--tp",
+        "1",
+        "--dtype",
+        "half",
+    ])
+    .expect("ok");
+    assert_eq!(c.dtype, DType::Float16);
+    let spec = c.speculative.expect("speculative");
+    assert_eq!(
+        spec.draft,
+        DraftSource::Path("z-lab/Qwen3-8B-DFlash-b16".into())
+    );
+    assert_eq!(spec.verify, VerifyMode::Chain);
+}
+
+#[test]
+fn other_speculative_algorithms_are_refused_by_name() {
+    let err = config(&["--speculative-algorithm", "EAGLE3"]).expect_err("refused");
+    assert!(
+        err.to_string()
+            .starts_with("--speculative-algorithm EAGLE3: dflash-serve implements DFLASH"),
+        "{err}"
+    );
+}
+
+#[test]
+fn dflash_without_a_drafter_is_refused() {
+    let err = config(&["--speculative-algorithm", "DFLASH"]).expect_err("refused");
+    assert!(err.to_string().contains("needs a drafter"), "{err}");
+}
+
+#[test]
+fn block_size_aliases_must_agree() {
+    let err = config(&[
+        "--speculative-draft-model-path",
+        "d",
+        "--speculative-num-draft-tokens",
+        "16",
+        "--speculative-dflash-block-size",
+        "8",
+    ])
+    .expect_err("refused");
+    assert!(
+        err.to_string()
+            .starts_with("--speculative-dflash-block-size 8: must equal"),
+        "{err}"
+    );
+}
+
+#[test]
+fn multi_device_flags_are_refused_by_name() {
+    let err = config(&["--tp-size", "2"]).expect_err("refused");
+    assert!(
+        err.to_string()
+            .starts_with("--tp-size is not supported by dflash-serve"),
+        "{err}"
+    );
+    let err = config(&["--quantization", "fp8"]).expect_err("refused");
+    assert!(
+        err.to_string()
+            .starts_with("--quantization is not supported"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bad_device_names_the_flag() {
+    let err = config(&["--device", "tpu"]).expect_err("refused");
+    assert_eq!(
+        err.to_string(),
+        "--device tpu: expected cpu, cuda or cuda:N"
+    );
+    assert_eq!(
+        config(&["--device", "cuda:1"]).expect("ok").device,
+        DeviceSpec::Cuda(1)
+    );
+}
+
+#[test]
+fn unknown_flags_and_bad_enum_values_stop_clap() {
+    assert!(Args::try_parse_from(["dflash-serve", "--enable-lora"]).is_err());
+    let err = Args::try_parse_from(["dflash-serve", "--dtype", "int4"]).expect_err("refused");
+    assert!(err.to_string().contains("--dtype"), "{err}");
+}
+
+#[test]
+fn default_chat_template_kwargs_must_be_a_json_object() {
+    let err = config(&["--default-chat-template-kwargs", "[1]"]).expect_err("refused");
+    assert!(
+        err.to_string()
+            .starts_with("--default-chat-template-kwargs [1]: expected a JSON object"),
+        "{err}"
+    );
+    let c = config(&[
+        "--default-chat-template-kwargs",
+        r#"{"enable_thinking": false}"#,
+    ])
+    .expect("ok");
+    assert_eq!(
+        c.default_chat_template_kwargs.get("enable_thinking"),
+        Some(&serde_json::json!(false))
+    );
+}
