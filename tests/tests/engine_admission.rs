@@ -54,3 +54,21 @@ fn bad_requests_are_refused_with_typed_errors_and_the_batch_carries_on() {
     let err = plain_only.add(req(p, 8, SamplingParams::greedy(), Algorithm::Chain)).unwrap_err();
     assert!(matches!(err, EngineError::NoProposer(Algorithm::Chain)), "{err:?}");
 }
+
+/// A sequence that fills the whole context still decodes: trees are cut at the length limit
+/// and at the end of the position table instead of failing the step.
+#[test]
+fn generation_up_to_the_context_limit_caps_tree_depth() {
+    let t = Qwen3Model::load(&demo_model(), DType::F32, &Device::Cpu, 128, OpsMode::Fused).unwrap();
+    let cfg = EngineConfig { max_context: 128, max_ddtree_budget: 64, eos_token_ids: vec![], seed: 0 };
+    let case = &greedy_cases("tiny-coder-demo")[0];
+    let n = 128 - case.input_ids.len();
+    let mut plain = Engine::new(t.clone(), None, cfg.clone());
+    let (expect, _) = plain.generate(req(case.input_ids.clone(), n, SamplingParams::greedy(), Algorithm::Plain)).unwrap();
+    for alg in [Algorithm::Chain, Algorithm::DDTree { budget: 64 }] {
+        let mut e = Engine::new(t.clone(), Some(Box::new(OracleProposer::new(t.clone(), 15, None))), cfg.clone());
+        let (got, _) = e.generate(req(case.input_ids.clone(), n, SamplingParams::greedy(), alg)).unwrap();
+        assert_eq!(got, expect, "{alg:?}");
+        assert_eq!(got.len(), n);
+    }
+}

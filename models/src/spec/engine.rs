@@ -19,7 +19,7 @@ use crate::qwen3::{Qwen3Model, SeqForward};
 use crate::spec::proposer::{ProposeItem, Proposer, SeqId};
 use crate::spec::sampling::{Sampler, SamplingError, SamplingParams};
 use crate::spec::stats::{RoundStats, SeqStats};
-use crate::spec::tree::{build_ddtree, chain_tree, walk, DraftTree};
+use crate::spec::tree::{build_ddtree, chain_tree, walk, DraftTree, TopK};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Algorithm {
@@ -372,6 +372,7 @@ impl Engine {
         .into_iter();
         let draft_time = t_draft.elapsed();
 
+        let max_positions = self.target.rope().max_positions();
         let trees: Vec<DraftTree> = self
             .seqs
             .iter()
@@ -380,18 +381,28 @@ impl Engine {
                     .tokens
                     .last()
                     .expect("prefilled sequences hold a bonus token");
+                // Drafts past the length limit or the position table can never be committed.
+                let start = s.tokens.len() - 1;
+                let depth_cap = (s.req.max_new_tokens - s.generated)
+                    .saturating_sub(1)
+                    .min(max_positions.saturating_sub(start + 1));
                 match s.req.algorithm {
                     Algorithm::Plain => DraftTree::root_only(bonus),
-                    Algorithm::Chain => chain_tree(
-                        bonus,
-                        &proposals
+                    Algorithm::Chain => {
+                        let mut drafts = proposals
                             .next()
                             .map(|p| p.argmax_tokens())
-                            .unwrap_or_default(),
-                    ),
+                            .unwrap_or_default();
+                        drafts.truncate(depth_cap);
+                        chain_tree(bonus, &drafts)
+                    }
                     Algorithm::DDTree { budget } => proposals.next().map_or_else(
                         || DraftTree::root_only(bonus),
-                        |p| build_ddtree(bonus, &p, budget),
+                        |p| {
+                            let depths = p.depths().min(depth_cap);
+                            let capped = TopK::new((0..depths).map(|d| p.row(d).to_vec()).collect());
+                            build_ddtree(bonus, &capped, budget)
+                        },
                     ),
                 }
             })
