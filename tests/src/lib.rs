@@ -5,16 +5,22 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 
+/// This crate's directory; `DFLASH_TESTS_DIR` overrides it where a binary built here runs from
+/// another checkout (the GPU machine).
+fn tests_dir() -> PathBuf {
+    std::env::var_os("DFLASH_TESTS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
 /// `tests/fixtures/<name>` in this repository.
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join(name)
+    tests_dir().join("fixtures").join(name)
 }
 
 /// The bundled demo target, `serve/assets/tiny-coder-demo`.
 pub fn demo_model() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../serve/assets/tiny-coder-demo")
+    tests_dir().join("../serve/assets/tiny-coder-demo")
 }
 
 /// A model from the large shared fixture set. Panics with the fix when `DFLASH_FIXTURES` is
