@@ -294,7 +294,9 @@ impl Qwen3Model {
             .map(|s| s.pattern.mask(s.cache.len(), s.tokens.len(), &self.device))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let positions = Tensor::new(all_positions.as_slice(), &self.device)?;
+        // Cast once per forward, not once per layer and projection.
         let (cos, sin) = self.rope.gather(&positions)?;
+        let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
         let mut x = self.embed(&all_tokens)?;
         let mut tapped: HashMap<usize, Tensor> = HashMap::new();
         for (li, layer) in self.layers.iter().enumerate() {
