@@ -8,6 +8,7 @@
 //! block's K/V into the rows just past the context, attends, and leaves `len` unchanged, so the
 //! next round overwrites them (no crop needed). Embeddings and `lm_head` are the target's.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
@@ -31,6 +32,26 @@ pub struct DraftInput<'a> {
     /// `[bonus, mask, ..., mask]`, `block_size` tokens, at positions starting right after the
     /// context.
     pub block: &'a [u32],
+}
+
+/// The frozen target weights a drafter borrows (SpecForge `TargetEmbeddingsAndHead`): the
+/// token embedding, the LM head, and how many positions the target's rotary table covers. A
+/// trainer keeps these on the drafter's device, which need not be the target's.
+#[derive(Debug, Clone)]
+pub struct TargetEmbeddingsAndHead {
+    pub embed_tokens: Tensor,
+    pub lm_head: Tensor,
+    pub max_positions: usize,
+}
+
+impl TargetEmbeddingsAndHead {
+    pub fn of(target: &Qwen3Model) -> Self {
+        Self {
+            embed_tokens: target.embed_weight().clone(),
+            lm_head: target.lm_head_weight().clone(),
+            max_positions: target.rope().max_positions(),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -154,6 +175,122 @@ impl DFlashDrafter {
             device,
             mode,
         })
+    }
+
+    /// The z-lab names and shapes of every drafter-owned tensor (no embedding, no LM head), in
+    /// checkpoint order: `fc.weight`, `hidden_norm.weight`, `layers.{i}.*`, `norm.weight`.
+    pub fn parameter_shapes(cfg: &DFlashConfig) -> Vec<(String, Vec<usize>)> {
+        let h = cfg.layers.hidden_size;
+        let mut out = vec![
+            (
+                "fc.weight".to_string(),
+                vec![h, cfg.target_layer_ids.len() * h],
+            ),
+            ("hidden_norm.weight".to_string(), vec![h]),
+        ];
+        for i in 0..cfg.layers.num_hidden_layers {
+            let shapes = DecoderLayer::tensor_shapes(&cfg.layers);
+            for (name, shape) in DecoderLayer::TENSOR_NAMES.iter().zip(shapes) {
+                out.push((format!("layers.{i}.{name}"), shape));
+            }
+        }
+        out.push(("norm.weight".to_string(), vec![h]));
+        out
+    }
+
+    /// A drafter from named tensors in z-lab naming (see [`Self::parameter_shapes`]); the
+    /// tensors are used as given (no copy), so a trainer's `Var`s stay attached to the graph.
+    /// The drafter's dtype and device are those of `fc.weight`; the target's embedding and head
+    /// are converted to them.
+    pub fn from_tensors(
+        cfg: DFlashConfig,
+        tensors: &HashMap<String, Tensor>,
+        target: &TargetEmbeddingsAndHead,
+        mode: OpsMode,
+    ) -> ModelResult<Self> {
+        let get = |name: &str, shape: &[usize]| -> ModelResult<Tensor> {
+            let t = tensors.get(name).ok_or_else(|| {
+                ModelError::BadInput(format!("drafter tensor `{name}` is missing"))
+            })?;
+            if t.dims() != shape {
+                return Err(ModelError::BadInput(format!(
+                    "drafter tensor `{name}` has shape {:?}, the config implies {shape:?}",
+                    t.dims()
+                )));
+            }
+            Ok(t.clone())
+        };
+        let h = cfg.layers.hidden_size;
+        let fc = get("fc.weight", &[h, cfg.target_layer_ids.len() * h])?;
+        let (dtype, device) = (fc.dtype(), fc.device().clone());
+        let hidden_norm = get("hidden_norm.weight", &[h])?;
+        let norm = get("norm.weight", &[h])?;
+        let layers = (0..cfg.layers.num_hidden_layers)
+            .map(|i| {
+                DecoderLayer::from_tensors(&cfg.layers, mode, |name, shape| {
+                    get(&format!("layers.{i}.{name}"), shape)
+                })
+            })
+            .collect::<ModelResult<Vec<_>>>()?;
+        let rope =
+            RotaryEmbedding::new(&cfg.layers, target.max_positions + cfg.block_size, &device)?;
+        let to_here = |t: &Tensor| t.to_device(&device)?.to_dtype(dtype);
+        Ok(Self {
+            embed_tokens: to_here(&target.embed_tokens)?,
+            lm_head: to_here(&target.lm_head)?,
+            cfg,
+            fc,
+            hidden_norm,
+            layers,
+            norm,
+            rope,
+            dtype,
+            device,
+            mode,
+        })
+    }
+
+    /// Every drafter-owned tensor with its z-lab name, in [`Self::parameter_shapes`] order.
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![
+            ("fc.weight".to_string(), self.fc.clone()),
+            ("hidden_norm.weight".to_string(), self.hidden_norm.clone()),
+        ];
+        for (i, layer) in self.layers.iter().enumerate() {
+            for (name, t) in DecoderLayer::TENSOR_NAMES.iter().zip(layer.tensors()) {
+                out.push((format!("layers.{i}.{name}"), t.clone()));
+            }
+        }
+        out.push(("norm.weight".to_string(), self.norm.clone()));
+        out
+    }
+
+    pub(crate) fn layers(&self) -> &[DecoderLayer] {
+        &self.layers
+    }
+    pub(crate) fn rotary(&self) -> &RotaryEmbedding {
+        &self.rope
+    }
+    pub(crate) fn final_norm(&self, h: &Tensor) -> ModelResult<Tensor> {
+        Ok(rms_norm(
+            h,
+            &self.norm,
+            self.cfg.layers.rms_norm_eps,
+            self.mode,
+        )?)
+    }
+    pub(crate) fn embed(&self, tokens: &[u32]) -> ModelResult<Tensor> {
+        let ids = Tensor::new(tokens, &self.device)?;
+        Ok(self.embed_tokens.index_select(&ids, 0)?)
+    }
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn mode(&self) -> OpsMode {
+        self.mode
     }
 
     pub fn config(&self) -> &DFlashConfig {

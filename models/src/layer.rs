@@ -110,6 +110,97 @@ impl DecoderLayer {
         })
     }
 
+    /// A layer from already-materialised tensors (a trainer's parameters, for instance). `get`
+    /// receives each tensor's name relative to the layer prefix (see [`Self::TENSOR_NAMES`]) and
+    /// the shape `cfg` implies, and returns the tensor or an error naming it.
+    pub fn from_tensors(
+        cfg: &Qwen3Config,
+        mode: OpsMode,
+        mut get: impl FnMut(&str, &[usize]) -> ModelResult<Tensor>,
+    ) -> ModelResult<Self> {
+        let h = cfg.hidden_size;
+        let (nh, nkv, d, i) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        );
+        Ok(Self {
+            input_layernorm: get("input_layernorm.weight", &[h])?,
+            post_attention_layernorm: get("post_attention_layernorm.weight", &[h])?,
+            q_proj: get("self_attn.q_proj.weight", &[nh * d, h])?,
+            k_proj: get("self_attn.k_proj.weight", &[nkv * d, h])?,
+            v_proj: get("self_attn.v_proj.weight", &[nkv * d, h])?,
+            o_proj: get("self_attn.o_proj.weight", &[h, nh * d])?,
+            q_norm: get("self_attn.q_norm.weight", &[d])?,
+            k_norm: get("self_attn.k_norm.weight", &[d])?,
+            gate_proj: get("mlp.gate_proj.weight", &[i, h])?,
+            up_proj: get("mlp.up_proj.weight", &[i, h])?,
+            down_proj: get("mlp.down_proj.weight", &[h, i])?,
+            eps: cfg.rms_norm_eps,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: d,
+            mode,
+        })
+    }
+
+    /// The checkpoint names of a layer's tensors, relative to its prefix (HF / z-lab naming).
+    pub const TENSOR_NAMES: [&'static str; 11] = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ];
+
+    /// The shape `cfg` implies for each of [`Self::TENSOR_NAMES`], in the same order.
+    pub fn tensor_shapes(cfg: &Qwen3Config) -> [Vec<usize>; 11] {
+        let h = cfg.hidden_size;
+        let (nh, nkv, d, i) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        );
+        [
+            vec![h],
+            vec![h],
+            vec![nh * d, h],
+            vec![nkv * d, h],
+            vec![nkv * d, h],
+            vec![h, nh * d],
+            vec![d],
+            vec![d],
+            vec![i, h],
+            vec![i, h],
+            vec![h, i],
+        ]
+    }
+
+    /// This layer's tensors in [`Self::TENSOR_NAMES`] order.
+    pub fn tensors(&self) -> [&Tensor; 11] {
+        [
+            &self.input_layernorm,
+            &self.post_attention_layernorm,
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.o_proj,
+            &self.q_norm,
+            &self.k_norm,
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+        ]
+    }
+
     pub fn input_norm(&self, x: &Tensor) -> Result<Tensor> {
         rms_norm(x, &self.input_layernorm, self.eps, self.mode)
     }

@@ -7,6 +7,7 @@
 
 pub mod attention;
 pub mod dflash;
+pub mod dflash_train;
 pub mod error;
 pub mod kv_cache;
 pub mod layer;
@@ -17,7 +18,8 @@ pub mod rope;
 pub mod spec;
 
 pub use attention::AttnPattern;
-pub use dflash::{DFlashDrafter, DraftInput};
+pub use dflash::{DFlashDrafter, DraftInput, TargetEmbeddingsAndHead};
+pub use dflash_train::TrainSequence;
 pub use error::{ModelError, ModelResult};
 pub use kv_cache::SequenceCache;
 pub use ops::OpsMode;

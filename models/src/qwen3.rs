@@ -120,7 +120,14 @@ impl Qwen3Model {
         max_positions: usize,
         mode: OpsMode,
     ) -> ModelResult<Self> {
-        Self::random_with(cfg, &mut WeightRng::new(seed), dtype, device, max_positions, mode)
+        Self::random_with(
+            cfg,
+            &mut WeightRng::new(seed),
+            dtype,
+            device,
+            max_positions,
+            mode,
+        )
     }
 
     /// As [`Self::random`], drawing from `rng` ([`WeightRng::on_device`] for 8B shapes).

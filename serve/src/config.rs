@@ -14,6 +14,8 @@ pub const SPEC_DEFAULT_MAX_RUNNING: usize = 48;
 pub const PLAIN_DEFAULT_MAX_RUNNING: usize = 64;
 /// Where the bundled demo model lives, relative to the serve crate or the executable.
 pub const DEMO_MODEL_DIR: &str = "assets/tiny-coder-demo";
+/// The demo's DFlash drafter, beside the demo target; used unless speculation is turned off.
+pub const DEMO_DRAFTER_DIR: &str = "tiny-coder-demo-dflash";
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ConfigError {
@@ -185,13 +187,21 @@ fn warn_no_effect(args: &Args) {
     }
 }
 
-fn speculative(args: &Args, model_path: &str) -> Result<Option<SpeculativeConfig>, ConfigError> {
+fn speculative(
+    args: &Args,
+    model_path: &str,
+    demo_drafter: Option<&Path>,
+) -> Result<Option<SpeculativeConfig>, ConfigError> {
     let algo = args
         .speculative_algorithm
         .as_deref()
         .map(str::to_ascii_uppercase);
     let enabled = match algo.as_deref() {
-        None => args.speculative_draft_model_path.is_some() || args.drafter.is_some(),
+        None => {
+            args.speculative_draft_model_path.is_some()
+                || args.drafter.is_some()
+                || demo_drafter.is_some()
+        }
         Some("DFLASH") => true,
         Some("NONE") => false,
         Some(other) => {
@@ -221,6 +231,9 @@ fn speculative(args: &Args, model_path: &str) -> Result<Option<SpeculativeConfig
                 reason: format!("needs --model-path to be a Hugging Face repo id like Qwen/Qwen3-8B (given `{model_path}`); pass --speculative-draft-model-path DIR instead"),
             })?,
         },
+        (None, None) if demo_drafter.is_some() => {
+            DraftSource::Path(demo_drafter.map(|d| d.display().to_string()).unwrap_or_default())
+        }
         (None, None) => {
             return Err(ConfigError::BadValue {
                 flag: "--speculative-algorithm",
@@ -314,7 +327,13 @@ impl ServeConfig {
             Some(p) => p.clone(),
             None => find_demo_model()?.display().to_string(),
         };
-        let speculative = speculative(args, &model_path)?;
+        // With no --model-path the bundled demo pair is served: target plus its drafter.
+        let demo_drafter = args
+            .model_path
+            .is_none()
+            .then(|| Path::new(&model_path).with_file_name(DEMO_DRAFTER_DIR))
+            .filter(|d| d.join("config.json").is_file());
+        let speculative = speculative(args, &model_path, demo_drafter.as_deref())?;
         let device = parse_device(&args.device)?;
         if let Some(0) = args.context_length {
             return Err(ConfigError::BadValue {

@@ -24,7 +24,15 @@ fn no_arguments_serve_the_bundled_demo_on_cpu() {
     assert_eq!(c.device, DeviceSpec::Cpu);
     assert_eq!(c.dtype, DType::Auto);
     assert_eq!(c.served_model_name, "tiny-coder-demo");
-    assert!(c.speculative.is_none());
+    // The demo pair: the bundled drafter speculates unless told not to.
+    let spec = c.speculative.expect("the bundled demo drafter is used");
+    assert!(
+        matches!(&spec.draft, DraftSource::Path(p) if p.ends_with("tiny-coder-demo-dflash")),
+        "{:?}",
+        spec.draft
+    );
+    let plain = config(&["--speculative-algorithm", "NONE"]).expect("plain");
+    assert!(plain.speculative.is_none());
 }
 
 #[test]
@@ -89,7 +97,13 @@ fn other_speculative_algorithms_are_refused_by_name() {
 
 #[test]
 fn dflash_without_a_drafter_is_refused() {
-    let err = config(&["--speculative-algorithm", "DFLASH"]).expect_err("refused");
+    let err = config(&[
+        "--model-path",
+        "Qwen/Qwen3-8B",
+        "--speculative-algorithm",
+        "DFLASH",
+    ])
+    .expect_err("refused");
     assert!(err.to_string().contains("needs a drafter"), "{err}");
 }
 

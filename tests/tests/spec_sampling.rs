@@ -15,15 +15,28 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Device};
-use dflash_models::spec::{Algorithm, Engine, EngineConfig, GenerationRequest, Noise, OracleProposer, Proposer, SamplingParams};
+use dflash_models::spec::{
+    Algorithm, Engine, EngineConfig, GenerationRequest, Noise, OracleProposer, Proposer,
+    SamplingParams,
+};
 use dflash_models::{OpsMode, Qwen3Model};
 use dflash_tests::{demo_model, greedy_cases};
 
 const SAMPLES: usize = 800;
 const NEW: usize = 4;
 
-fn sample_all(t: &Qwen3Model, proposer: Option<Box<dyn Proposer>>, algorithm: Algorithm, seed_base: u64) -> (Vec<Vec<u32>>, usize) {
-    let cfg = EngineConfig { max_context: 512, max_ddtree_budget: 64, eos_token_ids: vec![8188, 8186], seed: 0 };
+fn sample_all(
+    t: &Qwen3Model,
+    proposer: Option<Box<dyn Proposer>>,
+    algorithm: Algorithm,
+    seed_base: u64,
+) -> (Vec<Vec<u32>>, usize) {
+    let cfg = EngineConfig {
+        max_context: 512,
+        max_ddtree_budget: 64,
+        eos_token_ids: vec![8188, 8186],
+        seed: 0,
+    };
     let mut e = Engine::new(t.clone(), proposer, cfg);
     let prompt = greedy_cases("tiny-coder-demo")[0].input_ids.clone();
     let mut out = Vec::with_capacity(SAMPLES);
@@ -31,9 +44,21 @@ fn sample_all(t: &Qwen3Model, proposer: Option<Box<dyn Proposer>>, algorithm: Al
     for chunk in 0..SAMPLES / 100 {
         let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
         for i in 0..100 {
-            let sampling = SamplingParams { temperature: 0.8, top_k: 6, seed: Some(seed_base + (chunk * 100 + i) as u64), ..SamplingParams::default() };
+            let sampling = SamplingParams {
+                temperature: 0.8,
+                top_k: 6,
+                seed: Some(seed_base + (chunk * 100 + i) as u64),
+                ..SamplingParams::default()
+            };
             let id = e
-                .add(GenerationRequest { prompt: prompt.clone(), max_new_tokens: NEW, sampling, stop_token_ids: vec![], ignore_eos: true, algorithm })
+                .add(GenerationRequest {
+                    prompt: prompt.clone(),
+                    max_new_tokens: NEW,
+                    sampling,
+                    stop_token_ids: vec![],
+                    ignore_eos: true,
+                    algorithm,
+                })
                 .unwrap();
             got.insert(id, Vec::new());
         }
@@ -79,18 +104,40 @@ fn two_sample_chi2<K: std::hash::Hash + Eq + Clone>(a: &[K], b: &[K]) -> (f64, u
         cells.push(other);
     }
     let (na, nb) = (a.len() as f64, b.len() as f64);
-    let stat = cells.iter().map(|&(x, y)| (x * (nb / na).sqrt() - y * (na / nb).sqrt()).powi(2) / (x + y)).sum();
+    let stat = cells
+        .iter()
+        .map(|&(x, y)| (x * (nb / na).sqrt() - y * (na / nb).sqrt()).powi(2) / (x + y))
+        .sum();
     (stat, cells.len().saturating_sub(1).max(1))
 }
 
 #[test]
 fn speculative_sampling_matches_plain_sampling_distribution() {
-    let t = Qwen3Model::load(&demo_model(), DType::F32, &Device::Cpu, 1024, OpsMode::Fused).unwrap();
+    let t = Qwen3Model::load(
+        &demo_model(),
+        DType::F32,
+        &Device::Cpu,
+        1024,
+        OpsMode::Fused,
+    )
+    .unwrap();
     let (plain, _) = sample_all(&t, None, Algorithm::Plain, 1_000_000);
-    let (chain, chain_accepted) = sample_all(&t, Some(Box::new(OracleProposer::new(t.clone(), 3, None))), Algorithm::Chain, 2_000_000);
+    let (chain, chain_accepted) = sample_all(
+        &t,
+        Some(Box::new(OracleProposer::new(t.clone(), 3, None))),
+        Algorithm::Chain,
+        2_000_000,
+    );
     let (tree, tree_accepted) = sample_all(
         &t,
-        Some(Box::new(OracleProposer::new(t.clone(), 3, Some(Noise { corrupt_prob: 0.4, seed: 5 })))),
+        Some(Box::new(OracleProposer::new(
+            t.clone(),
+            3,
+            Some(Noise {
+                corrupt_prob: 0.4,
+                seed: 5,
+            }),
+        ))),
         Algorithm::DDTree { budget: 8 },
         3_000_000,
     );
@@ -99,16 +146,28 @@ fn speculative_sampling_matches_plain_sampling_distribution() {
             let a: Vec<u32> = plain.iter().map(|s| s[pos]).collect();
             let b: Vec<u32> = spec.iter().map(|s| s[pos]).collect();
             let (stat, df) = two_sample_chi2(&a, &b);
-            assert!(stat < chi2_bound(df), "{name}: token {} distribution differs: chi2 {stat:.1} > bound {:.1} (df {df})", pos + 1, chi2_bound(df));
+            assert!(
+                stat < chi2_bound(df),
+                "{name}: token {} distribution differs: chi2 {stat:.1} > bound {:.1} (df {df})",
+                pos + 1,
+                chi2_bound(df)
+            );
         }
         let a: Vec<(u32, u32)> = plain.iter().map(|s| (s[1], s[2])).collect();
         let b: Vec<(u32, u32)> = spec.iter().map(|s| (s[1], s[2])).collect();
         let (stat, df) = two_sample_chi2(&a, &b);
-        assert!(stat < chi2_bound(df), "{name}: joint (2,3) differs: chi2 {stat:.1} > {:.1} (df {df})", chi2_bound(df));
+        assert!(
+            stat < chi2_bound(df),
+            "{name}: joint (2,3) differs: chi2 {stat:.1} > {:.1} (df {df})",
+            chi2_bound(df)
+        );
     }
     // The test has power: the walk, not the prefill, decides most tokens (drafts are accepted
     // often: at least 1 of the 3 later tokens per sample on average), and sampling does vary.
-    assert!(chain_accepted >= SAMPLES && tree_accepted >= SAMPLES, "accepted drafts: chain {chain_accepted}, tree {tree_accepted}");
+    assert!(
+        chain_accepted >= SAMPLES && tree_accepted >= SAMPLES,
+        "accepted drafts: chain {chain_accepted}, tree {tree_accepted}"
+    );
     let second: std::collections::HashSet<u32> = plain.iter().map(|s| s[1]).collect();
     assert!(second.len() > 1, "sampling must vary");
 }

@@ -400,7 +400,8 @@ impl Engine {
                         || DraftTree::root_only(bonus),
                         |p| {
                             let depths = p.depths().min(depth_cap);
-                            let capped = TopK::new((0..depths).map(|d| p.row(d).to_vec()).collect());
+                            let capped =
+                                TopK::new((0..depths).map(|d| p.row(d).to_vec()).collect());
                             build_ddtree(bonus, &capped, budget)
                         },
                     ),

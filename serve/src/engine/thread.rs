@@ -350,7 +350,7 @@ impl<E: StepEngine> Worker<E> {
             }
         };
         let (mut tokens, mut spec_tokens, mut rounds, mut accepted) = (0u64, 0u64, 0u64, 0u64);
-        for ev in events {
+        for ev in &events {
             let n = ev.tokens.len() as u64;
             tokens += n;
             if ev.verify_rounds > 0 {
@@ -358,23 +358,8 @@ impl<E: StepEngine> Worker<E> {
                 rounds += ev.verify_rounds as u64;
                 accepted += ev.accepted_drafts as u64;
             }
-            let Some(tx) = self.running.get(&ev.id) else {
-                continue;
-            };
-            let finished = ev.finished.is_some();
-            let sent = tx.send(SeqUpdate::Step {
-                tokens: ev.tokens,
-                finished: ev.finished,
-                accepted_drafts: ev.accepted_drafts,
-                verify_rounds: ev.verify_rounds,
-            });
-            if finished {
-                self.running.remove(&ev.id);
-            } else if sent.is_err() {
-                self.engine.remove(ev.id);
-                self.running.remove(&ev.id);
-            }
         }
+        // Counters first: a client that reads /metrics right after its last token must see them.
         self.metrics.verify_calls(rounds as usize);
         self.stats.update(|s| {
             s.steps += 1;
@@ -383,6 +368,32 @@ impl<E: StepEngine> Worker<E> {
             s.verify_rounds += rounds;
             s.accepted_drafts += accepted;
         });
+        // Finished sequences leave `running` and the gauges are published before any client
+        // hears its last token, so /metrics read right after a response is already current.
+        let mut outgoing = Vec::with_capacity(events.len());
+        for ev in events {
+            let Some(tx) = self.running.get(&ev.id).cloned() else {
+                continue;
+            };
+            if ev.finished.is_some() {
+                self.running.remove(&ev.id);
+            }
+            outgoing.push((tx, ev));
+        }
+        self.publish_state();
+        for (tx, ev) in outgoing {
+            let (id, finished) = (ev.id, ev.finished.is_some());
+            let sent = tx.send(SeqUpdate::Step {
+                tokens: ev.tokens,
+                finished: ev.finished,
+                accepted_drafts: ev.accepted_drafts,
+                verify_rounds: ev.verify_rounds,
+            });
+            if !finished && sent.is_err() {
+                self.engine.remove(id);
+                self.running.remove(&id);
+            }
+        }
         let w = &mut self.window;
         w.steps += 1;
         w.tokens += tokens;

@@ -13,45 +13,103 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use dflash_common::{DFlashConfig, LayerType, Qwen3Config, RopeScaling};
 use dflash_models::random::WeightRng;
-use dflash_models::spec::{Algorithm, Engine, EngineConfig, GenerationRequest, OracleProposer, SamplingParams};
-use dflash_models::{AttnPattern, DFlashDrafter, DraftInput, OpsMode, Qwen3Model, SeqForward, SequenceCache};
+use dflash_models::spec::{
+    Algorithm, Engine, EngineConfig, GenerationRequest, OracleProposer, SamplingParams,
+};
+use dflash_models::{
+    AttnPattern, DFlashDrafter, DraftInput, OpsMode, Qwen3Model, SeqForward, SequenceCache,
+};
 use dflash_tests::{demo_model, fixture, greedy_cases, load_expected, max_abs_diff};
 use serde_json::{json, Value};
 
 fn ids(t: &Tensor) -> Vec<u32> {
-    t.flatten_all().unwrap().to_dtype(DType::I64).unwrap().to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect()
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::I64)
+        .unwrap()
+        .to_vec1::<i64>()
+        .unwrap()
+        .iter()
+        .map(|&x| x as u32)
+        .collect()
 }
 
 fn parity(dev: &Device, dtype: DType) -> Result<Value> {
-    let target = Qwen3Model::load(&fixture("qwen3-tiny-random"), dtype, dev, 64, OpsMode::Fused)?;
+    let target = Qwen3Model::load(
+        &fixture("qwen3-tiny-random"),
+        dtype,
+        dev,
+        64,
+        OpsMode::Fused,
+    )?;
     let exp = load_expected("qwen3-tiny-random");
     let tokens = ids(&exp["input_ids"]);
     let pos: Vec<u32> = (0..12).collect();
     let rows: Vec<usize> = (0..12).collect();
     let mut cache = target.new_cache(64)?;
-    let out = target.forward(&mut [SeqForward { cache: &mut cache, tokens: &tokens, positions: &pos, pattern: &AttnPattern::Causal, logit_rows: &rows }], &[0, 1])?;
+    let out = target.forward(
+        &mut [SeqForward {
+            cache: &mut cache,
+            tokens: &tokens,
+            positions: &pos,
+            pattern: &AttnPattern::Causal,
+            logit_rows: &rows,
+        }],
+        &[0, 1],
+    )?;
     let logits_err = max_abs_diff(&out.logits.context("logits")?, &exp["logits"].squeeze(0)?);
     let taps = out.taps.context("taps")?;
     let lo = &exp["layer_outputs"];
-    let taps_err = max_abs_diff(&taps.narrow(1, 0, 64)?, &lo.get(0)?.squeeze(0)?).max(max_abs_diff(&taps.narrow(1, 64, 64)?, &lo.get(1)?.squeeze(0)?));
+    let taps_err = max_abs_diff(&taps.narrow(1, 0, 64)?, &lo.get(0)?.squeeze(0)?).max(
+        max_abs_diff(&taps.narrow(1, 64, 64)?, &lo.get(1)?.squeeze(0)?),
+    );
     let drafter = DFlashDrafter::load(&fixture("dflash-tiny-random"), &target, OpsMode::Fused)?;
     let dexp = load_expected("dflash-tiny-random");
     let mut dcache = drafter.new_cache(64)?;
     let th = dexp["target_hidden"].squeeze(0)?.to_device(dev)?;
     let block = ids(&dexp["block_input_ids"]);
-    let hidden = drafter.forward(&mut [DraftInput { cache: &mut dcache, context: Some(&th), block: &block }])?;
+    let hidden = drafter.forward(&mut [DraftInput {
+        cache: &mut dcache,
+        context: Some(&th),
+        block: &block,
+    }])?;
     let draft_err = max_abs_diff(&drafter.lm_head(&hidden)?, &dexp["logits"].squeeze(0)?);
-    Ok(json!({"dtype": format!("{dtype:?}"), "target_logits_max_abs_err": logits_err, "target_taps_max_abs_err": taps_err, "drafter_logits_max_abs_err": draft_err}))
+    Ok(
+        json!({"dtype": format!("{dtype:?}"), "target_logits_max_abs_err": logits_err, "target_taps_max_abs_err": taps_err, "drafter_logits_max_abs_err": draft_err}),
+    )
 }
 
 fn greedy(dev: &Device, dtype: DType) -> Result<Value> {
     let target = Qwen3Model::load(&demo_model(), dtype, dev, 1024, OpsMode::Fused)?;
-    let cfg = EngineConfig { max_context: 512, max_ddtree_budget: 256, eos_token_ids: vec![8188, 8186], seed: 0 };
+    let cfg = EngineConfig {
+        max_context: 512,
+        max_ddtree_budget: 256,
+        eos_token_ids: vec![8188, 8186],
+        seed: 0,
+    };
     let mut plain = Engine::new(target.clone(), None, cfg.clone());
-    let mut tree = Engine::new(target.clone(), Some(Box::new(OracleProposer::new(target.clone(), 15, Some(dflash_models::spec::Noise { corrupt_prob: 0.3, seed: 3 })))), cfg);
+    let mut tree = Engine::new(
+        target.clone(),
+        Some(Box::new(OracleProposer::new(
+            target.clone(),
+            15,
+            Some(dflash_models::spec::Noise {
+                corrupt_prob: 0.3,
+                seed: 3,
+            }),
+        ))),
+        cfg,
+    );
     let (mut exact, mut spec_same, mut first_div) = (0, 0, Vec::new());
     for c in greedy_cases("tiny-coder-demo") {
-        let req = |algorithm| GenerationRequest { prompt: c.input_ids.clone(), max_new_tokens: 48, sampling: SamplingParams::greedy(), stop_token_ids: vec![], ignore_eos: false, algorithm };
+        let req = |algorithm| GenerationRequest {
+            prompt: c.input_ids.clone(),
+            max_new_tokens: 48,
+            sampling: SamplingParams::greedy(),
+            stop_token_ids: vec![],
+            ignore_eos: false,
+            algorithm,
+        };
         let (p, _) = plain.generate(req(Algorithm::Plain))?;
         let (t, _) = tree.generate(req(Algorithm::DDTree { budget: 64 }))?;
         if p == c.output_ids {
@@ -60,9 +118,16 @@ fn greedy(dev: &Device, dtype: DType) -> Result<Value> {
         if t == p {
             spec_same += 1;
         }
-        first_div.push(p.iter().zip(&c.output_ids).position(|(a, b)| a != b).unwrap_or(48));
+        first_div.push(
+            p.iter()
+                .zip(&c.output_ids)
+                .position(|(a, b)| a != b)
+                .unwrap_or(48),
+        );
     }
-    Ok(json!({"dtype": format!("{dtype:?}"), "prompts": 10, "plain_equal_to_transformers_fp32": exact, "ddtree64_equal_to_plain": spec_same, "first_divergence_from_fp32": first_div}))
+    Ok(
+        json!({"dtype": format!("{dtype:?}"), "prompts": 10, "plain_equal_to_transformers_fp32": exact, "ddtree64_equal_to_plain": spec_same, "first_divergence_from_fp32": first_div}),
+    )
 }
 
 fn qwen3_8b() -> Qwen3Config {
@@ -105,17 +170,34 @@ fn forward_n(m: &Qwen3Model, cache: &mut SequenceCache, n: usize, tree: bool) ->
     let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % 151936).collect();
     let (positions, pattern) = if tree {
         // a binary-ish tree: node i's parent is (i-1)/2
-        let parents: Vec<Option<usize>> = (0..n).map(|i| if i == 0 { None } else { Some((i - 1) / 2) }).collect();
+        let parents: Vec<Option<usize>> = (0..n)
+            .map(|i| if i == 0 { None } else { Some((i - 1) / 2) })
+            .collect();
         let mut depth = vec![0u32; n];
         for i in 1..n {
             depth[i] = depth[(i - 1) / 2] + 1;
         }
-        (depth.iter().map(|d| start as u32 + d).collect::<Vec<_>>(), AttnPattern::Tree { parents })
+        (
+            depth.iter().map(|d| start as u32 + d).collect::<Vec<_>>(),
+            AttnPattern::Tree { parents },
+        )
     } else {
-        ((start as u32..(start + n) as u32).collect(), AttnPattern::Causal)
+        (
+            (start as u32..(start + n) as u32).collect(),
+            AttnPattern::Causal,
+        )
     };
     let rows: Vec<usize> = (0..n).collect();
-    m.forward(&mut [SeqForward { cache, tokens: &tokens, positions: &positions, pattern: &pattern, logit_rows: &rows }], &[])?;
+    m.forward(
+        &mut [SeqForward {
+            cache,
+            tokens: &tokens,
+            positions: &positions,
+            pattern: &pattern,
+            logit_rows: &rows,
+        }],
+        &[],
+    )?;
     cache.truncate(start)?;
     Ok(())
 }
@@ -134,7 +216,14 @@ fn bench(dev: &Device) -> Result<Value> {
     drop(buf);
     let cfg = qwen3_8b();
     let t0 = Instant::now();
-    let m = Qwen3Model::random_with(cfg.clone(), &mut WeightRng::on_device(), DType::BF16, dev, 8192, OpsMode::Fused)?;
+    let m = Qwen3Model::random_with(
+        cfg.clone(),
+        &mut WeightRng::on_device(),
+        DType::BF16,
+        dev,
+        8192,
+        OpsMode::Fused,
+    )?;
     dev.synchronize()?;
     let init_s = t0.elapsed().as_secs_f64();
     let (h, i, l, v) = (4096f64, 12288f64, 36f64, 151936f64);
@@ -146,24 +235,50 @@ fn bench(dev: &Device) -> Result<Value> {
     let prompt: Vec<u32> = (0..1024u32).map(|i| (i * 31) % 151936).collect();
     let pos: Vec<u32> = (0..1024).collect();
     let t = Instant::now();
-    m.forward(&mut [SeqForward { cache: &mut cache, tokens: &prompt, positions: &pos, pattern: &AttnPattern::Causal, logit_rows: &[1023] }], &[])?;
+    m.forward(
+        &mut [SeqForward {
+            cache: &mut cache,
+            tokens: &prompt,
+            positions: &pos,
+            pattern: &AttnPattern::Causal,
+            logit_rows: &[1023],
+        }],
+        &[],
+    )?;
     dev.synchronize()?;
     let prefill_1k_ms = t.elapsed().as_secs_f64() * 1e3;
     let mut res = serde_json::Map::new();
-    for (name, n, tree) in [("decode_1", 1, false), ("verify_causal_16", 16, false), ("verify_tree_64", 64, true), ("verify_causal_64", 64, false), ("verify_tree_256", 256, true)] {
+    for (name, n, tree) in [
+        ("decode_1", 1, false),
+        ("verify_causal_16", 16, false),
+        ("verify_tree_64", 64, true),
+        ("verify_causal_64", 64, false),
+        ("verify_tree_256", 256, true),
+    ] {
         let ms = time_ms(dev, 10, || forward_n(&m, &mut cache, n, tree))?;
         res.insert(format!("{name}_ms_at_1k"), json!(ms));
     }
     let decode_ms = res["decode_1_ms_at_1k"].as_f64().unwrap_or(f64::NAN);
     // Drafter: Qwen3-8B-DFlash-b16 shape, 16-token block over 1K of context.
     let dcfg = DFlashConfig::for_target(&cfg, 5, 16, 151669, None);
-    let drafter = DFlashDrafter::random_with(dcfg, &m, &mut WeightRng::on_device(), OpsMode::Fused)?;
+    let drafter =
+        DFlashDrafter::random_with(dcfg, &m, &mut WeightRng::on_device(), OpsMode::Fused)?;
     let mut dc = drafter.new_cache(8192)?;
     let feats = Tensor::randn(0f32, 1.0, (1024, 5 * 4096), dev)?.to_dtype(DType::BF16)?;
-    let block: Vec<u32> = std::iter::once(5u32).chain(std::iter::repeat(151669).take(15)).collect();
-    drafter.forward(&mut [DraftInput { cache: &mut dc, context: Some(&feats), block: &block }])?;
+    let block: Vec<u32> = std::iter::once(5u32)
+        .chain(std::iter::repeat(151669).take(15))
+        .collect();
+    drafter.forward(&mut [DraftInput {
+        cache: &mut dc,
+        context: Some(&feats),
+        block: &block,
+    }])?;
     let draft_ms = time_ms(dev, 10, || {
-        drafter.draft_logits(&mut [DraftInput { cache: &mut dc, context: None, block: &block }])?;
+        drafter.draft_logits(&mut [DraftInput {
+            cache: &mut dc,
+            context: None,
+            block: &block,
+        }])?;
         Ok(())
     })?;
     // Prefill of 4096 tokens.
@@ -171,14 +286,29 @@ fn bench(dev: &Device) -> Result<Value> {
     let p4: Vec<u32> = (0..4096u32).map(|i| (i * 17) % 151936).collect();
     let pos4: Vec<u32> = (0..4096).collect();
     let t = Instant::now();
-    m.forward(&mut [SeqForward { cache: &mut c2, tokens: &p4, positions: &pos4, pattern: &AttnPattern::Causal, logit_rows: &[4095] }], &[])?;
+    m.forward(
+        &mut [SeqForward {
+            cache: &mut c2,
+            tokens: &p4,
+            positions: &pos4,
+            pattern: &AttnPattern::Causal,
+            logit_rows: &[4095],
+        }],
+        &[],
+    )?;
     dev.synchronize()?;
     let prefill_4k_s = t.elapsed().as_secs_f64();
     res.insert("copy_bandwidth_GBps".into(), json!(bw / 1e9));
     res.insert("weights_init_s".into(), json!(init_s));
-    res.insert("decode_bytes_per_step_GB".into(), json!((step_bytes + kv_bytes_1k) / 1e9));
+    res.insert(
+        "decode_bytes_per_step_GB".into(),
+        json!((step_bytes + kv_bytes_1k) / 1e9),
+    );
     res.insert("decode_roofline_ms_at_1k".into(), json!(roofline_ms));
-    res.insert("decode_fraction_of_roofline".into(), json!(roofline_ms / decode_ms));
+    res.insert(
+        "decode_fraction_of_roofline".into(),
+        json!(roofline_ms / decode_ms),
+    );
     res.insert("decode_tok_per_s_at_1k".into(), json!(1e3 / decode_ms));
     res.insert("prefill_1k_ms".into(), json!(prefill_1k_ms));
     res.insert("prefill_4k_tok_per_s".into(), json!(4096.0 / prefill_4k_s));

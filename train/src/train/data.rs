@@ -1,0 +1,214 @@
+//! Chat datasets: JSONL (`{"messages": [...]}` per line), plain or `.xz`, rendered with the
+//! target's chat template and tokenized, with a loss mask on the final assistant turn.
+//!
+//! The mask follows `shared/fixtures/scripts/tokenize_corpus.py`, which made the tiny targets'
+//! training data: `prompt = template(messages[..last], add_generation_prompt=True)`,
+//! `completion = template(messages)[len(prompt)..]`, both encoded separately (as at inference,
+//! where the prompt is encoded alone) and concatenated; the mask is 1 on the completion except
+//! what follows its last end-of-turn token (the template's trailing newline).
+//!
+//! A line that cannot be used (bad JSON, no final assistant turn, a template error) is skipped
+//! and counted; past `max_bad_lines` the load stops with the file and line.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use dflash_common::chat::{ChatRenderInput, ChatTemplate};
+use dflash_common::tokenizer::Tokenizer;
+use serde_json::Value;
+
+use super::error::{TrainError, TrainResult};
+
+/// One tokenized conversation.
+#[derive(Debug, Clone)]
+pub struct Example {
+    pub tokens: Vec<u32>,
+    /// 1 where the token is supervised (assistant output), per position.
+    pub loss_mask: Vec<u8>,
+}
+
+impl Example {
+    /// Positions usable as anchors: `a >= 1` with `loss_mask[a] = loss_mask[a + 1] = 1`
+    /// (SpecForge v2: the anchor and at least its first label are supervised).
+    pub fn anchor_candidates(&self) -> Vec<usize> {
+        (1..self.tokens.len().saturating_sub(1))
+            .filter(|&a| self.loss_mask[a] == 1 && self.loss_mask[a + 1] == 1)
+            .collect()
+    }
+
+    pub fn supervised(&self) -> usize {
+        self.loss_mask.iter().map(|&m| m as usize).sum()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DataOptions {
+    /// Sequences are cut to this many tokens.
+    pub max_len: usize,
+    /// Sequences with fewer supervised tokens (after the cut) are dropped.
+    pub min_supervised: usize,
+    /// Unreadable lines tolerated across all files before the load stops.
+    pub max_bad_lines: usize,
+    /// Read at most this many records in all (the first ones, in file order).
+    pub max_records: Option<usize>,
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct DataStats {
+    pub records: usize,
+    pub bad_lines: usize,
+    pub too_little_supervision: usize,
+    pub truncated: usize,
+    pub tokens: usize,
+    pub supervised_tokens: usize,
+}
+
+#[derive(Debug)]
+pub struct Dataset {
+    pub examples: Vec<Example>,
+    pub stats: DataStats,
+}
+
+/// Reads a whole dataset file, decompressing `.xz`.
+fn read_text(path: &Path) -> TrainResult<String> {
+    let err = |message: String| TrainError::DatasetRead {
+        path: path.to_path_buf(),
+        message,
+    };
+    let mut raw = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_to_end(&mut raw))
+        .map_err(|e| err(e.to_string()))?;
+    if path.extension().is_some_and(|e| e == "xz") {
+        let mut out = Vec::new();
+        lzma_rs::xz_decompress(&mut raw.as_slice(), &mut out)
+            .map_err(|e| err(format!("not a valid .xz file: {e}")))?;
+        raw = out;
+    }
+    String::from_utf8(raw).map_err(|e| err(format!("not UTF-8: {e}")))
+}
+
+/// Renders and tokenizes one record; the error says what is wrong with the line.
+fn encode_record(
+    line: &str,
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    eos: &[u32],
+) -> Result<Example, String> {
+    let value: Value = serde_json::from_str(line).map_err(|e| format!("not valid JSON: {e}"))?;
+    let messages = value
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or("no `messages` array")?;
+    let last = messages.last().ok_or("`messages` is empty")?;
+    if last.get("role").and_then(Value::as_str) != Some("assistant") {
+        return Err("the last message is not an assistant turn (nothing to supervise)".into());
+    }
+    if messages
+        .iter()
+        .any(|m| m.get("content").and_then(Value::as_str).is_none())
+    {
+        return Err("a message has no string `content`".into());
+    }
+    let render = |msgs: &[Value], gen: bool| {
+        template
+            .render(&ChatRenderInput {
+                messages: msgs,
+                add_generation_prompt: gen,
+                ..Default::default()
+            })
+            .map_err(|e| format!("chat template: {e}"))
+    };
+    let prompt = render(&messages[..messages.len() - 1], true)?;
+    let full = render(messages, false)?;
+    let completion = full.strip_prefix(prompt.as_str()).ok_or(
+        "the rendered conversation does not start with the rendered prompt; this template rewrites earlier turns",
+    )?;
+    let encode = |t: &str| tok.encode(t, false).map_err(|e| e.to_string());
+    let p = encode(&prompt)?;
+    let c = encode(completion)?;
+    let supervised_end = c
+        .iter()
+        .rposition(|t| eos.contains(t))
+        .map_or(c.len(), |i| i + 1);
+    let mut loss_mask = vec![0u8; p.len()];
+    loss_mask.extend((0..c.len()).map(|i| u8::from(i < supervised_end)));
+    let mut tokens = p;
+    tokens.extend(c);
+    Ok(Example { tokens, loss_mask })
+}
+
+/// Loads every file in order. Errors name the file (and line, for bad lines).
+pub fn load_datasets(
+    paths: &[PathBuf],
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    opts: &DataOptions,
+) -> TrainResult<Dataset> {
+    let eos = tok.eos_token_ids().to_vec();
+    let mut stats = DataStats::default();
+    let mut examples = Vec::new();
+    'files: for path in paths {
+        let text = read_text(path)?;
+        for (i, line) in text.lines().enumerate() {
+            if opts.max_records.is_some_and(|m| stats.records >= m) {
+                break 'files;
+            }
+            if line.trim().is_empty() {
+                continue;
+            }
+            match encode_record(line, tok, template, &eos) {
+                Err(message) => {
+                    stats.bad_lines += 1;
+                    if stats.bad_lines > opts.max_bad_lines {
+                        return Err(TrainError::TooManyBadLines {
+                            path: path.clone(),
+                            line: i + 1,
+                            count: stats.bad_lines,
+                            limit: opts.max_bad_lines,
+                            message,
+                        });
+                    }
+                    if stats.bad_lines <= 5 {
+                        tracing::warn!("{}:{}: skipped: {message}", path.display(), i + 1);
+                    }
+                }
+                Ok(mut ex) => {
+                    stats.records += 1;
+                    if ex.tokens.len() > opts.max_len {
+                        stats.truncated += 1;
+                        ex.tokens.truncate(opts.max_len);
+                        ex.loss_mask.truncate(opts.max_len);
+                    }
+                    if ex.supervised() < opts.min_supervised.max(1)
+                        || ex.anchor_candidates().is_empty()
+                    {
+                        stats.too_little_supervision += 1;
+                        continue;
+                    }
+                    stats.tokens += ex.tokens.len();
+                    stats.supervised_tokens += ex.supervised();
+                    examples.push(ex);
+                }
+            }
+        }
+    }
+    if stats.bad_lines > 0 {
+        tracing::warn!("skipped {} unreadable lines", stats.bad_lines);
+    }
+    if examples.is_empty() {
+        let paths = paths
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(TrainError::NoSupervisedTokens {
+            paths,
+            detail: format!(
+                "{} records read ({} unreadable lines); {} had fewer than {} supervised (assistant) tokens after the cut to --max-len {}",
+                stats.records, stats.bad_lines, stats.too_little_supervision, opts.min_supervised.max(1), opts.max_len
+            ),
+        });
+    }
+    Ok(Dataset { examples, stats })
+}

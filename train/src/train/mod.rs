@@ -1,0 +1,258 @@
+//! Drafter training (`dflash-train train`): a frozen target computes tapped hidden states, a
+//! bounded buffer hands mixed-length batches to the trainer, and the trainer fits a DFlash
+//! drafter with the block-diffusion objective of DFLASH.md §3.
+//!
+//! Stages: [`data`] (chat JSONL -> tokens and loss masks), [`plan`] (which sequences form each
+//! batch, deterministically), [`pipeline`] (target workers and the host-RAM buffer), [`loss`]
+//! (anchors, labels, decayed cross-entropy), [`optim`] (AdamW, schedule, clipping),
+//! [`checkpoint`] (z-lab layout plus resume state) and [`trainer`] (the loop). The model math
+//! is `dflash_models`' drafter, run with `OpsMode::Differentiable`.
+
+pub mod checkpoint;
+pub mod data;
+pub mod error;
+pub mod loss;
+pub mod optim;
+pub mod pipeline;
+pub mod plan;
+pub mod setup;
+pub mod trainer;
+
+use std::path::PathBuf;
+use std::str::FromStr;
+
+pub use error::{TrainError, TrainResult};
+pub use trainer::{train, TrainSummary};
+
+/// A device flag value: `cpu`, `cuda:N` or a bare GPU index `N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSpec {
+    Cpu,
+    Cuda(usize),
+}
+
+impl FromStr for DeviceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("cpu") {
+            return Ok(Self::Cpu);
+        }
+        let idx = s.strip_prefix("cuda:").unwrap_or(s);
+        idx.parse()
+            .map(Self::Cuda)
+            .map_err(|_| format!("`{s}` is not a device; use cpu, cuda:N or N"))
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            Self::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl DeviceSpec {
+    pub fn open(&self, flag: &'static str) -> TrainResult<candle_core::Device> {
+        match self {
+            Self::Cpu => Ok(candle_core::Device::Cpu),
+            Self::Cuda(i) => candle_core::Device::new_cuda(*i).map_err(|e| TrainError::Flag {
+                flag,
+                message: format!("cannot open cuda:{i}: {e}"),
+            }),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ComputeDtype {
+    /// f32 on CPU, bf16 on GPU.
+    Auto,
+    F32,
+    Bf16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SaveDtype {
+    Bf16,
+    F32,
+}
+
+/// Flags of `dflash-train train`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TrainArgs {
+    /// Target model directory (Hugging Face Qwen3 checkpoint with tokenizer and chat template).
+    #[arg(long, value_name = "DIR", help_heading = "Models")]
+    pub target_model: PathBuf,
+    /// Resume from a checkpoint directory, or from the newest checkpoint in an output directory.
+    #[arg(long, value_name = "DIR", help_heading = "Models")]
+    pub resume: Option<PathBuf>,
+    /// Start a fresh drafter from this z-lab config.json instead of the shape flags below.
+    #[arg(
+        long,
+        value_name = "FILE",
+        help_heading = "Models",
+        conflicts_with = "resume"
+    )]
+    pub drafter_config: Option<PathBuf>,
+    /// Draft layers of a fresh drafter.
+    #[arg(long, default_value_t = 5, help_heading = "Models")]
+    pub num_draft_layers: usize,
+    /// MLP width of a fresh drafter [default: the target's].
+    #[arg(long, help_heading = "Models")]
+    pub draft_intermediate_size: Option<usize>,
+    /// Block size B: the bonus token plus B-1 drafts.
+    #[arg(long, default_value_t = 16, help_heading = "Models")]
+    pub block_size: usize,
+    /// Mask token id [default: the tokenizer's `<|MASK|>`].
+    #[arg(long, help_heading = "Models")]
+    pub mask_token_id: Option<u32>,
+    /// Warm start (not the published recipe): draft layer i copies target layer N_i, e.g. 0,1,
+    /// and the final norm copies the target's; fc and hidden_norm stay fresh.
+    #[arg(long, value_delimiter = ',', help_heading = "Models")]
+    pub init_from_target_layers: Option<Vec<usize>>,
+    /// Target layers whose outputs feed the drafter, e.g. 1,2 [default: the z-lab rule].
+    #[arg(long, value_delimiter = ',', help_heading = "Models")]
+    pub target_layer_ids: Option<Vec<usize>>,
+
+    /// JSONL chat datasets ({"messages": [...]} per line), plain or .xz; repeat or comma-separate.
+    #[arg(
+        long = "dataset",
+        value_name = "FILE",
+        required = true,
+        value_delimiter = ',',
+        help_heading = "Data"
+    )]
+    pub datasets: Vec<PathBuf>,
+    /// Sequences are cut to this many tokens.
+    #[arg(long, default_value_t = 3072, help_heading = "Data")]
+    pub max_len: usize,
+    /// Drop sequences with fewer supervised tokens [default: 2 x block size].
+    #[arg(long, help_heading = "Data")]
+    pub min_supervised: Option<usize>,
+    /// Use only the first N records.
+    #[arg(long, help_heading = "Data")]
+    pub max_records: Option<usize>,
+    /// Unreadable dataset lines tolerated (skipped and counted) before the run stops.
+    #[arg(long, default_value_t = 100, help_heading = "Data")]
+    pub max_bad_lines: usize,
+
+    /// Anchors (blocks) per sequence.
+    #[arg(long, default_value_t = 512, help_heading = "Objective")]
+    pub num_anchors: usize,
+    /// Loss decay gamma in exp(-(k-1)/gamma) [default: 7 for B=16, scaled for other B].
+    #[arg(long, help_heading = "Objective")]
+    pub loss_gamma: Option<f64>,
+
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 4, help_heading = "Optimisation")]
+    pub batch_size: usize,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1, help_heading = "Optimisation")]
+    pub grad_accum: usize,
+    /// Passes over the data (ignored when --max-steps is given).
+    #[arg(long, default_value_t = 6, help_heading = "Optimisation")]
+    pub epochs: usize,
+    /// Optimizer steps in the run (the schedule spans them).
+    #[arg(long, help_heading = "Optimisation")]
+    pub max_steps: Option<usize>,
+    /// Stop after this many steps with a checkpoint, schedule unchanged (resume continues).
+    #[arg(long, help_heading = "Optimisation")]
+    pub stop_after_steps: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 6e-4, help_heading = "Optimisation")]
+    pub lr: f64,
+    /// Fraction of the steps spent in linear warmup before the cosine decay.
+    #[arg(long, default_value_t = 0.04, help_heading = "Optimisation")]
+    pub warmup_ratio: f64,
+    #[arg(long, default_value_t = 0.0, help_heading = "Optimisation")]
+    pub weight_decay: f64,
+    /// Global gradient-norm clip.
+    #[arg(long, default_value_t = 1.0, help_heading = "Optimisation")]
+    pub grad_clip: f64,
+    /// Seed of the initialisation, the shuffles and the anchors.
+    #[arg(long, default_value_t = 0, help_heading = "Optimisation")]
+    pub seed: u64,
+    /// Non-finite steps in a row (skipped) after which the run stops.
+    #[arg(long, default_value_t = 10, help_heading = "Optimisation")]
+    pub max_nonfinite_steps: usize,
+
+    /// Devices running the frozen target, one worker each: cpu, cuda:N or N (comma-separated).
+    #[arg(
+        long,
+        default_value = "cpu",
+        value_delimiter = ',',
+        help_heading = "Pipeline"
+    )]
+    pub target_devices: Vec<DeviceSpec>,
+    /// Device training the drafter.
+    #[arg(long, default_value = "cpu", help_heading = "Pipeline")]
+    pub drafter_device: DeviceSpec,
+    /// Drafter compute dtype (master weights and moments are always f32).
+    #[arg(long, value_enum, default_value_t = ComputeDtype::Auto, help_heading = "Pipeline")]
+    pub compute_dtype: ComputeDtype,
+    /// Sequences the length-bucket buffer holds before it releases a batch.
+    #[arg(long, default_value_t = 30, help_heading = "Pipeline")]
+    pub min_ready: usize,
+    /// Computed sequences held in host RAM at most (backpressure on the target workers).
+    #[arg(long, default_value_t = 90, help_heading = "Pipeline")]
+    pub max_depth: usize,
+    /// Width of a length bucket, in tokens.
+    #[arg(long, default_value_t = 256, help_heading = "Pipeline")]
+    pub bucket_width: usize,
+
+    /// Checkpoints and the final drafter go here.
+    #[arg(long, value_name = "DIR", help_heading = "Output")]
+    pub output_dir: PathBuf,
+    /// Write a checkpoint every N steps (and at the end).
+    #[arg(long, default_value_t = 500, help_heading = "Output")]
+    pub save_every: usize,
+    /// Checkpoints kept (oldest removed first).
+    #[arg(long, default_value_t = 2, help_heading = "Output")]
+    pub keep_checkpoints: usize,
+    /// dtype of model.safetensors (the optimizer state is f32 regardless).
+    #[arg(long, value_enum, default_value_t = SaveDtype::Bf16, help_heading = "Output")]
+    pub save_dtype: SaveDtype,
+    /// Log a progress line every N steps.
+    #[arg(long, default_value_t = 10, help_heading = "Output")]
+    pub log_every: usize,
+}
+
+/// Parses `dflash-train train` flags from an argument list (for tests and embedding).
+pub fn parse_train_args<I, T>(args: I) -> Result<TrainArgs, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    use clap::Parser;
+    #[derive(Parser)]
+    #[command(name = "dflash-train train")]
+    struct Wrapper {
+        #[command(flatten)]
+        args: TrainArgs,
+    }
+    let w = Wrapper::try_parse_from(
+        std::iter::once("train".into()).chain(args.into_iter().map(Into::into)),
+    )?;
+    Ok(w.args)
+}
+
+pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    let summary = train(&args)?;
+    println!(
+        "{} {} steps in {:.0} s; loss {:.4} -> {:.4}; drafter in {}",
+        if summary.stopped_early {
+            "stopped after"
+        } else {
+            "trained"
+        },
+        summary.steps,
+        summary.elapsed_s,
+        summary.first_loss,
+        summary.last_loss,
+        summary.output.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,250 @@
+//! The concurrent stages: a dispatcher walks the batch plan, target workers (one thread per
+//! target device) compute the tapped hidden states of each batch with the frozen target, and a
+//! bounded host-RAM buffer hands the batches to the trainer in plan order.
+//!
+//! Backpressure: the dispatcher takes one credit per sequence before it hands a batch to a
+//! worker and the trainer gives them back when it takes the batch, so at most `max_depth`
+//! sequences are in flight or waiting (features live on the host, in the target's dtype).
+//! Workers finish batches out of order; the buffer reorders them by batch index, which keeps a
+//! run deterministic whatever the number of workers.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use dflash_models::{AttnPattern, Qwen3Model, SeqForward};
+
+use super::data::Example;
+use super::error::{TrainError, TrainResult};
+
+/// One sequence of a computed batch.
+pub struct SeqFeatures {
+    pub example: usize,
+    /// `[len, taps * hidden]` on the host.
+    pub features: Tensor,
+}
+
+pub struct ComputedBatch {
+    pub index: usize,
+    pub seqs: Vec<SeqFeatures>,
+    /// Seconds the worker spent in the target forward.
+    pub target_s: f64,
+}
+
+/// Counting semaphore with a close switch (so a stopped trainer releases the dispatcher).
+struct Credits {
+    state: Mutex<(usize, bool)>,
+    cond: Condvar,
+}
+
+impl Credits {
+    fn acquire(&self, n: usize) -> bool {
+        let mut g = self.state.lock().expect("credits lock");
+        while g.0 < n && !g.1 {
+            g = self.cond.wait(g).expect("credits lock");
+        }
+        if g.1 {
+            return false;
+        }
+        g.0 -= n;
+        true
+    }
+    fn release(&self, n: usize) {
+        self.state.lock().expect("credits lock").0 += n;
+        self.cond.notify_all();
+    }
+    fn close(&self) {
+        self.state.lock().expect("credits lock").1 = true;
+        self.cond.notify_all();
+    }
+    fn available(&self) -> usize {
+        self.state.lock().expect("credits lock").0
+    }
+}
+
+pub struct Pipeline {
+    results: Option<Receiver<TrainResult<ComputedBatch>>>,
+    pending: BTreeMap<usize, ComputedBatch>,
+    next: usize,
+    credits: Arc<Credits>,
+    max_depth: usize,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// A target model and the device name for messages.
+pub struct TargetWorker {
+    pub device: String,
+    pub model: Qwen3Model,
+}
+
+fn compute(
+    model: &Qwen3Model,
+    examples: &[Example],
+    ids: &[usize],
+    taps: &[usize],
+) -> TrainResult<Vec<SeqFeatures>> {
+    let mut caches = ids
+        .iter()
+        .map(|&i| model.new_cache(examples[i].tokens.len()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let positions: Vec<Vec<u32>> = ids
+        .iter()
+        .map(|&i| (0..examples[i].tokens.len() as u32).collect())
+        .collect();
+    let mut batch: Vec<SeqForward<'_>> = caches
+        .iter_mut()
+        .zip(ids)
+        .zip(&positions)
+        .map(|((cache, &i), pos)| SeqForward {
+            cache,
+            tokens: &examples[i].tokens,
+            positions: pos,
+            pattern: &AttnPattern::Causal,
+            logit_rows: &[],
+        })
+        .collect();
+    let out = model.forward(&mut batch, taps)?;
+    let taps = out.taps.expect("taps requested").to_device(&Device::Cpu)?;
+    ids.iter()
+        .enumerate()
+        .map(|(s, &example)| {
+            let (a, b) = (out.token_offsets[s], out.token_offsets[s + 1]);
+            Ok(SeqFeatures {
+                example,
+                features: taps.narrow(0, a, b - a)?,
+            })
+        })
+        .collect()
+}
+
+impl Pipeline {
+    /// Starts the dispatcher over `batches` (already advanced past trained batches, numbered
+    /// from `first_index`) and one thread per worker.
+    pub fn start(
+        examples: Arc<Vec<Example>>,
+        batches: Box<dyn Iterator<Item = Vec<usize>> + Send>,
+        first_index: usize,
+        workers: Vec<TargetWorker>,
+        taps: Vec<usize>,
+        max_depth: usize,
+    ) -> Self {
+        let credits = Arc::new(Credits {
+            state: Mutex::new((max_depth, false)),
+            cond: Condvar::new(),
+        });
+        let (res_tx, res_rx) = mpsc::channel::<TrainResult<ComputedBatch>>();
+        let (job_tx, job_rx) = mpsc::sync_channel::<(usize, Vec<usize>)>(workers.len());
+        let job_rx = Arc::new(Mutex::new(job_rx));
+        let mut threads = Vec::new();
+        for w in workers {
+            let (job_rx, res_tx, examples, taps) = (
+                job_rx.clone(),
+                res_tx.clone(),
+                examples.clone(),
+                taps.clone(),
+            );
+            threads.push(std::thread::spawn(move || {
+                worker_loop(w, &job_rx, &res_tx, &examples, &taps)
+            }));
+        }
+        let dispatch_credits = credits.clone();
+        threads.push(std::thread::spawn(move || {
+            dispatch(batches, first_index, job_tx, &dispatch_credits, max_depth)
+        }));
+        Self {
+            results: Some(res_rx),
+            pending: BTreeMap::new(),
+            next: first_index,
+            credits,
+            max_depth,
+            threads,
+        }
+    }
+
+    /// The next batch in plan order (`None` when the plan is exhausted), and how long the
+    /// trainer waited for it.
+    pub fn next_batch(&mut self) -> TrainResult<(Option<ComputedBatch>, Duration)> {
+        let t0 = Instant::now();
+        loop {
+            if let Some(b) = self.pending.remove(&self.next) {
+                self.next += 1;
+                self.credits.release(b.seqs.len());
+                return Ok((Some(b), t0.elapsed()));
+            }
+            let Some(rx) = &self.results else {
+                return Ok((None, t0.elapsed()));
+            };
+            match rx.recv() {
+                Ok(Ok(b)) => {
+                    self.pending.insert(b.index, b);
+                }
+                Ok(Err(e)) => return Err(e),
+                // Every sender is gone: the plan is exhausted and all batches were delivered.
+                Err(_) => self.results = None,
+            }
+        }
+    }
+
+    /// Sequences computed or being computed but not yet taken by the trainer.
+    pub fn depth(&self) -> usize {
+        self.max_depth - self.credits.available()
+    }
+}
+
+impl Drop for Pipeline {
+    fn drop(&mut self) {
+        self.credits.close();
+        self.results = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn dispatch(
+    batches: Box<dyn Iterator<Item = Vec<usize>> + Send>,
+    first_index: usize,
+    jobs: SyncSender<(usize, Vec<usize>)>,
+    credits: &Credits,
+    max_depth: usize,
+) {
+    for (i, batch) in batches.enumerate() {
+        if !credits.acquire(batch.len().min(max_depth)) {
+            return;
+        }
+        if jobs.send((first_index + i, batch)).is_err() {
+            return;
+        }
+    }
+}
+
+fn worker_loop(
+    w: TargetWorker,
+    jobs: &Mutex<Receiver<(usize, Vec<usize>)>>,
+    results: &Sender<TrainResult<ComputedBatch>>,
+    examples: &[Example],
+    taps: &[usize],
+) {
+    loop {
+        let job = jobs.lock().expect("job lock").recv();
+        let Ok((index, ids)) = job else { return };
+        let t0 = Instant::now();
+        let out = compute(&w.model, examples, &ids, taps)
+            .map(|seqs| ComputedBatch {
+                index,
+                seqs,
+                target_s: t0.elapsed().as_secs_f64(),
+            })
+            .map_err(|e| TrainError::Worker {
+                device: w.device.clone(),
+                message: e.to_string(),
+            });
+        let failed = out.is_err();
+        if results.send(out).is_err() || failed {
+            return;
+        }
+    }
+}
