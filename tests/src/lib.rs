@@ -84,6 +84,18 @@ pub fn greedy_cases(model: &str) -> Vec<GreedyCase> {
     serde_json::from_value(v["models"][model].clone()).unwrap()
 }
 
+/// Token ids stored as an integer tensor (the fixtures use i64).
+pub fn ids(t: &Tensor) -> Vec<u32> {
+    let v = t
+        .flatten_all()
+        .and_then(|t| t.to_dtype(candle_core::DType::I64))
+        .and_then(|t| t.to_vec1::<i64>());
+    v.unwrap_or_else(|e| panic!("token id tensor: {e}"))
+        .into_iter()
+        .map(|x| x as u32)
+        .collect()
+}
+
 /// Argmax of each row of a `[rows, vocab]` f32 tensor.
 pub fn argmax_rows(logits: &Tensor) -> Vec<u32> {
     logits.argmax(1).unwrap().to_vec1::<u32>().unwrap()

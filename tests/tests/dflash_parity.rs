@@ -2,23 +2,11 @@
 //! `DFlashDraftModel` under transformers 4.57.1, CPU, float32) for two `dflash_generate`
 //! rounds on `tests/fixtures/dflash-tiny-random`. Tolerance 1e-4 max abs, as for the target.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use dflash_models::{AttnPattern, DFlashDrafter, DraftInput, OpsMode, Qwen3Model, SeqForward};
-use dflash_tests::{argmax_rows, fixture, load_expected, max_abs_diff};
+use dflash_tests::{argmax_rows, fixture, ids, load_expected, max_abs_diff};
 
 const TOL: f32 = 1e-4;
-
-fn ids(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_dtype(DType::I64)
-        .unwrap()
-        .to_vec1::<i64>()
-        .unwrap()
-        .iter()
-        .map(|&x| x as u32)
-        .collect()
-}
 
 #[test]
 fn dflash_logits_match_zlab_reference() {

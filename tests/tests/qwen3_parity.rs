@@ -5,9 +5,9 @@
 //! re-derivation agrees to 1.5e-6, so 1e-4 leaves room for summation order only, while any wrong
 //! op (norm placement, RoPE layout, GQA grouping) moves values by 1e-1 or more.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use dflash_models::{AttnPattern, OpsMode, Qwen3Model, SeqForward};
-use dflash_tests::{fixture, load_expected, max_abs_diff};
+use dflash_tests::{fixture, ids, load_expected, max_abs_diff};
 
 const TOL: f32 = 1e-4;
 
@@ -20,18 +20,6 @@ fn model() -> Qwen3Model {
         OpsMode::Fused,
     )
     .unwrap()
-}
-
-fn ids(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_dtype(DType::I64)
-        .unwrap()
-        .to_vec1::<i64>()
-        .unwrap()
-        .iter()
-        .map(|&x| x as u32)
-        .collect()
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! `dflash-train eval` end to end on tiny-coder-demo: two drafters compared offline and live in
-//! one run write eval.json and both PNG plots; bad drafter specs are clear errors.
+//! one run write eval.json and both PNG plots (also redrawn from the JSON alone); bad drafter
+//! specs are clear errors.
 
 mod eval_support;
 
@@ -90,6 +91,18 @@ fn eval_compares_two_drafters_offline_and_live_and_writes_json_and_pngs() {
     }
     assert!(is_png(&out.join("tau_vs_budget.png")));
     assert!(is_png(&out.join("acceptance_histogram.png")));
+
+    // The plots can be redrawn from the JSON alone (a run on a machine without fonts).
+    let replot = dir.join("replot");
+    run(args(&[
+        "--replot",
+        out.join("eval.json").to_str().unwrap(),
+        "--out-dir",
+        replot.to_str().unwrap(),
+    ]))
+    .unwrap();
+    assert!(is_png(&replot.join("tau_vs_budget.png")));
+    assert!(is_png(&replot.join("acceptance_histogram.png")));
 
     // A second run reuses the cache.
     run(args(&argv)).unwrap();

@@ -19,20 +19,8 @@ use dflash_models::spec::{
 use dflash_models::{
     AttnPattern, DFlashDrafter, DraftInput, OpsMode, Qwen3Model, SeqForward, SequenceCache,
 };
-use dflash_tests::{demo_model, fixture, greedy_cases, load_expected, max_abs_diff};
+use dflash_tests::{demo_model, fixture, greedy_cases, ids, load_expected, max_abs_diff};
 use serde_json::{json, Value};
-
-fn ids(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_dtype(DType::I64)
-        .unwrap()
-        .to_vec1::<i64>()
-        .unwrap()
-        .iter()
-        .map(|&x| x as u32)
-        .collect()
-}
 
 fn parity(dev: &Device, dtype: DType) -> Result<Value> {
     let target = Qwen3Model::load(

@@ -74,7 +74,7 @@ pub struct CachedPrompt {
     pub features: Tensor,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CacheStatus {
     Built,

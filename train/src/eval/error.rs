@@ -36,6 +36,8 @@ pub enum EvalError {
     Cache(#[from] CacheError),
     #[error("cannot write {path}: {message}")]
     Output { path: PathBuf, message: String },
+    #[error("cannot read the report {path}: {message}")]
+    Report { path: PathBuf, message: String },
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error(transparent)]

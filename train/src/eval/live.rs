@@ -9,7 +9,7 @@ use dflash_models::spec::{
     Algorithm, Engine, EngineConfig, GenerationRequest, Proposer, SamplingParams, SeqStats,
 };
 use dflash_models::Qwen3Model;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::error::EvalError;
 use super::prompts::TokenizedPrompt;
@@ -24,7 +24,7 @@ pub struct LiveOptions {
     pub max_context: usize,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LivePrompt {
     pub id: String,
     pub tokens: usize,
@@ -34,7 +34,7 @@ pub struct LivePrompt {
 }
 
 /// One decoding configuration over every prompt.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LiveRun {
     /// `plain`, `chain` or `ddtree-B`.
     pub mode: String,
@@ -50,7 +50,7 @@ pub struct LiveRun {
     /// Prompts whose output equals plain decoding's (greedy is lossless up to numerics).
     pub matches_plain: Option<usize>,
     pub per_prompt: Vec<LivePrompt>,
-    #[serde(skip)]
+    #[serde(skip, default)]
     pub outputs: Vec<Vec<u32>>,
 }
 

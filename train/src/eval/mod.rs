@@ -69,18 +69,18 @@ pub enum DTypeArg {
 pub struct EvalArgs {
     /// Target model: a local directory, a Hugging Face repo id, or `demo`
     /// (serve/assets/tiny-coder-demo).
-    #[arg(long)]
-    pub target: String,
+    #[arg(long, required_unless_present = "replot")]
+    pub target: Option<String>,
     /// A drafter to compare (repeat the flag): `[NAME=]SPEC`, SPEC being a checkpoint directory,
     /// a z-lab repo id, `demo` (serve/assets/tiny-coder-demo-dflash) or
     /// `random[:seed=S,layers=N,block_size=B,mask_token_id=M,target_layer_ids=A+B]`, or
     /// `oracle[:noise=P,seed=S]` (the target's own continuation: a harness check).
-    #[arg(long = "drafter", required = true, value_parser = DrafterArg::parse)]
+    #[arg(long = "drafter", required_unless_present = "replot", value_parser = DrafterArg::parse)]
     pub drafters: Vec<DrafterArg>,
     /// Prompt set: JSONL chat records `{"id": ..., "messages": [...]}`, e.g.
     /// shared/fixtures/corpus/prompts-coding.jsonl.
-    #[arg(long)]
-    pub prompts: PathBuf,
+    #[arg(long, required_unless_present = "replot")]
+    pub prompts: Option<PathBuf>,
     /// Use only the first N prompts.
     #[arg(long)]
     pub limit: Option<usize>,
@@ -99,7 +99,7 @@ pub struct EvalArgs {
     /// Folder of the offline cache (continuations + target features); reused when it matches.
     #[arg(long, default_value = "dflash-eval-cache")]
     pub cache_dir: PathBuf,
-    /// Rebuild the offline cache even if one matching or not is present.
+    /// Rebuild the offline cache even when the one in --cache-dir matches this run.
     #[arg(long)]
     pub rebuild_cache: bool,
     /// Folder for eval.json and the PNG plots.
@@ -125,6 +125,10 @@ pub struct EvalArgs {
     /// TrueType font for plot text (default: a DejaVu/Liberation/Noto font found on the machine).
     #[arg(long)]
     pub font: Option<PathBuf>,
+    /// Re-draw the tables and plots of an earlier run's eval.json into --out-dir and stop
+    /// (e.g. on a machine with fonts, for a run made on one without).
+    #[arg(long, conflicts_with_all = ["target", "drafters", "prompts"])]
+    pub replot: Option<PathBuf>,
 }
 
 fn parse_device(spec: &str) -> anyhow::Result<Device> {
@@ -186,6 +190,14 @@ fn oracle_eval(
 }
 
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
+    if let Some(json) = &args.replot {
+        let report = report::EvalReport::read_json(json)?;
+        let offline = report.drafters.iter().any(|d| d.offline.is_some());
+        return write_outputs(&report, &args, offline, false);
+    }
+    let (Some(target_spec), Some(prompts)) = (args.target.clone(), args.prompts.clone()) else {
+        anyhow::bail!("--target, --prompts and --drafter are required (unless --replot)");
+    };
     let kwargs = validate(&args)?;
     let mode = if args.live { Mode::Live } else { args.mode };
     let (offline, live) = (mode != Mode::Live, mode != Mode::Offline);
@@ -200,12 +212,12 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         DTypeArg::F16 => DType::F16,
     };
     // A bad prompt file fails before the (possibly long) target load.
-    PromptSet::load(&args.prompts, args.limit)?;
-    let target_dir = if args.target == "demo" {
+    PromptSet::load(&prompts, args.limit)?;
+    let target_dir = if target_spec == "demo" {
         drafters::demo_target_dir()
     } else {
-        dflash_common::resolve_model(&args.target)
-            .with_context(|| format!("--target {}", args.target))?
+        dflash_common::resolve_model(&target_spec)
+            .with_context(|| format!("--target {target_spec}"))?
             .dir
     };
     let target_cfg = Qwen3Config::from_file(target_dir.join("config.json"))?;
@@ -218,7 +230,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         args.device
     );
     let target = Qwen3Model::load(&target_dir, dtype, &device, context, OpsMode::Fused)
-        .with_context(|| format!("--target {}", args.target))?;
+        .with_context(|| format!("--target {target_spec}"))?;
     let drafters: Vec<(DrafterArg, Drafter)> = args
         .drafters
         .iter()
@@ -226,9 +238,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         .collect::<Result<_, _>>()?;
     let spec = CacheSpec::prepare(CacheRequest {
         target_dir: &target_dir,
-        target_source: &args.target,
+        target_source: &target_spec,
         dtype,
-        prompts: &args.prompts,
+        prompts: &prompts,
         limit: args.limit,
         template_kwargs: kwargs,
         max_new_tokens: args.max_new_tokens,
@@ -244,7 +256,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         target: spec.target.clone(),
         device: args.device.clone(),
         prompts: report::PromptSetInfo {
-            path: args.prompts.display().to_string(),
+            path: prompts.display().to_string(),
             sha256: spec.prompts.sha256.clone(),
             count: spec.tokenized.len(),
         },
@@ -327,18 +339,32 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         report.plain = Some(plain);
     }
 
+    write_outputs(&report, &args, offline, true)
+}
+
+/// Markdown to stdout, then (when `json`) eval.json and the PNG plots into --out-dir.
+fn write_outputs(
+    report: &report::EvalReport,
+    args: &EvalArgs,
+    offline: bool,
+    json: bool,
+) -> anyhow::Result<()> {
     println!("{}", report.markdown());
     std::fs::create_dir_all(&args.out_dir)
         .with_context(|| format!("--out-dir {}", args.out_dir.display()))?;
-    let json = args.out_dir.join("eval.json");
-    report.write_json(&json)?;
+    let mut written = Vec::new();
+    if json {
+        let path = args.out_dir.join("eval.json");
+        report.write_json(&path)?;
+        written.push(path);
+    }
     let tau_png = args.out_dir.join("tau_vs_budget.png");
-    plot::tau_vs_budget(&report, &tau_png, args.font.as_deref())?;
-    let mut written = vec![json, tau_png];
+    plot::tau_vs_budget(report, &tau_png, args.font.as_deref())?;
+    written.push(tau_png);
     if offline {
         let hist_png = args.out_dir.join("acceptance_histogram.png");
         plot::acceptance_histogram(
-            &report,
+            report,
             &hist_png,
             args.font.as_deref(),
             args.histogram_budget,

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::cache::{CacheEntry, CacheStatus};
 use super::error::EvalError;
@@ -13,14 +13,14 @@ use super::live::LiveRun;
 use super::replay::Verify;
 use super::summary::EvalSummary;
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PromptSetInfo {
     pub path: String,
     pub sha256: String,
     pub count: usize,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CacheInfo {
     pub dir: String,
     pub status: CacheStatus,
@@ -28,7 +28,7 @@ pub struct CacheInfo {
     pub entries: Vec<CacheEntry>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DrafterReport {
     pub name: String,
     pub spec: String,
@@ -38,7 +38,7 @@ pub struct DrafterReport {
     pub live: Vec<LiveRun>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct EvalReport {
     pub target: TargetIdentity,
     pub device: String,
@@ -54,6 +54,16 @@ pub struct EvalReport {
 impl EvalReport {
     pub fn verifies(&self) -> Vec<Verify> {
         Verify::chain_and_budgets(&self.budgets)
+    }
+
+    /// Reads an `eval.json` written by [`write_json`](Self::write_json) (to re-plot it).
+    pub fn read_json(path: &Path) -> Result<Self, EvalError> {
+        let err = |message: String| EvalError::Report {
+            path: path.to_path_buf(),
+            message,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+        serde_json::from_str(&text).map_err(|e| err(format!("not an eval.json report: {e}")))
     }
 
     pub fn write_json(&self, path: &Path) -> Result<(), EvalError> {

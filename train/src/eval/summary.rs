@@ -5,12 +5,12 @@
 //! all rounds of all prompts, the same formula as the engine's `SeqStats::tau`; the mean streak
 //! (accepted drafts per round) is `tau - 1`.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::replay::{ReplayRound, Verify};
 
 /// One prompt under one verification mode.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PromptStats {
     pub id: String,
     pub rounds: usize,
@@ -21,12 +21,10 @@ pub struct PromptStats {
 }
 
 /// Every prompt under one verification mode.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModeSummary {
-    /// `chain` or `ddtree-B`.
+    /// `chain` or `ddtree-B` ([`Verify::label`]).
     pub mode: String,
-    #[serde(skip)]
-    pub verify: Verify,
     /// The DDTree budget; `None` for the chain.
     pub budget: Option<usize>,
     pub rounds: usize,
@@ -45,7 +43,7 @@ pub struct ModeSummary {
 }
 
 /// One drafter on one cache: a [`ModeSummary`] per verification mode, in the order asked.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EvalSummary {
     /// Draft depths per round (block_size - 1).
     pub max_depth: usize,
@@ -54,7 +52,8 @@ pub struct EvalSummary {
 
 impl EvalSummary {
     pub fn mode(&self, verify: Verify) -> Option<&ModeSummary> {
-        self.modes.iter().find(|m| m.verify == verify)
+        let label = verify.label();
+        self.modes.iter().find(|m| m.mode == label)
     }
 
     /// tau of one mode (`None` when it was not evaluated).
@@ -108,7 +107,6 @@ pub fn summarize(
         .collect();
     ModeSummary {
         mode: verify.label(),
-        verify,
         budget: match verify {
             Verify::Chain => None,
             Verify::DDTree { budget } => Some(budget),
