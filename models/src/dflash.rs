@@ -112,24 +112,13 @@ impl DFlashDrafter {
                 )
             })
             .collect::<ModelResult<Vec<_>>>()?;
-        let rope = RotaryEmbedding::new(
-            &cfg.layers,
-            target.rope().max_positions() + cfg.block_size,
-            &device,
-        )?;
-        Ok(Self {
+        Self::assemble(
             cfg,
-            fc,
-            hidden_norm,
+            [fc, hidden_norm, norm],
             layers,
-            norm,
-            rope,
-            embed_tokens: target.embed_weight().clone(),
-            lm_head: target.lm_head_weight().clone(),
-            dtype,
-            device,
+            &TargetEmbeddingsAndHead::of(target),
             mode,
-        })
+        )
     }
 
     /// A freshly initialised drafter of `cfg`'s shape for `target` (seeded random weights).
@@ -157,24 +146,13 @@ impl DFlashDrafter {
             .map(|_| DecoderLayer::random(rng, &cfg.layers, dtype, &device, mode))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let norm = rng.norm(h, dtype, &device)?;
-        let rope = RotaryEmbedding::new(
-            &cfg.layers,
-            target.rope().max_positions() + cfg.block_size,
-            &device,
-        )?;
-        Ok(Self {
+        Self::assemble(
             cfg,
-            fc,
-            hidden_norm,
+            [fc, hidden_norm, norm],
             layers,
-            norm,
-            rope,
-            embed_tokens: target.embed_weight().clone(),
-            lm_head: target.lm_head_weight().clone(),
-            dtype,
-            device,
+            &TargetEmbeddingsAndHead::of(target),
             mode,
-        })
+        )
     }
 
     /// The z-lab names and shapes of every drafter-owned tensor (no embedding, no LM head), in
@@ -222,7 +200,6 @@ impl DFlashDrafter {
         };
         let h = cfg.layers.hidden_size;
         let fc = get("fc.weight", &[h, cfg.target_layer_ids.len() * h])?;
-        let (dtype, device) = (fc.dtype(), fc.device().clone());
         let hidden_norm = get("hidden_norm.weight", &[h])?;
         let norm = get("norm.weight", &[h])?;
         let layers = (0..cfg.layers.num_hidden_layers)
@@ -232,6 +209,20 @@ impl DFlashDrafter {
                 })
             })
             .collect::<ModelResult<Vec<_>>>()?;
+        Self::assemble(cfg, [fc, hidden_norm, norm], layers, target, mode)
+    }
+
+    /// The one place a drafter is put together, whatever its weights came from: the rotary
+    /// table and the target's embeddings and head, moved to the drafter's device and dtype
+    /// (taken from `fc`).
+    fn assemble(
+        cfg: DFlashConfig,
+        [fc, hidden_norm, norm]: [Tensor; 3],
+        layers: Vec<DecoderLayer>,
+        target: &TargetEmbeddingsAndHead,
+        mode: OpsMode,
+    ) -> ModelResult<Self> {
+        let (dtype, device) = (fc.dtype(), fc.device().clone());
         let rope =
             RotaryEmbedding::new(&cfg.layers, target.max_positions + cfg.block_size, &device)?;
         let to_here = |t: &Tensor| t.to_device(&device)?.to_dtype(dtype);

@@ -53,14 +53,17 @@ fn proposer(t: &Qwen3Model, which: Which) -> Box<dyn Proposer> {
     }
 }
 
-fn engine(t: &Qwen3Model, which: Which) -> Engine {
-    let cfg = EngineConfig {
+fn engine_config() -> EngineConfig {
+    EngineConfig {
         max_context: 512,
         max_ddtree_budget: 256,
         eos_token_ids: vec![8188, 8186],
         seed: 0,
-    };
-    Engine::new(t.clone(), Some(proposer(t, which)), cfg)
+    }
+}
+
+fn engine(t: &Qwen3Model, which: Which) -> Engine {
+    Engine::new(t.clone(), Some(proposer(t, which)), engine_config())
 }
 
 fn request(prompt: &[u32], n: usize, algorithm: Algorithm) -> GenerationRequest {
@@ -84,16 +87,7 @@ fn algorithms() -> Vec<Algorithm> {
 fn ddtree_and_chain_greedy_match_plain_greedy_alone() {
     let t = target();
     let cases = greedy_cases("tiny-coder-demo");
-    let mut plain = Engine::new(
-        t.clone(),
-        None,
-        EngineConfig {
-            max_context: 512,
-            max_ddtree_budget: 256,
-            eos_token_ids: vec![8188, 8186],
-            seed: 0,
-        },
-    );
+    let mut plain = Engine::new(t.clone(), None, engine_config());
     let reference: Vec<Vec<u32>> = cases
         .iter()
         .map(|c| {
@@ -153,16 +147,7 @@ fn batch_of_four_mixed_lengths_and_algorithms_matches_plain() {
             .enumerate()
             .map(|(i, c)| c.input_ids[..c.input_ids.len() - 3 * i].to_vec())
             .collect();
-        let mut plain = Engine::new(
-            t.clone(),
-            None,
-            EngineConfig {
-                max_context: 512,
-                max_ddtree_budget: 256,
-                eos_token_ids: vec![8188, 8186],
-                seed: 0,
-            },
-        );
+        let mut plain = Engine::new(t.clone(), None, engine_config());
         let expect: Vec<Vec<u32>> = prompts
             .iter()
             .map(|p| plain.generate(request(p, 40, Algorithm::Plain)).unwrap().0)
