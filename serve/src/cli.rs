@@ -88,6 +88,10 @@ pub struct Args {
     /// Sequences decoded together [default: 48 when speculating, else 64]
     #[arg(long, help_heading = "Scheduling")]
     pub max_running_requests: Option<usize>,
+    /// KV-cache tokens shared by all running requests; each reserves prompt + max_new_tokens
+    /// and waits until that fits [default: context length x max running requests]
+    #[arg(long, help_heading = "Scheduling")]
+    pub max_total_tokens: Option<usize>,
     /// Requests allowed to wait for a slot before new ones get 503
     #[arg(long, default_value_t = 1024, help_heading = "Scheduling")]
     pub max_queued_requests: usize,
@@ -150,8 +154,8 @@ pub struct Args {
     /// Only `auto` is supported
     #[arg(long, help_heading = "SGLang compatibility")]
     pub kv_cache_dtype: Option<String>,
-    /// Refused: no reasoning parser yet
-    #[arg(long, help_heading = "SGLang compatibility")]
+    /// Separate `<think>` reasoning into `reasoning_content` in chat answers: qwen3 or qwen3-thinking
+    #[arg(long, help_heading = "Chat")]
     pub reasoning_parser: Option<String>,
     /// Refused: no tool-call parser yet
     #[arg(long, help_heading = "SGLang compatibility")]
@@ -178,7 +182,7 @@ pub struct Args {
     /// No effect (no radix cache yet); accepted with a warning
     #[arg(long, help_heading = "SGLang compatibility")]
     pub disable_radix_cache: bool,
-    /// No effect (no warm-up request yet); accepted with a warning
-    #[arg(long, help_heading = "SGLang compatibility")]
+    /// Announce readiness without first running one short warm-up generation
+    #[arg(long, help_heading = "Scheduling")]
     pub skip_server_warmup: bool,
 }

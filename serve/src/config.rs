@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use crate::cli::{Args, DTypeArg, DrafterArg, VerifyArg};
+use crate::generation::ReasoningParserKind;
 
 /// `--max-running-requests` when speculating and not given (SGLang resets it to 48).
 pub const SPEC_DEFAULT_MAX_RUNNING: usize = 48;
@@ -80,6 +81,8 @@ pub struct ServeConfig {
     pub context_length: Option<usize>,
     pub max_running_requests: usize,
     pub max_queued_requests: usize,
+    /// `--max-total-tokens`; `None` sizes it from the context length (see `total_tokens`).
+    pub max_total_tokens: Option<usize>,
     pub api_key: Option<String>,
     pub chat_template: Option<PathBuf>,
     pub hf_chat_template_name: Option<String>,
@@ -89,6 +92,10 @@ pub struct ServeConfig {
     pub decode_log_interval: usize,
     pub log_level: String,
     pub speculative: Option<SpeculativeConfig>,
+    /// `--reasoning-parser`: split `<think>` text into `reasoning_content` for chat.
+    pub reasoning_parser: Option<ReasoningParserKind>,
+    /// Run one short generation before announcing readiness (off with --skip-server-warmup).
+    pub warmup: bool,
 }
 
 fn parse_device(s: &str) -> Result<DeviceSpec, ConfigError> {
@@ -176,7 +183,6 @@ fn warn_no_effect(args: &Args) {
         (args.cuda_graph_max_bs.is_some(), "--cuda-graph-max-bs"),
         (args.disable_cuda_graph, "--disable-cuda-graph"),
         (args.disable_radix_cache, "--disable-radix-cache"),
-        (args.skip_server_warmup, "--skip-server-warmup"),
     ];
     for (given, flag) in ignored {
         if given {
@@ -309,12 +315,16 @@ impl ServeConfig {
             &["auto"],
             "the KV cache uses the model dtype",
         )?;
-        refuse(
-            "--reasoning-parser",
-            &args.reasoning_parser,
-            &[],
-            "reasoning separation is not implemented yet",
-        )?;
+        let reasoning_parser = match args.reasoning_parser.as_deref() {
+            None => None,
+            Some(name) => Some(ReasoningParserKind::parse(name).ok_or_else(|| {
+                ConfigError::BadValue {
+                    flag: "--reasoning-parser",
+                    value: name.to_string(),
+                    reason: "dflash-serve knows `qwen3` (hybrid thinking) and `qwen3-thinking` (always thinking)".into(),
+                }
+            })?),
+        };
         refuse(
             "--tool-call-parser",
             &args.tool_call_parser,
@@ -354,6 +364,13 @@ impl ServeConfig {
             None if speculative.is_some() => SPEC_DEFAULT_MAX_RUNNING,
             None => PLAIN_DEFAULT_MAX_RUNNING,
         };
+        if let Some(0) = args.max_total_tokens {
+            return Err(ConfigError::BadValue {
+                flag: "--max-total-tokens",
+                value: "0".into(),
+                reason: "must be at least 1".into(),
+            });
+        }
         let default_chat_template_kwargs = match &args.default_chat_template_kwargs {
             None => Map::new(),
             Some(text) => match serde_json::from_str::<Value>(text) {
@@ -388,6 +405,7 @@ impl ServeConfig {
             context_length: args.context_length,
             max_running_requests,
             max_queued_requests: args.max_queued_requests,
+            max_total_tokens: args.max_total_tokens,
             api_key: args.api_key.clone(),
             chat_template: args.chat_template.clone(),
             hf_chat_template_name: args.hf_chat_template_name.clone(),
@@ -397,7 +415,18 @@ impl ServeConfig {
             decode_log_interval: args.decode_log_interval,
             log_level: args.log_level.clone(),
             speculative,
+            reasoning_parser,
+            warmup: !args.skip_server_warmup,
         })
+    }
+}
+
+impl ServeConfig {
+    /// KV-cache tokens all running requests share: `--max-total-tokens`, or room for every
+    /// running slot to hold a full context.
+    pub fn total_tokens(&self, context_length: usize) -> usize {
+        self.max_total_tokens
+            .unwrap_or(context_length * self.max_running_requests)
     }
 }
 

@@ -56,7 +56,12 @@ impl ApiError {
             ApiError::Tokenizer(TokenizerError::Encode { .. }) => StatusCode::BAD_REQUEST,
             ApiError::Tokenizer(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::Engine(EngineFailure::Rejected(_)) => StatusCode::BAD_REQUEST,
+            ApiError::Engine(
+                EngineFailure::Rejected(_) | EngineFailure::TooLargeForCache { .. },
+            ) => StatusCode::BAD_REQUEST,
+            // SGLang answers a request ended by /abort_request with its partial output; the
+            // status only shows in `finish_reason.status_code`.
+            ApiError::Engine(EngineFailure::Aborted) => StatusCode::OK,
             ApiError::Engine(EngineFailure::Overloaded { .. } | EngineFailure::ShuttingDown) => {
                 StatusCode::SERVICE_UNAVAILABLE
             }

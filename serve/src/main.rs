@@ -62,6 +62,12 @@ fn main() -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .with_context(|| format!("binding {addr} (--host/--port)"))?;
+        if state.config.warmup {
+            let took = server::warm_up(&state)
+                .await
+                .map_err(|e| anyhow::anyhow!("warm-up generation failed: {e}"))?;
+            tracing::info!("warm-up generation done in {:.2} s", took.as_secs_f64());
+        }
         tracing::info!("The server is fired up and ready to roll!");
         tracing::info!("serving on http://{addr}");
         server::serve(listener, state, server::shutdown_signal())

@@ -21,18 +21,49 @@ pub fn build_state<E: StepEngine>(
 ) -> std::io::Result<AppState> {
     let metrics = Arc::new(ServerMetrics::new(&config.served_model_name));
     let info = engine.info();
+    let max_total_tokens = config.total_tokens(model.lower.context_length);
     metrics.set_static(
         model.lower.context_length,
-        model.lower.context_length * config.max_running_requests,
+        max_total_tokens,
         info.drafts_per_round,
     );
     let limits = SchedulerLimits {
         max_running_requests: config.max_running_requests,
+        max_total_tokens,
         max_queued_requests: config.max_queued_requests,
         decode_log_interval: config.decode_log_interval,
     };
     let handle = spawn_engine_thread(engine, limits, metrics.clone())?;
     Ok(AppState::new(config, model, handle, metrics))
+}
+
+/// SGLang's warm-up: one short greedy generation through the whole engine path before the
+/// server announces readiness, so the first client does not pay for lazy initialisation.
+pub async fn warm_up(state: &AppState) -> Result<std::time::Duration, String> {
+    let started = std::time::Instant::now();
+    let prompt = state
+        .model
+        .tokenizer
+        .encode("The capital city of France is", false)
+        .map_err(|e| e.to_string())?;
+    let req = crate::engine::EngineRequest {
+        prompt,
+        max_new_tokens: 8,
+        sampling: crate::engine::EngineSampling::greedy(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: true,
+    };
+    let mut rx = state.engine.submit("WARMUP", req);
+    while let Some(update) = rx.recv().await {
+        match update {
+            crate::engine::SeqUpdate::Step {
+                finished: Some(_), ..
+            } => return Ok(started.elapsed()),
+            crate::engine::SeqUpdate::Failed(f) => return Err(f.to_string()),
+            _ => {}
+        }
+    }
+    Err("the engine stopped during warm-up".into())
 }
 
 /// Serves until `shutdown` resolves, then refuses new requests and drains running ones.
@@ -48,6 +79,10 @@ pub async fn serve(
             shutdown.await;
             tracing::info!("shutting down: refusing new requests, finishing running ones");
             draining.engine.begin_shutdown();
+            // Keep serving (503 for new requests, health included) until the running and
+            // waiting requests are done; only then stop accepting connections.
+            draining.engine.idle().await;
+            tracing::info!("all requests finished; exiting");
         })
         .await
 }

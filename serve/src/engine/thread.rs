@@ -44,6 +44,12 @@ pub enum EngineFailure {
     /// Graceful shutdown has begun (HTTP 503).
     #[error("the server is shutting down and accepts no new requests")]
     ShuttingDown,
+    /// `/abort_request` named this request (or all); it ends with finish reason `abort`.
+    #[error("aborted by /abort_request")]
+    Aborted,
+    /// The request needs more KV-cache tokens than the server has in total.
+    #[error("the request needs {needed} KV-cache tokens (prompt + max_new_tokens) but the server holds {capacity} in total (--max-total-tokens); shorten the prompt or max_new_tokens")]
+    TooLargeForCache { needed: usize, capacity: usize },
     /// A step failed (HTTP 500).
     #[error("{0}")]
     Internal(String),
@@ -53,6 +59,9 @@ pub enum EngineFailure {
 #[derive(Debug, Clone)]
 pub struct SchedulerLimits {
     pub max_running_requests: usize,
+    /// KV-cache tokens all running sequences may reserve together (prompt + max_new_tokens
+    /// each); a request waits until its reservation fits.
+    pub max_total_tokens: usize,
     pub max_queued_requests: usize,
     /// Log the decode line every this many steps (SGLang's `--decode-log-interval`).
     pub decode_log_interval: usize,
@@ -63,6 +72,8 @@ pub struct SchedulerLimits {
 pub struct StatsSnapshot {
     pub num_running: usize,
     pub num_waiting: usize,
+    /// KV-cache tokens reserved by running sequences.
+    pub reserved_tokens: usize,
     pub steps: u64,
     pub generated_tokens: u64,
     /// Tokens committed by steps that verified drafts, and those verify rounds (for accept length).
@@ -107,12 +118,15 @@ impl EngineStats {
 
 enum Command {
     Submit {
+        rid: String,
         req: EngineRequest,
         events: tmpsc::UnboundedSender<SeqUpdate>,
         at: Instant,
     },
     /// Replies `true` when nothing is running or waiting (there is no prefix cache to drop yet).
     Flush(oneshot::Sender<bool>),
+    /// `/abort_request`: one request id, or every request when `None`.
+    Abort(Option<String>),
 }
 
 /// The handlers' side of the engine thread. Cheap to clone.
@@ -133,13 +147,14 @@ impl std::fmt::Debug for EngineHandle {
 impl EngineHandle {
     /// Queues `req`; its updates (or one `Failed`) arrive on the returned receiver. Dropping the
     /// receiver cancels the request.
-    pub fn submit(&self, req: EngineRequest) -> tmpsc::UnboundedReceiver<SeqUpdate> {
+    pub fn submit(&self, rid: &str, req: EngineRequest) -> tmpsc::UnboundedReceiver<SeqUpdate> {
         let (events, rx) = tmpsc::unbounded_channel();
         if self.shutting_down.load(Ordering::SeqCst) {
             let _ = events.send(SeqUpdate::Failed(EngineFailure::ShuttingDown));
             return rx;
         }
         let cmd = Command::Submit {
+            rid: rid.to_string(),
             req,
             events: events.clone(),
             at: Instant::now(),
@@ -159,6 +174,23 @@ impl EngineHandle {
             return false;
         }
         rx.await.unwrap_or(false)
+    }
+
+    /// Ends the running or waiting request `rid` (every request when `None`) with finish reason
+    /// `abort`. Unknown ids are ignored, as SGLang does.
+    pub fn abort(&self, rid: Option<String>) {
+        let _ = self.tx.send(Command::Abort(rid));
+    }
+
+    /// Resolves once nothing is running or waiting (for the graceful-shutdown drain).
+    pub async fn idle(&self) {
+        loop {
+            let s = self.stats.snapshot();
+            if s.num_running == 0 && s.num_waiting == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     pub fn stats(&self) -> StatsSnapshot {
@@ -197,6 +229,7 @@ pub fn spawn_engine_thread<E: StepEngine>(
         stats: stats.clone(),
         waiting: VecDeque::new(),
         running: HashMap::new(),
+        reserved_tokens: 0,
         window: Window::new(),
     };
     std::thread::Builder::new()
@@ -211,6 +244,7 @@ pub fn spawn_engine_thread<E: StepEngine>(
 }
 
 struct Waiting {
+    rid: String,
     req: EngineRequest,
     events: tmpsc::UnboundedSender<SeqUpdate>,
     at: Instant,
@@ -245,8 +279,21 @@ struct Worker<E> {
     metrics: Arc<ServerMetrics>,
     stats: Arc<EngineStats>,
     waiting: VecDeque<Waiting>,
-    running: HashMap<SeqId, tmpsc::UnboundedSender<SeqUpdate>>,
+    running: HashMap<SeqId, Running>,
+    reserved_tokens: usize,
     window: Window,
+}
+
+struct Running {
+    rid: String,
+    events: tmpsc::UnboundedSender<SeqUpdate>,
+    /// KV-cache tokens this sequence reserved at admission.
+    reserved: usize,
+}
+
+/// KV-cache tokens a request may occupy: its prompt plus its whole completion budget.
+fn reservation(req: &EngineRequest) -> usize {
+    req.prompt.len() + req.max_new_tokens
 }
 
 impl<E: StepEngine> Worker<E> {
@@ -274,23 +321,83 @@ impl<E: StepEngine> Worker<E> {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { req, events, at } => {
+            Command::Submit {
+                rid,
+                req,
+                events,
+                at,
+            } => {
+                let needed = reservation(&req);
+                if needed > self.limits.max_total_tokens {
+                    let _ = events.send(SeqUpdate::Failed(EngineFailure::TooLargeForCache {
+                        needed,
+                        capacity: self.limits.max_total_tokens,
+                    }));
+                    return;
+                }
                 if self.waiting.len() >= self.limits.max_queued_requests {
                     let _ = events.send(SeqUpdate::Failed(EngineFailure::Overloaded {
                         queued: self.waiting.len(),
                     }));
                     return;
                 }
-                self.waiting.push_back(Waiting { req, events, at });
+                self.waiting.push_back(Waiting {
+                    rid,
+                    req,
+                    events,
+                    at,
+                });
             }
             Command::Flush(reply) => {
                 let _ = reply.send(self.running.is_empty() && self.waiting.is_empty());
             }
+            Command::Abort(rid) => self.abort(rid.as_deref()),
         }
     }
 
+    fn abort(&mut self, rid: Option<&str>) {
+        let hit = |r: &str| rid.is_none_or(|want| want == r);
+        let ids: Vec<SeqId> = self
+            .running
+            .iter()
+            .filter(|(_, r)| hit(&r.rid))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            self.engine.remove(id);
+            if let Some(r) = self.release(id) {
+                let _ = r.events.send(SeqUpdate::Failed(EngineFailure::Aborted));
+            }
+        }
+        self.waiting.retain(|w| {
+            let keep = !hit(&w.rid);
+            if !keep {
+                let _ = w.events.send(SeqUpdate::Failed(EngineFailure::Aborted));
+            }
+            keep
+        });
+    }
+
+    /// Takes `id` out of `running` and returns its KV reservation to the pool.
+    fn release(&mut self, id: SeqId) -> Option<Running> {
+        let r = self.running.remove(&id)?;
+        self.reserved_tokens -= r.reserved;
+        Some(r)
+    }
+
+    /// First come, first served: the head of the queue waits until both a running slot and its
+    /// KV reservation are free, so a long request is never starved by short ones behind it.
     fn admit(&mut self) {
         while self.running.len() < self.limits.max_running_requests {
+            let Some(head) = self.waiting.front() else {
+                break;
+            };
+            let needed = reservation(&head.req);
+            if !head.events.is_closed()
+                && self.reserved_tokens + needed > self.limits.max_total_tokens
+            {
+                break;
+            }
             let Some(w) = self.waiting.pop_front() else {
                 break;
             };
@@ -302,7 +409,15 @@ impl<E: StepEngine> Worker<E> {
                     let queue_time = w.at.elapsed();
                     self.metrics.queue_time(queue_time);
                     let _ = w.events.send(SeqUpdate::Admitted { queue_time });
-                    self.running.insert(id, w.events);
+                    self.reserved_tokens += needed;
+                    self.running.insert(
+                        id,
+                        Running {
+                            rid: w.rid,
+                            events: w.events,
+                            reserved: needed,
+                        },
+                    );
                 }
                 Err(e) => {
                     let _ = w
@@ -317,23 +432,26 @@ impl<E: StepEngine> Worker<E> {
         let gone: Vec<SeqId> = self
             .running
             .iter()
-            .filter(|(_, tx)| tx.is_closed())
+            .filter(|(_, r)| r.events.is_closed())
             .map(|(id, _)| *id)
             .collect();
         for id in gone {
             self.engine.remove(id);
-            self.running.remove(&id);
+            self.release(id);
         }
         self.waiting.retain(|w| !w.events.is_closed());
     }
 
     fn publish_state(&self) {
-        let (running, waiting) = (self.running.len(), self.waiting.len());
+        let (running, waiting, reserved) =
+            (self.running.len(), self.waiting.len(), self.reserved_tokens);
         self.stats.update(|s| {
             s.num_running = running;
             s.num_waiting = waiting;
+            s.reserved_tokens = reserved;
         });
-        self.metrics.scheduler_state(running, waiting, 0, 0);
+        self.metrics
+            .scheduler_state(running, waiting, reserved, self.limits.max_total_tokens);
     }
 
     fn step(&mut self) {
@@ -342,10 +460,13 @@ impl<E: StepEngine> Worker<E> {
             Ok(events) => events,
             Err(e) => {
                 tracing::error!("{e}; aborting {} running requests", self.running.len());
-                for (id, tx) in self.running.drain() {
+                for (id, r) in self.running.drain() {
                     self.engine.remove(id);
-                    let _ = tx.send(SeqUpdate::Failed(EngineFailure::Internal(e.to_string())));
+                    let _ = r
+                        .events
+                        .send(SeqUpdate::Failed(EngineFailure::Internal(e.to_string())));
                 }
+                self.reserved_tokens = 0;
                 return;
             }
         };
@@ -372,11 +493,11 @@ impl<E: StepEngine> Worker<E> {
         // hears its last token, so /metrics read right after a response is already current.
         let mut outgoing = Vec::with_capacity(events.len());
         for ev in events {
-            let Some(tx) = self.running.get(&ev.id).cloned() else {
+            let Some(tx) = self.running.get(&ev.id).map(|r| r.events.clone()) else {
                 continue;
             };
             if ev.finished.is_some() {
-                self.running.remove(&ev.id);
+                self.release(ev.id);
             }
             outgoing.push((tx, ev));
         }
@@ -391,7 +512,7 @@ impl<E: StepEngine> Worker<E> {
             });
             if !finished && sent.is_err() {
                 self.engine.remove(id);
-                self.running.remove(&id);
+                self.release(id);
             }
         }
         let w = &mut self.window;
@@ -426,9 +547,10 @@ impl<E: StepEngine> Worker<E> {
             _ => String::new(),
         };
         tracing::info!(
-            "Decode batch, #running-req: {}, #token: {}, token usage: 0.00, {spec}cuda graph: False, gen throughput (token/s): {throughput:.2}, #queue-req: {}",
+            "Decode batch, #running-req: {}, #token: {}, token usage: {:.2}, {spec}cuda graph: False, gen throughput (token/s): {throughput:.2}, #queue-req: {}",
             self.running.len(),
-            w.tokens,
+            self.reserved_tokens,
+            self.reserved_tokens as f64 / self.limits.max_total_tokens.max(1) as f64,
             self.waiting.len()
         );
     }

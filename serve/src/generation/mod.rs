@@ -7,9 +7,11 @@
 //! boundary accepts.
 
 pub mod finish;
+pub mod reasoning;
 pub mod run;
 
 pub use finish::Finish;
+pub use reasoning::ReasoningParserKind;
 pub use run::{Chunk, Generation};
 
 use serde::Deserialize;

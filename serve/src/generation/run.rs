@@ -13,6 +13,7 @@ use dflash_common::tokenizer::Tokenizer;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use super::reasoning::{reasoning_token_count, ReasoningParser, ReasoningParserKind};
 use super::{Finish, PreparedRequest};
 use crate::engine::{EngineFailure, EngineFinish, SeqUpdate};
 use crate::error::ApiError;
@@ -22,7 +23,10 @@ use crate::state::AppState;
 /// Text and ids one engine update made visible.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Chunk {
+    /// New answer text (with reasoning separation: the content part only).
     pub delta: String,
+    /// New reasoning text; always empty without reasoning separation.
+    pub reasoning_delta: String,
     pub new_ids: Vec<u32>,
     pub finish: Option<Finish>,
 }
@@ -48,6 +52,7 @@ pub struct Generation {
     output_ids: Vec<u32>,
     finish: Option<Finish>,
     spec: SpecCounters,
+    reasoning: Option<(ReasoningParserKind, ReasoningParser)>,
     started: Instant,
     first_token: Option<Instant>,
     last_chunk: Instant,
@@ -62,7 +67,7 @@ impl Generation {
         let rx = if req.max_new_tokens == 0 {
             None
         } else {
-            Some(state.engine.submit(req.engine_request()))
+            Some(state.engine.submit(&req.rid, req.engine_request()))
         };
         let now = Instant::now();
         let mut g = Self {
@@ -77,6 +82,7 @@ impl Generation {
             output_ids: Vec::new(),
             finish: None,
             spec: SpecCounters::default(),
+            reasoning: None,
             started: now,
             first_token: None,
             last_chunk: now,
@@ -87,6 +93,28 @@ impl Generation {
             g.set_finish(Finish::Length { length: 0 });
         }
         g
+    }
+
+    /// Splits the streamed text into reasoning and content (chat with `--reasoning-parser`).
+    pub fn separate_reasoning(&mut self, kind: ReasoningParserKind) {
+        self.reasoning = Some((kind, ReasoningParser::new(kind)));
+    }
+
+    pub fn reasoning_kind(&self) -> Option<ReasoningParserKind> {
+        self.reasoning.as_ref().map(|(k, _)| *k)
+    }
+
+    /// Output tokens spent reasoning (0 without reasoning separation).
+    pub fn reasoning_tokens(&self) -> usize {
+        let Some((kind, _)) = &self.reasoning else {
+            return 0;
+        };
+        reasoning_token_count(
+            *kind,
+            &self.output_ids,
+            self.tokenizer.token_to_id("<think>"),
+            self.tokenizer.token_to_id("</think>"),
+        )
     }
 
     pub fn rid(&self) -> &str {
@@ -158,6 +186,25 @@ impl Generation {
                 }) => {
                     self.count_spec(accepted_drafts, verify_rounds);
                     return Some(self.absorb(&tokens, finished));
+                }
+                Some(SeqUpdate::Failed(EngineFailure::Aborted)) => {
+                    // Ended by /abort_request: a normal end with what was generated so far.
+                    let mut chunk = Chunk {
+                        delta: self.stops.flush(),
+                        ..Chunk::default()
+                    };
+                    self.text.push_str(&chunk.delta);
+                    if let Some((_, parser)) = self.reasoning.as_mut() {
+                        let mut split = parser.push(&chunk.delta);
+                        let rest = parser.finish();
+                        split.reasoning.push_str(&rest.reasoning);
+                        split.content.push_str(&rest.content);
+                        chunk.reasoning_delta = split.reasoning;
+                        chunk.delta = split.content;
+                    }
+                    self.abort(&EngineFailure::Aborted);
+                    chunk.finish = self.finish.clone();
+                    return Some(Ok(chunk));
                 }
                 Some(SeqUpdate::Failed(f)) => {
                     self.abort(&f);
@@ -245,6 +292,16 @@ impl Generation {
             }
         }
         self.text.push_str(&chunk.delta);
+        if let Some((_, parser)) = self.reasoning.as_mut() {
+            let mut split = parser.push(&chunk.delta);
+            if self.finish.is_some() {
+                let rest = parser.finish();
+                split.reasoning.push_str(&rest.reasoning);
+                split.content.push_str(&rest.content);
+            }
+            chunk.reasoning_delta = split.reasoning;
+            chunk.delta = split.content;
+        }
         chunk.finish = self.finish.clone();
         Ok(chunk)
     }
@@ -292,7 +349,7 @@ impl Generation {
         m.insert("prompt_tokens".into(), json!(self.prompt_tokens()));
         m.insert("completion_tokens".into(), json!(self.completion_tokens()));
         m.insert("cached_tokens".into(), json!(0));
-        m.insert("reasoning_tokens".into(), json!(0));
+        m.insert("reasoning_tokens".into(), json!(self.reasoning_tokens()));
         m.insert("weight_version".into(), json!("default"));
         m.insert("num_retractions".into(), json!(0));
         if self.finish.is_some() {

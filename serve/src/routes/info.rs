@@ -24,13 +24,17 @@ pub async fn health(State(state): State<AppState>) -> Response {
     if state.engine.is_shutting_down() {
         return StatusCode::SERVICE_UNAVAILABLE.into_response();
     }
-    let mut rx = state.engine.submit(EngineRequest {
-        prompt: vec![0],
-        max_new_tokens: 1,
-        sampling: EngineSampling::greedy(),
-        stop_token_ids: Vec::new(),
-        ignore_eos: true,
-    });
+    let rid = format!("HEALTH_CHECK_{}", crate::generation::new_rid());
+    let mut rx = state.engine.submit(
+        &rid,
+        EngineRequest {
+            prompt: vec![0],
+            max_new_tokens: 1,
+            sampling: EngineSampling::greedy(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: true,
+        },
+    );
     let probe = async {
         loop {
             match rx.recv().await {
@@ -68,7 +72,7 @@ pub async fn model_info(State(state): State<AppState>) -> Json<Value> {
         "architectures": state.model.architectures,
         "served_model_name": c.served_model_name,
         "load_format": "safetensors",
-        "reasoning_parser": null,
+        "reasoning_parser": c.reasoning_parser.map(|k| k.name()),
         "tool_call_parser": null,
         "disaggregation_mode": "null",
     }))
@@ -98,6 +102,7 @@ fn server_args(state: &AppState) -> serde_json::Map<String, Value> {
         "device": match c.device { crate::config::DeviceSpec::Cpu => "cpu".to_string(), crate::config::DeviceSpec::Cuda(i) => format!("cuda:{i}") },
         "context_length": ctx,
         "max_running_requests": c.max_running_requests,
+        "max_total_tokens": c.max_total_tokens,
         "max_queued_requests": c.max_queued_requests,
         "tp_size": 1, "dp_size": 1, "pp_size": 1,
         "kv_cache_dtype": "auto",
@@ -143,7 +148,7 @@ pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
     top.insert("status".into(), json!("ready"));
     top.insert(
         "max_total_num_tokens".into(),
-        json!(ctx * state.config.max_running_requests),
+        json!(state.config.total_tokens(ctx)),
     );
     top.insert("max_req_input_len".into(), json!(ctx.saturating_sub(1)));
     top.insert("startup_time".into(), json!(state.started_unix));

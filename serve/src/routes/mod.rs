@@ -7,6 +7,7 @@ pub mod info;
 pub mod openai;
 pub mod sse;
 pub mod stream;
+pub mod tools;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -45,6 +46,20 @@ pub fn router(state: AppState) -> Router {
             get(info::flush_cache).post(info::flush_cache),
         )
         .route("/metrics", get(info::metrics))
+        .route("/tokenize", post(tools::tokenize))
+        .route("/v1/tokenize", post(tools::tokenize))
+        .route("/detokenize", post(tools::detokenize))
+        .route("/v1/detokenize", post(tools::detokenize))
+        .route("/abort_request", post(tools::abort_request))
+        .route("/separate_reasoning", post(tools::separate_reasoning))
+        .route(
+            "/start_profile",
+            get(tools::profile_unavailable).post(tools::profile_unavailable),
+        )
+        .route(
+            "/stop_profile",
+            get(tools::profile_unavailable).post(tools::profile_unavailable),
+        )
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(DefaultBodyLimit::max(limit))
         .layer(CorsLayer::permissive())

@@ -17,6 +17,7 @@ use crate::generation::{Chunk, Generation};
 pub struct Counts {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    pub reasoning_tokens: usize,
 }
 
 /// Renders one chunk of generation `index` into zero or more SSE payloads; `first` is true for
@@ -46,6 +47,7 @@ fn one<R: RenderChunk>(
                     let counts = Counts {
                         prompt_tokens: g.prompt_tokens(),
                         completion_tokens: g.completion_tokens(),
+                        reasoning_tokens: g.reasoning_tokens(),
                     };
                     Some((
                         Item {

@@ -1,6 +1,7 @@
 //! `POST /v1/chat/completions`. Streams follow SGLang's chunk order: a role chunk, content
 //! deltas (`reasoning_content: null` always present), a separate finish chunk with
-//! `matched_stop`, the usage chunk when asked, then `[DONE]`.
+//! `matched_stop`, the usage chunk when asked, then `[DONE]`. With `--reasoning-parser`, the
+//! `<think>` part arrives as `reasoning_content` deltas and `message.reasoning_content`.
 
 pub mod convert;
 pub mod types;
@@ -17,6 +18,7 @@ use tracing::Instrument;
 
 use super::{counts_of, usage, usage_chunk};
 use crate::error::{ApiError, ErrorShape, OpenAiError};
+use crate::generation::reasoning::split_whole;
 use crate::generation::{new_rid, Chunk, Generation};
 use crate::routes::stream::{self, RenderChunk};
 use crate::state::{unix_now, AppState};
@@ -41,6 +43,15 @@ pub async fn handle(
                 .await
                 .map_err(|e| ApiError::Internal(format!("tokenizer worker failed: {e}")))??;
         let mut gens = stream::start_all(&state, prepared).await?;
+        let reasoning = state.config.reasoning_parser.filter(|kind| {
+            kind.applies(
+                req.separate_reasoning,
+                &convert::template_kwargs(&state, &req),
+            )
+        });
+        if let Some(kind) = reasoning {
+            gens.iter_mut().for_each(|g| g.separate_reasoning(kind));
+        }
         let (model, created, n) = (req.common.model_name(), unix_now(), req.common.n());
         if req.common.stream {
             let render = Render {
@@ -82,9 +93,13 @@ pub async fn handle(
 }
 
 fn choice(index: usize, g: &Generation, with_meta: bool) -> Value {
+    let (reasoning, content) = match g.reasoning_kind() {
+        Some(kind) => split_whole(kind, g.text()),
+        None => (None, g.text().to_string()),
+    };
     let mut c = json!({
         "index": index,
-        "message": {"role": "assistant", "content": g.text(), "reasoning_content": null},
+        "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
         "logprobs": null,
         "finish_reason": g.finish().map(|f| f.openai_reason()),
         "matched_stop": g.finish().map(|f| f.matched_stop()).unwrap_or(Value::Null),
@@ -131,6 +146,13 @@ impl RenderChunk for Render {
             out.push(self.chunk(
                 index,
                 json!({"reasoning_content": null, "role": "assistant", "content": ""}),
+                None,
+            ));
+        }
+        if !chunk.reasoning_delta.is_empty() {
+            out.push(self.chunk(
+                index,
+                json!({"reasoning_content": chunk.reasoning_delta}),
                 None,
             ));
         }

@@ -112,14 +112,20 @@ pub fn usage(counts: &[Counts], n: usize, drop_nulls: bool) -> Value {
     let n = n.max(1);
     let prompt: usize = counts.iter().step_by(n).map(|c| c.prompt_tokens).sum();
     let completion: usize = counts.iter().map(|c| c.completion_tokens).sum();
-    if drop_nulls {
-        json!({"prompt_tokens": prompt, "total_tokens": prompt + completion,
-               "completion_tokens": completion, "reasoning_tokens": 0})
+    let reasoning: usize = counts.iter().map(|c| c.reasoning_tokens).sum();
+    // `completion_tokens_details` only when there was reasoning (SGLANG_API.md 2.7).
+    let details = if reasoning > 0 {
+        json!({"reasoning_tokens": reasoning})
     } else {
-        json!({"prompt_tokens": prompt, "total_tokens": prompt + completion,
-               "completion_tokens": completion, "prompt_tokens_details": null,
-               "reasoning_tokens": 0, "completion_tokens_details": null})
+        Value::Null
+    };
+    let mut u = json!({"prompt_tokens": prompt, "total_tokens": prompt + completion,
+           "completion_tokens": completion, "prompt_tokens_details": null,
+           "reasoning_tokens": reasoning, "completion_tokens_details": details});
+    if let (true, Some(obj)) = (drop_nulls, u.as_object_mut()) {
+        obj.retain(|_, v| !v.is_null());
     }
+    u
 }
 
 /// The final `choices: []` chunk with usage (when `stream_options.include_usage`).
@@ -140,6 +146,7 @@ pub fn counts_of(gens: &[crate::generation::Generation]) -> Vec<Counts> {
         .map(|g| Counts {
             prompt_tokens: g.prompt_tokens(),
             completion_tokens: g.completion_tokens(),
+            reasoning_tokens: g.reasoning_tokens(),
         })
         .collect()
 }

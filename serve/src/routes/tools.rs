@@ -1,0 +1,182 @@
+//! SGLang's utility routes: `/tokenize` and `/detokenize` (also under `/v1/`), `/abort_request`,
+//! `/separate_reasoning`, and the profiler switches that `bench_serving --profile` calls.
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::generate::types::OneOrMany;
+use crate::error::{ApiError, NativeError, OpenAiError};
+use crate::generation::reasoning::split_whole;
+use crate::generation::ReasoningParserKind;
+use crate::state::AppState;
+use crate::validation::ValidationError;
+
+#[derive(Debug, Deserialize)]
+pub struct TokenizeRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub prompt: OneOrMany<String>,
+    #[serde(default = "yes")]
+    pub add_special_tokens: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `POST /tokenize`: `{"tokens", "count", "max_model_len"}`, lists for a list of prompts.
+pub async fn tokenize(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, OpenAiError> {
+    let req: TokenizeRequest =
+        super::parse_json(&headers, body, state.config.max_request_body_bytes, false)?;
+    let tokenizer = state.model.tokenizer.clone();
+    let batch = matches!(req.prompt, OneOrMany::Many(_));
+    let prompts = req.prompt.to_vec();
+    let add = req.add_special_tokens;
+    let ids = tokio::task::spawn_blocking(move || {
+        prompts
+            .iter()
+            .map(|p| tokenizer.encode(p, add))
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("tokenizer worker failed: {e}")))?
+    .map_err(ApiError::from)?;
+    let max_model_len = state.model.lower.context_length;
+    Ok(Json(if batch {
+        let counts: Vec<usize> = ids.iter().map(Vec::len).collect();
+        json!({"tokens": ids, "count": counts, "max_model_len": max_model_len})
+    } else {
+        let one = ids.into_iter().next().unwrap_or_default();
+        json!({"count": one.len(), "tokens": one, "max_model_len": max_model_len})
+    }))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum TokenLists {
+    One(Vec<i64>),
+    Many(Vec<Vec<i64>>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct DetokenizeRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub tokens: TokenLists,
+}
+
+/// `POST /detokenize`: `{"text"}` (a list for a list of token lists). Ids outside the vocabulary
+/// are a 400 naming the first one.
+pub async fn detokenize(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, OpenAiError> {
+    let req: DetokenizeRequest =
+        super::parse_json(&headers, body, state.config.max_request_body_bytes, false)?;
+    let vocab = state.model.lower.vocab_size;
+    let (lists, batch) = match req.tokens {
+        TokenLists::One(t) => (vec![t], false),
+        TokenLists::Many(t) => (t, true),
+    };
+    let lists = lists
+        .iter()
+        .map(|l| crate::validation::check_token_ids("tokens", l, vocab))
+        .collect::<Result<Vec<_>, ValidationError>>()?;
+    let tokenizer = state.model.tokenizer.clone();
+    let texts = tokio::task::spawn_blocking(move || {
+        lists
+            .iter()
+            .map(|ids| tokenizer.decode(ids, true))
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("tokenizer worker failed: {e}")))?
+    .map_err(ApiError::from)?;
+    Ok(Json(if batch {
+        json!({"text": texts})
+    } else {
+        json!({"text": texts.into_iter().next().unwrap_or_default()})
+    }))
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct AbortRequest {
+    #[serde(default)]
+    pub rid: String,
+    #[serde(default)]
+    pub abort_all: bool,
+}
+
+/// `POST /abort_request`: ends the named request (or all) with finish reason `abort`; clients
+/// get what was generated so far. Unknown ids are ignored; the answer is always 200.
+pub async fn abort_request(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<StatusCode, NativeError> {
+    let req: AbortRequest =
+        super::parse_json(&headers, body, state.config.max_request_body_bytes, false)?;
+    if req.abort_all {
+        state.engine.abort(None);
+    } else if !req.rid.is_empty() {
+        state.engine.abort(Some(req.rid));
+    }
+    Ok(StatusCode::OK)
+}
+
+#[derive(Debug, Deserialize)]
+pub struct SeparateReasoningRequest {
+    pub text: String,
+    #[serde(default)]
+    pub reasoning_parser: Option<String>,
+}
+
+/// `POST /separate_reasoning`: `{"text", "reasoning_text"}` for a finished answer.
+pub async fn separate_reasoning(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, NativeError> {
+    let req: SeparateReasoningRequest =
+        super::parse_json(&headers, body, state.config.max_request_body_bytes, false)?;
+    let kind = match req.reasoning_parser.as_deref() {
+        Some(name) => ReasoningParserKind::parse(name).ok_or_else(|| {
+            ApiError::BadJson(format!(
+                "unknown reasoning_parser `{name}`; use qwen3 or qwen3-thinking"
+            ))
+        })?,
+        None => state.config.reasoning_parser.ok_or_else(|| {
+            ApiError::BadJson(
+                "no reasoning_parser given and the server has none (--reasoning-parser)".into(),
+            )
+        })?,
+    };
+    let (reasoning, text) = split_whole(kind, &req.text);
+    Ok(Json(
+        json!({"text": text, "reasoning_text": reasoning.unwrap_or_default()}),
+    ))
+}
+
+/// `/start_profile` and `/stop_profile`: there is no torch profiler to drive; answer 200 so
+/// `bench_serving --profile` runs, and say so in the log.
+pub async fn profile_unavailable() -> Response {
+    tracing::warn!(
+        "profiling requested, but dflash-serve has no profiler; use nsys on the process"
+    );
+    (
+        StatusCode::OK,
+        "Profiling is not available in dflash-serve; the request was ignored.\n",
+    )
+        .into_response()
+}
