@@ -25,8 +25,8 @@ pub enum ApiError {
     Template(#[from] TemplateError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
-    #[error("The model `{0}` does not exist.")]
-    ModelNotFound(String),
+    #[error("The model `{model}` does not exist; this server serves `{served}` (see /v1/models).")]
+    ModelNotFound { model: String, served: String },
     #[error(transparent)]
     Engine(#[from] EngineFailure),
     #[error("Unauthorized")]
@@ -55,7 +55,7 @@ impl ApiError {
             | ApiError::Template(_) => StatusCode::BAD_REQUEST,
             ApiError::Tokenizer(TokenizerError::Encode { .. }) => StatusCode::BAD_REQUEST,
             ApiError::Tokenizer(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-            ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Engine(
                 EngineFailure::Rejected(_) | EngineFailure::TooLargeForCache { .. },
             ) => StatusCode::BAD_REQUEST,

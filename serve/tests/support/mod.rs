@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod binary;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -183,7 +185,22 @@ impl TestServer {
         headers: &[(&str, &str)],
         body: &[u8],
     ) -> Reply {
-        let mut s = TcpStream::connect(self.addr).await.expect("connect");
+        self.try_request(method, path, headers, body)
+            .await
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    }
+
+    /// Like `request`, but a refused connection or a malformed reply is an `Err`.
+    pub async fn try_request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<Reply, String> {
+        let mut s = TcpStream::connect(self.addr)
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
         let mut head = format!(
             "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: {}\r\n",
             body.len()
@@ -192,13 +209,22 @@ impl TestServer {
             head.push_str(&format!("{k}: {v}\r\n"));
         }
         head.push_str("\r\n");
-        s.write_all(head.as_bytes()).await.expect("write");
-        s.write_all(body).await.expect("write");
+        s.write_all(head.as_bytes())
+            .await
+            .map_err(|e| format!("write: {e}"))?;
+        s.write_all(body).await.map_err(|e| format!("write: {e}"))?;
         let mut raw = Vec::new();
-        s.read_to_end(&mut raw).await.expect("read");
-        let raw = String::from_utf8(raw).expect("utf-8 reply");
-        let (headers, body) = raw.split_once("\r\n\r\n").expect("head");
-        let status = headers[9..12].parse().expect("status");
+        s.read_to_end(&mut raw)
+            .await
+            .map_err(|e| format!("read: {e}"))?;
+        let raw = String::from_utf8(raw).map_err(|e| format!("reply is not UTF-8: {e}"))?;
+        let (headers, body) = raw
+            .split_once("\r\n\r\n")
+            .ok_or_else(|| format!("no header end in {raw:?}"))?;
+        let status = headers
+            .get(9..12)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| format!("bad status line in {headers:?}"))?;
         let body = if headers
             .to_ascii_lowercase()
             .contains("transfer-encoding: chunked")
@@ -207,11 +233,19 @@ impl TestServer {
         } else {
             body.to_string()
         };
-        Reply {
+        Ok(Reply {
             status,
             headers: headers.to_string(),
             body,
-        }
+        })
+    }
+
+    /// The status of `GET path`, or `None` when nothing answers.
+    pub async fn try_get(&self, path: &str) -> Option<u16> {
+        self.try_request("GET", path, &[], b"")
+            .await
+            .ok()
+            .map(|r| r.status)
     }
 
     pub async fn post(&self, path: &str, body: &serde_json::Value) -> Reply {

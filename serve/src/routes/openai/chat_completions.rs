@@ -34,6 +34,7 @@ pub async fn handle(
     let req: types::ChatRequest =
         crate::routes::parse_json(&headers, body, state.config.max_request_body_bytes, true)?;
     let valid = validate::validate(&req)?;
+    super::check_model(&state, req.common.model.as_deref())?;
     let rid = req.common.rid.clone().unwrap_or_else(new_rid);
     let span = tracing::info_span!("chat_completions", request_id = %rid, model = %state.config.served_model_name);
     async move {

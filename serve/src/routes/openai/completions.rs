@@ -29,6 +29,7 @@ pub async fn handle(
     let req: types::CompletionRequest =
         crate::routes::parse_json(&headers, body, state.config.max_request_body_bytes, true)?;
     let prompts = validate::validate(&req, state.model.lower.vocab_size)?;
+    super::check_model(&state, req.common.model.as_deref())?;
     let rid = req.common.rid.clone().unwrap_or_else(new_rid);
     let span = tracing::info_span!("completions", request_id = %rid, model = %state.config.served_model_name);
     async move {

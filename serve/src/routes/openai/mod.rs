@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 
 use super::generate::types::OneOrMany;
 use super::stream::Counts;
+use crate::error::ApiError;
 use crate::generation::{check_sampling, SamplingInput};
 use crate::validation::{self as v, ValidationError};
 
@@ -104,6 +105,20 @@ impl CommonFields {
         v::check_unsupported("lora_path", present(&self.lora_path))?;
         v::check_n("n", self.n)?;
         check_sampling(&self.sampling(max, max_field))
+    }
+}
+
+/// The `model` of a chat or completions request must name the served model (or be absent or
+/// `default`); anything else is a 404 naming it, as OpenAI answers, instead of silently serving
+/// another model than the client asked for.
+pub fn check_model(state: &crate::state::AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        None | Some("") | Some("default") => Ok(()),
+        Some(m) if m == state.config.served_model_name || m == state.config.model_path => Ok(()),
+        Some(m) => Err(ApiError::ModelNotFound {
+            model: m.to_string(),
+            served: state.config.served_model_name.clone(),
+        }),
     }
 }
 
