@@ -4,4 +4,5 @@
 //! z-lab format, and `dflash-train eval`.
 
 pub mod eval;
+pub mod observe;
 pub mod train;

@@ -8,11 +8,10 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor, Var};
 use dflash_common::{DFlashConfig, Qwen3Config, WeightFiles};
 use dflash_models::random::WeightRng;
-use dflash_models::{DFlashDrafter, OpsMode, Qwen3Model, TargetEmbeddingsAndHead};
+use dflash_models::{DFlashDrafter, OpsMode, TargetEmbeddingsAndHead};
 
 use super::error::{TrainError, TrainResult};
-use super::pipeline::TargetWorker;
-use super::{ComputeDtype, DeviceSpec, TrainArgs};
+use super::{ComputeDtype, TrainArgs};
 
 /// HF's `initializer_range` for Qwen3: linear weights start as N(0, 0.02), norms as ones.
 const INIT_STD: f32 = 0.02;
@@ -133,27 +132,6 @@ pub fn load_embeddings_and_head(
     })
 }
 
-/// One frozen target per `--target-devices` entry (fused kernels, no gradients).
-pub fn load_target_workers(
-    dir: &Path,
-    devices: &[DeviceSpec],
-    compute: ComputeDtype,
-    max_positions: usize,
-) -> TrainResult<Vec<TargetWorker>> {
-    devices
-        .iter()
-        .map(|spec| {
-            let device = spec.open("--target-devices")?;
-            let dtype = compute_dtype(compute, &device);
-            let model = Qwen3Model::load(dir, dtype, &device, max_positions, OpsMode::Fused)?;
-            Ok(TargetWorker {
-                device: spec.to_string(),
-                model,
-            })
-        })
-        .collect()
-}
-
 /// Seeded fresh parameters (f32), in checkpoint order. With `from_target = Some(layers)`,
 /// draft layer `i` starts as a copy of target layer `layers[i]` and the final norm as the
 /// target's (`fc` and `hidden_norm` stay fresh): an opt-in warm start for short budgets, not
@@ -162,7 +140,7 @@ pub fn init_params(
     cfg: &DFlashConfig,
     seed: u64,
     device: &Device,
-    target_dir: &Path,
+    target_dir: Option<&Path>,
     from_target: Option<&[usize]>,
 ) -> TrainResult<Vec<(String, Tensor)>> {
     let mut rng = WeightRng::new(seed);
@@ -178,7 +156,11 @@ pub fn init_params(
                     ),
                 });
             }
-            Ok((WeightFiles::open_dir(target_dir)?, layers))
+            let dir = target_dir.ok_or(TrainError::Flag {
+                flag: "--init-from-target-layers",
+                message: "needs a target checkpoint directory, not a random target".into(),
+            })?;
+            Ok((WeightFiles::open_dir(dir)?, layers))
         })
         .transpose()?;
     DFlashDrafter::parameter_shapes(cfg)
