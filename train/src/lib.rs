@@ -5,4 +5,5 @@
 
 pub mod eval;
 pub mod observe;
+pub mod regenerate;
 pub mod train;

@@ -20,6 +20,8 @@ enum Command {
     Train(dflash_train::train::TrainArgs),
     /// Compare drafters side by side by acceptance (offline streaks or live decoding).
     Eval(dflash_train::eval::EvalArgs),
+    /// Rewrite the assistant turns of a chat dataset with the target's own outputs (resumable).
+    Regenerate(dflash_train::regenerate::RegenerateArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -29,5 +31,6 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Train(args) => dflash_train::train::run(args),
         Command::Eval(args) => dflash_train::eval::run(args),
+        Command::Regenerate(args) => dflash_train::regenerate::run(args),
     }
 }

@@ -237,7 +237,9 @@ fn random_target_refuses_chat_datasets_with_the_fix() {
 
 /// Periodic evaluation: every N steps (and at the end) the current weights are replayed on a
 /// cache built once at startup; vanilla and DDTree tau land in metrics.jsonl and TensorBoard,
-/// and the last one equals `offline_eval` of the saved drafter on the same cache.
+/// and the last one equals `offline_eval` of the saved drafter on the same cache. The run
+/// fine-tunes the bundled demo drafter (`--init-drafter`), so tau is well above 1 and a stale
+/// or wrong drafter in the periodic eval would show.
 #[test]
 fn eval_every_logs_chain_and_ddtree_tau_equal_to_offline_eval_of_the_saved_drafter() {
     use dflash_train::eval::{offline_eval, EvalCache, Verify};
@@ -250,9 +252,14 @@ fn eval_every_logs_chain_and_ddtree_tau_equal_to_offline_eval_of_the_saved_draft
          {\"id\":\"rev\",\"messages\":[{\"role\":\"user\",\"content\":\"Reverse a list in Python.\"}]}\n",
     )
     .unwrap();
+    let demo_drafter = demo_target().join("../tiny-coder-demo-dflash");
     let s = train(&tiny_run(
         &out,
         &[
+            "--init-drafter",
+            demo_drafter.to_str().unwrap(),
+            "--lr",
+            "3e-4",
             "--max-steps",
             "4",
             "--eval-every",
@@ -260,7 +267,7 @@ fn eval_every_logs_chain_and_ddtree_tau_equal_to_offline_eval_of_the_saved_draft
             "--eval-prompts",
             prompts.to_str().unwrap(),
             "--eval-max-new-tokens",
-            "12",
+            "32",
             "--eval-budgets",
             "4,8",
         ],
@@ -275,9 +282,13 @@ fn eval_every_logs_chain_and_ddtree_tau_equal_to_offline_eval_of_the_saved_draft
     let tau = |e: &serde_json::Value, k: &str| e[k].as_f64().unwrap_or_else(|| panic!("{k} in {e}"));
     for e in &evals {
         for k in ["tau_chain", "tau_ddtree4", "tau_ddtree8"] {
-            assert!((1.0..=8.0).contains(&tau(e, k)), "{k} = {}", tau(e, k));
+            assert!((1.0..=16.0).contains(&tau(e, k)), "{k} = {}", tau(e, k));
         }
+        // The bundled drafter accepts drafts on these prompts (chain tau 1.37 on the coding set).
+        assert!(tau(e, "tau_ddtree8") > 1.1, "{e}");
     }
+    // Steps 2 and 4 evaluate different weights (measured: DDTree-8 1.319 -> 1.348).
+    assert_ne!(evals[0]["tau_ddtree8"], evals[1]["tau_ddtree8"], "{evals:?}");
     let tags = tensorboard_tags(&out);
     assert!(tags.iter().any(|t| t.0 == 4 && t.1 == "eval/tau_ddtree8"));
     // The logged tau is the saved drafter's (f32 weights, so exactly the trained ones).

@@ -107,6 +107,15 @@ pub struct TrainArgs {
         conflicts_with = "resume"
     )]
     pub drafter_config: Option<PathBuf>,
+    /// Start from the weights of this z-lab drafter directory (config.json + model.safetensors),
+    /// e.g. to fine-tune a published drafter on your data; its config replaces the shape flags.
+    #[arg(
+        long,
+        value_name = "DIR",
+        help_heading = "Models",
+        conflicts_with_all = ["resume", "drafter_config", "init_from_target_layers"]
+    )]
+    pub init_drafter: Option<PathBuf>,
     /// Draft layers of a fresh drafter.
     #[arg(long, default_value_t = 5, help_heading = "Models")]
     pub num_draft_layers: usize,

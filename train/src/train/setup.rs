@@ -45,7 +45,11 @@ pub fn fresh_config(
     target: &Qwen3Config,
     mask_from_tokenizer: Option<u32>,
 ) -> TrainResult<DFlashConfig> {
-    if let Some(path) = &args.drafter_config {
+    let from_file = args
+        .drafter_config
+        .clone()
+        .or_else(|| args.init_drafter.as_ref().map(|d| d.join("config.json")));
+    if let Some(path) = &from_file {
         let cfg = DFlashConfig::from_file(path)?;
         cfg.check_against_target(path, target)
             .map_err(|e| TrainError::DrafterMismatch(e.to_string()))?;
@@ -182,6 +186,22 @@ pub fn init_params(
                 _ if shape.len() == 1 => Tensor::ones(shape.as_slice(), DType::F32, device)?,
                 _ => rng.normal(&shape, 0.0, INIT_STD, DType::F32, device)?,
             };
+            Ok((name, t))
+        })
+        .collect()
+}
+
+/// The f32 parameters of an existing z-lab drafter (`--init-drafter`), in checkpoint order.
+pub fn load_params(
+    cfg: &DFlashConfig,
+    dir: &Path,
+    device: &Device,
+) -> TrainResult<Vec<(String, Tensor)>> {
+    let w = WeightFiles::open_dir(dir)?;
+    DFlashDrafter::parameter_shapes(cfg)
+        .into_iter()
+        .map(|(name, shape)| {
+            let t = w.tensor(&name, &shape, DType::F32, device)?;
             Ok((name, t))
         })
         .collect()

@@ -156,13 +156,16 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             (opt, state)
         }
         None => {
-            let params = setup::init_params(
-                &cfg,
-                args.seed,
-                &drafter_device,
-                target.dir(),
-                args.init_from_target_layers.as_deref(),
-            )?;
+            let params = match &args.init_drafter {
+                Some(dir) => setup::load_params(&cfg, dir, &drafter_device)?,
+                None => setup::init_params(
+                    &cfg,
+                    args.seed,
+                    &drafter_device,
+                    target.dir(),
+                    args.init_from_target_layers.as_deref(),
+                )?,
+            };
             let opt = AdamW::new(adam_cfg(args), setup::to_vars(params)?)?;
             let state = TrainerState {
                 step: 0,
