@@ -24,7 +24,8 @@ use candle_core::{DType, Device};
 use dflash_common::chat::{ChatRenderInput, ChatTemplate};
 use dflash_common::tokenizer::Tokenizer;
 use dflash_models::spec::{
-    Algorithm, DFlashProposer, Engine, EngineConfig, FinishReason, GenerationRequest, SamplingParams,
+    Algorithm, DFlashProposer, Engine, EngineConfig, FinishReason, GenerationRequest,
+    SamplingParams,
 };
 use dflash_models::{DFlashDrafter, OpsMode, Qwen3Model};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -193,16 +194,16 @@ fn prepare(
     Ok((ids, value))
 }
 
+/// Generated tokens of one request and why it stopped.
+type Decoded = (Vec<u32>, Option<FinishReason>);
+
 /// Decodes the requests of one batch together; outputs in request order.
-fn decode_batch(
-    engine: &mut Engine,
-    reqs: Vec<GenerationRequest>,
-) -> Result<Vec<(Vec<u32>, Option<FinishReason>)>, String> {
+fn decode_batch(engine: &mut Engine, reqs: Vec<GenerationRequest>) -> Result<Vec<Decoded>, String> {
     let mut ids = Vec::with_capacity(reqs.len());
     for r in reqs {
         ids.push(engine.add(r).map_err(|e| e.to_string())?);
     }
-    let mut out: Vec<(Vec<u32>, Option<FinishReason>)> = vec![(Vec::new(), None); ids.len()];
+    let mut out: Vec<Decoded> = vec![(Vec::new(), None); ids.len()];
     let mut open = ids.len();
     while open > 0 {
         for e in engine.step().map_err(|e| e.to_string())? {
@@ -230,7 +231,11 @@ fn parse_device(s: &str) -> Result<Device, RegenError> {
                 .strip_prefix("cuda")
                 .map(|r| r.trim_start_matches(':'))
                 .ok_or_else(|| err(format!("`{s}`: use cpu, cuda or cuda:N")))?;
-            let i = if i.is_empty() { 0 } else { i.parse().map_err(|_| err(format!("`{s}`")))? };
+            let i = if i.is_empty() {
+                0
+            } else {
+                i.parse().map_err(|_| err(format!("`{s}`")))?
+            };
             Device::new_cuda(i).map_err(|e| err(format!("cannot open {s}: {e}")))
         }
     }
@@ -323,7 +328,11 @@ pub fn regenerate(args: &RegenerateArgs) -> Result<RegenSummary, RegenError> {
     }
 
     let device = parse_device(&args.device)?;
-    let dtype = if device.is_cuda() { DType::BF16 } else { DType::F32 };
+    let dtype = if device.is_cuda() {
+        DType::BF16
+    } else {
+        DType::F32
+    };
     let cfg = dflash_common::Qwen3Config::from_file(args.target_model.join("config.json"))
         .map_err(|e| target_err(e.to_string()))?;
     let context = args.context_length.unwrap_or(cfg.max_position_embeddings);
@@ -495,7 +504,11 @@ pub fn run(args: RegenerateArgs) -> anyhow::Result<()> {
     let s = regenerate(&args)?;
     println!(
         "{} {} records of {} lines into {} ({} skipped)",
-        if s.complete { "regenerated" } else { "stopped after" },
+        if s.complete {
+            "regenerated"
+        } else {
+            "stopped after"
+        },
         s.written,
         s.lines,
         args.output.display(),

@@ -80,7 +80,11 @@ fn write_input(dir: &Path) -> PathBuf {
 fn regenerated_turns_are_greedy_outputs_and_resume_is_byte_identical() {
     let dir = scratch("main");
     let input = write_input(&dir);
-    let (a, b, c) = (dir.join("a.jsonl"), dir.join("b.jsonl"), dir.join("c.jsonl"));
+    let (a, b, c) = (
+        dir.join("a.jsonl"),
+        dir.join("b.jsonl"),
+        dir.join("c.jsonl"),
+    );
 
     let whole = regenerate(&args(&input, &a, &[])).unwrap();
     assert!(whole.complete);
@@ -97,7 +101,10 @@ fn regenerated_turns_are_greedy_outputs_and_resume_is_byte_identical() {
     assert!(rest.complete);
     assert_eq!(rest.written, 4);
     let (ta, tb) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
-    assert!(ta == tb, "resumed output differs from the uninterrupted one");
+    assert!(
+        ta == tb,
+        "resumed output differs from the uninterrupted one"
+    );
     // A finished run is a no-op when run again.
     let again = regenerate(&args(&input, &b, &[])).unwrap();
     assert_eq!(again.written, 4);
@@ -107,7 +114,8 @@ fn regenerated_turns_are_greedy_outputs_and_resume_is_byte_identical() {
     let target_dir = assets().join("tiny-coder-demo");
     let tok = Tokenizer::from_dir(&target_dir).unwrap();
     let template = ChatTemplate::from_model(&target_dir, tok.config(), None).unwrap();
-    let target = Qwen3Model::load(&target_dir, DType::F32, &Device::Cpu, 512, OpsMode::Fused).unwrap();
+    let target =
+        Qwen3Model::load(&target_dir, DType::F32, &Device::Cpu, 512, OpsMode::Fused).unwrap();
     let eos = tok.eos_token_ids().to_vec();
     let mut engine = Engine::new(
         target,
@@ -125,7 +133,9 @@ fn regenerated_turns_are_greedy_outputs_and_resume_is_byte_identical() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(
-        out.iter().map(|r| r["id"].as_str().unwrap()).collect::<Vec<_>>(),
+        out.iter()
+            .map(|r| r["id"].as_str().unwrap())
+            .collect::<Vec<_>>(),
         vec!["a", "b", "c", "d"]
     );
     let mut stopped_by_eos = 0;
@@ -165,17 +175,28 @@ fn regenerated_turns_are_greedy_outputs_and_resume_is_byte_identical() {
     let spec = regenerate(&args(
         &input,
         &c,
-        &["--drafter", assets().join("tiny-coder-demo-dflash").to_str().unwrap(), "--ddtree-budget", "8"],
+        &[
+            "--drafter",
+            assets().join("tiny-coder-demo-dflash").to_str().unwrap(),
+            "--ddtree-budget",
+            "8",
+        ],
     ))
     .unwrap();
     assert_eq!(spec.written, 4);
-    assert!(std::fs::read(&c).unwrap() == ta, "speculative output differs from plain");
+    assert!(
+        std::fs::read(&c).unwrap() == ta,
+        "speculative output differs from plain"
+    );
 
     // Other settings on top of an existing progress file: refused, naming it.
     let e = regenerate(&args(&input, &b, &["--seed", "5"]))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("b.jsonl.progress.json") && e.contains("another run"), "{e}");
+    assert!(
+        e.contains("b.jsonl.progress.json") && e.contains("another run"),
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -188,9 +209,16 @@ fn unreadable_input_and_bad_target_name_the_file() {
         .to_string();
     assert!(e.contains("nope.jsonl"), "{e}");
     let input = write_input(&dir);
-    let e = regenerate(&args(&input, &dir.join("o.jsonl"), &["--max-bad-lines", "0"]))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("in.jsonl:3") && e.contains("--max-bad-lines"), "{e}");
+    let e = regenerate(&args(
+        &input,
+        &dir.join("o.jsonl"),
+        &["--max-bad-lines", "0"],
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("in.jsonl:3") && e.contains("--max-bad-lines"),
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -142,7 +142,12 @@ fn jsonl(path: &Path, kind: &str) -> Vec<serde_json::Value> {
 
 fn tensorboard_tags(out: &Path) -> Vec<(i64, String, f32)> {
     let dir = out.join("tensorboard");
-    let file = std::fs::read_dir(&dir).unwrap().next().unwrap().unwrap().path();
+    let file = std::fs::read_dir(&dir)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
     dflash_train::observe::tfevents::read_scalars(&file)
         .unwrap()
         .into_iter()
@@ -200,7 +205,9 @@ fn random_target_with_synthetic_data_reports_throughput_stages_and_mfu() {
             "mfu",
             "mfu_drafter",
         ] {
-            let v = w[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {w}"));
+            let v = w[k]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{k} missing in {w}"));
             assert!(v > 0.0 && v.is_finite(), "{k} = {v}");
         }
         assert!(w["queue_depth"].as_f64().is_some());
@@ -230,7 +237,9 @@ fn random_target_refuses_chat_datasets_with_the_fix() {
         "--output-dir",
         out.to_str().unwrap(),
     ];
-    let e = train(&parse_train_args(argv).unwrap()).unwrap_err().to_string();
+    let e = train(&parse_train_args(argv).unwrap())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("--dataset") && e.contains("synthetic:"), "{e}");
     let _ = std::fs::remove_dir_all(&out);
 }
@@ -276,10 +285,14 @@ fn eval_every_logs_chain_and_ddtree_tau_equal_to_offline_eval_of_the_saved_draft
     assert_eq!(s.steps, 4);
     let evals = jsonl(&out.join("metrics.jsonl"), "eval");
     assert_eq!(
-        evals.iter().map(|e| e["step"].as_u64().unwrap()).collect::<Vec<_>>(),
+        evals
+            .iter()
+            .map(|e| e["step"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
         vec![2, 4]
     );
-    let tau = |e: &serde_json::Value, k: &str| e[k].as_f64().unwrap_or_else(|| panic!("{k} in {e}"));
+    let tau =
+        |e: &serde_json::Value, k: &str| e[k].as_f64().unwrap_or_else(|| panic!("{k} in {e}"));
     for e in &evals {
         for k in ["tau_chain", "tau_ddtree4", "tau_ddtree8"] {
             assert!((1.0..=16.0).contains(&tau(e, k)), "{k} = {}", tau(e, k));
@@ -288,7 +301,10 @@ fn eval_every_logs_chain_and_ddtree_tau_equal_to_offline_eval_of_the_saved_draft
         assert!(tau(e, "tau_ddtree8") > 1.1, "{e}");
     }
     // Steps 2 and 4 evaluate different weights (measured: DDTree-8 1.319 -> 1.348).
-    assert_ne!(evals[0]["tau_ddtree8"], evals[1]["tau_ddtree8"], "{evals:?}");
+    assert_ne!(
+        evals[0]["tau_ddtree8"], evals[1]["tau_ddtree8"],
+        "{evals:?}"
+    );
     let tags = tensorboard_tags(&out);
     assert!(tags.iter().any(|t| t.0 == 4 && t.1 == "eval/tau_ddtree8"));
     // The logged tau is the saved drafter's (f32 weights, so exactly the trained ones).

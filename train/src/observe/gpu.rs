@@ -74,10 +74,15 @@ impl GpuMonitor {
                     let Ok(d) = nvml.device_by_index(nvml_index(c)) else {
                         continue;
                     };
-                    let power = d.power_usage().map(|mw| mw as f64 / 1e3).unwrap_or(f64::NAN);
+                    let power = d
+                        .power_usage()
+                        .map(|mw| mw as f64 / 1e3)
+                        .unwrap_or(f64::NAN);
                     let util = d.utilization_rates().ok();
                     let mem = d.memory_info().ok();
-                    let temp = d.temperature(TemperatureSensor::Gpu).map_or(f64::NAN, f64::from);
+                    let temp = d
+                        .temperature(TemperatureSensor::Gpu)
+                        .map_or(f64::NAN, f64::from);
                     let mut a = acc2.lock().expect("gpu stats lock");
                     let s = &mut a.stats[slot];
                     let n = s.samples as f64;

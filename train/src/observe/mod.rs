@@ -24,6 +24,9 @@ pub struct Reporter {
     events: Option<EventWriter>,
     bar: ProgressBar,
     gpus: Option<GpuMonitor>,
+    /// The bar's message parts: the last window's summary and the last eval's taus.
+    window_msg: String,
+    eval_msg: String,
 }
 
 impl Reporter {
@@ -65,6 +68,8 @@ impl Reporter {
             events,
             bar,
             gpus: GpuMonitor::start(cuda, gpu_every),
+            window_msg: String::new(),
+            eval_msg: String::new(),
         })
     }
 
@@ -121,9 +126,18 @@ impl Reporter {
             .collect()
     }
 
-    pub fn set_position(&self, step: usize, message: String) {
+    pub fn window_summary(&mut self, text: String) {
+        self.window_msg = text;
+    }
+
+    pub fn eval_summary(&mut self, text: String) {
+        self.eval_msg = format!(" | eval tau {text}");
+    }
+
+    pub fn set_position(&self, step: usize) {
         self.bar.set_position(step as u64);
-        self.bar.set_message(message);
+        self.bar
+            .set_message(format!("{}{}", self.window_msg, self.eval_msg));
     }
 
     /// A log line that does not tear the bar.

@@ -19,7 +19,11 @@ fn crc32c(data: &[u8]) -> u32 {
         for (i, e) in t.iter_mut().enumerate() {
             let mut c = i as u32;
             for _ in 0..8 {
-                c = if c & 1 == 1 { (c >> 1) ^ 0x82F6_3B78 } else { c >> 1 };
+                c = if c & 1 == 1 {
+                    (c >> 1) ^ 0x82F6_3B78
+                } else {
+                    c >> 1
+                };
             }
             *e = c;
         }
@@ -34,7 +38,7 @@ fn crc32c(data: &[u8]) -> u32 {
 
 fn masked_crc(data: &[u8]) -> u32 {
     let c = crc32c(data);
-    ((c >> 15) | (c << 17)).wrapping_add(0xa282_ead8)
+    c.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
 fn varint(out: &mut Vec<u8>, mut v: u64) {
@@ -191,7 +195,9 @@ pub fn read_scalars(path: &Path) -> Result<Vec<Scalar>, String> {
             return Err(format!("bad length crc at byte {i}"));
         }
         let payload = data.get(i + 12..i + 12 + len).ok_or("truncated record")?;
-        let crc = data.get(i + 12 + len..i + 16 + len).ok_or("truncated crc")?;
+        let crc = data
+            .get(i + 12 + len..i + 16 + len)
+            .ok_or("truncated crc")?;
         if masked_crc(payload).to_le_bytes() != crc {
             return Err(format!("bad payload crc at byte {i}"));
         }
@@ -239,15 +245,23 @@ mod tests {
     fn scalars_decode_back_with_valid_crcs() {
         let dir = std::env::temp_dir().join(format!("tfevents-test-{}", std::process::id()));
         let mut w = EventWriter::create(&dir).unwrap();
-        w.scalars(3, &[("train/loss", 2.5), ("train/acc", 0.25)]).unwrap();
+        w.scalars(3, &[("train/loss", 2.5), ("train/acc", 0.25)])
+            .unwrap();
         w.scalars(7, &[("train/loss", 1.5)]).unwrap();
         let path = w.path().to_path_buf();
         drop(w);
         let s = read_scalars(&path).unwrap();
-        let view: Vec<_> = s.iter().map(|(st, t, v, _)| (*st, t.as_str(), *v)).collect();
+        let view: Vec<_> = s
+            .iter()
+            .map(|(st, t, v, _)| (*st, t.as_str(), *v))
+            .collect();
         assert_eq!(
             view,
-            vec![(3, "train/loss", 2.5), (3, "train/acc", 0.25), (7, "train/loss", 1.5)]
+            vec![
+                (3, "train/loss", 2.5),
+                (3, "train/acc", 0.25),
+                (7, "train/loss", 1.5)
+            ]
         );
         // A flipped byte is caught by the payload CRC.
         let mut bytes = std::fs::read(&path).unwrap();

@@ -85,8 +85,8 @@ mod tests {
         let linear = 2.0 * 4.0 * layer_linear_params(&cfg.layers);
         let ctx_kv = 2.0 * 10.0 * h * 2.0 * 32.0;
         let attn = 4.0 * 64.0 * 4.0 * 4.0;
-        let expect = 3.0 * (linear + ctx_kv + attn) + 2.0 * (2.0 * 10.0 * h * h)
-            + 2.0 * (2.0 * 3.0 * h * v);
+        let expect =
+            3.0 * (linear + ctx_kv + attn) + 2.0 * (2.0 * 10.0 * h * h) + 2.0 * (2.0 * 3.0 * h * v);
         assert!((f - expect).abs() < 1e-6, "{f} vs {expect}");
     }
 }

@@ -247,7 +247,12 @@ pub struct TrainArgs {
     pub gpu_sample_secs: f64,
 
     /// Evaluate the drafter every N steps (and at the end): offline tau on --eval-prompts.
-    #[arg(long, default_value_t = 0, help_heading = "Evaluation", requires = "eval_prompts")]
+    #[arg(
+        long,
+        default_value_t = 0,
+        help_heading = "Evaluation",
+        requires = "eval_prompts"
+    )]
     pub eval_every: usize,
     /// Prompt set for --eval-every (JSONL chat records; keep it small, e.g. 8 prompts).
     #[arg(long, value_name = "FILE", help_heading = "Evaluation")]
@@ -256,7 +261,12 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 64, help_heading = "Evaluation")]
     pub eval_max_new_tokens: usize,
     /// DDTree budgets of the periodic eval (vanilla chain tau is always reported).
-    #[arg(long, value_delimiter = ',', default_value = "8,32", help_heading = "Evaluation")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "8,32",
+        help_heading = "Evaluation"
+    )]
     pub eval_budgets: Vec<usize>,
 }
 
@@ -266,8 +276,10 @@ impl TrainArgs {
         let mut out = Vec::new();
         for v in &self.datasets {
             out.extend(
-                DatasetSpec::parse_list(v)
-                    .map_err(|message| TrainError::Flag { flag: "--dataset", message })?,
+                DatasetSpec::parse_list(v).map_err(|message| TrainError::Flag {
+                    flag: "--dataset",
+                    message,
+                })?,
             );
         }
         if out.is_empty() {

@@ -94,7 +94,7 @@ impl PeriodicEval {
     }
 
     pub fn due(&self, step: usize, last: bool) -> bool {
-        self.every > 0 && (step % self.every == 0 || last)
+        self.every > 0 && (step.is_multiple_of(self.every) || last)
     }
 
     /// Tau of the current weights: `tau_chain`, `tau_ddtree<B>` per budget, and the seconds

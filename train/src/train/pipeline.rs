@@ -221,7 +221,8 @@ impl Pipeline {
         let mut out = BTreeMap::new();
         for b in self.pending.values() {
             for s in &b.seqs {
-                *out.entry(lens(s.example) / bucket_width.max(1)).or_insert(0) += 1;
+                *out.entry(lens(s.example) / bucket_width.max(1))
+                    .or_insert(0) += 1;
             }
         }
         out

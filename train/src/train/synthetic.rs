@@ -145,7 +145,10 @@ impl SyntheticSpec {
         if examples.is_empty() {
             return Err(TrainError::NoSupervisedTokens {
                 paths: DatasetSpec::Synthetic(self.clone()).to_string(),
-                detail: format!("--max-len {max_len} leaves nothing after prompt={}", self.prompt),
+                detail: format!(
+                    "--max-len {max_len} leaves nothing after prompt={}",
+                    self.prompt
+                ),
             });
         }
         Ok(Dataset { examples, stats })
@@ -162,7 +165,10 @@ mod tests {
         let DatasetSpec::Synthetic(s) = &l[0] else {
             panic!("not synthetic")
         };
-        assert_eq!((s.min_len, s.max_len, s.n, s.prompt, s.seed), (64, 128, 5, 8, 2));
+        assert_eq!(
+            (s.min_len, s.max_len, s.n, s.prompt, s.seed),
+            (64, 128, 5, 8, 2)
+        );
         assert_eq!(DatasetSpec::parse_list("a.jsonl,b.jsonl").unwrap().len(), 2);
         assert!(DatasetSpec::parse_list("synthetic:len=64,m=3")
             .unwrap_err()

@@ -299,7 +299,9 @@ mod tests {
             }
         );
         assert_eq!(
-            "random:cfg/config.json,seed=3".parse::<TargetSpec>().unwrap(),
+            "random:cfg/config.json,seed=3"
+                .parse::<TargetSpec>()
+                .unwrap(),
             TargetSpec::Random {
                 shape: RandomShape::Config("cfg/config.json".into()),
                 seed: 3

@@ -218,9 +218,9 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         .into_iter()
         .collect();
     let basis = MfuBasis {
-        peak_tflops: args.peak_tflops.or_else(|| {
-            (!drafter_device.is_cpu()).then_some(flops::H200_BF16_PEAK_TFLOPS)
-        }),
+        peak_tflops: args
+            .peak_tflops
+            .or_else(|| (!drafter_device.is_cpu()).then_some(flops::H200_BF16_PEAK_TFLOPS)),
         target_devices: args.target_devices.len(),
         devices: args
             .target_devices
@@ -308,8 +308,12 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                 let a = loss::sample_anchors(ex, args.num_anchors, &mut rng);
                 let rows_before = targets.rows.len();
                 targets.push(ex, &a, b, gamma);
-                step_flops.0 +=
-                    flops::drafter_step(&cfg, ex.tokens.len(), &a, targets.rows.len() - rows_before);
+                step_flops.0 += flops::drafter_step(
+                    &cfg,
+                    ex.tokens.len(),
+                    &a,
+                    targets.rows.len() - rows_before,
+                );
                 step_flops.1 += flops::target_forward(&target_cfg, ex.tokens.len());
                 anchors.push(a);
             }
@@ -368,7 +372,9 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             loss_parts.push(loss.to_dtype(DType::F32)?);
             clock.lap(Stage::Backward)?;
         }
-        let step_loss = Tensor::stack(&loss_parts, 0)?.sum_all()?.to_scalar::<f32>()? as f64;
+        let step_loss = Tensor::stack(&loss_parts, 0)?
+            .sum_all()?
+            .to_scalar::<f32>()? as f64;
         let mut step_hits = Hits::default();
         for (p, (_, targets)) in predicted_parts.iter().zip(&prepared) {
             step_hits.add(loss::hits(&p.to_vec1::<u32>()?, targets));
@@ -479,23 +485,24 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                 by_bucket
             );
             reporter.log(&line);
-            let get = |k: &str| scalars.iter().find(|(n, _)| n == k).map_or(f64::NAN, |x| x.1);
-            reporter.set_position(
-                state.step,
-                format!(
-                    "loss {:.4} acc {:.3} tau~{:.2} | {} tok/s",
-                    get("loss"),
-                    get("accuracy"),
-                    get("tau_estimate"),
-                    super::window::human(get("tokens_per_s"))
-                ),
-            );
+            let get = |k: &str| {
+                scalars
+                    .iter()
+                    .find(|(n, _)| n == k)
+                    .map_or(f64::NAN, |x| x.1)
+            };
+            reporter.window_summary(format!(
+                "loss {:.4} acc {:.3} tau~{:.2} | {} tok/s",
+                get("loss"),
+                get("accuracy"),
+                get("tau_estimate"),
+                super::window::human(get("tokens_per_s"))
+            ));
             reporter.jsonl("window", state.step, &scalars, Map::new());
             reporter.tensorboard("train", state.step, &scalars);
             curve.push(json!({"step": state.step, "loss": get("loss"), "accuracy": get("accuracy"), "tau_estimate": get("tau_estimate"), "tokens_per_s": get("tokens_per_s"), "mfu": get("mfu")}));
             window = Window::default();
         } else {
-            reporter.set_position(state.step, format!("loss {step_loss:.4}"));
         }
         if let Some(pe) = periodic.as_ref().filter(|pe| pe.due(state.step, last)) {
             let taus = pe.run(&cfg, &opt.params, &parts)?;
@@ -505,12 +512,21 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                 .collect::<Vec<_>>()
                 .join(", ");
             reporter.log(&format!("step {} eval: {line}", state.step));
+            reporter.eval_summary(
+                taus.iter()
+                    .filter(|(k, _)| k.starts_with("tau"))
+                    .map(|(k, v)| format!("{} {v:.2}", k.trim_start_matches("tau_")))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            );
             reporter.jsonl("eval", state.step, &taus, Map::new());
             reporter.tensorboard("eval", state.step, &taus);
-            let mut pt: Map<String, Value> = taus.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+            let mut pt: Map<String, Value> =
+                taus.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
             pt.insert("step".into(), json!(state.step));
             evals.push(Value::Object(pt));
         }
+        reporter.set_position(state.step);
         // A skipped step changed nothing; saving it would only rotate good checkpoints out.
         if (finite && state.step % args.save_every.max(1) == 0) || last {
             state.total_steps = total_steps;
