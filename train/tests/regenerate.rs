@@ -189,6 +189,24 @@ fn regenerated_turns_are_greedy_outputs_and_resume_is_byte_identical() {
         "speculative output differs from plain"
     );
 
+    // Sampling (T > 0) is seeded per line: a resumed run still writes the same bytes.
+    let (s1, s2) = (dir.join("s1.jsonl"), dir.join("s2.jsonl"));
+    let t = ["--temperature", "0.9", "--seed", "7"];
+    regenerate(&args(&input, &s1, &t)).unwrap();
+    regenerate(&args(
+        &input,
+        &s2,
+        &[&t[..], &["--stop-after-batches", "1"]].concat(),
+    ))
+    .unwrap();
+    regenerate(&args(&input, &s2, &t)).unwrap();
+    let sampled = std::fs::read(&s1).unwrap();
+    assert!(
+        sampled == std::fs::read(&s2).unwrap(),
+        "resumed sampled output differs"
+    );
+    assert!(sampled != ta, "sampling at T=0.9 gave the greedy outputs");
+
     // Other settings on top of an existing progress file: refused, naming it.
     let e = regenerate(&args(&input, &b, &["--seed", "5"]))
         .unwrap_err()
