@@ -220,6 +220,9 @@ impl Target {
                         OpsMode::Fused,
                     )?,
                 };
+                // The weights were written on this thread's stream; the worker thread launches
+                // on its own, so they must be complete before it starts.
+                device.synchronize()?;
                 Ok(TargetWorker {
                     device: spec.to_string(),
                     model,

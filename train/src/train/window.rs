@@ -151,6 +151,20 @@ pub fn describe(s: &[(String, f64)]) -> String {
             get("drafter_tflops").unwrap_or(0.0) + get("target_tflops").unwrap_or(0.0)
         );
     }
+    // NVML averages, one group per GPU (`gpuN_util_pct`, ...).
+    for (k, util) in s
+        .iter()
+        .filter(|(k, _)| k.ends_with("_util_pct") && !k.contains("mem"))
+    {
+        let gpu = k.trim_end_matches("_util_pct");
+        let f = |suffix: &str| get(&format!("{gpu}_{suffix}")).unwrap_or(f64::NAN);
+        out += &format!(
+            " | {gpu} {util:.0}% {:.0}W {:.1}GiB {:.0}C",
+            f("power_w"),
+            f("mem_used_gib"),
+            f("temp_c")
+        );
+    }
     out
 }
 
