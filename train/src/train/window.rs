@@ -227,3 +227,53 @@ impl<'a> StageClock<'a> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stage_times_and_mfu_appear_only_when_measured() {
+        let mut w = Window {
+            loss: 6.0,
+            steps: 2,
+            all_steps: 2,
+            tokens: 1000,
+            step_s: 2.0,
+            drafter_flops: 3e12,
+            target_flops: 1e12,
+            ..Default::default()
+        };
+        let basis = |peak| MfuBasis {
+            peak_tflops: peak,
+            target_devices: 1,
+            devices: 1,
+        };
+        let s = w.scalars(&basis(None));
+        let get = |s: &[(String, f64)], k: &str| s.iter().find(|(n, _)| n == k).map(|x| x.1);
+        assert_eq!(get(&s, "tokens_per_s"), Some(500.0));
+        assert_eq!(get(&s, "drafter_tflops"), Some(1.5));
+        assert_eq!(get(&s, "mfu"), None);
+        assert_eq!(get(&s, "stage_drafter_forward_s"), None);
+        w.timed = Timed {
+            steps: 1,
+            forward_s: 0.25,
+            ..Default::default()
+        };
+        let s = w.scalars(&basis(Some(4.0)));
+        // (3 + 1) TFLOP in 2 s on one 4 TFLOP/s device.
+        assert_eq!(get(&s, "mfu"), Some(0.5));
+        assert_eq!(get(&s, "stage_drafter_forward_s"), Some(0.25));
+        let mut s = s;
+        s.extend([
+            ("gpu0_util_pct".to_string(), 97.0),
+            ("gpu0_mem_util_pct".to_string(), 40.0),
+            ("gpu0_power_w".to_string(), 650.0),
+            ("gpu0_mem_used_gib".to_string(), 80.0),
+            ("gpu0_temp_c".to_string(), 61.0),
+        ]);
+        let line = describe(&s);
+        assert!(line.contains("MFU 50.0%"), "{line}");
+        assert!(line.contains("gpu0 97% 650W 80.0GiB 61C"), "{line}");
+    }
+}
