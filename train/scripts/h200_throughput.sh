@@ -2,7 +2,8 @@
 # H200 training throughput of a Qwen3-8B-shaped target (random bf16 weights) with a 5-layer,
 # 4096-hidden DFlash drafter (block 16, 512 anchors per 2048-token sequence), target and drafter
 # on the one GPU. Writes logs, metrics.jsonl and TensorBoard files of each configuration to $OUT.
-# See train/GPU_RUNS.md for how to build, bundle and launch it. BUNDLE overrides the bundle path.
+# See train/GPU_RUNS.md for how to build, bundle and launch it. BUNDLE overrides the bundle path;
+# TARGETS (e.g. cuda:0,cuda:1) and DRAFTER (e.g. cuda:2) choose the topology.
 # Random weights can give non-finite losses; those steps are skipped (and counted), never fatal here.
 set -u
 mkdir -p /tmp/b && tar -xJf "${BUNDLE:-.gpu/bundle.tar.xz}" -C /tmp/b && . /tmp/b/env.sh
@@ -16,7 +17,7 @@ run() {
   timeout "$secs" dflash-train train --target-model random:qwen3-8b \
     --dataset synthetic:len=2048,n=5000 --max-len 2048 \
     --num-draft-layers 5 --block-size 16 --num-anchors 512 \
-    --target-devices cuda:0 --drafter-device cuda:0 \
+    --target-devices "${TARGETS:-cuda:0}" --drafter-device "${DRAFTER:-cuda:0}" \
     --max-steps 100000 --save-every 100000000 --log-every 5 --max-nonfinite-steps 1000000 \
     --output-dir "/tmp/$name" "$@" > "$OUT/$name.log" 2>&1
   echo "== $name: exit $? (124 = stopped by the time limit, as intended)"
