@@ -57,8 +57,10 @@ pub struct RegenerateArgs {
     /// 0 is greedy; above 0 samples (with --top-p / --top-k).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// Nucleus sampling threshold (1 disables it).
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
+    /// Sample among the k most likely tokens (-1 disables it).
     #[arg(long, default_value_t = -1)]
     pub top_k: i32,
     /// Sampling seed of line i is seed + i.
@@ -67,7 +69,8 @@ pub struct RegenerateArgs {
     /// Records decoded together (one batch = this many consecutive input lines).
     #[arg(long, default_value_t = 8)]
     pub batch_size: usize,
-    /// Prompt plus generated tokens [default: prompt limit from the target config].
+    /// Prompt plus generated tokens [default: the target's max_position_embeddings]; longer
+    /// records are skipped and counted.
     #[arg(long)]
     pub context_length: Option<usize>,
     /// `cpu`, `cuda` or `cuda:N`.
