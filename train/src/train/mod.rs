@@ -108,12 +108,13 @@ pub struct TrainArgs {
     )]
     pub drafter_config: Option<PathBuf>,
     /// Start from the weights of this z-lab drafter directory (config.json + model.safetensors),
-    /// e.g. to fine-tune a published drafter on your data; its config replaces the shape flags.
+    /// e.g. to fine-tune a published drafter on your data; its config replaces the shape flags
+    /// (ignored with --resume, whose checkpoint holds the weights).
     #[arg(
         long,
         value_name = "DIR",
         help_heading = "Models",
-        conflicts_with_all = ["resume", "drafter_config", "init_from_target_layers"]
+        conflicts_with_all = ["drafter_config", "init_from_target_layers"]
     )]
     pub init_drafter: Option<PathBuf>,
     /// Draft layers of a fresh drafter.
