@@ -4,4 +4,6 @@
 //! z-lab format, and `dflash-train eval`.
 
 pub mod eval;
+pub mod observe;
+pub mod regenerate;
 pub mod train;

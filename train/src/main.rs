@@ -17,9 +17,11 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a drafter (fresh from a config, or resumed from a checkpoint).
-    Train(dflash_train::train::TrainArgs),
+    Train(Box<dflash_train::train::TrainArgs>),
     /// Compare drafters side by side by acceptance (offline streaks or live decoding).
     Eval(dflash_train::eval::EvalArgs),
+    /// Rewrite the assistant turns of a chat dataset with the target's own outputs (resumable).
+    Regenerate(dflash_train::regenerate::RegenerateArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -27,7 +29,8 @@ fn main() -> anyhow::Result<()> {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt().with_env_filter(filter).init();
     match Cli::parse().command {
-        Command::Train(args) => dflash_train::train::run(args),
+        Command::Train(args) => dflash_train::train::run(*args),
         Command::Eval(args) => dflash_train::eval::run(args),
+        Command::Regenerate(args) => dflash_train::regenerate::run(args),
     }
 }

@@ -130,3 +130,202 @@ fn resumed_run_ends_with_the_weights_of_an_uninterrupted_one() {
     std::fs::remove_dir_all(&a).unwrap();
     std::fs::remove_dir_all(&b).unwrap();
 }
+
+fn jsonl(path: &Path, kind: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == kind)
+        .collect()
+}
+
+fn tensorboard_tags(out: &Path) -> Vec<(i64, String, f32)> {
+    let dir = out.join("tensorboard");
+    let file = std::fs::read_dir(&dir)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    dflash_train::observe::tfevents::read_scalars(&file)
+        .unwrap()
+        .into_iter()
+        .map(|(s, t, v, _)| (s, t, v))
+        .collect()
+}
+
+/// Throughput path: a random-weight target of a published shape with synthetic tokens (no
+/// tokenizer) trains, and the window metrics (tokens/s, stage times, FLOPs, MFU against the
+/// given peak, queue) reach metrics.jsonl and TensorBoard.
+#[test]
+fn random_target_with_synthetic_data_reports_throughput_stages_and_mfu() {
+    let out = scratch("random");
+    let argv = [
+        "--target-model",
+        "random:tiny,seed=3",
+        "--dataset",
+        "synthetic:len=48..96,n=24,prompt=4",
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--num-draft-layers",
+        "1",
+        "--block-size",
+        "4",
+        "--num-anchors",
+        "6",
+        "--max-steps",
+        "6",
+        "--batch-size",
+        "2",
+        "--min-ready",
+        "4",
+        "--max-depth",
+        "8",
+        "--log-every",
+        "3",
+        "--peak-tflops",
+        "0.5",
+    ];
+    let s = train(&parse_train_args(argv).unwrap()).unwrap();
+    assert_eq!(s.steps, 6);
+    assert!(s.losses.iter().all(|l| l.1.is_finite()));
+    let steps = jsonl(&out.join("metrics.jsonl"), "step");
+    assert_eq!(steps.len(), 6);
+    let windows = jsonl(&out.join("metrics.jsonl"), "window");
+    assert_eq!(windows.len(), 2, "a window every 3 steps");
+    for w in &windows {
+        for k in [
+            "tokens_per_s",
+            "stage_drafter_forward_s",
+            "stage_drafter_backward_s",
+            "stage_optimizer_s",
+            "target_forward_s",
+            "drafter_tflops",
+            "mfu",
+            "mfu_drafter",
+        ] {
+            let v = w[k]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{k} missing in {w}"));
+            assert!(v > 0.0 && v.is_finite(), "{k} = {v}");
+        }
+        assert!(w["queue_depth"].as_f64().is_some());
+        // MFU is the FLOP rate over the peak given.
+        let rate = w["drafter_tflops"].as_f64().unwrap() + w["target_tflops"].as_f64().unwrap();
+        assert!((w["mfu"].as_f64().unwrap() - rate / 0.5).abs() < 1e-9);
+    }
+    let tags = tensorboard_tags(&out);
+    let loss: Vec<_> = tags.iter().filter(|t| t.1 == "train/loss").collect();
+    assert_eq!(loss.iter().map(|t| t.0).collect::<Vec<_>>(), vec![3, 6]);
+    let first = windows[0]["loss"].as_f64().unwrap() as f32;
+    assert!((loss[0].2 - first).abs() <= 1e-6 * first.abs());
+    assert!(tags.iter().any(|t| t.1 == "train/mfu"));
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+/// A random target has no tokenizer: a chat dataset is refused naming the flag and the fix.
+#[test]
+fn random_target_refuses_chat_datasets_with_the_fix() {
+    let out = scratch("random-chat");
+    let data = corpus();
+    let argv = [
+        "--target-model",
+        "random:tiny",
+        "--dataset",
+        data.to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+    ];
+    let e = train(&parse_train_args(argv).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--dataset") && e.contains("synthetic:"), "{e}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Periodic evaluation: every N steps (and at the end) the current weights are replayed on a
+/// cache built once at startup; vanilla and DDTree tau land in metrics.jsonl and TensorBoard,
+/// and the last one equals `offline_eval` of the saved drafter on the same cache. The run
+/// fine-tunes the bundled demo drafter (`--init-drafter`), so tau is well above 1 and a stale
+/// or wrong drafter in the periodic eval would show.
+#[test]
+fn eval_every_logs_chain_and_ddtree_tau_equal_to_offline_eval_of_the_saved_drafter() {
+    use dflash_train::eval::{offline_eval, EvalCache, Verify};
+    let out = scratch("eval-every");
+    std::fs::create_dir_all(&out).unwrap();
+    let prompts = out.join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"id\":\"fib\",\"messages\":[{\"role\":\"user\",\"content\":\"Write a Python function fib(n).\"}]}\n\
+         {\"id\":\"rev\",\"messages\":[{\"role\":\"user\",\"content\":\"Reverse a list in Python.\"}]}\n",
+    )
+    .unwrap();
+    let demo_drafter = demo_target().join("../tiny-coder-demo-dflash");
+    let s = train(&tiny_run(
+        &out,
+        &[
+            "--init-drafter",
+            demo_drafter.to_str().unwrap(),
+            "--lr",
+            "3e-4",
+            "--max-steps",
+            "4",
+            "--eval-every",
+            "2",
+            "--eval-prompts",
+            prompts.to_str().unwrap(),
+            "--eval-max-new-tokens",
+            "32",
+            "--eval-budgets",
+            "4,8",
+        ],
+    ))
+    .unwrap();
+    assert_eq!(s.steps, 4);
+    let evals = jsonl(&out.join("metrics.jsonl"), "eval");
+    assert_eq!(
+        evals
+            .iter()
+            .map(|e| e["step"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        vec![2, 4]
+    );
+    let tau =
+        |e: &serde_json::Value, k: &str| e[k].as_f64().unwrap_or_else(|| panic!("{k} in {e}"));
+    for e in &evals {
+        for k in ["tau_chain", "tau_ddtree4", "tau_ddtree8"] {
+            assert!((1.0..=16.0).contains(&tau(e, k)), "{k} = {}", tau(e, k));
+        }
+        // The bundled drafter accepts drafts on these prompts (chain tau 1.37 on the coding set).
+        assert!(tau(e, "tau_ddtree8") > 1.1, "{e}");
+    }
+    // Steps 2 and 4 evaluate different weights (measured: DDTree-8 1.319 -> 1.348).
+    assert_ne!(
+        evals[0]["tau_ddtree8"], evals[1]["tau_ddtree8"],
+        "{evals:?}"
+    );
+    let tags = tensorboard_tags(&out);
+    assert!(tags.iter().any(|t| t.0 == 4 && t.1 == "eval/tau_ddtree8"));
+    // The logged tau is the saved drafter's (f32 weights, so exactly the trained ones).
+    let target = dflash_models::Qwen3Model::load(
+        &demo_target(),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+        512,
+        dflash_models::OpsMode::Fused,
+    )
+    .unwrap();
+    let d =
+        dflash_models::DFlashDrafter::load(&out, &target, dflash_models::OpsMode::Fused).unwrap();
+    let cache = EvalCache::load(&out.join("eval-cache")).unwrap();
+    let verifies = Verify::chain_and_budgets(&[4, 8]);
+    let summary = offline_eval(&target, &d, &cache, &verifies).unwrap();
+    let last = &evals[1];
+    assert!((summary.tau(Verify::Chain).unwrap() - tau(last, "tau_chain")).abs() < 1e-9);
+    assert!(
+        (summary.tau(Verify::DDTree { budget: 8 }).unwrap() - tau(last, "tau_ddtree8")).abs()
+            < 1e-9
+    );
+    std::fs::remove_dir_all(&out).unwrap();
+}

@@ -70,7 +70,7 @@ pub struct Dataset {
 }
 
 /// Reads a whole dataset file, decompressing `.xz`.
-fn read_text(path: &Path) -> TrainResult<String> {
+pub fn read_text(path: &Path) -> TrainResult<String> {
     let err = |message: String| TrainError::DatasetRead {
         path: path.to_path_buf(),
         message,
@@ -211,4 +211,55 @@ pub fn load_datasets(
         });
     }
     Ok(Dataset { examples, stats })
+}
+
+/// Loads every `--dataset` value: chat files through the target's tokenizer and template,
+/// synthetic specs as random tokens over its vocabulary (never `mask`).
+pub fn load_specs(
+    specs: &[super::synthetic::DatasetSpec],
+    target: &super::target::Target,
+    mask: u32,
+    opts: &DataOptions,
+) -> TrainResult<Dataset> {
+    use super::synthetic::DatasetSpec;
+    let files: Vec<PathBuf> = specs
+        .iter()
+        .filter_map(|s| match s {
+            DatasetSpec::File(p) => Some(p.clone()),
+            DatasetSpec::Synthetic(_) => None,
+        })
+        .collect();
+    let mut parts = Vec::new();
+    if !files.is_empty() {
+        let Some((tok, template)) = &target.text else {
+            return Err(TrainError::Flag {
+                flag: "--dataset",
+                message: format!(
+                    "chat datasets need the target's tokenizer, but --target-model is {}; use --dataset synthetic:len=L,n=N",
+                    target.spec
+                ),
+            });
+        };
+        parts.push(load_datasets(&files, tok, template, opts)?);
+    }
+    for s in specs {
+        if let DatasetSpec::Synthetic(syn) = s {
+            parts.push(syn.generate(target.config.vocab_size, mask, opts.max_len)?);
+        }
+    }
+    let mut all = Dataset {
+        examples: Vec::new(),
+        stats: DataStats::default(),
+    };
+    for d in parts {
+        let (a, b) = (&mut all.stats, d.stats);
+        a.records += b.records;
+        a.bad_lines += b.bad_lines;
+        a.too_little_supervision += b.too_little_supervision;
+        a.truncated += b.truncated;
+        a.tokens += b.tokens;
+        a.supervised_tokens += b.supervised_tokens;
+        all.examples.extend(d.examples);
+    }
+    Ok(all)
 }

@@ -11,17 +11,24 @@
 pub mod checkpoint;
 pub mod data;
 pub mod error;
+pub mod flops;
 pub mod loss;
 pub mod optim;
+pub mod periodic_eval;
 pub mod pipeline;
 pub mod plan;
 pub mod setup;
+pub mod synthetic;
+pub mod target;
 pub mod trainer;
+pub mod window;
 
 use std::path::PathBuf;
 use std::str::FromStr;
 
 pub use error::{TrainError, TrainResult};
+pub use synthetic::DatasetSpec;
+pub use target::TargetSpec;
 pub use trainer::{train, TrainSummary};
 
 /// A device flag value: `cpu`, `cuda:N` or a bare GPU index `N`.
@@ -83,9 +90,12 @@ pub enum SaveDtype {
 /// Flags of `dflash-train train`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct TrainArgs {
-    /// Target model directory (Hugging Face Qwen3 checkpoint with tokenizer and chat template).
-    #[arg(long, value_name = "DIR", help_heading = "Models")]
-    pub target_model: PathBuf,
+    /// Target model directory (Hugging Face Qwen3 checkpoint with tokenizer and chat template),
+    /// or random weights for throughput runs: `random:<shape>[,seed=N]` with a shape of
+    /// tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, or a config.json path
+    /// (random targets have no tokenizer: use --dataset synthetic:...).
+    #[arg(long, value_name = "DIR|random:SHAPE", help_heading = "Models")]
+    pub target_model: TargetSpec,
     /// Resume from a checkpoint directory, or from the newest checkpoint in an output directory.
     #[arg(long, value_name = "DIR", help_heading = "Models")]
     pub resume: Option<PathBuf>,
@@ -97,6 +107,16 @@ pub struct TrainArgs {
         conflicts_with = "resume"
     )]
     pub drafter_config: Option<PathBuf>,
+    /// Start from the weights of this z-lab drafter directory (config.json + model.safetensors),
+    /// e.g. to fine-tune a published drafter on your data; its config replaces the shape flags
+    /// (ignored with --resume, whose checkpoint holds the weights).
+    #[arg(
+        long,
+        value_name = "DIR",
+        help_heading = "Models",
+        conflicts_with_all = ["drafter_config", "init_from_target_layers"]
+    )]
+    pub init_drafter: Option<PathBuf>,
     /// Draft layers of a fresh drafter.
     #[arg(long, default_value_t = 5, help_heading = "Models")]
     pub num_draft_layers: usize,
@@ -117,15 +137,16 @@ pub struct TrainArgs {
     #[arg(long, value_delimiter = ',', help_heading = "Models")]
     pub target_layer_ids: Option<Vec<usize>>,
 
-    /// JSONL chat datasets ({"messages": [...]} per line), plain or .xz; repeat or comma-separate.
+    /// JSONL chat datasets ({"messages": [...]} per line), plain or .xz; repeat or
+    /// comma-separate. Or random tokens for throughput runs:
+    /// `synthetic:len=L|A..B,n=N[,prompt=P,seed=S]` (P unsupervised leading tokens).
     #[arg(
         long = "dataset",
-        value_name = "FILE",
+        value_name = "FILE|synthetic:...",
         required = true,
-        value_delimiter = ',',
         help_heading = "Data"
     )]
-    pub datasets: Vec<PathBuf>,
+    pub datasets: Vec<String>,
     /// Sequences are cut to this many tokens.
     #[arg(long, default_value_t = 3072, help_heading = "Data")]
     pub max_len: usize,
@@ -215,9 +236,61 @@ pub struct TrainArgs {
     /// dtype of model.safetensors (the optimizer state is f32 regardless).
     #[arg(long, value_enum, default_value_t = SaveDtype::Bf16, help_heading = "Output")]
     pub save_dtype: SaveDtype,
-    /// Log a progress line every N steps.
+    /// Log a progress line (and window metrics: throughput, stage times, MFU, queue, GPU) every
+    /// N steps; the last step of each window synchronises the device between stages to time them.
     #[arg(long, default_value_t = 10, help_heading = "Output")]
     pub log_every: usize,
+    /// Peak TFLOP/s of one device for MFU [default: 989 (H200 bf16 dense) on CUDA; none on CPU].
+    #[arg(long, help_heading = "Output")]
+    pub peak_tflops: Option<f64>,
+    /// Seconds between GPU telemetry samples (NVML; skipped without a GPU).
+    #[arg(long, default_value_t = 1.0, help_heading = "Output")]
+    pub gpu_sample_secs: f64,
+
+    /// Evaluate the drafter every N steps (and at the end): offline tau on --eval-prompts.
+    #[arg(
+        long,
+        default_value_t = 0,
+        help_heading = "Evaluation",
+        requires = "eval_prompts"
+    )]
+    pub eval_every: usize,
+    /// Prompt set for --eval-every (JSONL chat records; keep it small, e.g. 8 prompts).
+    #[arg(long, value_name = "FILE", help_heading = "Evaluation")]
+    pub eval_prompts: Option<PathBuf>,
+    /// Target tokens generated per eval prompt (cached once at startup).
+    #[arg(long, default_value_t = 64, help_heading = "Evaluation")]
+    pub eval_max_new_tokens: usize,
+    /// DDTree budgets of the periodic eval (vanilla chain tau is always reported).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "8,32",
+        help_heading = "Evaluation"
+    )]
+    pub eval_budgets: Vec<usize>,
+}
+
+impl TrainArgs {
+    /// The `--dataset` values, synthetic specs kept whole.
+    pub fn dataset_specs(&self) -> TrainResult<Vec<DatasetSpec>> {
+        let mut out = Vec::new();
+        for v in &self.datasets {
+            out.extend(
+                DatasetSpec::parse_list(v).map_err(|message| TrainError::Flag {
+                    flag: "--dataset",
+                    message,
+                })?,
+            );
+        }
+        if out.is_empty() {
+            return Err(TrainError::Flag {
+                flag: "--dataset",
+                message: "no dataset given".into(),
+            });
+        }
+        Ok(out)
+    }
 }
 
 /// Parses `dflash-train train` flags from an argument list (for tests and embedding).

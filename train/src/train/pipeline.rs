@@ -72,6 +72,8 @@ pub struct Pipeline {
     credits: Arc<Credits>,
     max_depth: usize,
     threads: Vec<JoinHandle<()>>,
+    /// A worker error seen while draining for metrics, returned by the next `next_batch`.
+    failed: Option<TrainError>,
 }
 
 /// A target model and the device name for messages.
@@ -161,6 +163,7 @@ impl Pipeline {
             credits,
             max_depth,
             threads,
+            failed: None,
         }
     }
 
@@ -168,6 +171,9 @@ impl Pipeline {
     /// trainer waited for it.
     pub fn next_batch(&mut self) -> TrainResult<(Option<ComputedBatch>, Duration)> {
         let t0 = Instant::now();
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
         loop {
             if let Some(b) = self.pending.remove(&self.next) {
                 self.next += 1;
@@ -191,6 +197,35 @@ impl Pipeline {
     /// Sequences computed or being computed but not yet taken by the trainer.
     pub fn depth(&self) -> usize {
         self.max_depth - self.credits.available()
+    }
+
+    /// Computed sequences waiting in host RAM, per length bucket (`len / bucket_width`), after
+    /// taking in what the workers have finished (never blocks).
+    pub fn ready_by_bucket(
+        &mut self,
+        bucket_width: usize,
+        lens: impl Fn(usize) -> usize,
+    ) -> BTreeMap<usize, usize> {
+        if let Some(rx) = &self.results {
+            while let Ok(r) = rx.try_recv() {
+                match r {
+                    Ok(b) => {
+                        self.pending.insert(b.index, b);
+                    }
+                    Err(e) => {
+                        self.failed.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        let mut out = BTreeMap::new();
+        for b in self.pending.values() {
+            for s in &b.seqs {
+                *out.entry(lens(s.example) / bucket_width.max(1))
+                    .or_insert(0) += 1;
+            }
+        }
+        out
     }
 }
 

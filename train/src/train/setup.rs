@@ -8,11 +8,10 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor, Var};
 use dflash_common::{DFlashConfig, Qwen3Config, WeightFiles};
 use dflash_models::random::WeightRng;
-use dflash_models::{DFlashDrafter, OpsMode, Qwen3Model, TargetEmbeddingsAndHead};
+use dflash_models::{DFlashDrafter, OpsMode, TargetEmbeddingsAndHead};
 
 use super::error::{TrainError, TrainResult};
-use super::pipeline::TargetWorker;
-use super::{ComputeDtype, DeviceSpec, TrainArgs};
+use super::{ComputeDtype, TrainArgs};
 
 /// HF's `initializer_range` for Qwen3: linear weights start as N(0, 0.02), norms as ones.
 const INIT_STD: f32 = 0.02;
@@ -46,7 +45,11 @@ pub fn fresh_config(
     target: &Qwen3Config,
     mask_from_tokenizer: Option<u32>,
 ) -> TrainResult<DFlashConfig> {
-    if let Some(path) = &args.drafter_config {
+    let from_file = args
+        .drafter_config
+        .clone()
+        .or_else(|| args.init_drafter.as_ref().map(|d| d.join("config.json")));
+    if let Some(path) = &from_file {
         let cfg = DFlashConfig::from_file(path)?;
         cfg.check_against_target(path, target)
             .map_err(|e| TrainError::DrafterMismatch(e.to_string()))?;
@@ -133,27 +136,6 @@ pub fn load_embeddings_and_head(
     })
 }
 
-/// One frozen target per `--target-devices` entry (fused kernels, no gradients).
-pub fn load_target_workers(
-    dir: &Path,
-    devices: &[DeviceSpec],
-    compute: ComputeDtype,
-    max_positions: usize,
-) -> TrainResult<Vec<TargetWorker>> {
-    devices
-        .iter()
-        .map(|spec| {
-            let device = spec.open("--target-devices")?;
-            let dtype = compute_dtype(compute, &device);
-            let model = Qwen3Model::load(dir, dtype, &device, max_positions, OpsMode::Fused)?;
-            Ok(TargetWorker {
-                device: spec.to_string(),
-                model,
-            })
-        })
-        .collect()
-}
-
 /// Seeded fresh parameters (f32), in checkpoint order. With `from_target = Some(layers)`,
 /// draft layer `i` starts as a copy of target layer `layers[i]` and the final norm as the
 /// target's (`fc` and `hidden_norm` stay fresh): an opt-in warm start for short budgets, not
@@ -162,7 +144,7 @@ pub fn init_params(
     cfg: &DFlashConfig,
     seed: u64,
     device: &Device,
-    target_dir: &Path,
+    target_dir: Option<&Path>,
     from_target: Option<&[usize]>,
 ) -> TrainResult<Vec<(String, Tensor)>> {
     let mut rng = WeightRng::new(seed);
@@ -178,7 +160,11 @@ pub fn init_params(
                     ),
                 });
             }
-            Ok((WeightFiles::open_dir(target_dir)?, layers))
+            let dir = target_dir.ok_or(TrainError::Flag {
+                flag: "--init-from-target-layers",
+                message: "needs a target checkpoint directory, not a random target".into(),
+            })?;
+            Ok((WeightFiles::open_dir(dir)?, layers))
         })
         .transpose()?;
     DFlashDrafter::parameter_shapes(cfg)
@@ -200,6 +186,22 @@ pub fn init_params(
                 _ if shape.len() == 1 => Tensor::ones(shape.as_slice(), DType::F32, device)?,
                 _ => rng.normal(&shape, 0.0, INIT_STD, DType::F32, device)?,
             };
+            Ok((name, t))
+        })
+        .collect()
+}
+
+/// The f32 parameters of an existing z-lab drafter (`--init-drafter`), in checkpoint order.
+pub fn load_params(
+    cfg: &DFlashConfig,
+    dir: &Path,
+    device: &Device,
+) -> TrainResult<Vec<(String, Tensor)>> {
+    let w = WeightFiles::open_dir(dir)?;
+    DFlashDrafter::parameter_shapes(cfg)
+        .into_iter()
+        .map(|(name, shape)| {
+            let t = w.tensor(&name, &shape, DType::F32, device)?;
             Ok((name, t))
         })
         .collect()

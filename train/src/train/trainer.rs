@@ -6,27 +6,29 @@
 //! initialisation depend only on the settings, and the optimizer state is saved in f32, so a run
 //! stopped at a checkpoint and resumed ends with the same weights as one that never stopped.
 
-use std::io::Write;
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use candle_core::{DType, Tensor, D};
-use dflash_common::chat::ChatTemplate;
-use dflash_common::tokenizer::Tokenizer;
-use dflash_common::Qwen3Config;
 use dflash_models::TrainSequence;
-use serde_json::json;
+use serde_json::{json, Map, Value};
 
 use super::checkpoint::{self, RunFingerprint, TrainerState};
-use super::data::{load_datasets, DataOptions};
+use super::data::{load_specs, DataOptions};
 use super::error::{TrainError, TrainResult};
+use super::flops;
 use super::loss::{self, BlockTargets, Hits};
 use super::optim::{global_norm, learning_rate, AdamW, AdamWConfig};
+use super::periodic_eval::PeriodicEval;
 use super::pipeline::{ComputedBatch, Pipeline};
 use super::plan::{BatchPlan, PlanConfig};
 use super::setup;
-use super::{SaveDtype, TrainArgs};
+use super::target::Target;
+use super::window::{describe, MfuBasis, Stage, StageClock, Window};
+use super::{DeviceSpec, SaveDtype, TrainArgs};
+use crate::observe::Reporter;
 
 /// What a finished (or deliberately stopped) run reports.
 #[derive(Debug, Clone)]
@@ -45,18 +47,6 @@ pub struct TrainSummary {
     pub output: PathBuf,
     pub last_checkpoint: Option<PathBuf>,
     pub stopped_early: bool,
-}
-
-/// Loss and hits of a logging window.
-#[derive(Default)]
-struct Window {
-    loss: f64,
-    steps: usize,
-    hits: Hits,
-    tokens: usize,
-    wait_s: f64,
-    target_s: f64,
-    step_s: f64,
 }
 
 pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
@@ -79,9 +69,12 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
     }
     let drafter_device = args.drafter_device.open("--drafter-device")?;
     let dtype = setup::compute_dtype(args.compute_dtype, &drafter_device);
-    let target_cfg = Qwen3Config::from_file(args.target_model.join("config.json"))?;
-    let tok = Tokenizer::from_dir(&args.target_model)?;
-    let template = ChatTemplate::from_model(&args.target_model, tok.config(), None)?;
+    let target = Target::open(&args.target_model)?;
+    let target_cfg = target.config.clone();
+    let dataset_specs = args.dataset_specs()?;
+    if args.init_from_target_layers.is_some() {
+        target.require_dir("--init-from-target-layers")?;
+    }
 
     let resumed = args
         .resume
@@ -96,7 +89,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                 .map_err(|e| TrainError::DrafterMismatch(e.to_string()))?;
             r.cfg.clone()
         }
-        None => setup::fresh_config(args, &target_cfg, tok.token_to_id("<|MASK|>"))?,
+        None => setup::fresh_config(args, &target_cfg, target.default_mask_token())?,
     };
     let b = cfg.block_size;
     let gamma = args.loss_gamma.unwrap_or_else(|| loss::default_gamma(b));
@@ -107,7 +100,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         max_bad_lines: args.max_bad_lines,
         max_records: args.max_records,
     };
-    let data = load_datasets(&args.datasets, &tok, &template, &opts)?;
+    let data = load_specs(&dataset_specs, &target, cfg.mask_token_id, &opts)?;
     tracing::info!(
         "data: {} sequences, {} tokens ({} supervised); {} records, {} unreadable lines, {} truncated, {} with too little supervision",
         data.examples.len(), data.stats.tokens, data.stats.supervised_tokens, data.stats.records,
@@ -132,11 +125,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         (None, None) => unreachable!("epochs bound the plan"),
     };
     let fingerprint = RunFingerprint {
-        datasets: args
-            .datasets
-            .iter()
-            .map(|p| p.display().to_string())
-            .collect(),
+        datasets: dataset_specs.iter().map(|d| d.to_string()).collect(),
         max_records: args.max_records,
         max_len: args.max_len,
         min_supervised: opts.min_supervised,
@@ -167,13 +156,16 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             (opt, state)
         }
         None => {
-            let params = setup::init_params(
-                &cfg,
-                args.seed,
-                &drafter_device,
-                &args.target_model,
-                args.init_from_target_layers.as_deref(),
-            )?;
+            let params = match &args.init_drafter {
+                Some(dir) => setup::load_params(&cfg, dir, &drafter_device)?,
+                None => setup::init_params(
+                    &cfg,
+                    args.seed,
+                    &drafter_device,
+                    target.dir(),
+                    args.init_from_target_layers.as_deref(),
+                )?,
+            };
             let opt = AdamW::new(adam_cfg(args), setup::to_vars(params)?)?;
             let state = TrainerState {
                 step: 0,
@@ -198,19 +190,46 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         cfg.layers.num_hidden_layers, cfg.target_layer_ids, cfg.mask_token_id
     );
 
-    let parts = setup::load_embeddings_and_head(
-        &args.target_model,
-        &target_cfg,
-        dtype,
-        &drafter_device,
-        args.max_len,
-    )?;
-    let workers = setup::load_target_workers(
-        &args.target_model,
-        &args.target_devices,
-        args.compute_dtype,
-        args.max_len,
-    )?;
+    let workers = target.load_workers(&args.target_devices, args.compute_dtype, args.max_len)?;
+    let parts = target.embeddings_and_head(&workers, dtype, &drafter_device, args.max_len)?;
+    let periodic = match (&args.eval_prompts, args.eval_every) {
+        (Some(prompts), every) if every > 0 => Some(PeriodicEval::start(
+            every,
+            prompts,
+            args.eval_max_new_tokens,
+            &args.eval_budgets,
+            target.require_dir("--eval-every")?,
+            &cfg,
+            dtype,
+            &drafter_device,
+            &args.output_dir,
+        )?),
+        _ => None,
+    };
+    let cuda: Vec<usize> = args
+        .target_devices
+        .iter()
+        .chain([&args.drafter_device])
+        .filter_map(|d| match d {
+            DeviceSpec::Cuda(i) => Some(*i),
+            DeviceSpec::Cpu => None,
+        })
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let basis = MfuBasis {
+        peak_tflops: args
+            .peak_tflops
+            .or_else(|| (!drafter_device.is_cpu()).then_some(flops::H200_BF16_PEAK_TFLOPS)),
+        target_devices: args.target_devices.len(),
+        devices: args
+            .target_devices
+            .iter()
+            .chain([&args.drafter_device])
+            .map(|d| d.to_string())
+            .collect::<BTreeSet<_>>()
+            .len(),
+    };
     let examples = Arc::new(data.examples);
     let mut pipeline = Pipeline::start(
         examples.clone(),
@@ -232,14 +251,19 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
     };
     let warmup = ((args.warmup_ratio * total_steps as f64).ceil() as usize).max(1);
     let stop_at = args.stop_after_steps.unwrap_or(usize::MAX).min(total_steps);
-    let mut metrics = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(args.output_dir.join("metrics.jsonl"))
-        .map_err(|e| TrainError::OutputDir {
-            path: args.output_dir.clone(),
-            message: e.to_string(),
-        })?;
+    let mut reporter = Reporter::new(
+        &args.output_dir,
+        stop_at,
+        state.step,
+        &cuda,
+        Duration::from_secs_f64(args.gpu_sample_secs.max(0.05)),
+    )
+    .map_err(|e| TrainError::OutputDir {
+        path: args.output_dir.clone(),
+        message: e.to_string(),
+    })?;
+    let lens: Vec<usize> = examples.iter().map(|e| e.tokens.len()).collect();
+    let log_every = args.log_every.max(1);
 
     let loop_start = Instant::now();
     let mut losses = Vec::new();
@@ -248,8 +272,14 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
     let mut total_tokens = 0usize;
     let mut last_checkpoint = None;
     let mut exhausted = false;
+    let mut evals: Vec<Value> = Vec::new();
+    let dev = drafter_device.clone();
     while state.step < stop_at && !exhausted {
         let t_step = Instant::now();
+        // The last step of each log window is timed stage by stage (synchronising the device
+        // at each boundary); the others run free.
+        let timed = (state.step + 1) % log_every == 0;
+        let mut clock = StageClock::new(timed, &dev);
         let mut batches: Vec<ComputedBatch> = Vec::with_capacity(args.grad_accum);
         for _ in 0..args.grad_accum {
             let (batch, waited) = pipeline.next_batch()?;
@@ -265,8 +295,10 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         if batches.is_empty() {
             break;
         }
+        clock.restart();
         // Anchors and labels of the whole step first: the loss is normalised over all of it.
         let mut prepared = Vec::with_capacity(batches.len());
+        let mut step_flops = (0.0, 0.0);
         for bt in &batches {
             let mut rng = loss::anchor_rng(args.seed, bt.index);
             let mut targets = BlockTargets::default();
@@ -274,7 +306,15 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             for s in &bt.seqs {
                 let ex = &examples[s.example];
                 let a = loss::sample_anchors(ex, args.num_anchors, &mut rng);
+                let rows_before = targets.rows.len();
                 targets.push(ex, &a, b, gamma);
+                step_flops.0 += flops::drafter_step(
+                    &cfg,
+                    ex.tokens.len(),
+                    &a,
+                    targets.rows.len() - rows_before,
+                );
+                step_flops.1 += flops::target_forward(&target_cfg, ex.tokens.len());
                 anchors.push(a);
             }
             prepared.push((anchors, targets));
@@ -289,8 +329,9 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             }
         };
         let mut grads: Vec<Option<Tensor>> = vec![None; opt.params.len()];
-        let mut step_loss = 0.0;
-        let mut step_hits = Hits::default();
+        // Losses and argmaxes stay on the device until the step's one read-back.
+        let mut loss_parts = Vec::with_capacity(batches.len());
+        let mut predicted_parts = Vec::with_capacity(batches.len());
         let mut step_tokens = 0;
         for (bt, (anchors, targets)) in batches.iter().zip(&prepared) {
             let feats = bt
@@ -298,6 +339,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                 .iter()
                 .map(|s| s.features.to_device(drafter.device()))
                 .collect::<candle_core::Result<Vec<_>>>()?;
+            clock.lap(Stage::H2d)?;
             let seqs: Vec<TrainSequence<'_>> = bt
                 .seqs
                 .iter()
@@ -316,6 +358,8 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             let logits = drafter.lm_head(&hidden.index_select(&rows, 0)?)?;
             let loss =
                 loss::weighted_cross_entropy(&logits, targets, total_weight, drafter.device())?;
+            predicted_parts.push(logits.argmax(D::Minus1)?);
+            clock.lap(Stage::Forward)?;
             let store = loss.backward()?;
             for (i, (_, var)) in opt.params.iter().enumerate() {
                 if let Some(g) = store.get(var.as_tensor()) {
@@ -325,10 +369,17 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                     });
                 }
             }
-            step_loss += loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
-            let predicted = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
-            step_hits.add(loss::hits(&predicted, targets));
+            loss_parts.push(loss.to_dtype(DType::F32)?);
+            clock.lap(Stage::Backward)?;
         }
+        let step_loss = Tensor::stack(&loss_parts, 0)?
+            .sum_all()?
+            .to_scalar::<f32>()? as f64;
+        let mut step_hits = Hits::default();
+        for (p, (_, targets)) in predicted_parts.iter().zip(&prepared) {
+            step_hits.add(loss::hits(&p.to_vec1::<u32>()?, targets));
+        }
+        clock.lap(Stage::Readback)?;
         state.batches += batches.len();
         let grads = opt
             .params
@@ -359,11 +410,12 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         } else {
             state.skipped_steps += 1;
             state.nonfinite_in_row += 1;
-            tracing::warn!(
+            reporter.log(&format!(
                 "step {}: non-finite loss {step_loss} or gradient norm {norm}; step skipped",
                 state.step + 1
-            );
+            ));
             if state.nonfinite_in_row >= args.max_nonfinite_steps {
+                reporter.finish();
                 return Err(TrainError::NonFinite {
                     count: state.nonfinite_in_row,
                     step: state.step + 1,
@@ -378,6 +430,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                 });
             }
         }
+        clock.lap(Stage::Optimizer)?;
         state.step += 1;
         total_tokens += step_tokens;
         let step_s = t_step.elapsed().as_secs_f64();
@@ -386,32 +439,94 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             window.loss += step_loss;
             window.steps += 1;
         }
+        window.all_steps += 1;
         window.hits.add(step_hits);
         window.tokens += step_tokens;
         window.step_s += step_s;
-        let record = json!({
-            "step": state.step, "loss": step_loss, "accuracy": step_hits.accuracy(),
-            "tau_estimate": step_hits.tau(), "lr": lr, "grad_norm": norm,
-            "tokens": step_tokens, "blocks": step_hits.blocks, "step_s": step_s,
-            "queue_depth": pipeline.depth(), "elapsed_s": started.elapsed().as_secs_f64(),
-            "skipped": !finite,
-        });
-        let _ = writeln!(metrics, "{record}");
+        window.drafter_flops += step_flops.0;
+        window.target_flops += step_flops.1;
+        clock.add_to(&mut window.timed);
+        let step_scalars = vec![
+            ("loss".to_string(), step_loss),
+            ("accuracy".into(), step_hits.accuracy()),
+            ("tau_estimate".into(), step_hits.tau()),
+            ("lr".into(), lr),
+            ("grad_norm".into(), norm),
+            ("tokens".into(), step_tokens as f64),
+            ("blocks".into(), step_hits.blocks as f64),
+            ("step_s".into(), step_s),
+            ("queue_depth".into(), pipeline.depth() as f64),
+            ("elapsed_s".into(), started.elapsed().as_secs_f64()),
+        ];
+        let mut extra = Map::new();
+        extra.insert("skipped".into(), Value::Bool(!finite));
+        reporter.jsonl("step", state.step, &step_scalars, extra);
         let last = state.step == stop_at || exhausted;
-        if state.step % args.log_every.max(1) == 0 || last {
-            let n = window.steps.max(1) as f64;
-            let elapsed = loop_start.elapsed().as_secs_f64();
-            let eta = elapsed / losses.len().max(1) as f64
-                * (stop_at.min(total_steps) - state.step) as f64;
-            tracing::info!(
-                "step {}/{} loss {:.4} acc {:.3} tau~{:.2} lr {:.2e} |g| {:.2} | {:.0} tok/s, wait {:.0}% , queue {} | ETA {:.0}s",
-                state.step, total_steps, window.loss / n, window.hits.accuracy(), window.hits.tau(), lr, norm,
-                window.tokens as f64 / window.step_s.max(1e-9), 100.0 * window.wait_s / window.step_s.max(1e-9),
-                pipeline.depth(), eta
+        if state.step % log_every == 0 || last {
+            let mut scalars = window.scalars(&basis);
+            scalars.extend([
+                ("lr".to_string(), lr),
+                ("grad_norm".into(), norm),
+                ("queue_depth".into(), pipeline.depth() as f64),
+            ]);
+            let by_bucket = pipeline.ready_by_bucket(args.bucket_width, |i| lens[i]);
+            scalars.extend(
+                by_bucket
+                    .iter()
+                    .map(|(k, v)| (format!("queue_bucket{k}"), *v as f64)),
             );
-            curve.push(json!({"step": state.step, "loss": window.loss / n, "accuracy": window.hits.accuracy(), "tau_estimate": window.hits.tau()}));
+            scalars.extend(reporter.gpu_scalars());
+            let line = format!(
+                "step {}/{} {} | lr {lr:.2e} |g| {norm:.2} | queue {} {:?}",
+                state.step,
+                total_steps,
+                describe(&scalars),
+                pipeline.depth(),
+                by_bucket
+            );
+            reporter.log(&line);
+            let get = |k: &str| {
+                scalars
+                    .iter()
+                    .find(|(n, _)| n == k)
+                    .map_or(f64::NAN, |x| x.1)
+            };
+            reporter.window_summary(format!(
+                "loss {:.4} acc {:.3} tau~{:.2} | {} tok/s",
+                get("loss"),
+                get("accuracy"),
+                get("tau_estimate"),
+                super::window::human(get("tokens_per_s"))
+            ));
+            reporter.jsonl("window", state.step, &scalars, Map::new());
+            reporter.tensorboard("train", state.step, &scalars);
+            curve.push(json!({"step": state.step, "loss": get("loss"), "accuracy": get("accuracy"), "tau_estimate": get("tau_estimate"), "tokens_per_s": get("tokens_per_s"), "mfu": get("mfu")}));
             window = Window::default();
+        } else {
         }
+        if let Some(pe) = periodic.as_ref().filter(|pe| pe.due(state.step, last)) {
+            let taus = pe.run(&cfg, &opt.params, &parts)?;
+            let line = taus
+                .iter()
+                .map(|(k, v)| format!("{k} {v:.3}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            reporter.log(&format!("step {} eval: {line}", state.step));
+            reporter.eval_summary(
+                taus.iter()
+                    .filter(|(k, _)| k.starts_with("tau"))
+                    .map(|(k, v)| format!("{} {v:.2}", k.trim_start_matches("tau_")))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            );
+            reporter.jsonl("eval", state.step, &taus, Map::new());
+            reporter.tensorboard("eval", state.step, &taus);
+            let mut pt: Map<String, Value> =
+                taus.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+            pt.insert("step".into(), json!(state.step));
+            evals.push(Value::Object(pt));
+        }
+        reporter.set_position(state.step);
         // A skipped step changed nothing; saving it would only rotate good checkpoints out.
         if (finite && state.step % args.save_every.max(1) == 0) || last {
             state.total_steps = total_steps;
@@ -424,10 +539,11 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                 save_dtype,
                 args.keep_checkpoints,
             )?;
-            tracing::info!("checkpoint {}", path.display());
+            reporter.log(&format!("checkpoint {}", path.display()));
             last_checkpoint = Some(path);
         }
     }
+    reporter.finish();
     drop(pipeline);
     let loop_s = loop_start.elapsed().as_secs_f64();
     let stopped_early = state.step < total_steps && !exhausted;
@@ -456,7 +572,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         "steps": state.step, "total_steps": total_steps, "skipped_steps": state.skipped_steps,
         "elapsed_s": started.elapsed().as_secs_f64(), "loop_s": loop_s,
         "tokens_per_s": total_tokens as f64 / loop_s.max(1e-9),
-        "data": data.stats, "curve": curve, "args": format!("{args:?}"),
+        "data": data.stats, "curve": curve, "evals": evals, "args": format!("{args:?}"),
     });
     checkpoint::write_atomic(
         &args.output_dir.join("training_log.json"),
