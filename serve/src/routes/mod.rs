@@ -125,11 +125,25 @@ pub fn parse_json<T: DeserializeOwned>(
         BytesRejection::FailedToBufferBody(_) => ApiError::PayloadTooLarge { limit },
         other => ApiError::BadJson(other.body_text()),
     })?;
+    if let Err(e) = std::str::from_utf8(&body) {
+        return Err(ApiError::BadJson(format!(
+            "The request body is not valid UTF-8 (invalid byte at offset {}); send UTF-8 encoded JSON",
+            e.valid_up_to()
+        )));
+    }
     let de = &mut serde_json::Deserializer::from_slice(&body);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
-        if path.is_empty() || path == "." {
+        let malformed = matches!(
+            inner.classify(),
+            serde_json::error::Category::Syntax | serde_json::error::Category::Eof
+        );
+        if malformed {
+            ApiError::BadJson(format!(
+                "Invalid JSON body (send well-formed JSON): {inner}"
+            ))
+        } else if path.is_empty() || path == "." {
             ApiError::BadJson(format!("Invalid JSON body: {inner}"))
         } else {
             ApiError::BadJson(format!("Invalid request: `{path}`: {inner}"))
