@@ -114,6 +114,7 @@ impl StepEngine for ScriptEngine {
     }
 }
 
+#[derive(Clone)]
 pub struct TestServer {
     pub addr: SocketAddr,
 }
