@@ -92,6 +92,10 @@ pub struct Args {
     /// and waits until that fits [default: context length x max running requests]
     #[arg(long, help_heading = "Scheduling")]
     pub max_total_tokens: Option<usize>,
+    /// End a request that has not finished this many seconds after it arrived (finish reason
+    /// `abort`, with the text generated so far) [default: no limit]
+    #[arg(long, value_name = "SECONDS", help_heading = "Scheduling")]
+    pub request_timeout: Option<f64>,
     /// Requests allowed to wait for a slot before new ones get 503
     #[arg(long, default_value_t = 1024, help_heading = "Scheduling")]
     pub max_queued_requests: usize,

@@ -83,6 +83,8 @@ pub struct ServeConfig {
     pub max_queued_requests: usize,
     /// `--max-total-tokens`; `None` sizes it from the context length (see `total_tokens`).
     pub max_total_tokens: Option<usize>,
+    /// `--request-timeout`.
+    pub request_timeout: Option<std::time::Duration>,
     pub api_key: Option<String>,
     pub chat_template: Option<PathBuf>,
     pub hf_chat_template_name: Option<String>,
@@ -371,6 +373,19 @@ impl ServeConfig {
                 reason: "must be at least 1".into(),
             });
         }
+        let request_timeout = match args.request_timeout {
+            None => None,
+            Some(secs) if secs.is_finite() && secs > 0.0 => {
+                Some(std::time::Duration::from_secs_f64(secs))
+            }
+            Some(secs) => {
+                return Err(ConfigError::BadValue {
+                    flag: "--request-timeout",
+                    value: secs.to_string(),
+                    reason: "must be a positive number of seconds".into(),
+                })
+            }
+        };
         let default_chat_template_kwargs = match &args.default_chat_template_kwargs {
             None => Map::new(),
             Some(text) => match serde_json::from_str::<Value>(text) {
@@ -406,6 +421,7 @@ impl ServeConfig {
             max_running_requests,
             max_queued_requests: args.max_queued_requests,
             max_total_tokens: args.max_total_tokens,
+            request_timeout,
             api_key: args.api_key.clone(),
             chat_template: args.chat_template.clone(),
             hf_chat_template_name: args.hf_chat_template_name.clone(),

@@ -61,7 +61,9 @@ impl ApiError {
             ) => StatusCode::BAD_REQUEST,
             // SGLang answers a request ended by /abort_request with its partial output; the
             // status only shows in `finish_reason.status_code`.
-            ApiError::Engine(EngineFailure::Aborted) => StatusCode::OK,
+            ApiError::Engine(EngineFailure::Aborted | EngineFailure::TimedOut { .. }) => {
+                StatusCode::OK
+            }
             ApiError::Engine(EngineFailure::Overloaded { .. } | EngineFailure::ShuttingDown) => {
                 StatusCode::SERVICE_UNAVAILABLE
             }

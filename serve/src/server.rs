@@ -31,6 +31,7 @@ pub fn build_state<E: StepEngine>(
         max_running_requests: config.max_running_requests,
         max_total_tokens,
         max_queued_requests: config.max_queued_requests,
+        request_timeout: config.request_timeout,
         decode_log_interval: config.decode_log_interval,
     };
     let handle = spawn_engine_thread(engine, limits, metrics.clone())?;

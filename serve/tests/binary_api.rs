@@ -411,3 +411,31 @@ async fn tokenizer_routes_and_abort_request() {
     );
     assert_eq!(s.get("/health").await.status, 200);
 }
+
+#[tokio::test]
+async fn request_timeout_ends_a_long_request_with_its_partial_output() {
+    let p = ServerProcess::start(&["--request-timeout", "1.5"]).await;
+    let s = &p.server;
+    let started = std::time::Instant::now();
+    let r = s
+        .post("/generate", &json!({"text": "def main():", "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": true}}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["meta_info"]["finish_reason"]["type"], "abort", "{v}");
+    let message = v["meta_info"]["finish_reason"]["message"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(message.contains("--request-timeout"), "{message}");
+    let n = v["meta_info"]["completion_tokens"].as_u64().expect("count");
+    assert!(n > 0 && n < 3000, "partial output: {n} tokens");
+    assert_eq!(ids_of(&v).len() as u64, n);
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+    let quick = s
+        .post(
+            "/generate",
+            &json!({"text": "x", "sampling_params": {"max_new_tokens": 4}}),
+        )
+        .await;
+    assert_eq!(quick.json()["meta_info"]["finish_reason"]["type"], "length");
+}

@@ -47,6 +47,9 @@ pub enum EngineFailure {
     /// `/abort_request` named this request (or all); it ends with finish reason `abort`.
     #[error("aborted by /abort_request")]
     Aborted,
+    /// The request ran past `--request-timeout`; it ends with finish reason `abort`.
+    #[error("the request did not finish within --request-timeout ({} s)", *millis as f64 / 1000.0)]
+    TimedOut { millis: u64 },
     /// The request needs more KV-cache tokens than the server has in total.
     #[error("the request needs {needed} KV-cache tokens (prompt + max_new_tokens) but the server holds {capacity} in total (--max-total-tokens); shorten the prompt or max_new_tokens")]
     TooLargeForCache { needed: usize, capacity: usize },
@@ -63,6 +66,8 @@ pub struct SchedulerLimits {
     /// each); a request waits until its reservation fits.
     pub max_total_tokens: usize,
     pub max_queued_requests: usize,
+    /// Wall-clock limit per request from submission (`--request-timeout`); `None`: no limit.
+    pub request_timeout: Option<Duration>,
     /// Log the decode line every this many steps (SGLang's `--decode-log-interval`).
     pub decode_log_interval: usize,
 }
@@ -244,6 +249,7 @@ pub fn spawn_engine_thread<E: StepEngine>(
 }
 
 struct Waiting {
+    deadline: Option<Instant>,
     rid: String,
     req: EngineRequest,
     events: tmpsc::UnboundedSender<SeqUpdate>,
@@ -285,6 +291,7 @@ struct Worker<E> {
 }
 
 struct Running {
+    deadline: Option<Instant>,
     rid: String,
     events: tmpsc::UnboundedSender<SeqUpdate>,
     /// KV-cache tokens this sequence reserved at admission.
@@ -309,6 +316,7 @@ impl<E: StepEngine> Worker<E> {
             while let Ok(cmd) = rx.try_recv() {
                 self.handle(cmd);
             }
+            self.expire();
             self.admit();
             self.drop_cancelled();
             self.publish_state();
@@ -342,6 +350,7 @@ impl<E: StepEngine> Worker<E> {
                     return;
                 }
                 self.waiting.push_back(Waiting {
+                    deadline: self.limits.request_timeout.map(|t| at + t),
                     rid,
                     req,
                     events,
@@ -373,6 +382,37 @@ impl<E: StepEngine> Worker<E> {
             let keep = !hit(&w.rid);
             if !keep {
                 let _ = w.events.send(SeqUpdate::Failed(EngineFailure::Aborted));
+            }
+            keep
+        });
+    }
+
+    /// Ends requests past their `--request-timeout` deadline, running or still waiting.
+    fn expire(&mut self) {
+        let Some(limit) = self.limits.request_timeout else {
+            return;
+        };
+        let now = Instant::now();
+        let late = |d: &Option<Instant>| d.is_some_and(|d| now >= d);
+        let failure = EngineFailure::TimedOut {
+            millis: limit.as_millis() as u64,
+        };
+        let ids: Vec<SeqId> = self
+            .running
+            .iter()
+            .filter(|(_, r)| late(&r.deadline))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            self.engine.remove(id);
+            if let Some(r) = self.release(id) {
+                let _ = r.events.send(SeqUpdate::Failed(failure.clone()));
+            }
+        }
+        self.waiting.retain(|w| {
+            let keep = !late(&w.deadline);
+            if !keep {
+                let _ = w.events.send(SeqUpdate::Failed(failure.clone()));
             }
             keep
         });
@@ -413,6 +453,7 @@ impl<E: StepEngine> Worker<E> {
                     self.running.insert(
                         id,
                         Running {
+                            deadline: w.deadline,
                             rid: w.rid,
                             events: w.events,
                             reserved: needed,

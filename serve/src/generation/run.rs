@@ -187,8 +187,11 @@ impl Generation {
                     self.count_spec(accepted_drafts, verify_rounds);
                     return Some(self.absorb(&tokens, finished));
                 }
-                Some(SeqUpdate::Failed(EngineFailure::Aborted)) => {
-                    // Ended by /abort_request: a normal end with what was generated so far.
+                Some(SeqUpdate::Failed(
+                    f @ (EngineFailure::Aborted | EngineFailure::TimedOut { .. }),
+                )) => {
+                    // Ended by /abort_request or the timeout: a normal end with what was
+                    // generated so far and finish reason `abort`.
                     let mut chunk = Chunk {
                         delta: self.stops.flush(),
                         ..Chunk::default()
@@ -202,7 +205,7 @@ impl Generation {
                         chunk.reasoning_delta = split.reasoning;
                         chunk.delta = split.content;
                     }
-                    self.abort(&EngineFailure::Aborted);
+                    self.abort(&f);
                     chunk.finish = self.finish.clone();
                     return Some(Ok(chunk));
                 }
