@@ -107,17 +107,17 @@ async fn chat_stream_follows_sglang_chunk_order_with_usage() {
     let r = s
         .post(
             "/v1/chat/completions",
-            &json!({"model": "m", "rid": "c1", "messages": [{"role": "user", "content": "hi"}],
+            &json!({"model": "tiny-coder-demo", "rid": "c1", "messages": [{"role": "user", "content": "hi"}],
                     "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true}}),
         )
         .await;
     assert_eq!(r.status, 200, "{}", r.body);
     expect![[r#"
-        {"id":"c1","object":"chat.completion.chunk","created":"<varies>","model":"m","choices":[{"index":0,"delta":{"reasoning_content":null,"role":"assistant","content":""},"logprobs":null,"finish_reason":null,"matched_stop":null}]}
-        {"id":"c1","object":"chat.completion.chunk","created":"<varies>","model":"m","choices":[{"index":0,"delta":{"reasoning_content":null,"content":"Hello world,"},"logprobs":null,"finish_reason":null,"matched_stop":null}]}
-        {"id":"c1","object":"chat.completion.chunk","created":"<varies>","model":"m","choices":[{"index":0,"delta":{"reasoning_content":null,"content":" this"},"logprobs":null,"finish_reason":null,"matched_stop":null}]}
-        {"id":"c1","object":"chat.completion.chunk","created":"<varies>","model":"m","choices":[{"index":0,"delta":{"reasoning_content":null},"logprobs":null,"finish_reason":"length","matched_stop":null}]}
-        {"id":"c1","object":"chat.completion.chunk","created":"<varies>","model":"m","choices":[],"usage":{"prompt_tokens":11,"total_tokens":15,"completion_tokens":4,"reasoning_tokens":0}}
+        {"id":"c1","object":"chat.completion.chunk","created":"<varies>","model":"tiny-coder-demo","choices":[{"index":0,"delta":{"reasoning_content":null,"role":"assistant","content":""},"logprobs":null,"finish_reason":null,"matched_stop":null}]}
+        {"id":"c1","object":"chat.completion.chunk","created":"<varies>","model":"tiny-coder-demo","choices":[{"index":0,"delta":{"reasoning_content":null,"content":"Hello world,"},"logprobs":null,"finish_reason":null,"matched_stop":null}]}
+        {"id":"c1","object":"chat.completion.chunk","created":"<varies>","model":"tiny-coder-demo","choices":[{"index":0,"delta":{"reasoning_content":null,"content":" this"},"logprobs":null,"finish_reason":null,"matched_stop":null}]}
+        {"id":"c1","object":"chat.completion.chunk","created":"<varies>","model":"tiny-coder-demo","choices":[{"index":0,"delta":{"reasoning_content":null},"logprobs":null,"finish_reason":"length","matched_stop":null}]}
+        {"id":"c1","object":"chat.completion.chunk","created":"<varies>","model":"tiny-coder-demo","choices":[],"usage":{"prompt_tokens":11,"total_tokens":15,"completion_tokens":4,"reasoning_tokens":0}}
         [DONE]"#]].assert_eq(&normalized_events(&r));
 }
 
@@ -339,7 +339,7 @@ async fn bad_requests_get_400_in_the_route_shape_and_the_server_keeps_serving() 
         .await;
     out.push(format!("{} {}", r.status, r.body));
     expect![[r#"
-        400 /v1/chat/completions {"object":"error","message":"Invalid request: `messages`: EOF while parsing a list at line 1 column 14","type":"BadRequestError","param":null,"code":400}
+        400 /v1/chat/completions {"object":"error","message":"Invalid JSON body (send well-formed JSON): EOF while parsing a list at line 1 column 14","type":"BadRequestError","param":null,"code":400}
         400 /v1/chat/completions {"object":"error","message":"`messages` must be a non-empty list of {\"role\", \"content\"} objects","type":"BadRequestError","param":null,"code":400}
         400 /v1/chat/completions {"object":"error","message":"Invalid JSON body: invalid type: string \"hot\", expected f64 at line 1 column 70","type":"BadRequestError","param":null,"code":400}
         400 /v1/completions {"object":"error","message":"`top_p` must be in (0, 1]. Given: 0","type":"BadRequestError","param":null,"code":400}
@@ -348,7 +348,7 @@ async fn bad_requests_get_400_in_the_route_shape_and_the_server_keeps_serving() 
         400 /generate {"error":{"message":"Either text, input_ids or input_embeds should be provided."}}
         400 /generate {"error":{"message":"token 7777 is refused by the test engine"}}
         400 {"object":"error","message":"Unsupported Media Type: Only 'application/json' is allowed","type":"BadRequestError","param":null,"code":400}
-        400 {"error":{"message":"Invalid request: `text`: invalid unicode code point at line 1 column 11"}}"#]].assert_eq(&out.join("\n"));
+        400 {"error":{"message":"The request body is not valid UTF-8 (invalid byte at offset 10); send UTF-8 encoded JSON"}}"#]].assert_eq(&out.join("\n"));
     assert_eq!(
         s.post("/generate", &json!({"text": "ok"})).await.status,
         200
@@ -399,4 +399,60 @@ async fn api_key_is_required_except_for_health_and_metrics() {
     assert_eq!(wrong.status, 401);
     assert_eq!(s.get("/health").await.status, 200);
     assert_eq!(s.get("/metrics").await.status, 200);
+}
+
+#[tokio::test]
+async fn reasoning_parser_separates_think_text_streamed_and_not() {
+    let script = "<think>\nCheck the edge cases.\n</think>\n\nHello world";
+    let s = support::start_with_script(&["--reasoning-parser", "qwen3"], 2, script).await;
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40});
+    let r = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(
+        v["choices"][0]["message"]["reasoning_content"],
+        "Check the edge cases.\n"
+    );
+    assert_eq!(v["choices"][0]["message"]["content"], "Hello world");
+    let reasoning_tokens = v["usage"]["reasoning_tokens"]
+        .as_u64()
+        .expect("reasoning_tokens");
+    assert!(reasoning_tokens > 2, "{v}");
+    assert_eq!(
+        v["usage"]["completion_tokens_details"]["reasoning_tokens"],
+        reasoning_tokens
+    );
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = s.post("/v1/chat/completions", &streamed).await;
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for e in r.events() {
+        if e == "[DONE]" {
+            continue;
+        }
+        let c: serde_json::Value = serde_json::from_str(&e).expect("chunk");
+        let delta = &c["choices"][0]["delta"];
+        reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or_default());
+        content.push_str(delta["content"].as_str().unwrap_or_default());
+    }
+    assert_eq!(reasoning, "\nCheck the edge cases.");
+    assert_eq!(content, "\n\nHello world");
+
+    // Thinking switched off in the template, or separation off: all of it is content.
+    for extra in [
+        json!({"chat_template_kwargs": {"enable_thinking": false}}),
+        json!({"separate_reasoning": false}),
+    ] {
+        let mut b = body.clone();
+        b.as_object_mut()
+            .expect("object")
+            .extend(extra.as_object().expect("object").clone());
+        let v = s.post("/v1/chat/completions", &b).await.json();
+        assert!(
+            v["choices"][0]["message"]["reasoning_content"].is_null(),
+            "{v}"
+        );
+        assert_eq!(v["choices"][0]["message"]["content"], script);
+    }
 }

@@ -123,13 +123,18 @@ pub struct TestServer {
 pub const SCRIPT_TEXT: &str = "Hello world, this is a test. STOP here\n";
 
 pub async fn start(extra_args: &[&str], per_step: usize) -> TestServer {
+    start_with_script(extra_args, per_step, SCRIPT_TEXT).await
+}
+
+/// Like [`start`], with the engine spelling `text` (then EOS) instead of [`SCRIPT_TEXT`].
+pub async fn start_with_script(extra_args: &[&str], per_step: usize, text: &str) -> TestServer {
     let mut argv = vec!["dflash-serve", "--enable-metrics"];
     argv.extend_from_slice(extra_args);
     let args = Args::parse_from(argv);
     let config = ServeConfig::from_args(&args).expect("config");
     let dir = demo_dir();
     let assets = ModelAssets::load(&config, &dir, &dir).expect("assets");
-    let mut script = assets.tokenizer.encode(SCRIPT_TEXT, false).expect("encode");
+    let mut script = assets.tokenizer.encode(text, false).expect("encode");
     script.push(8188);
     let state =
         server::build_state(config, assets, ScriptEngine::new(script, per_step)).expect("state");
