@@ -456,3 +456,25 @@ async fn reasoning_parser_separates_think_text_streamed_and_not() {
         assert_eq!(v["choices"][0]["message"]["content"], script);
     }
 }
+
+#[tokio::test]
+async fn return_spec_tokens_details_adds_sglext_streamed_and_not() {
+    let s = start(&[], 3).await;
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+        "return_spec_tokens_details": true});
+    let v = s.post("/v1/chat/completions", &body).await.json();
+    let d = &v["sglext"]["spec_tokens_details"];
+    assert_eq!(d["spec_verify_ct"], 2, "{v}");
+    assert_eq!(d["spec_accept_length"], 3.0);
+    assert!(
+        d.get("spec_accept_token_num").is_none(),
+        "legacy names stay in meta_info"
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = s.post("/v1/chat/completions", &streamed).await.events();
+    let ext: serde_json::Value =
+        serde_json::from_str(&events[events.len() - 2]).expect("sglext chunk");
+    assert_eq!(ext["choices"], json!([]));
+    assert_eq!(ext["sglext"]["spec_tokens_details"], *d);
+}

@@ -375,6 +375,31 @@ impl Generation {
     }
 }
 
+impl Generation {
+    /// SGLang's `sglext.spec_tokens_details` (`return_spec_tokens_details`): the per-request
+    /// speculative counters under their current names.
+    pub fn spec_tokens_details(&self) -> Value {
+        let fields = spec_fields(&self.spec, self.completion_tokens(), self.drafts_per_round);
+        Value::Object(
+            fields
+                .into_iter()
+                .filter(|(k, _)| CURRENT_SPEC_FIELDS.contains(k))
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
+        )
+    }
+}
+
+/// The SGLang 0.5.23 names among [`spec_fields`] (the rest are legacy aliases).
+const CURRENT_SPEC_FIELDS: &[&str] = &[
+    "spec_verify_ct",
+    "spec_accept_length",
+    "spec_accept_rate",
+    "spec_num_correct_drafts",
+    "spec_num_proposed_drafts",
+    "spec_correct_drafts_histogram",
+];
+
 impl Drop for Generation {
     fn drop(&mut self) {
         // A client that went away before the end counts as an aborted request.

@@ -13,11 +13,13 @@ use crate::error::{ApiError, ErrorShape};
 use crate::generation::{Chunk, Generation};
 
 /// Token counts of one generation, for the usage chunk.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Counts {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub reasoning_tokens: usize,
+    /// `Generation::spec_tokens_details`, for `sglext` chunks.
+    pub spec_details: Value,
 }
 
 /// Renders one chunk of generation `index` into zero or more SSE payloads; `first` is true for
@@ -48,6 +50,7 @@ fn one<R: RenderChunk>(
                         prompt_tokens: g.prompt_tokens(),
                         completion_tokens: g.completion_tokens(),
                         reasoning_tokens: g.reasoning_tokens(),
+                        spec_details: g.spec_tokens_details(),
                     };
                     Some((
                         Item {

@@ -16,7 +16,7 @@ use axum::Json;
 use serde_json::{json, Value};
 use tracing::Instrument;
 
-use super::{counts_of, usage, usage_chunk};
+use super::{counts_of, spec_tokens_details, usage, usage_chunk};
 use crate::error::{ApiError, ErrorShape, OpenAiError};
 use crate::generation::reasoning::split_whole;
 use crate::generation::{new_rid, Chunk, Generation};
@@ -61,12 +61,20 @@ pub async fn handle(
                 created,
             };
             let include_usage = req.common.include_usage();
+            let spec_details = req.return_spec_tokens_details == Some(true);
             let tail = move |counts: &[stream::Counts]| {
-                if include_usage {
-                    vec![usage_chunk(&rid, CHUNK_OBJECT, created, &model, counts, n)]
-                } else {
-                    Vec::new()
+                let mut out = Vec::new();
+                if spec_details {
+                    out.push(
+                        json!({"id": rid, "object": CHUNK_OBJECT, "created": created,
+                        "model": model, "choices": [],
+                        "sglext": {"spec_tokens_details": spec_tokens_details(counts)}}),
+                    );
                 }
+                if include_usage {
+                    out.push(usage_chunk(&rid, CHUNK_OBJECT, created, &model, counts, n));
+                }
+                out
             };
             return Ok(stream::respond(gens, render, ErrorShape::OpenAi, tail));
         }
@@ -77,16 +85,26 @@ pub async fn handle(
             .enumerate()
             .map(|(i, g)| choice(i, g, with_meta))
             .collect();
-        Ok(Json(json!({
+        let counts = counts_of(&gens);
+        let mut body = json!({
             "id": rid,
             "object": OBJECT,
             "created": created,
             "model": model,
             "choices": choices,
-            "usage": usage(&counts_of(&gens), n, false),
+            "usage": usage(&counts, n, false),
             "metadata": {"weight_version": "default"},
-        }))
-        .into_response())
+        });
+        if let (true, Some(obj)) = (
+            req.return_spec_tokens_details == Some(true),
+            body.as_object_mut(),
+        ) {
+            obj.insert(
+                "sglext".into(),
+                json!({"spec_tokens_details": spec_tokens_details(&counts)}),
+            );
+        }
+        Ok(Json(body).into_response())
     }
     .instrument(span)
     .await

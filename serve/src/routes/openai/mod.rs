@@ -143,6 +143,14 @@ pub fn usage(counts: &[Counts], n: usize, drop_nulls: bool) -> Value {
     u
 }
 
+/// `sglext.spec_tokens_details`: one object, or a list when `n > 1` (SGLANG_API.md 2.10).
+pub fn spec_tokens_details(counts: &[Counts]) -> Value {
+    match counts {
+        [one] => one.spec_details.clone(),
+        many => Value::Array(many.iter().map(|c| c.spec_details.clone()).collect()),
+    }
+}
+
 /// The final `choices: []` chunk with usage (when `stream_options.include_usage`).
 pub fn usage_chunk(
     id: &str,
@@ -162,6 +170,7 @@ pub fn counts_of(gens: &[crate::generation::Generation]) -> Vec<Counts> {
             prompt_tokens: g.prompt_tokens(),
             completion_tokens: g.completion_tokens(),
             reasoning_tokens: g.reasoning_tokens(),
+            spec_details: g.spec_tokens_details(),
         })
         .collect()
 }
