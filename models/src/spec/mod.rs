@@ -5,6 +5,7 @@ pub mod engine;
 pub mod oracle;
 pub mod proposer;
 pub mod sampling;
+pub mod simulate;
 pub mod stats;
 pub mod tree;
 
@@ -13,6 +14,7 @@ pub use engine::{
 };
 pub use oracle::{Noise, OracleProposer};
 pub use proposer::{DFlashProposer, ProposeItem, Proposer, SeqId};
+pub use simulate::{PeakedProposer, SimulatedAcceptance};
 pub use sampling::{argmax, Sampler, SamplingError, SamplingParams};
 pub use stats::{RoundStats, SeqStats};
 pub use tree::{
