@@ -9,10 +9,13 @@ pub mod attention;
 pub mod dflash;
 pub mod dflash_train;
 pub mod error;
+pub mod fast;
 pub mod kv_cache;
 pub mod layer;
 pub mod ops;
 pub mod qwen3;
+#[cfg(feature = "cuda")]
+mod qwen3_fast;
 pub mod random;
 pub mod rope;
 pub mod spec;

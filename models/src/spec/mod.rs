@@ -14,8 +14,8 @@ pub use engine::{
 };
 pub use oracle::{Noise, OracleProposer};
 pub use proposer::{DFlashProposer, ProposeItem, Proposer, SeqId};
-pub use simulate::{PeakedProposer, SimulatedAcceptance};
 pub use sampling::{argmax, Sampler, SamplingError, SamplingParams};
+pub use simulate::{PeakedProposer, SimulatedAcceptance};
 pub use stats::{RoundStats, SeqStats};
 pub use tree::{
     build_ddtree, chain_tree, topk_from_logprobs, topk_logprobs, walk, DraftTree, TopK, TreeError,

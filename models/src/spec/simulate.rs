@@ -132,7 +132,10 @@ mod tests {
             let mut sim = SimulatedAcceptance::new(k as f64, 0);
             let (acc, next) = sim.walk(&tree, &target);
             assert_eq!(acc, (0..=k).collect::<Vec<_>>(), "k = {k}");
-            assert_eq!(next, target[k], "bonus token is the target's at the last node");
+            assert_eq!(
+                next, target[k],
+                "bonus token is the target's at the last node"
+            );
         }
         // deeper than the tree: stops at the leaf
         let (acc, next) = SimulatedAcceptance::new(9.0, 0).walk(&tree, &target);
@@ -148,7 +151,11 @@ mod tests {
         let mut total = 0;
         for _ in 0..n {
             let (acc, _) = sim.walk(&tree, &target);
-            assert!(acc.len() == 6 || acc.len() == 7, "5 or 6 drafts, got {}", acc.len() - 1);
+            assert!(
+                acc.len() == 6 || acc.len() == 7,
+                "5 or 6 drafts, got {}",
+                acc.len() - 1
+            );
             total += acc.len() - 1;
         }
         let mean = total as f64 / n as f64;
@@ -188,7 +195,10 @@ mod tests {
             .unwrap()
             .remove(0);
         let tree = build_ddtree(1, &topk, 8);
-        assert!(tree.depths.iter().copied().max() == Some(4), "main path reaches depth 4");
+        assert!(
+            tree.depths.iter().copied().max() == Some(4),
+            "main path reaches depth 4"
+        );
         let target = vec![0u32; tree.len()];
         let (acc, _) = SimulatedAcceptance::new(4.0, 0).walk(&tree, &target);
         let path: Vec<u32> = acc[1..].iter().map(|&n| tree.tokens[n]).collect();
@@ -216,15 +226,9 @@ mod tests {
             layer_types: vec![LayerType::FullAttention; 2],
             sliding_window: None,
         };
-        let target = crate::Qwen3Model::random(
-            cfg,
-            1,
-            DType::F32,
-            &Device::Cpu,
-            256,
-            crate::OpsMode::Fused,
-        )
-        .unwrap();
+        let target =
+            crate::Qwen3Model::random(cfg, 1, DType::F32, &Device::Cpu, 256, crate::OpsMode::Fused)
+                .unwrap();
         struct Drafts(usize);
         impl Proposer for Drafts {
             fn max_depth(&self) -> usize {

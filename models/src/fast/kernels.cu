@@ -1,0 +1,248 @@
+// Fused kernels for batch-1 decode and speculative verification (bf16 only).
+// Compiled to PTX by models/build.rs with nvcc when the `cuda` feature is on.
+// bf16 values travel as raw 16-bit words so no CUDA header is needed.
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float bf2f(bf16_t x) { return __uint_as_float(((u32)x) << 16); }
+
+// Round to nearest even, NaN kept quiet (matches __float2bfloat16_rn).
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block of blockDim.x (a multiple of 32, at most 1024) threads.
+__device__ float block_sum(float v, float* shared32) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) shared32[w] = v;
+    __syncthreads();
+    float t = lane < nw ? shared32[lane] : 0.f;
+    return warp_sum(t);
+}
+
+// Per-head RMSNorm (q, k), RoPE (q, k; rotate-half layout) and the cache write (k, v) of one
+// GEMM output row block. qkv: [t, (nh + 2 nkv) * d]. Grid (nh + 2 nkv, t), block d threads.
+// Row i's K/V go to cache row (*cache_len + i); q goes to q_out [t, nh, d].
+// cos/sin: f32 tables [max_pos, d/2], rounded to bf16 as the plain path does.
+extern "C" __global__ void qk_norm_rope_cache(
+    const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ qw, const bf16_t* __restrict__ kw,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+    const u32* __restrict__ positions, const u32* __restrict__ cache_len,
+    bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, bf16_t* __restrict__ q_out,
+    int nh, int nkv, int d, int cap, float eps) {
+    __shared__ float red[32];
+    __shared__ float normed[256];
+    int head = blockIdx.x, tok = blockIdx.y, i = threadIdx.x;
+    int width = (nh + 2 * nkv) * d;
+    float x = bf2f(qkv[(size_t)tok * width + (size_t)head * d + i]);
+    int row = (int)(*cache_len) + tok;
+    if (head >= nh + nkv) {  // V: copy into the cache
+        int kvh = head - nh - nkv;
+        vc[((size_t)kvh * cap + row) * d + i] = f2bf(x);
+        return;
+    }
+    const bf16_t* w = head < nh ? qw : kw;
+    float ss = block_sum(x * x, red);
+    float inv = rsqrtf(ss / (float)d + eps);
+    // The plain path rounds the normed value to bf16 before RoPE.
+    normed[i] = bf2f(f2bf(x * inv * bf2f(w[i])));
+    __syncthreads();
+    int half = d / 2;
+    int p = (int)positions[tok];
+    int f = i < half ? i : i - half;
+    float c = bf2f(f2bf(cos_t[(size_t)p * half + f]));
+    float s = bf2f(f2bf(sin_t[(size_t)p * half + f]));
+    float y = i < half ? normed[i] * c - normed[i + half] * s : normed[i] * c + normed[i - half] * s;
+    bf16_t out = f2bf(y);
+    if (head < nh) {
+        q_out[((size_t)tok * nh + head) * d + i] = out;
+    } else {
+        kc[((size_t)(head - nh) * cap + row) * d + i] = out;
+    }
+}
+
+// Split-K attention over the cache for t new tokens, one KV head per blockIdx.x, one chunk of
+// CH keys per blockIdx.y, one tile of ROWS query rows (row = token * groups + g) per blockIdx.z.
+// Keys [0, c) are committed (visible to all); key c + j is new token j, visible to token i when
+// j <= i (causal, tree_mask == null) or bit j of tree_mask[i * words + j / 64] is set.
+// Writes unnormalised partials: acc [nsplit, t * nh, d], ml [nsplit, t * nh, 2] (max, sum).
+#define CH 64
+#define ROWS 16
+#define DMAX 128
+extern "C" __global__ void attn_partial(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
+    const u32* __restrict__ cache_len, const u64* __restrict__ tree_mask, int words,
+    float* __restrict__ acc_out, float* __restrict__ ml_out,
+    int t, int nh, int nkv, int cap, float scale) {
+    __shared__ u32 ks[CH][DMAX / 2 + 1];  // K chunk as bf16 pairs, padded against bank conflicts
+    __shared__ u32 vs[CH][DMAX / 2];
+    __shared__ float qs[ROWS][DMAX];
+    const int d = DMAX;
+    int kvh = blockIdx.x, split = blockIdx.y, tile = blockIdx.z;
+    int groups = nh / nkv;
+    int c = (int)(*cache_len);
+    int L = c + t;
+    int k0 = split * CH;
+    int rows_total = t * groups;
+    int r0 = tile * ROWS;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    size_t nrows = (size_t)t * nh;
+    if (k0 >= L) return;  // past the end: the combine kernel ignores this split
+    int kend = min(k0 + CH, L);
+    // Causal/tree: no row of this tile sees any key of the chunk past its last token.
+    int last_tok = min(r0 + ROWS, rows_total) - 1;
+    last_tok = last_tok / groups;
+    bool empty = k0 > c + last_tok;
+    if (!empty) {
+        for (int e = threadIdx.x; e < CH * (d / 2); e += blockDim.x) {
+            int j = e / (d / 2), p = e % (d / 2);
+            u32 kv = 0, vv = 0;
+            if (k0 + j < kend) {
+                size_t off = ((size_t)kvh * cap + k0 + j) * d + 2 * p;
+                kv = *(const u32*)(kc + off);
+                vv = *(const u32*)(vc + off);
+            }
+            ks[j][p] = kv;
+            vs[j][p] = vv;
+        }
+        for (int e = threadIdx.x; e < ROWS * d; e += blockDim.x) {
+            int r = e / d, dd = e % d;
+            int row = r0 + r;
+            float v = 0.f;
+            if (row < rows_total) {
+                int tok = row / groups, g = row % groups;
+                v = bf2f(q[((size_t)tok * nh + kvh * groups + g) * d + dd]) * scale;
+            }
+            qs[r][dd] = v;
+        }
+    }
+    __syncthreads();
+    for (int r = warp; r < ROWS; r += nwarps) {
+        int row = r0 + r;
+        if (row >= rows_total) break;
+        int tok = row / groups, g = row % groups;
+        size_t orow = (size_t)tok * nh + kvh * groups + g;
+        float m = -INFINITY, l = 0.f;
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+        if (!empty) {
+            for (int kb = 0; kb < CH; kb += 32) {
+                int j = kb + lane;
+                int key = k0 + j;
+                bool vis = key < kend;
+                if (vis && key >= c) {
+                    int nj = key - c;
+                    vis = tree_mask ? ((tree_mask[(size_t)tok * words + (nj >> 6)] >> (nj & 63)) & 1ull) != 0
+                                    : nj <= tok;
+                }
+                float s = -INFINITY;
+                if (vis) {
+                    float acc = 0.f;
+#pragma unroll 8
+                    for (int p = 0; p < d / 2; ++p) {
+                        u32 kk = ks[j][p];
+                        acc += qs[r][2 * p] * __uint_as_float(kk << 16) +
+                               qs[r][2 * p + 1] * __uint_as_float(kk & 0xffff0000u);
+                    }
+                    s = acc;
+                }
+                float mx = warp_max(s);
+                float m_new = fmaxf(m, mx);
+                if (m_new == -INFINITY) continue;
+                float pexp = vis ? __expf(s - m_new) : 0.f;
+                float corr = __expf(m - m_new);
+                l = l * corr + warp_sum(pexp);
+                a0 *= corr; a1 *= corr; a2 *= corr; a3 *= corr;
+#pragma unroll 4
+                for (int jj = 0; jj < 32; ++jj) {
+                    float pj = __shfl_sync(0xffffffffu, pexp, jj);
+                    if (pj != 0.f) {
+                        u32 v01 = vs[kb + jj][2 * lane], v23 = vs[kb + jj][2 * lane + 1];
+                        a0 += pj * __uint_as_float(v01 << 16);
+                        a1 += pj * __uint_as_float(v01 & 0xffff0000u);
+                        a2 += pj * __uint_as_float(v23 << 16);
+                        a3 += pj * __uint_as_float(v23 & 0xffff0000u);
+                    }
+                }
+                m = m_new;
+            }
+        }
+        float* ao = acc_out + ((size_t)split * nrows + orow) * d + 4 * lane;
+        ao[0] = a0; ao[1] = a1; ao[2] = a2; ao[3] = a3;
+        if (lane == 0) {
+            ml_out[((size_t)split * nrows + orow) * 2] = m;
+            ml_out[((size_t)split * nrows + orow) * 2 + 1] = l;
+        }
+    }
+}
+
+// Merges the splits of attn_partial: out [t, nh * d] bf16. Grid (t * nh), block d threads.
+extern "C" __global__ void attn_combine(
+    const float* __restrict__ acc, const float* __restrict__ ml, const u32* __restrict__ cache_len,
+    bf16_t* __restrict__ out, int t, int nh, int d, int nsplit) {
+    size_t orow = blockIdx.x;
+    size_t nrows = (size_t)t * nh;
+    int L = (int)(*cache_len) + t;
+    int used = min(nsplit, (L + CH - 1) / CH);
+    float M = -INFINITY;
+    for (int s = 0; s < used; ++s) M = fmaxf(M, ml[(s * nrows + orow) * 2]);
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < used; ++s) {
+        float m = ml[(s * nrows + orow) * 2];
+        if (m == -INFINITY) continue;
+        float w = __expf(m - M);
+        den += w * ml[(s * nrows + orow) * 2 + 1];
+        num += w * acc[(s * nrows + orow) * d + threadIdx.x];
+    }
+    out[orow * d + threadIdx.x] = f2bf(num / den);
+}
+
+// out[r, j] = silu(gu[r, j]) * gu[r, i + j] for gu [rows, 2i]; out [rows, i].
+// Rounds silu to bf16 before the product, as the plain path does.
+extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gu, bf16_t* __restrict__ out,
+                                    int rows, int inter) {
+    size_t n = (size_t)rows * inter;
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (size_t)gridDim.x * blockDim.x) {
+        size_t r = e / inter, j = e % inter;
+        float g = bf2f(gu[r * 2 * inter + j]);
+        float u = bf2f(gu[r * 2 * inter + inter + j]);
+        float sg = bf2f(f2bf(g / (1.f + __expf(-g))));
+        out[e] = f2bf(sg * u);
+    }
+}
+
+// x_out = bf16(x + delta); h_out = rmsnorm(x_out) * w. One block per row.
+extern "C" __global__ void add_rmsnorm(const bf16_t* __restrict__ x, const bf16_t* __restrict__ delta,
+                                       const bf16_t* __restrict__ w, bf16_t* __restrict__ x_out,
+                                       bf16_t* __restrict__ h_out, int hidden, float eps) {
+    __shared__ float red[32];
+    size_t base = (size_t)blockIdx.x * hidden;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        float v = bf2f(f2bf(bf2f(x[base + i]) + bf2f(delta[base + i])));
+        ss += v * v;
+    }
+    ss = block_sum(ss, red);
+    float inv = rsqrtf(ss / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        bf16_t s = f2bf(bf2f(x[base + i]) + bf2f(delta[base + i]));
+        x_out[base + i] = s;
+        h_out[base + i] = f2bf(bf2f(s) * inv * bf2f(w[i]));
+    }
+}
