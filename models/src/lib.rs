@@ -7,6 +7,8 @@
 
 pub mod attention;
 pub mod dflash;
+#[cfg(feature = "cuda")]
+mod dflash_fast;
 pub mod dflash_train;
 pub mod error;
 pub mod fast;
@@ -27,3 +29,5 @@ pub use error::{ModelError, ModelResult};
 pub use kv_cache::SequenceCache;
 pub use ops::OpsMode;
 pub use qwen3::{ForwardOutput, Qwen3Model, SeqForward};
+#[cfg(feature = "cuda")]
+pub use qwen3_fast::StepGraph;

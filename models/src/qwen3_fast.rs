@@ -12,7 +12,7 @@ use candle_core::Tensor;
 use crate::attention::AttnPattern;
 use crate::error::{ModelError, ModelResult};
 use crate::fast;
-use crate::kv_cache::LayerCache;
+use crate::kv_cache::{LayerCache, SequenceCache};
 use crate::layer::linear;
 use crate::ops::rms_norm;
 use crate::qwen3::{ForwardOutput, Qwen3Model, SeqForward};
@@ -71,11 +71,52 @@ impl Qwen3Model {
             });
         }
         let positions = Tensor::new(all_positions.as_slice(), &dev)?;
+        let ids = Tensor::new(all_tokens.as_slice(), &dev)?;
+        let caches: Vec<&SequenceCache> = batch.iter().map(|s| &*s.cache).collect();
+        let (h, tapped) = self.run_layers(&ids, &positions, &caches, &inputs, taps)?;
+        for seq in batch.iter_mut() {
+            seq.cache.advance(seq.tokens.len());
+        }
+        let taps = if taps.is_empty() {
+            None
+        } else {
+            let parts: Vec<&Tensor> = taps.iter().map(|l| &tapped[l]).collect();
+            Some(Tensor::cat(&parts, 1)?)
+        };
+        // `h` already holds the final norm of every row.
+        let logits = if logit_rows.is_empty() {
+            None
+        } else if logit_rows.len() == all_tokens.len()
+            && logit_rows.iter().enumerate().all(|(i, &r)| r as usize == i)
+        {
+            Some(self.lm_head(&h)?)
+        } else {
+            let rows = Tensor::new(logit_rows.as_slice(), &dev)?;
+            Some(self.lm_head(&h.index_select(&rows, 0)?)?)
+        };
+        Ok(ForwardOutput {
+            logits,
+            taps,
+            token_offsets,
+            logit_offsets,
+        })
+    }
+
+    /// The layers over already-uploaded inputs; writes K/V into the caches but does not
+    /// advance them. Returns the final-normed hidden rows and the tapped layer outputs. Makes
+    /// no host-device copies, so a CUDA graph can capture it.
+    fn run_layers(
+        &self,
+        ids: &Tensor,
+        positions: &Tensor,
+        caches: &[&SequenceCache],
+        inputs: &[SeqInputs],
+        taps: &[usize],
+    ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
         let (cos, sin) = self.rope.tables();
         let (nh, nkv, d) = self.layers[0].heads();
         let eps = self.cfg.rms_norm_eps;
-
-        let mut x = self.embed(&all_tokens)?;
+        let mut x = self.embed_weight().index_select(ids, 0)?;
         let mut h = rms_norm(&x, self.layers[0].norm_weights().0, eps, self.mode())?;
         let mut tapped: HashMap<usize, Tensor> = HashMap::new();
         for (li, layer) in self.layers.iter().enumerate() {
@@ -84,9 +125,9 @@ impl Qwen3Model {
                 .ok_or_else(|| ModelError::BadInput("fused forward on unfused weights".into()))?;
             let (_, post_norm, q_norm, k_norm) = layer.norm_weights();
             let qkv = linear(&h, &fused.qkv)?;
-            let mut outs = Vec::with_capacity(batch.len());
-            for (seq, inp) in batch.iter().zip(&inputs) {
-                let LayerCache::Attention(kv) = seq.cache.layer(li);
+            let mut outs = Vec::with_capacity(inputs.len());
+            for (cache, inp) in caches.iter().zip(inputs) {
+                let LayerCache::Attention(kv) = cache.layer(li);
                 let (kc, vc) = kv.buffers();
                 let rows = qkv.narrow(0, inp.offset, inp.tokens)?;
                 let pos = positions.narrow(0, inp.offset, inp.tokens)?;
@@ -134,31 +175,161 @@ impl Qwen3Model {
                 tapped.insert(li, x.clone());
             }
         }
-        for seq in batch.iter_mut() {
-            seq.cache.advance(seq.tokens.len());
+        Ok((h, tapped))
+    }
+}
+
+/// One batch-1 forward of a fixed number `t` of new tokens (a decode step when t = 1, a
+/// chain or tree verification otherwise) over one [`SequenceCache`], captured as a CUDA graph
+/// and replayed with a single launch: the ~370 kernels of a step cost one host call. The graph
+/// reads the tokens, positions, cache length and (tree graphs) the ancestor bit rows from
+/// device buffers written before each replay, and attends over as many key chunks as the
+/// cache can hold (chunks past the live length exit at once), so one capture serves every
+/// step of that cache. Logits come back for all `t` rows.
+pub struct StepGraph {
+    graph: candle_core::cuda_backend::cudarc::driver::CudaGraph,
+    tokens: usize,
+    /// u32 [tokens (t), positions (t), cache_len].
+    inputs: Tensor,
+    /// i64 `[t, ceil(t / 64)]` ancestor bits (tree graphs).
+    tree: Option<Tensor>,
+    /// f32 `[t, vocab]`, rewritten by every replay.
+    logits: Tensor,
+    /// Address of the cache's first K buffer: the graph is only valid for that cache.
+    cache_key: u64,
+}
+
+impl Qwen3Model {
+    /// Captures a forward of `t` tokens for `cache` (whose K/V buffers the graph writes in
+    /// place), causal or (with `tree`) under a tree mask given at each replay. Needs the fused
+    /// kernels (see [`Qwen3Model::fast_kernels`]).
+    pub fn capture_step(&self, cache: &SequenceCache, t: usize, tree: bool) -> ModelResult<StepGraph> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let candle_core::Device::Cuda(cd) = self.device() else {
+            return Err(ModelError::Unsupported("CUDA graphs need a CUDA device".into()));
+        };
+        if !self.fast_kernels() || t == 0 || t > fast::MAX_FAST_TOKENS {
+            return Err(ModelError::Unsupported(format!(
+                "step graphs need the fused kernels (CUDA, bf16, head_dim 128) and 1..={} tokens",
+                fast::MAX_FAST_TOKENS
+            )));
         }
-        let taps = if taps.is_empty() {
-            None
+        cache.check_room(t)?;
+        let dev = self.device().clone();
+        let len = cache.len() as u32;
+        let mut init: Vec<u32> = vec![0; t];
+        init.extend((0..t as u32).map(|i| len + i));
+        init.push(len);
+        let inputs = Tensor::new(init.as_slice(), &dev)?;
+        let tree_bits = if tree {
+            let chain: Vec<Option<usize>> = (0..t).map(|i| i.checked_sub(1)).collect();
+            Some(Tensor::from_vec(fast::tree_bits(&chain), (t, t.div_ceil(64)), &dev)?)
         } else {
-            let parts: Vec<&Tensor> = taps.iter().map(|l| &tapped[l]).collect();
-            Some(Tensor::cat(&parts, 1)?)
-        };
-        // `h` already holds the final norm of every row.
-        let logits = if logit_rows.is_empty() {
             None
-        } else if logit_rows.len() == all_tokens.len()
-            && logit_rows.iter().enumerate().all(|(i, &r)| r as usize == i)
-        {
-            Some(self.lm_head(&h)?)
-        } else {
-            let rows = Tensor::new(logit_rows.as_slice(), &dev)?;
-            Some(self.lm_head(&h.index_select(&rows, 0)?)?)
         };
-        Ok(ForwardOutput {
+        let logits = Tensor::zeros((t, self.cfg.vocab_size), candle_core::DType::F32, &dev)?;
+        let seq = SeqInputs {
+            offset: 0,
+            tokens: t,
+            cache_len: inputs.narrow(0, 2 * t, 1)?,
+            nsplit: cache.capacity().div_ceil(fast::CHUNK),
+            tree: tree_bits.clone(),
+        };
+        let ids = inputs.narrow(0, 0, t)?;
+        let positions = inputs.narrow(0, t, t)?;
+        let body = || -> ModelResult<()> {
+            let (h, _) =
+                self.run_layers(&ids, &positions, &[cache], std::slice::from_ref(&seq), &[])?;
+            let out = self.lm_head(&h)?;
+            logits.slice_set(&out, 0, 0)?;
+            Ok(())
+        };
+        // Uncaptured warm-up: loads modules, lets cuBLAS pick and allocate its workspaces, and
+        // fills candle's parameter cache for anything it would upload.
+        let _cache_guard = cd.enable_cuda_graph_htod_cache();
+        body()?;
+        dev.synchronize()?;
+        let stream = cd.cuda_stream();
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| ModelError::Unsupported(format!("begin graph capture: {e}")))?;
+        let captured = body();
+        let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        captured?;
+        let graph = ended
+            .map_err(|e| ModelError::Unsupported(format!("end graph capture: {e}")))?
+            .ok_or_else(|| ModelError::Unsupported("graph capture produced no graph".into()))?;
+        Ok(StepGraph {
+            graph,
+            tokens: t,
+            inputs,
+            tree: tree_bits,
             logits,
-            taps,
-            token_offsets,
-            logit_offsets,
+            cache_key: cache_key(cache)?,
         })
+    }
+}
+
+fn cache_key(cache: &SequenceCache) -> ModelResult<u64> {
+    let LayerCache::Attention(kv) = cache.layer(0);
+    Ok(fast::device_address(kv.buffers().0)?)
+}
+
+impl StepGraph {
+    /// New tokens per replay.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    pub fn is_tree(&self) -> bool {
+        self.tree.is_some()
+    }
+
+    /// Runs the captured forward for `tokens` at `positions` (and, for a tree graph, the tree
+    /// given by `parents`), appending their K/V to `cache` (the one the graph was captured
+    /// for). Returns the logits `[t, vocab]` (f32; a copy, so later replays do not overwrite
+    /// it).
+    pub fn step(
+        &self,
+        cache: &mut SequenceCache,
+        tokens: &[u32],
+        positions: &[u32],
+        parents: Option<&[Option<usize>]>,
+    ) -> ModelResult<Tensor> {
+        let t = self.tokens;
+        if tokens.len() != t || positions.len() != t {
+            return Err(ModelError::BadInput(format!(
+                "step graph for {t} tokens got {} tokens, {} positions",
+                tokens.len(),
+                positions.len()
+            )));
+        }
+        if cache_key(cache)? != self.cache_key {
+            return Err(ModelError::BadInput(
+                "step graph replayed on a cache it was not captured for".into(),
+            ));
+        }
+        cache.check_room(t)?;
+        match (&self.tree, parents) {
+            (Some(bits), Some(p)) if p.len() == t => {
+                fast::upload_i64(bits, &fast::tree_bits(p))?;
+            }
+            (None, None) => {}
+            _ => {
+                return Err(ModelError::BadInput(
+                    "tree graphs need the parents of every token; chain graphs none".into(),
+                ))
+            }
+        }
+        let mut host: Vec<u32> = Vec::with_capacity(2 * t + 1);
+        host.extend_from_slice(tokens);
+        host.extend_from_slice(positions);
+        host.push(cache.len() as u32);
+        fast::upload_u32(&self.inputs, &host)?;
+        self.graph
+            .launch()
+            .map_err(|e| ModelError::Unsupported(format!("graph launch: {e}")))?;
+        cache.advance(t);
+        Ok(self.logits.copy()?)
     }
 }

@@ -25,6 +25,10 @@ fn cuda(t: &Tensor) -> Result<CudaDevice> {
 }
 
 /// Device address of a contiguous tensor's first element.
+pub fn device_address(t: &Tensor) -> Result<u64> {
+    ptr(t)
+}
+
 fn ptr(t: &Tensor) -> Result<u64> {
     let (st, layout) = t.storage_and_layout();
     let Storage::Cuda(cs) = &*st else {
@@ -251,4 +255,32 @@ pub fn add_rmsnorm(x: &Tensor, delta: &Tensor, w: &Tensor, eps: f64) -> Result<(
     b.arg(&hi).arg(&e);
     go(&mut b, cfg((rows as u32, 1, 1), 256), "add_rmsnorm")?;
     Ok((xo, ho))
+}
+
+/// Writes `values` into the contiguous u32 CUDA tensor `dst` (stream-ordered, from pageable
+/// memory: the driver stages the bytes before returning, so `values` may go away at once).
+pub fn upload_u32(dst: &Tensor, values: &[u32]) -> Result<()> {
+    upload(dst, DType::U32, values)
+}
+
+/// As [`upload_u32`] for i64 tensors (the tree bit rows).
+pub fn upload_i64(dst: &Tensor, values: &[i64]) -> Result<()> {
+    upload(dst, DType::I64, values)
+}
+
+fn upload<T>(dst: &Tensor, dtype: DType, values: &[T]) -> Result<()> {
+    if dst.dtype() != dtype || dst.elem_count() != values.len() {
+        bail!("upload: {} values into {:?} {:?}", values.len(), dst.dtype(), dst.shape())
+    }
+    let dev = cuda(dst)?;
+    let p = ptr(dst)?;
+    let stream = dev.cuda_stream();
+    unsafe {
+        candle_core::cuda_backend::cudarc::driver::result::memcpy_htod_async(
+            p,
+            values,
+            stream.cu_stream(),
+        )
+    }
+    .map_err(|e| candle_core::Error::Msg(format!("upload: {e}")))
 }

@@ -10,9 +10,14 @@ use candle_core::{DType, Device};
 use crate::ops::OpsMode;
 
 #[cfg(feature = "cuda")]
+pub mod check;
+#[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
-pub use cuda::{add_rmsnorm, attention, qk_norm_rope_cache, silu_mul, CHUNK};
+pub use cuda::{
+    add_rmsnorm, attention, device_address, qk_norm_rope_cache, silu_mul, upload_i64, upload_u32,
+    CHUNK,
+};
 
 /// Longest per-sequence forward the fused attention takes (its partials grow with t x splits).
 pub const MAX_FAST_TOKENS: usize = 256;

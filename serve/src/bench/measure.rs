@@ -25,9 +25,17 @@ pub fn time_ms(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> 
     Ok(v[v.len() / 2])
 }
 
-/// Device copy bandwidth (bytes read + written per second), copying into a preallocated
-/// buffer so no allocation is timed.
+/// Device copy bandwidth (bytes read + written per second) of one device-to-device copy into
+/// a preallocated buffer (candle's `slice_set` goes through a generic copy kernel that reaches
+/// about a quarter of it, so the CUDA probe calls the driver's memcpy directly).
 pub fn copy_bandwidth(dev: &Device, bytes: usize) -> Result<f64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cd) = dev {
+        let src = cd.alloc_zeros::<u8>(bytes)?;
+        let mut dst = cd.alloc_zeros::<u8>(bytes)?;
+        let ms = time_ms(dev, 5, || Ok(cd.memcpy_dtod(&src, &mut dst)?))?;
+        return Ok(2.0 * bytes as f64 / (ms / 1e3));
+    }
     let n = bytes / 2;
     let src = Tensor::zeros(n, DType::BF16, dev)?;
     let dst = Tensor::zeros(n, DType::BF16, dev)?;
@@ -225,4 +233,60 @@ fn fill_context_one(m: &Qwen3Model, cache: &mut SequenceCache, n: usize) -> Resu
         &[],
     )?;
     Ok(())
+}
+
+/// As [`decode_ms`], with each step replayed from a CUDA graph captured once for the cache.
+#[cfg(feature = "cuda")]
+pub fn decode_graph_ms(m: &Qwen3Model, cache: &mut SequenceCache, steps: usize) -> Result<f64> {
+    let start = cache.len();
+    let graph = m.capture_step(cache, 1, false)?;
+    let mut tok = 17u32;
+    let mut run = |cache: &mut SequenceCache, steps: usize| -> Result<()> {
+        for s in 0..steps {
+            let logits = graph.step(cache, &[tok], &[(start + s) as u32], None)?;
+            tok = logits.argmax(1)?.to_vec1::<u32>()?[0];
+        }
+        Ok(())
+    };
+    run(cache, 4)?;
+    cache.truncate(start)?;
+    m.device().synchronize()?;
+    let t = Instant::now();
+    run(cache, steps)?;
+    let ms = t.elapsed().as_secs_f64() * 1e3 / steps as f64;
+    cache.truncate(start)?;
+    Ok(ms)
+}
+
+/// As [`forward_n`] (timed, median of `reps`), replayed from a CUDA graph captured for `n`
+/// tokens; also returns the graph's logits for the check against the plain forward.
+#[cfg(feature = "cuda")]
+pub fn forward_graph_ms(
+    m: &Qwen3Model,
+    cache: &mut SequenceCache,
+    n: usize,
+    tree: bool,
+    reps: usize,
+) -> Result<(f64, Tensor)> {
+    let start = cache.len();
+    let graph = m.capture_step(cache, n, tree)?;
+    let toks = tokens(n, 11, m.config().vocab_size);
+    let parents = binary_tree(n);
+    let mut depth = vec![0u32; n];
+    for i in 1..n {
+        depth[i] = depth[(i - 1) / 2] + 1;
+    }
+    let positions: Vec<u32> = if tree {
+        depth.iter().map(|d| start as u32 + d).collect()
+    } else {
+        (start as u32..(start + n) as u32).collect()
+    };
+    let mut last = None;
+    let ms = time_ms(m.device(), reps, || {
+        let l = graph.step(cache, &toks, &positions, tree.then_some(parents.as_slice()))?;
+        cache.truncate(start)?;
+        last = Some(l);
+        Ok(())
+    })?;
+    Ok((ms, last.context("no replay")?))
 }
