@@ -463,6 +463,10 @@ impl DFlashDrafter {
 
     /// The target's `lm_head` on drafter hidden states, in f32.
     pub fn lm_head(&self, hidden: &Tensor) -> ModelResult<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.fast {
+            return Ok(crate::fast::linear(hidden, &self.lm_head)?.to_dtype(DType::F32)?);
+        }
         Ok(linear(hidden, &self.lm_head)?.to_dtype(DType::F32)?)
     }
 

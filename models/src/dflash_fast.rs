@@ -9,7 +9,6 @@ use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
 use crate::fast;
 use crate::kv_cache::LayerCache;
-use crate::layer::linear;
 use crate::ops::rms_norm;
 
 impl DFlashDrafter {
@@ -40,7 +39,7 @@ impl DFlashDrafter {
                 .fused()
                 .ok_or_else(|| ModelError::BadInput("fused draft on unfused weights".into()))?;
             let (_, post_norm, q_norm, k_norm) = layer.norm_weights();
-            let qkv = linear(&h, &fused.qkv)?;
+            let qkv = fast::linear(&h, &fused.qkv)?;
             let mut outs = Vec::with_capacity(batch.len());
             for (s, item) in batch.iter().enumerate() {
                 let LayerCache::Attention(kv) = item.cache.layer(li);
@@ -66,10 +65,10 @@ impl DFlashDrafter {
             } else {
                 Tensor::cat(&outs, 0)?
             };
-            let o = linear(&attn, layer.o_proj())?;
+            let o = fast::linear(&attn, layer.o_proj())?;
             let (x1, h1) = fast::add_rmsnorm(&x, &o, post_norm, eps)?;
-            let act = fast::silu_mul(&linear(&h1, &fused.gate_up)?)?;
-            let down = linear(&act, layer.down_proj())?;
+            let act = fast::silu_mul(&fast::linear(&h1, &fused.gate_up)?)?;
+            let down = fast::linear(&act, layer.down_proj())?;
             let next_norm = match layers.get(li + 1) {
                 Some(next) => next.norm_weights().0,
                 None => self.final_norm_weight(),

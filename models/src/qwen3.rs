@@ -242,6 +242,10 @@ impl Qwen3Model {
 
     /// `lm_head(x)` in f32 for already-normed rows (the drafter applies its own norm).
     pub fn lm_head(&self, x: &Tensor) -> ModelResult<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.fast {
+            return Ok(crate::fast::linear(x, &self.lm_head)?.to_dtype(DType::F32)?);
+        }
         Ok(linear(x, &self.lm_head)?.to_dtype(DType::F32)?)
     }
 

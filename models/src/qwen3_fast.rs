@@ -13,7 +13,6 @@ use crate::attention::AttnPattern;
 use crate::error::{ModelError, ModelResult};
 use crate::fast;
 use crate::kv_cache::{LayerCache, SequenceCache};
-use crate::layer::linear;
 use crate::ops::rms_norm;
 use crate::qwen3::{ForwardOutput, Qwen3Model, SeqForward};
 
@@ -124,7 +123,7 @@ impl Qwen3Model {
                 .fused()
                 .ok_or_else(|| ModelError::BadInput("fused forward on unfused weights".into()))?;
             let (_, post_norm, q_norm, k_norm) = layer.norm_weights();
-            let qkv = linear(&h, &fused.qkv)?;
+            let qkv = fast::linear(&h, &fused.qkv)?;
             let mut outs = Vec::with_capacity(inputs.len());
             for (cache, inp) in caches.iter().zip(inputs) {
                 let LayerCache::Attention(kv) = cache.layer(li);
@@ -158,11 +157,11 @@ impl Qwen3Model {
             } else {
                 Tensor::cat(&outs, 0)?
             };
-            let o = linear(&attn, layer.o_proj())?;
+            let o = fast::linear(&attn, layer.o_proj())?;
             let (x1, h1) = fast::add_rmsnorm(&x, &o, post_norm, eps)?;
-            let gu = linear(&h1, &fused.gate_up)?;
+            let gu = fast::linear(&h1, &fused.gate_up)?;
             let act = fast::silu_mul(&gu)?;
-            let down = linear(&act, layer.down_proj())?;
+            let down = fast::linear(&act, layer.down_proj())?;
             // The next layer's input norm, or the final norm after the last layer.
             let next_norm = match self.layers.get(li + 1) {
                 Some(next) => next.norm_weights().0,

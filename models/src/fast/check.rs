@@ -94,6 +94,14 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         out.push((name.into(), e, s));
     }
 
+    // Skinny GEMM against cuBLAS.
+    let w = bf(Tensor::randn(0f32, 0.05, (1000, 4096), dev)?)?;
+    for m in [1usize, 3, 16, 17, 40, 64] {
+        let x = bf(Tensor::randn(0f32, 1.0, (m, 4096), dev)?)?;
+        let (e, s) = err(&cuda::linear(&x, &w)?, &x.matmul(&w.t()?)?)?;
+        out.push((format!("skinny_gemm:m{m}"), e, s));
+    }
+
     // SiLU product and residual add + RMSNorm.
     let gu = bf(Tensor::randn(0f32, 2.0, (3, 2 * 1000), dev)?)?;
     let plain = (gu.narrow(1, 0, 1000)?.silu()? * gu.narrow(1, 1000, 1000)?)?;
@@ -108,5 +116,29 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     out.push(("add_rmsnorm:sum".into(), e, s));
     let (e, s) = err(&ho, &rms_norm(&xs, &w, eps, OpsMode::Fused)?)?;
     out.push(("add_rmsnorm:norm".into(), e, s));
+    Ok(out)
+}
+
+/// Milliseconds of cuBLAS and of the skinny kernel for `[m, 4096] x [4096, 24576]` (a fused
+/// gate/up of Qwen3-8B): `(m, cublas_ms, skinny_ms)`.
+pub fn skinny_timings(dev: &Device) -> Result<Vec<(usize, f64, f64)>> {
+    let w = Tensor::randn(0f32, 0.05, (24576, 4096), dev)?.to_dtype(DType::BF16)?;
+    let mut out = Vec::new();
+    for m in [1usize, 4, 16, 32, 64] {
+        let x = Tensor::randn(0f32, 1.0, (m, 4096), dev)?.to_dtype(DType::BF16)?;
+        let time = |f: &dyn Fn() -> Result<Tensor>| -> Result<f64> {
+            f()?;
+            dev.synchronize()?;
+            let t = std::time::Instant::now();
+            for _ in 0..20 {
+                f()?;
+            }
+            dev.synchronize()?;
+            Ok(t.elapsed().as_secs_f64() * 1e3 / 20.0)
+        };
+        let a = time(&|| x.matmul(&w.t()?))?;
+        let b = time(&|| cuda::skinny(&x, &w, m, 24576, 4096))?;
+        out.push((m, a, b));
+    }
     Ok(out)
 }

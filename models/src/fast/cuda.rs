@@ -284,3 +284,43 @@ fn upload<T>(dst: &Tensor, dtype: DType, values: &[T]) -> Result<()> {
     }
     .map_err(|e| candle_core::Error::Msg(format!("upload: {e}")))
 }
+
+/// Rows up to which [`linear`] uses the skinny tensor-core kernel instead of cuBLAS.
+pub const GEMV_MAX_ROWS: usize = 64;
+
+/// `x @ wᵀ` for `x: [m, k]`, `w: [n, k]` (bf16): the weight-streaming tensor-core kernel for
+/// `m <= GEMV_MAX_ROWS` (cuBLAS reads the weights of such skinny products at about half the
+/// memory bandwidth), cuBLAS otherwise.
+pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (m, k) = x.dims2()?;
+    let (n, kw) = w.dims2()?;
+    if m > GEMV_MAX_ROWS
+        || k != kw
+        || k % 32 != 0
+        || n % 8 != 0
+        || x.dtype() != DType::BF16
+        || w.dtype() != DType::BF16
+        || !w.is_contiguous()
+    {
+        return x.matmul(&w.t()?);
+    }
+    skinny(&x.contiguous()?, w, m, n, k)
+}
+
+/// The skinny kernel alone (see [`linear`]); `x` contiguous `[m <= 64, k]`.
+pub fn skinny(x: &Tensor, w: &Tensor, m: usize, n: usize, k: usize) -> Result<Tensor> {
+    let dev = cuda(x)?;
+    let y = alloc_bf16(&dev, (m, n))?;
+    let name = match m {
+        0..=16 => "skinny_t1",
+        17..=32 => "skinny_t2",
+        _ => "skinny_t4",
+    };
+    let (xp, wp, yp) = (ptr(x)?, ptr(w)?, ptr(&y)?);
+    let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&xp).arg(&wp).arg(&yp).arg(&mi).arg(&ni).arg(&ki);
+    go(&mut b, cfg(((n / 8) as u32, 1, 1), 128), name)?;
+    Ok(y)
+}

@@ -101,7 +101,7 @@ extern "C" __global__ void attn_partial(
     int k0 = split * CH;
     int rows_total = t * groups;
     int r0 = tile * ROWS;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     size_t nrows = (size_t)t * nh;
     if (k0 >= L) return;  // past the end: the combine kernel ignores this split
     int kend = min(k0 + CH, L);
@@ -133,60 +133,89 @@ extern "C" __global__ void attn_partial(
         }
     }
     __syncthreads();
-    for (int r = warp; r < ROWS; r += nwarps) {
-        int row = r0 + r;
-        if (row >= rows_total) break;
-        int tok = row / groups, g = row % groups;
-        size_t orow = (size_t)tok * nh + kvh * groups + g;
-        float m = -INFINITY, l = 0.f;
-        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-        if (!empty) {
-            for (int kb = 0; kb < CH; kb += 32) {
-                int j = kb + lane;
-                int key = k0 + j;
-                bool vis = key < kend;
-                if (vis && key >= c) {
+    // Each warp owns RW consecutive rows of the tile and scores them together, so every K
+    // and V element read from shared memory feeds RW rows.
+    const int RW = 4;
+    int rbase = warp * RW;
+    if (rbase >= ROWS) return;
+    int tok[RW];
+    bool live[RW];
+    float m[RW], l[RW], a[RW][4];
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+        int row = r0 + rbase + i;
+        live[i] = row < rows_total;
+        tok[i] = live[i] ? row / groups : 0;
+        m[i] = -INFINITY;
+        l[i] = 0.f;
+        a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0.f;
+    }
+    if (!empty) {
+        for (int kb = 0; kb < CH; kb += 32) {
+            int j = kb + lane;
+            int key = k0 + j;
+            float s[RW];
+            bool vis[RW];
+#pragma unroll
+            for (int i = 0; i < RW; ++i) {
+                bool v = live[i] && key < kend;
+                if (v && key >= c) {
                     int nj = key - c;
-                    vis = tree_mask ? ((tree_mask[(size_t)tok * words + (nj >> 6)] >> (nj & 63)) & 1ull) != 0
-                                    : nj <= tok;
+                    v = tree_mask ? ((tree_mask[(size_t)tok[i] * words + (nj >> 6)] >> (nj & 63)) & 1ull) != 0
+                                  : nj <= tok[i];
                 }
-                float s = -INFINITY;
-                if (vis) {
-                    float acc = 0.f;
+                vis[i] = v;
+                s[i] = 0.f;
+            }
 #pragma unroll 8
-                    for (int p = 0; p < d / 2; ++p) {
-                        u32 kk = ks[j][p];
-                        acc += qs[r][2 * p] * __uint_as_float(kk << 16) +
-                               qs[r][2 * p + 1] * __uint_as_float(kk & 0xffff0000u);
-                    }
-                    s = acc;
+            for (int p = 0; p < d / 2; ++p) {
+                u32 kk = ks[j][p];
+                float k0f = __uint_as_float(kk << 16), k1f = __uint_as_float(kk & 0xffff0000u);
+#pragma unroll
+                for (int i = 0; i < RW; ++i) {
+                    float2 qv = *(const float2*)&qs[rbase + i][2 * p];
+                    s[i] += qv.x * k0f + qv.y * k1f;
                 }
-                float mx = warp_max(s);
-                float m_new = fmaxf(m, mx);
-                if (m_new == -INFINITY) continue;
-                float pexp = vis ? __expf(s - m_new) : 0.f;
-                float corr = __expf(m - m_new);
-                l = l * corr + warp_sum(pexp);
-                a0 *= corr; a1 *= corr; a2 *= corr; a3 *= corr;
+            }
+            float pexp[RW];
+#pragma unroll
+            for (int i = 0; i < RW; ++i) {
+                float si = vis[i] ? s[i] : -INFINITY;
+                float m_new = fmaxf(m[i], warp_max(si));
+                if (m_new == -INFINITY) {  // nothing visible yet for this row (warp-uniform)
+                    pexp[i] = 0.f;
+                    continue;
+                }
+                pexp[i] = vis[i] ? __expf(si - m_new) : 0.f;
+                float corr = __expf(m[i] - m_new);
+                l[i] = l[i] * corr + warp_sum(pexp[i]);
+                a[i][0] *= corr; a[i][1] *= corr; a[i][2] *= corr; a[i][3] *= corr;
+                m[i] = m_new;
+            }
 #pragma unroll 4
-                for (int jj = 0; jj < 32; ++jj) {
-                    float pj = __shfl_sync(0xffffffffu, pexp, jj);
-                    if (pj != 0.f) {
-                        u32 v01 = vs[kb + jj][2 * lane], v23 = vs[kb + jj][2 * lane + 1];
-                        a0 += pj * __uint_as_float(v01 << 16);
-                        a1 += pj * __uint_as_float(v01 & 0xffff0000u);
-                        a2 += pj * __uint_as_float(v23 << 16);
-                        a3 += pj * __uint_as_float(v23 & 0xffff0000u);
-                    }
+            for (int jj = 0; jj < 32; ++jj) {
+                u32 v01 = vs[kb + jj][2 * lane], v23 = vs[kb + jj][2 * lane + 1];
+                float v0 = __uint_as_float(v01 << 16), v1 = __uint_as_float(v01 & 0xffff0000u);
+                float v2 = __uint_as_float(v23 << 16), v3 = __uint_as_float(v23 & 0xffff0000u);
+#pragma unroll
+                for (int i = 0; i < RW; ++i) {
+                    float pj = __shfl_sync(0xffffffffu, pexp[i], jj);
+                    a[i][0] += pj * v0; a[i][1] += pj * v1; a[i][2] += pj * v2; a[i][3] += pj * v3;
                 }
-                m = m_new;
             }
         }
+    }
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+        if (!live[i]) continue;
+        int row = r0 + rbase + i;
+        int g = row % groups;
+        size_t orow = (size_t)tok[i] * nh + kvh * groups + g;
         float* ao = acc_out + ((size_t)split * nrows + orow) * d + 4 * lane;
-        ao[0] = a0; ao[1] = a1; ao[2] = a2; ao[3] = a3;
+        ao[0] = a[i][0]; ao[1] = a[i][1]; ao[2] = a[i][2]; ao[3] = a[i][3];
         if (lane == 0) {
-            ml_out[((size_t)split * nrows + orow) * 2] = m;
-            ml_out[((size_t)split * nrows + orow) * 2 + 1] = l;
+            ml_out[((size_t)split * nrows + orow) * 2] = m[i];
+            ml_out[((size_t)split * nrows + orow) * 2 + 1] = l[i];
         }
     }
 }
@@ -246,3 +275,72 @@ extern "C" __global__ void add_rmsnorm(const bf16_t* __restrict__ x, const bf16_
         h_out[base + i] = f2bf(bf2f(s) * inv * bf2f(w[i]));
     }
 }
+
+// y[m, n] = sum_k x[m, k] * w[n, k] for M <= 16 * TILES rows: a skinny GEMM (decode, verify,
+// draft blocks) that streams the weights once through tensor cores. x [M, K], w [N, K]
+// (nn.Linear layout), y [M, N], bf16 in and out, f32 accumulation; K % 32 == 0, N % 8 == 0.
+// A block of 4 warps owns 8 output columns and splits K between its warps (chunks of 32).
+// Each lane loads 16 bytes of one weight row per chunk; the K order inside a chunk is
+// permuted identically for x and w so those loads feed mma.m16n8k16 fragments directly.
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int TILES>
+__device__ void skinny_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
+                            bf16_t* __restrict__ y, int M, int N, int K) {
+    __shared__ float red[4][TILES * 16 * 8];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int g = lane >> 2, tig = lane & 3;
+    int n0 = blockIdx.x * 8;
+    const uint4* wrow = (const uint4*)(w + (size_t)(n0 + g) * K);
+    int chunks = K / 32;
+    float c[TILES][4];
+#pragma unroll
+    for (int t = 0; t < TILES; ++t) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.f;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int ch0 = warp; ch0 < chunks; ch0 += 4 * 4) {
+        uint4 wv[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            int ch = ch0 + 4 * u;
+            wv[u] = ch < chunks ? __ldg(wrow + ch * 4 + tig) : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            int ch = ch0 + 4 * u;
+            if (ch >= chunks) break;
+#pragma unroll
+            for (int t = 0; t < TILES; ++t) {
+                int r0 = t * 16 + g, r1 = r0 + 8;
+                uint4 x0 = r0 < M ? __ldg((const uint4*)(x + (size_t)r0 * K) + ch * 4 + tig) : zero;
+                uint4 x1 = r1 < M ? __ldg((const uint4*)(x + (size_t)r1 * K) + ch * 4 + tig) : zero;
+                mma_bf16(c[t], x0.x, x1.x, x0.y, x1.y, wv[u].x, wv[u].y);
+                mma_bf16(c[t], x0.z, x1.z, x0.w, x1.w, wv[u].z, wv[u].w);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < TILES; ++t) {
+        float* r = red[warp] + t * 128;
+        r[g * 8 + tig * 2] = c[t][0];
+        r[g * 8 + tig * 2 + 1] = c[t][1];
+        r[(g + 8) * 8 + tig * 2] = c[t][2];
+        r[(g + 8) * 8 + tig * 2 + 1] = c[t][3];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < TILES * 128; e += blockDim.x) {
+        int row = e / 8, col = e % 8;
+        if (row < M) {
+            float v = red[0][e] + red[1][e] + red[2][e] + red[3][e];
+            y[(size_t)row * N + n0 + col] = f2bf(v);
+        }
+    }
+}
+
+extern "C" __global__ void skinny_t1(const bf16_t* x, const bf16_t* w, bf16_t* y, int M, int N, int K) { skinny_impl<1>(x, w, y, M, N, K); }
+extern "C" __global__ void skinny_t2(const bf16_t* x, const bf16_t* w, bf16_t* y, int M, int N, int K) { skinny_impl<2>(x, w, y, M, N, K); }
+extern "C" __global__ void skinny_t4(const bf16_t* x, const bf16_t* w, bf16_t* y, int M, int N, int K) { skinny_impl<4>(x, w, y, M, N, K); }

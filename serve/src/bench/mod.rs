@@ -366,6 +366,13 @@ fn kernel_checks(base: &Qwen3Model) -> Result<Value> {
         out.insert(name, json!({"max_abs_err": err, "max_abs_plain": scale}));
     }
     #[cfg(feature = "cuda")]
+    for (m, cublas, skinny) in dflash_models::fast::check::skinny_timings(base.device())? {
+        out.insert(
+            format!("gate_up_gemm_m{m}_ms"),
+            json!({"cublas": cublas, "skinny": skinny, "weight_GB": 24576.0 * 4096.0 * 2.0 / 1e9}),
+        );
+    }
+    #[cfg(feature = "cuda")]
     for (name, n, tree) in [("graph_chain_16", 16, false), ("graph_tree_64", 64, true)] {
         let a = forward_n(&plain, &mut cache, n, tree)?;
         let (_, b) = measure::forward_graph_ms(&fast, &mut cache, n, tree, 1)?;
