@@ -287,9 +287,11 @@ impl DFlashDrafter {
         out
     }
 
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn embed_weight(&self) -> &Tensor {
         &self.embed_tokens
     }
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn final_norm_weight(&self) -> &Tensor {
         &self.norm
     }

@@ -334,6 +334,10 @@ impl Qwen3Model {
         {
             return self.forward_fast(batch, taps);
         }
+        #[cfg(feature = "cuda")]
+        if self.fast && batch.len() == 1 && *batch[0].pattern == AttnPattern::Causal {
+            return self.forward_chunked(&mut batch[0], taps);
+        }
         let mut token_offsets = vec![0];
         let mut logit_offsets = vec![0];
         let mut all_tokens = Vec::new();

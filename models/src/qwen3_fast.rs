@@ -101,6 +101,89 @@ impl Qwen3Model {
         })
     }
 
+    /// A long causal forward of one sequence (a prefill) as consecutive fused forwards of at
+    /// most [`fast::MAX_FAST_TOKENS`] tokens: each chunk attends to the cache the previous
+    /// ones filled, which is the causal pattern. Logits and taps are stitched back in order.
+    pub(crate) fn forward_chunked(
+        &self,
+        seq: &mut SeqForward<'_>,
+        taps: &[usize],
+    ) -> ModelResult<ForwardOutput> {
+        let t = seq.tokens.len();
+        let chunk = fast::MAX_FAST_TOKENS;
+        let start_len = seq.cache.len();
+        let mut logits = Vec::new();
+        let mut tap_parts = Vec::new();
+        let mut begin = 0;
+        while begin < t {
+            let end = (begin + chunk).min(t);
+            let rows: Vec<usize> = seq
+                .logit_rows
+                .iter()
+                .filter(|&&r| r >= begin && r < end)
+                .map(|&r| r - begin)
+                .collect();
+            let out = self.forward_fast(
+                &mut [SeqForward {
+                    cache: &mut *seq.cache,
+                    tokens: &seq.tokens[begin..end],
+                    positions: &seq.positions[begin..end],
+                    pattern: &AttnPattern::Causal,
+                    logit_rows: &rows,
+                }],
+                taps,
+            );
+            let out = match out {
+                Ok(o) => o,
+                Err(e) => {
+                    // Nothing of a failed forward may stay live.
+                    let _ = seq.cache.truncate(start_len);
+                    return Err(e);
+                }
+            };
+            if let Some(l) = out.logits {
+                logits.push(l);
+            }
+            if let Some(tp) = out.taps {
+                tap_parts.push(tp);
+            }
+            begin = end;
+        }
+        // Chunk c returned the requested rows that fall in it, in the order asked; `perm[j]` is
+        // where request j landed in the concatenation.
+        let logits = if logits.is_empty() {
+            None
+        } else {
+            let mut perm = vec![0u32; seq.logit_rows.len()];
+            let mut next = 0u32;
+            let mut begin = 0;
+            while begin < t {
+                let end = (begin + chunk).min(t);
+                for (j, &r) in seq.logit_rows.iter().enumerate() {
+                    if r >= begin && r < end {
+                        perm[j] = next;
+                        next += 1;
+                    }
+                }
+                begin = end;
+            }
+            let parts: Vec<&Tensor> = logits.iter().collect();
+            let all = Tensor::cat(&parts, 0)?;
+            let idx = Tensor::new(perm.as_slice(), self.device())?;
+            Some(all.index_select(&idx, 0)?)
+        };
+        Ok(ForwardOutput {
+            logits,
+            taps: if tap_parts.is_empty() {
+                None
+            } else {
+                Some(Tensor::cat(&tap_parts, 0)?)
+            },
+            token_offsets: vec![0, t],
+            logit_offsets: vec![0, seq.logit_rows.len()],
+        })
+    }
+
     /// The layers over already-uploaded inputs; writes K/V into the caches but does not
     /// advance them. Returns the final-normed hidden rows and the tapped layer outputs. Makes
     /// no host-device copies, so a CUDA graph can capture it.

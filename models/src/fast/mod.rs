@@ -15,7 +15,7 @@ pub mod check;
 mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    add_rmsnorm, attention, device_address, linear, skinny, GEMV_MAX_ROWS, qk_norm_rope_cache, silu_mul, upload_i64, upload_u32,
+    add_rmsnorm, attention, device_address, linear, skinny, qk_norm_rope_cache, silu_mul, upload_i64, upload_u32,
     CHUNK,
 };
 

@@ -378,6 +378,29 @@ fn kernel_checks(base: &Qwen3Model) -> Result<Value> {
         let (_, b) = measure::forward_graph_ms(&fast, &mut cache, n, tree, 1)?;
         out.insert(name.into(), compare(&a, &b)?);
     }
+    // A 600-token prefill: plain (one forward) against fused (chunks of 256), rows out of order.
+    {
+        let toks = measure::tokens(600, 9, base.config().vocab_size);
+        let pos: Vec<u32> = (0..600).collect();
+        let rows = [599usize, 0, 300, 255, 256];
+        let run = |m: &Qwen3Model| -> Result<candle_core::Tensor> {
+            let mut c = m.new_cache(700)?;
+            let out = m.forward(
+                &mut [dflash_models::SeqForward {
+                    cache: &mut c,
+                    tokens: &toks,
+                    positions: &pos,
+                    pattern: &dflash_models::AttnPattern::Causal,
+                    logit_rows: &rows,
+                }],
+                &[],
+            )?;
+            out.logits.context("no logits")
+        };
+        let a = run(&plain)?;
+        let b = run(&fast)?;
+        out.insert("chunked_prefill_600".into(), compare(&a, &b)?);
+    }
     for (name, n, tree) in [
         ("decode_1", 1, false),
         ("chain_16", 16, false),
