@@ -254,8 +254,12 @@ impl DFlashDrafter {
     /// Whether the fused CUDA kernels can draft blocks of this drafter (CUDA, bf16, head_dim
     /// 128, inference mode, full-attention layers only, blocks of at most 64 tokens).
     pub fn fast_kernels_available(&self) -> bool {
-        crate::fast::available(&self.device, self.dtype, self.cfg.layers.head_dim, self.mode)
-            && self.cfg.block_size <= 64
+        crate::fast::available(
+            &self.device,
+            self.dtype,
+            self.cfg.layers.head_dim,
+            self.mode,
+        ) && self.cfg.block_size <= 64
             && self
                 .cfg
                 .layers
@@ -266,9 +270,8 @@ impl DFlashDrafter {
 
     /// Turns the fused kernels on or off (off: the plain candle path, for comparisons).
     pub fn with_fast_kernels(mut self, on: bool) -> Self {
-        self.fast = on
-            && self.fast_kernels_available()
-            && self.layers.iter().all(|l| l.fused().is_some());
+        self.fast =
+            on && self.fast_kernels_available() && self.layers.iter().all(|l| l.fused().is_some());
         self
     }
 

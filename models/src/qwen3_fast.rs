@@ -285,10 +285,17 @@ impl Qwen3Model {
     /// Captures a forward of `t` tokens for `cache` (whose K/V buffers the graph writes in
     /// place), causal or (with `tree`) under a tree mask given at each replay. Needs the fused
     /// kernels (see [`Qwen3Model::fast_kernels`]).
-    pub fn capture_step(&self, cache: &SequenceCache, t: usize, tree: bool) -> ModelResult<StepGraph> {
+    pub fn capture_step(
+        &self,
+        cache: &SequenceCache,
+        t: usize,
+        tree: bool,
+    ) -> ModelResult<StepGraph> {
         use candle_core::cuda_backend::cudarc::driver::sys;
         let candle_core::Device::Cuda(cd) = self.device() else {
-            return Err(ModelError::Unsupported("CUDA graphs need a CUDA device".into()));
+            return Err(ModelError::Unsupported(
+                "CUDA graphs need a CUDA device".into(),
+            ));
         };
         if !self.fast_kernels() || t == 0 || t > fast::MAX_FAST_TOKENS {
             return Err(ModelError::Unsupported(format!(
@@ -305,7 +312,11 @@ impl Qwen3Model {
         let inputs = Tensor::new(init.as_slice(), &dev)?;
         let tree_bits = if tree {
             let chain: Vec<Option<usize>> = (0..t).map(|i| i.checked_sub(1)).collect();
-            Some(Tensor::from_vec(fast::tree_bits(&chain), (t, t.div_ceil(64)), &dev)?)
+            Some(Tensor::from_vec(
+                fast::tree_bits(&chain),
+                (t, t.div_ceil(64)),
+                &dev,
+            )?)
         } else {
             None
         };

@@ -16,7 +16,11 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     let err = |a: &Tensor, b: &Tensor| -> Result<(f32, f32)> {
         let a = a.to_dtype(DType::F32)?;
         let b = b.to_dtype(DType::F32)?;
-        let d = (&a - &b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let d = (&a - &b)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
         let s = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         Ok((d, s))
     };
@@ -48,50 +52,71 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     )?;
     let (cr, sr) = (cos.index_select(&pos, 0)?, sin.index_select(&pos, 0)?);
     let head = |start: usize, heads: usize, w: &Tensor| -> Result<Tensor> {
-        let y = qkv.narrow(1, start * d, heads * d)?.reshape((t, heads, d))?;
-        rope(&rms_norm(&y, w, eps, OpsMode::Fused)?, &cr, &sr, OpsMode::Fused)
+        let y = qkv
+            .narrow(1, start * d, heads * d)?
+            .reshape((t, heads, d))?;
+        rope(
+            &rms_norm(&y, w, eps, OpsMode::Fused)?,
+            &cr,
+            &sr,
+            OpsMode::Fused,
+        )
     };
     let (e, s) = err(&q, &head(0, nh, &qn)?)?;
     out.push(("qk_norm_rope_cache:q".into(), e, s));
     let k_plain = head(nh, nkv, &kn)?.transpose(0, 1)?;
     let (e, s) = err(&kc.narrow(1, c0, t)?, &k_plain)?;
     out.push(("qk_norm_rope_cache:k_cache".into(), e, s));
-    let v_plain = qkv.narrow(1, (nh + nkv) * d, nkv * d)?.reshape((t, nkv, d))?.transpose(0, 1)?;
+    let v_plain = qkv
+        .narrow(1, (nh + nkv) * d, nkv * d)?
+        .reshape((t, nkv, d))?
+        .transpose(0, 1)?;
     let (e, s) = err(&vc.narrow(1, c0, t)?, &v_plain)?;
     out.push(("qk_norm_rope_cache:v_cache".into(), e, s));
 
     // Attention, causal and tree, against attend() with the dense mask.
-    let (c, t) = (300usize, 70usize);
+    let c = 300usize;
     let kc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
     let vc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
-    let q = bf(Tensor::randn(0f32, 1.0, (t, nh, d), dev)?)?;
     let len = Tensor::new(&[c as u32], dev)?;
-    let parents: Vec<Option<usize>> = (0..t)
-        .map(|i| if i == 0 { None } else { Some((i * 7 + 3) % i) })
-        .collect();
-    for (name, pattern) in [
-        ("attention:causal", AttnPattern::Causal),
-        ("attention:tree", AttnPattern::Tree { parents: parents.clone() }),
-    ] {
-        let bits = match &pattern {
-            AttnPattern::Tree { parents } => Some(Tensor::from_vec(
-                super::tree_bits(parents),
-                (t, t.div_ceil(64)),
-                dev,
-            )?),
-            _ => None,
-        };
-        let fast = cuda::attention(&q, &kc, &vc, &len, bits.as_ref(), (c + t).div_ceil(cuda::CHUNK))?;
-        let mask = pattern.mask(c, t, dev)?;
-        let plain = attend(
-            &q.transpose(0, 1)?.contiguous()?,
-            &kc.narrow(1, 0, c + t)?,
-            &vc.narrow(1, 0, c + t)?,
-            mask.as_ref(),
-            OpsMode::Fused,
-        )?;
-        let (e, s) = err(&fast, &plain)?;
-        out.push((name.into(), e, s));
+    for t in [1usize, 70] {
+        let q = bf(Tensor::randn(0f32, 1.0, (t, nh, d), dev)?)?;
+        let parents: Vec<Option<usize>> = (0..t)
+            .map(|i| if i == 0 { None } else { Some((i * 7 + 3) % i) })
+            .collect();
+        for (name, pattern) in [
+            ("attention:causal", AttnPattern::Causal),
+            (
+                "attention:tree",
+                AttnPattern::Tree {
+                    parents: parents.clone(),
+                },
+            ),
+        ] {
+            let bits = match &pattern {
+                AttnPattern::Tree { parents } => Some(Tensor::from_vec(
+                    super::tree_bits(parents),
+                    (t, t.div_ceil(64)),
+                    dev,
+                )?),
+                _ => None,
+            };
+            let ns = (c + t).div_ceil(cuda::CHUNK);
+            let fast = cuda::attention(&q, &kc, &vc, &len, bits.as_ref(), ns)?;
+            let simt = cuda::attention_simt(&q, &kc, &vc, &len, bits.as_ref(), ns)?;
+            let mask = pattern.mask(c, t, dev)?;
+            let plain = attend(
+                &q.transpose(0, 1)?.contiguous()?,
+                &kc.narrow(1, 0, c + t)?,
+                &vc.narrow(1, 0, c + t)?,
+                mask.as_ref(),
+                OpsMode::Fused,
+            )?;
+            let (e, s) = err(&fast, &plain)?;
+            out.push((format!("{name}:t{t}:tensor_cores"), e, s));
+            let (e, s) = err(&simt, &plain)?;
+            out.push((format!("{name}:t{t}:cuda_cores"), e, s));
+        }
     }
 
     // Skinny GEMM against cuBLAS.

@@ -159,6 +159,31 @@ pub fn attention(
     tree_mask: Option<&Tensor>,
     nsplit: usize,
 ) -> Result<Tensor> {
+    attention_with(true, q, kc, vc, cache_len, tree_mask, nsplit)
+}
+
+/// [`attention`] on CUDA cores (the first version, 4 query rows per warp), kept to check the
+/// tensor-core kernel against.
+pub fn attention_simt(
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    cache_len: &Tensor,
+    tree_mask: Option<&Tensor>,
+    nsplit: usize,
+) -> Result<Tensor> {
+    attention_with(false, q, kc, vc, cache_len, tree_mask, nsplit)
+}
+
+fn attention_with(
+    tensor_cores: bool,
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    cache_len: &Tensor,
+    tree_mask: Option<&Tensor>,
+    nsplit: usize,
+) -> Result<Tensor> {
     let dev = cuda(q)?;
     check_bf16("q", q)?;
     let (t, nh, d) = q.dims3()?;
@@ -187,15 +212,21 @@ pub fn attention(
     let (acc_p, ml_p, out_p) = (ptr(&acc)?, ptr(&ml)?, ptr(&out)?);
     let (words, ti, nhi, nkvi, capi) = (words as i32, t as i32, nh as i32, nkv as i32, cap as i32);
     let scale = 1.0f32 / (d as f32).sqrt();
-    let f = dev.get_or_load_custom_func("attn_partial", MODULE, PTX)?;
+    // Tensor cores: one warp per 16 query rows; CUDA cores: four warps per ROWS rows.
+    let (name, tile, threads) = if tensor_cores {
+        ("attn_partial_mma", 16, 32)
+    } else {
+        ("attn_partial", ROWS, 128)
+    };
+    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
     let mut b = f.builder();
     for a in &args {
         b.arg(a);
     }
     b.arg(&words).arg(&acc_p).arg(&ml_p);
     b.arg(&ti).arg(&nhi).arg(&nkvi).arg(&capi).arg(&scale);
-    let grid = (nkv as u32, nsplit as u32, rows.div_ceil(ROWS) as u32);
-    go(&mut b, cfg(grid, 128), "attn_partial")?;
+    let grid = (nkv as u32, nsplit as u32, rows.div_ceil(tile) as u32);
+    go(&mut b, cfg(grid, threads), name)?;
     let (di, ns) = (d as i32, nsplit as i32);
     let len_p = args[3];
     let f = dev.get_or_load_custom_func("attn_combine", MODULE, PTX)?;
@@ -270,7 +301,12 @@ pub fn upload_i64(dst: &Tensor, values: &[i64]) -> Result<()> {
 
 fn upload<T>(dst: &Tensor, dtype: DType, values: &[T]) -> Result<()> {
     if dst.dtype() != dtype || dst.elem_count() != values.len() {
-        bail!("upload: {} values into {:?} {:?}", values.len(), dst.dtype(), dst.shape())
+        bail!(
+            "upload: {} values into {:?} {:?}",
+            values.len(),
+            dst.dtype(),
+            dst.shape()
+        )
     }
     let dev = cuda(dst)?;
     let p = ptr(dst)?;
@@ -297,7 +333,11 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// K); `x` contiguous bf16 `[m <= 64, k]`, `k % 32 == 0`, `n % 8 == 0`.
 pub fn skinny(x: &Tensor, w: &Tensor, m: usize, n: usize, k: usize) -> Result<Tensor> {
     if m > 64 || k % 32 != 0 || n % 8 != 0 || x.dims2()? != (m, k) || w.dims2()? != (n, k) {
-        bail!("skinny: x {:?}, w {:?}: needs m <= 64, k % 32 == 0, n % 8 == 0", x.shape(), w.shape())
+        bail!(
+            "skinny: x {:?}, w {:?}: needs m <= 64, k % 32 == 0, n % 8 == 0",
+            x.shape(),
+            w.shape()
+        )
     }
     check_bf16("x", x)?;
     check_bf16("w", w)?;

@@ -344,3 +344,170 @@ __device__ void skinny_impl(const bf16_t* __restrict__ x, const bf16_t* __restri
 extern "C" __global__ void skinny_t1(const bf16_t* x, const bf16_t* w, bf16_t* y, int M, int N, int K) { skinny_impl<1>(x, w, y, M, N, K); }
 extern "C" __global__ void skinny_t2(const bf16_t* x, const bf16_t* w, bf16_t* y, int M, int N, int K) { skinny_impl<2>(x, w, y, M, N, K); }
 extern "C" __global__ void skinny_t4(const bf16_t* x, const bf16_t* w, bf16_t* y, int M, int N, int K) { skinny_impl<4>(x, w, y, M, N, K); }
+
+// Tensor-core version of attn_partial (same grid meaning and partial outputs, so
+// attn_combine merges it): one warp per (KV head, chunk of CH keys, tile of 16 query rows).
+// S = Q K^T and O = P V run on mma.m16n8k16 (bf16 in, f32 accumulate); the S accumulators are
+// re-packed in registers as the A operand of P V (the FlashAttention-2 layout trick).
+#define KPAD 136  // bf16 per shared K/V row: 128 + 8, so fragment reads avoid bank conflicts
+extern "C" __global__ void attn_partial_mma(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
+    const u32* __restrict__ cache_len, const u64* __restrict__ tree_mask, int words,
+    float* __restrict__ acc_out, float* __restrict__ ml_out,
+    int t, int nh, int nkv, int cap, float scale) {
+    __shared__ __align__(16) bf16_t ks[CH * KPAD];
+    __shared__ __align__(16) bf16_t vs[CH * KPAD];
+    const int d = DMAX;
+    int kvh = blockIdx.x, split = blockIdx.y, tile = blockIdx.z;
+    int groups = nh / nkv;
+    int c = (int)(*cache_len);
+    int L = c + t;
+    int k0 = split * CH;
+    int rows_total = t * groups;
+    int r0 = tile * 16;
+    int lane = threadIdx.x, g = lane >> 2, tig = lane & 3;
+    size_t nrows = (size_t)t * nh;
+    if (k0 >= L) return;
+    int kend = min(k0 + CH, L);
+    int last_tok = (min(r0 + 16, rows_total) - 1) / groups;
+    bool empty = k0 > c + last_tok;
+    int rowA = r0 + g, rowB = r0 + g + 8;
+    bool liveA = rowA < rows_total, liveB = rowB < rows_total;
+    int tokA = liveA ? rowA / groups : 0, tokB = liveB ? rowB / groups : 0;
+    float o[16][4];
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
+    if (!empty) {
+        // K and V chunk into shared memory (16-byte copies), zeros past the live keys.
+        for (int e = lane; e < CH * (d / 8); e += 32) {
+            int j = e / (d / 8), p = e % (d / 8);
+            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
+            if (k0 + j < kend) {
+                size_t off = ((size_t)kvh * cap + k0 + j) * d + 8 * p;
+                kv4 = *(const uint4*)(kc + off);
+                vv4 = *(const uint4*)(vc + off);
+            }
+            *(uint4*)(ks + j * KPAD + 8 * p) = kv4;
+            *(uint4*)(vs + j * KPAD + 8 * p) = vv4;
+        }
+        __syncwarp();
+        // Q fragments (rows A = g, B = g + 8 of the tile), all 8 k-steps of 16 dims.
+        const u32* qa = (const u32*)(q + ((size_t)tokA * nh + kvh * groups + rowA % groups) * d);
+        const u32* qb = (const u32*)(q + ((size_t)tokB * nh + kvh * groups + rowB % groups) * d);
+        u32 qf[8][4];
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            int w0 = kk * 8 + tig;  // u32 index of dims kk*16 + tig*2
+            qf[kk][0] = liveA ? qa[w0] : 0u;
+            qf[kk][1] = liveB ? qb[w0] : 0u;
+            qf[kk][2] = liveA ? qa[w0 + 4] : 0u;
+            qf[kk][3] = liveB ? qb[w0 + 4] : 0u;
+        }
+        // S = Q K^T for the 64 keys: 8 tiles of 8 keys.
+        float s[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            const u32* krow = (const u32*)(ks + (nt * 8 + g) * KPAD);
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                mma_bf16(s[nt], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], krow[kk * 8 + tig],
+                         krow[kk * 8 + tig + 4]);
+            }
+        }
+        // Mask, scale, row max (rows A and B live in the 4 lanes of a quad).
+        float mxA = -INFINITY, mxB = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int key = k0 + nt * 8 + tig * 2 + e;
+                bool vA = liveA && key < kend, vB = liveB && key < kend;
+                if (key >= c) {
+                    int nj = key - c;
+                    if (tree_mask) {
+                        vA = vA && ((tree_mask[(size_t)tokA * words + (nj >> 6)] >> (nj & 63)) & 1ull);
+                        vB = vB && ((tree_mask[(size_t)tokB * words + (nj >> 6)] >> (nj & 63)) & 1ull);
+                    } else {
+                        vA = vA && nj <= tokA;
+                        vB = vB && nj <= tokB;
+                    }
+                }
+                s[nt][e] = vA ? s[nt][e] * scale : -INFINITY;
+                s[nt][2 + e] = vB ? s[nt][2 + e] * scale : -INFINITY;
+                mxA = fmaxf(mxA, s[nt][e]);
+                mxB = fmaxf(mxB, s[nt][2 + e]);
+            }
+        }
+        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
+        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
+        mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
+        mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
+        mA = mxA;
+        mB = mxB;
+        // P = exp(S - m), packed to bf16 as A fragments of P V (k-step j = key tiles 2j, 2j+1).
+        u32 pf[4][4];
+        float sumA = 0.f, sumB = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            float p0 = mA == -INFINITY ? 0.f : __expf(s[nt][0] - mA);
+            float p1 = mA == -INFINITY ? 0.f : __expf(s[nt][1] - mA);
+            float p2 = mB == -INFINITY ? 0.f : __expf(s[nt][2] - mB);
+            float p3 = mB == -INFINITY ? 0.f : __expf(s[nt][3] - mB);
+            bf16_t b0 = f2bf(p0), b1 = f2bf(p1), b2 = f2bf(p2), b3 = f2bf(p3);
+            // The sums use the rounded probabilities the P V product sees.
+            sumA += bf2f(b0) + bf2f(b1);
+            sumB += bf2f(b2) + bf2f(b3);
+            u32 lo = (u32)b0 | ((u32)b1 << 16), hi = (u32)b2 | ((u32)b3 << 16);
+            int j = nt >> 1;
+            if ((nt & 1) == 0) { pf[j][0] = lo; pf[j][1] = hi; }
+            else { pf[j][2] = lo; pf[j][3] = hi; }
+        }
+        sumA += __shfl_xor_sync(0xffffffffu, sumA, 1);
+        sumA += __shfl_xor_sync(0xffffffffu, sumA, 2);
+        sumB += __shfl_xor_sync(0xffffffffu, sumB, 1);
+        sumB += __shfl_xor_sync(0xffffffffu, sumB, 2);
+        lA = sumA;
+        lB = sumB;
+        // O = P V: 16 tiles of 8 dims, 4 k-steps of 16 keys; V fragments gathered from shared.
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+            int dim = nt * 8 + g;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                int key = j * 16 + tig * 2;
+                u32 b0 = (u32)vs[key * KPAD + dim] | ((u32)vs[(key + 1) * KPAD + dim] << 16);
+                u32 b1 = (u32)vs[(key + 8) * KPAD + dim] | ((u32)vs[(key + 9) * KPAD + dim] << 16);
+                mma_bf16(o[nt], pf[j][0], pf[j][1], pf[j][2], pf[j][3], b0, b1);
+            }
+        }
+    }
+    // Partials: rows A (o[.][0..1]) and B (o[.][2..3]), dims nt*8 + tig*2 + {0,1}.
+    if (liveA) {
+        size_t orow = (size_t)tokA * nh + kvh * groups + rowA % groups;
+        float* ao = acc_out + ((size_t)split * nrows + orow) * d;
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+            ao[nt * 8 + tig * 2] = o[nt][0];
+            ao[nt * 8 + tig * 2 + 1] = o[nt][1];
+        }
+        if (tig == 0) {
+            ml_out[((size_t)split * nrows + orow) * 2] = mA;
+            ml_out[((size_t)split * nrows + orow) * 2 + 1] = lA;
+        }
+    }
+    if (liveB) {
+        size_t orow = (size_t)tokB * nh + kvh * groups + rowB % groups;
+        float* ao = acc_out + ((size_t)split * nrows + orow) * d;
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+            ao[nt * 8 + tig * 2] = o[nt][2];
+            ao[nt * 8 + tig * 2 + 1] = o[nt][3];
+        }
+        if (tig == 0) {
+            ml_out[((size_t)split * nrows + orow) * 2] = mB;
+            ml_out[((size_t)split * nrows + orow) * 2 + 1] = lB;
+        }
+    }
+}

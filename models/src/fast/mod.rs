@@ -15,12 +15,12 @@ pub mod check;
 mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    add_rmsnorm, attention, device_address, linear, skinny, qk_norm_rope_cache, silu_mul, upload_i64, upload_u32,
-    CHUNK,
+    add_rmsnorm, attention, device_address, linear, qk_norm_rope_cache, silu_mul, skinny,
+    upload_i64, upload_u32, CHUNK,
 };
 
 /// Longest per-sequence forward the fused attention takes (its partials grow with t x splits).
-pub const MAX_FAST_TOKENS: usize = 256;
+pub const MAX_FAST_TOKENS: usize = 512;
 
 /// Whether the fused kernels can run a model of this device, dtype, head size and mode.
 pub fn available(device: &Device, dtype: DType, head_dim: usize, mode: OpsMode) -> bool {
