@@ -496,6 +496,10 @@ impl DFlashDrafter {
             });
         }
         let pos = Tensor::new(positions.as_slice(), &self.device)?;
+        #[cfg(feature = "cuda")]
+        if self.fast {
+            return self.append_context_fast(batch, &ctx, &pos);
+        }
         let (cos, sin) = self.rope.gather(&pos)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let (k, v) = layer.kv(&ctx, &cos, &sin)?;

@@ -79,4 +79,60 @@ impl DFlashDrafter {
         }
         Ok(h)
     }
+
+    /// The context path fused: per layer one q/k/v GEMM over the new context rows and the
+    /// norm + RoPE + cache-write kernel (its q output is dropped: context rows only provide
+    /// K/V), then every cache advances past its new rows. `ctx` holds the fused features of
+    /// all sequences' new rows in batch order, `pos` their positions.
+    pub(crate) fn append_context_fast(
+        &self,
+        batch: &mut [DraftInput<'_>],
+        ctx: &Tensor,
+        pos: &Tensor,
+    ) -> ModelResult<()> {
+        let dev = self.device().clone();
+        let eps = self.config().layers.rms_norm_eps;
+        let layers = self.layers();
+        let (nh, nkv, d) = layers[0].heads();
+        let (cos, sin) = self.rotary().tables();
+        let mut spans = Vec::with_capacity(batch.len());
+        let mut off = 0;
+        for item in batch.iter() {
+            let n = item.context.map(|c| c.dim(0)).transpose()?.unwrap_or(0);
+            let len = Tensor::new(&[item.cache.len() as u32], &dev)?;
+            spans.push((off, n, len));
+            off += n;
+        }
+        for (li, layer) in layers.iter().enumerate() {
+            let fused = layer
+                .fused()
+                .ok_or_else(|| ModelError::BadInput("fused draft on unfused weights".into()))?;
+            let (_, _, q_norm, k_norm) = layer.norm_weights();
+            let qkv = fast::linear(ctx, &fused.qkv)?;
+            for (item, (off, n, len)) in batch.iter().zip(&spans) {
+                if *n == 0 {
+                    continue;
+                }
+                let LayerCache::Attention(kv) = item.cache.layer(li);
+                let (kc, vc) = kv.buffers();
+                fast::qk_norm_rope_cache(
+                    &qkv.narrow(0, *off, *n)?,
+                    q_norm,
+                    k_norm,
+                    cos,
+                    sin,
+                    &pos.narrow(0, *off, *n)?,
+                    len,
+                    kc,
+                    vc,
+                    (nh, nkv, d),
+                    eps,
+                )?;
+            }
+        }
+        for (item, (_, n, _)) in batch.iter_mut().zip(&spans) {
+            item.cache.advance(*n);
+        }
+        Ok(())
+    }
 }

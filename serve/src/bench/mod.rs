@@ -189,7 +189,7 @@ pub fn main(argv: Vec<String>) -> Result<()> {
     }
     report.insert("variants".into(), Value::Object(variants));
     if base.fast_kernels_available() && args.variants.iter().any(|v| v == "fast") {
-        let checks = kernel_checks(&base)?;
+        let checks = kernel_checks(&base, &drafter)?;
         eprintln!("kernel_checks {checks}");
         report.insert("kernel_checks".into(), checks);
     }
@@ -355,7 +355,7 @@ fn figures(
 
 /// The fused CUDA kernels against the plain candle path on the same weights and cache:
 /// max abs logit difference and argmax agreement for decode, chain and tree forwards.
-fn kernel_checks(base: &Qwen3Model) -> Result<Value> {
+fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
     let plain = base.clone().with_fast_kernels(false);
     let fast = base.clone().with_fast_kernels(true);
     let mut cache = base.new_cache(2048)?;
@@ -378,7 +378,32 @@ fn kernel_checks(base: &Qwen3Model) -> Result<Value> {
         let (_, b) = measure::forward_graph_ms(&fast, &mut cache, n, tree, 1)?;
         out.insert(name.into(), compare(&a, &b)?);
     }
-    // A 600-token prefill: plain (one forward) against fused (chunks of 256), rows out of order.
+    // The drafter: two rounds (300 then 7 new context rows) plain against fused.
+    {
+        let width = drafter.config().target_layer_ids.len() * drafter.config().layers.hidden_size;
+        let dev = base.device();
+        let f1 = candle_core::Tensor::randn(0f32, 1.0, (300, width), dev)?.to_dtype(base.dtype())?;
+        let f2 = candle_core::Tensor::randn(0f32, 1.0, (7, width), dev)?.to_dtype(base.dtype())?;
+        let mut block = vec![drafter.mask_token_id(); drafter.block_size()];
+        block[0] = 11;
+        let run = |d: &DFlashDrafter| -> Result<Vec<candle_core::Tensor>> {
+            let mut c = d.new_cache(400)?;
+            let mut outs = Vec::new();
+            for f in [&f1, &f2] {
+                outs.push(d.draft_logits(&mut [dflash_models::DraftInput {
+                    cache: &mut c,
+                    context: Some(f),
+                    block: &block,
+                }])?);
+            }
+            Ok(outs)
+        };
+        let a = run(&drafter.clone().with_fast_kernels(false))?;
+        let b = run(&drafter.clone().with_fast_kernels(true))?;
+        out.insert("drafter_round1".into(), compare(&a[0], &b[0])?);
+        out.insert("drafter_round2".into(), compare(&a[1], &b[1])?);
+    }
+    // A 600-token prefill: plain (one forward) against fused (chunks of MAX_FAST_TOKENS), rows out of order.
     {
         let toks = measure::tokens(600, 9, base.config().vocab_size);
         let pos: Vec<u32> = (0..600).collect();
