@@ -67,6 +67,8 @@ pub struct DFlashDrafter {
     dtype: DType,
     device: Device,
     mode: OpsMode,
+    /// Draft blocks through the fused CUDA kernels (on by default where they apply).
+    fast: bool,
 }
 
 impl DFlashDrafter {
@@ -226,7 +228,7 @@ impl DFlashDrafter {
         let rope =
             RotaryEmbedding::new(&cfg.layers, target.max_positions + cfg.block_size, &device)?;
         let to_here = |t: &Tensor| t.to_device(&device)?.to_dtype(dtype);
-        Ok(Self {
+        let mut drafter = Self {
             embed_tokens: to_here(&target.embed_tokens)?,
             lm_head: to_here(&target.lm_head)?,
             cfg,
@@ -238,7 +240,39 @@ impl DFlashDrafter {
             dtype,
             device,
             mode,
-        })
+            fast: false,
+        };
+        if drafter.fast_kernels_available() {
+            for l in &mut drafter.layers {
+                l.fuse_projections()?;
+            }
+            drafter.fast = true;
+        }
+        Ok(drafter)
+    }
+
+    /// Whether the fused CUDA kernels can draft blocks of this drafter (CUDA, bf16, head_dim
+    /// 128, inference mode, full-attention layers only, blocks of at most 64 tokens).
+    pub fn fast_kernels_available(&self) -> bool {
+        crate::fast::available(
+            &self.device,
+            self.dtype,
+            self.cfg.layers.head_dim,
+            self.mode,
+        ) && self.cfg.block_size <= 64
+            && self
+                .cfg
+                .layers
+                .layer_types
+                .iter()
+                .all(|t| *t == LayerType::FullAttention)
+    }
+
+    /// Turns the fused kernels on or off (off: the plain candle path, for comparisons).
+    pub fn with_fast_kernels(mut self, on: bool) -> Self {
+        self.fast =
+            on && self.fast_kernels_available() && self.layers.iter().all(|l| l.fused().is_some());
+        self
     }
 
     /// Every drafter-owned tensor with its z-lab name, in [`Self::parameter_shapes`] order.
@@ -256,6 +290,14 @@ impl DFlashDrafter {
         out
     }
 
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn embed_weight(&self) -> &Tensor {
+        &self.embed_tokens
+    }
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn final_norm_weight(&self) -> &Tensor {
+        &self.norm
+    }
     pub(crate) fn layers(&self) -> &[DecoderLayer] {
         &self.layers
     }
@@ -367,8 +409,12 @@ impl DFlashDrafter {
             positions.extend((start..start + b).map(|p| p as u32));
         }
         let ids = Tensor::new(tokens.as_slice(), &self.device)?;
-        let mut h = self.embed_tokens.index_select(&ids, 0)?;
         let pos = Tensor::new(positions.as_slice(), &self.device)?;
+        #[cfg(feature = "cuda")]
+        if self.fast {
+            return self.block_fast(batch, &ids, &pos);
+        }
+        let mut h = self.embed_tokens.index_select(&ids, 0)?;
         let (cos, sin) = self.rope.gather(&pos)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let x = layer.input_norm(&h)?;
@@ -422,6 +468,10 @@ impl DFlashDrafter {
 
     /// The target's `lm_head` on drafter hidden states, in f32.
     pub fn lm_head(&self, hidden: &Tensor) -> ModelResult<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.fast {
+            return Ok(crate::fast::linear(hidden, &self.lm_head)?.to_dtype(DType::F32)?);
+        }
         Ok(linear(hidden, &self.lm_head)?.to_dtype(DType::F32)?)
     }
 
@@ -446,6 +496,10 @@ impl DFlashDrafter {
             });
         }
         let pos = Tensor::new(positions.as_slice(), &self.device)?;
+        #[cfg(feature = "cuda")]
+        if self.fast {
+            return self.append_context_fast(batch, &ctx, &pos);
+        }
         let (cos, sin) = self.rope.gather(&pos)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let (k, v) = layer.kv(&ctx, &cos, &sin)?;

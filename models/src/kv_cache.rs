@@ -41,6 +41,13 @@ impl KvBuffer {
         self.v.slice_set(&v.contiguous()?, 1, at)
     }
 
+    /// The whole preallocated K and V buffers `[num_kv_heads, capacity, head_dim]` (the fused
+    /// kernels write and read rows in place).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn buffers(&self) -> (&Tensor, &Tensor) {
+        (&self.k, &self.v)
+    }
+
     /// Views of rows `[0, len)`: `[num_kv_heads, len, head_dim]`.
     pub fn view(&self, len: usize) -> Result<(Tensor, Tensor)> {
         Ok((self.k.narrow(1, 0, len)?, self.v.narrow(1, 0, len)?))

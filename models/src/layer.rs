@@ -33,6 +33,16 @@ pub struct DecoderLayer {
     num_kv_heads: usize,
     head_dim: usize,
     mode: OpsMode,
+    /// Concatenated projections for the fused CUDA path (see [`Self::fuse_projections`]).
+    fused: Option<FusedWeights>,
+}
+
+/// `[q; k; v]` and `[gate; up]` stacked along the output dimension: one GEMM each. The
+/// layer's own q/k/v/gate/up tensors become views into these, so no weight is stored twice.
+#[derive(Debug, Clone)]
+pub struct FusedWeights {
+    pub qkv: Tensor,
+    pub gate_up: Tensor,
 }
 
 impl DecoderLayer {
@@ -72,6 +82,7 @@ impl DecoderLayer {
             num_kv_heads: nkv,
             head_dim: d,
             mode,
+            fused: None,
         })
     }
 
@@ -107,6 +118,7 @@ impl DecoderLayer {
             num_kv_heads: nkv,
             head_dim: d,
             mode,
+            fused: None,
         })
     }
 
@@ -142,6 +154,7 @@ impl DecoderLayer {
             num_kv_heads: nkv,
             head_dim: d,
             mode,
+            fused: None,
         })
     }
 
@@ -263,5 +276,56 @@ impl DecoderLayer {
 
     pub fn mode(&self) -> OpsMode {
         self.mode
+    }
+
+    /// Stacks q/k/v and gate/up into [`FusedWeights`] and re-points the separate tensors at
+    /// views of them (same values, same memory). Inference only: a trainer's parameters must
+    /// stay separate variables.
+    pub fn fuse_projections(&mut self) -> Result<()> {
+        if self.fused.is_some() {
+            return Ok(());
+        }
+        let qkv = Tensor::cat(&[&self.q_proj, &self.k_proj, &self.v_proj], 0)?;
+        let gate_up = Tensor::cat(&[&self.gate_proj, &self.up_proj], 0)?;
+        let (nq, nk) = (self.q_proj.dim(0)?, self.k_proj.dim(0)?);
+        let i = self.gate_proj.dim(0)?;
+        self.q_proj = qkv.narrow(0, 0, nq)?;
+        self.k_proj = qkv.narrow(0, nq, nk)?;
+        self.v_proj = qkv.narrow(0, nq + nk, nk)?;
+        self.gate_proj = gate_up.narrow(0, 0, i)?;
+        self.up_proj = gate_up.narrow(0, i, i)?;
+        self.fused = Some(FusedWeights { qkv, gate_up });
+        Ok(())
+    }
+
+    pub fn fused(&self) -> Option<&FusedWeights> {
+        self.fused.as_ref()
+    }
+
+    /// (input norm, post-attention norm, q norm, k norm) weights.
+    pub fn norm_weights(&self) -> (&Tensor, &Tensor, &Tensor, &Tensor) {
+        (
+            &self.input_layernorm,
+            &self.post_attention_layernorm,
+            &self.q_norm,
+            &self.k_norm,
+        )
+    }
+
+    pub fn o_proj(&self) -> &Tensor {
+        &self.o_proj
+    }
+
+    pub fn down_proj(&self) -> &Tensor {
+        &self.down_proj
+    }
+
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+
+    /// (query heads, kv heads, head dim).
+    pub fn heads(&self) -> (usize, usize, usize) {
+        (self.num_heads, self.num_kv_heads, self.head_dim)
     }
 }

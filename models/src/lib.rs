@@ -7,12 +7,17 @@
 
 pub mod attention;
 pub mod dflash;
+#[cfg(feature = "cuda")]
+mod dflash_fast;
 pub mod dflash_train;
 pub mod error;
+pub mod fast;
 pub mod kv_cache;
 pub mod layer;
 pub mod ops;
 pub mod qwen3;
+#[cfg(feature = "cuda")]
+mod qwen3_fast;
 pub mod random;
 pub mod rope;
 pub mod spec;
@@ -24,3 +29,5 @@ pub use error::{ModelError, ModelResult};
 pub use kv_cache::SequenceCache;
 pub use ops::OpsMode;
 pub use qwen3::{ForwardOutput, Qwen3Model, SeqForward};
+#[cfg(feature = "cuda")]
+pub use qwen3_fast::StepGraph;

@@ -46,15 +46,17 @@ pub struct ForwardOutput {
 
 #[derive(Debug, Clone)]
 pub struct Qwen3Model {
-    cfg: Qwen3Config,
+    pub(crate) cfg: Qwen3Config,
     embed_tokens: Tensor,
-    layers: Vec<DecoderLayer>,
-    norm: Tensor,
+    pub(crate) layers: Vec<DecoderLayer>,
+    pub(crate) norm: Tensor,
     lm_head: Tensor,
-    rope: RotaryEmbedding,
+    pub(crate) rope: RotaryEmbedding,
     dtype: DType,
     device: Device,
     mode: OpsMode,
+    /// Use the fused CUDA kernels where they apply (on by default when available).
+    fast: bool,
 }
 
 impl Qwen3Model {
@@ -98,7 +100,7 @@ impl Qwen3Model {
             w.tensor("lm_head.weight", &[v, h], dtype, device)?
         };
         let rope = RotaryEmbedding::new(&cfg, max_positions, device)?;
-        Ok(Self {
+        Self {
             cfg,
             embed_tokens,
             layers,
@@ -108,7 +110,9 @@ impl Qwen3Model {
             dtype,
             device: device.clone(),
             mode,
-        })
+            fast: false,
+        }
+        .prepare_fast()
     }
 
     /// A model of `cfg`'s shape with seeded random weights (benchmarks; no checkpoint needed).
@@ -151,7 +155,7 @@ impl Qwen3Model {
             rng.linear(v, h, dtype, device)?
         };
         let rope = RotaryEmbedding::new(&cfg, max_positions, device)?;
-        Ok(Self {
+        Self {
             cfg,
             embed_tokens,
             layers,
@@ -161,7 +165,42 @@ impl Qwen3Model {
             dtype,
             device: device.clone(),
             mode,
-        })
+            fast: false,
+        }
+        .prepare_fast()
+    }
+
+    /// Where the fused kernels apply (CUDA, bf16, head_dim 128, inference mode), stacks the
+    /// projections they use and turns them on.
+    fn prepare_fast(mut self) -> ModelResult<Self> {
+        if self.fast_kernels_available() {
+            for l in &mut self.layers {
+                l.fuse_projections()?;
+            }
+            self.fast = true;
+        }
+        Ok(self)
+    }
+
+    /// Whether [`crate::fast`]'s fused kernels can run this model.
+    pub fn fast_kernels_available(&self) -> bool {
+        crate::fast::available(&self.device, self.dtype, self.cfg.head_dim, self.mode)
+    }
+
+    /// Turns the fused kernels on or off (off: the plain candle path, for comparisons). Has
+    /// no effect where they are not available.
+    pub fn with_fast_kernels(mut self, on: bool) -> Self {
+        self.fast =
+            on && self.fast_kernels_available() && self.layers.iter().all(|l| l.fused().is_some());
+        self
+    }
+
+    pub fn mode(&self) -> OpsMode {
+        self.mode
+    }
+
+    pub fn fast_kernels(&self) -> bool {
+        self.fast
     }
 
     pub fn config(&self) -> &Qwen3Config {
@@ -203,6 +242,10 @@ impl Qwen3Model {
 
     /// `lm_head(x)` in f32 for already-normed rows (the drafter applies its own norm).
     pub fn lm_head(&self, x: &Tensor) -> ModelResult<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.fast {
+            return Ok(crate::fast::linear(x, &self.lm_head)?.to_dtype(DType::F32)?);
+        }
         Ok(linear(x, &self.lm_head)?.to_dtype(DType::F32)?)
     }
 
@@ -283,6 +326,18 @@ impl Qwen3Model {
         taps: &[usize],
     ) -> ModelResult<ForwardOutput> {
         self.check(batch, taps)?;
+        #[cfg(feature = "cuda")]
+        if self.fast
+            && batch
+                .iter()
+                .all(|s| s.tokens.len() <= crate::fast::MAX_FAST_TOKENS)
+        {
+            return self.forward_fast(batch, taps);
+        }
+        #[cfg(feature = "cuda")]
+        if self.fast && batch.len() == 1 && *batch[0].pattern == AttnPattern::Causal {
+            return self.forward_chunked(&mut batch[0], taps);
+        }
         let mut token_offsets = vec![0];
         let mut logit_offsets = vec![0];
         let mut all_tokens = Vec::new();

@@ -95,6 +95,12 @@ impl RotaryEmbedding {
         })
     }
 
+    /// The f32 `[max_positions, head_dim / 2]` cos and sin tables.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn tables(&self) -> (&Tensor, &Tensor) {
+        (&self.cos, &self.sin)
+    }
+
     pub fn max_positions(&self) -> usize {
         self.max_positions
     }

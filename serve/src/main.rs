@@ -10,6 +10,8 @@ use dflash_serve::engine::StepEngine;
 use dflash_serve::server;
 use dflash_serve::state::ModelAssets;
 
+mod bench;
+
 fn init_tracing(level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
@@ -32,6 +34,11 @@ fn load_engine(
 }
 
 fn main() -> anyhow::Result<()> {
+    // `dflash-serve bench ...` is the benchmark (its own flags); everything else is the server.
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some("bench") {
+        return bench::main(argv[1..].to_vec());
+    }
     let args = Args::parse();
     init_tracing(&args.log_level);
     let config = ServeConfig::from_args(&args)?;

@@ -18,6 +18,7 @@ use crate::kv_cache::SequenceCache;
 use crate::qwen3::{Qwen3Model, SeqForward};
 use crate::spec::proposer::{ProposeItem, Proposer, SeqId};
 use crate::spec::sampling::{Sampler, SamplingError, SamplingParams};
+use crate::spec::simulate::SimulatedAcceptance;
 use crate::spec::stats::{RoundStats, SeqStats};
 use crate::spec::tree::{build_ddtree, chain_tree, walk, DraftTree, TopK};
 
@@ -127,6 +128,8 @@ pub struct Engine {
     config: EngineConfig,
     seqs: Vec<Sequence>,
     next_id: SeqId,
+    /// Benchmarks only: accept drafts by count instead of by the target (not lossless).
+    simulate: Option<SimulatedAcceptance>,
 }
 
 impl Engine {
@@ -141,7 +144,15 @@ impl Engine {
             config,
             seqs: Vec::new(),
             next_id: 0,
+            simulate: None,
         }
+    }
+
+    /// Makes every later round accept drafts as `sim` says instead of checking them against
+    /// the target (SGLang's SGLANG_SIMULATE_ACC_LEN). Output is no longer the target's: use it
+    /// to measure system cost only.
+    pub fn simulate_acceptance(&mut self, sim: SimulatedAcceptance) {
+        self.simulate = Some(sim);
     }
 
     pub fn target(&self) -> &Qwen3Model {
@@ -462,7 +473,10 @@ impl Engine {
                 let rows = logits.narrow(0, a, b - a)?.to_vec2::<f32>()?;
                 rows.iter().map(|r| seq.sampler.sample(r)).collect()
             };
-            let (accepted, next) = walk(tree, &posterior);
+            let (accepted, next) = match self.simulate.as_mut() {
+                Some(sim) if seq.req.algorithm != Algorithm::Plain => sim.walk(tree, &posterior),
+                _ => walk(tree, &posterior),
+            };
             let start = starts[i];
             let keep: Vec<usize> = accepted.iter().map(|&n| start + n).collect();
             seq.cache.compact(start, &keep)?;

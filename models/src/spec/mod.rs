@@ -5,6 +5,7 @@ pub mod engine;
 pub mod oracle;
 pub mod proposer;
 pub mod sampling;
+pub mod simulate;
 pub mod stats;
 pub mod tree;
 
@@ -14,6 +15,7 @@ pub use engine::{
 pub use oracle::{Noise, OracleProposer};
 pub use proposer::{DFlashProposer, ProposeItem, Proposer, SeqId};
 pub use sampling::{argmax, Sampler, SamplingError, SamplingParams};
+pub use simulate::{PeakedProposer, SimulatedAcceptance};
 pub use stats::{RoundStats, SeqStats};
 pub use tree::{
     build_ddtree, chain_tree, topk_from_logprobs, topk_logprobs, walk, DraftTree, TopK, TreeError,

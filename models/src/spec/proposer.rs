@@ -11,7 +11,7 @@ use candle_core::Tensor;
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::SequenceCache;
-use crate::spec::tree::{topk_logprobs, TopK};
+use crate::spec::tree::{topk_from_logprobs, topk_logprobs, TopK};
 
 pub type SeqId = u64;
 
@@ -119,23 +119,70 @@ impl Proposer for DFlashProposer {
             self.caches.insert(item.seq, cache);
         }
         let logits = result?;
-        let vocab = logits.dim(1)?;
-        let rows = logits.flatten_all()?.to_vec1::<f32>()?;
-        let per_seq = (b - 1) * vocab;
-        Ok(batch
-            .iter()
-            .enumerate()
-            .map(|(s, item)| {
-                topk_logprobs(
-                    &rows[s * per_seq..(s + 1) * per_seq],
-                    vocab,
-                    item.top_k.min(vocab),
-                )
-            })
-            .collect())
+        if logits.device().is_cpu() {
+            let vocab = logits.dim(1)?;
+            let rows = logits.flatten_all()?.to_vec1::<f32>()?;
+            let per_seq = (b - 1) * vocab;
+            return Ok(batch
+                .iter()
+                .enumerate()
+                .map(|(s, item)| {
+                    topk_logprobs(
+                        &rows[s * per_seq..(s + 1) * per_seq],
+                        vocab,
+                        item.top_k.min(vocab),
+                    )
+                })
+                .collect());
+        }
+        device_topk(&logits, batch, b - 1)
     }
 
     fn close(&mut self, seq: SeqId) {
         self.caches.remove(&seq);
     }
+}
+
+/// On an accelerator, keeps the vocabulary-wide work there: log-softmax on the device, then
+/// either the argmax alone (chain, `top_k == 1`: a few bytes come back) or the rows copied once
+/// and their top-k selected on host threads, one row each. The 15 x 151,936 host log-sum-exp
+/// of [`topk_logprobs`] would cost ~15 ms per round. Tokens and order are the same; the
+/// log-probs differ from the host's f64 log-sum-exp only by f32 rounding.
+fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> ModelResult<Vec<TopK>> {
+    let vocab = logits.dim(1)?;
+    let logp = candle_nn::ops::log_softmax(logits, candle_core::D::Minus1)?;
+    if batch.iter().all(|i| i.top_k <= 1) {
+        let arg = logp.argmax_keepdim(1)?;
+        let val = logp.gather(&arg, 1)?.flatten_all()?.to_vec1::<f32>()?;
+        let arg = arg.flatten_all()?.to_vec1::<u32>()?;
+        return Ok((0..batch.len())
+            .map(|s| {
+                TopK::new(
+                    (0..depth)
+                        .map(|d| vec![(arg[s * depth + d], val[s * depth + d])])
+                        .collect(),
+                )
+            })
+            .collect());
+    }
+    let rows = logp.flatten_all()?.to_vec1::<f32>()?;
+    let per_row: Vec<Vec<(u32, f32)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = rows
+            .chunks(vocab)
+            .enumerate()
+            .map(|(r, row)| {
+                let k = batch[r / depth].top_k.min(vocab);
+                scope.spawn(move || topk_from_logprobs(row, vocab, k).row(0).to_vec())
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_default())
+            .collect()
+    });
+    let mut it = per_row.into_iter();
+    Ok(batch
+        .iter()
+        .map(|_| TopK::new(it.by_ref().take(depth).collect()))
+        .collect())
 }

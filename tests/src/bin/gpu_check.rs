@@ -2,23 +2,16 @@
 //! 1. re-runs the parity fixtures in f32 and bf16 and reports the max errors;
 //! 2. decodes tiny-coder-demo greedily (plain and DDTree with the oracle) in both dtypes and
 //!    counts prompts that reproduce transformers' fp32 tokens;
-//! 3. times a Qwen3-8B-shaped bf16 model with random weights: copy bandwidth, prefill, batch-1
-//!    decode at 1K context, 16-token causal and 64-node tree verify, and a 5-layer drafter block,
-//!    each against the memory roofline.
+//! The Qwen3-8B-shaped speed figures that used to live here moved to `dflash-serve bench`
+//! (serve/src/bench/, deploy/bench/README.md), which also checks the fused CUDA kernels.
 //! Usage: gpu-check [cuda|cpu] [out.json]
 
-use std::time::Instant;
-
 use anyhow::{Context, Result};
-use candle_core::{DType, Device, Tensor};
-use dflash_common::{DFlashConfig, LayerType, Qwen3Config, RopeScaling};
-use dflash_models::random::WeightRng;
+use candle_core::{DType, Device};
 use dflash_models::spec::{
     Algorithm, Engine, EngineConfig, GenerationRequest, OracleProposer, SamplingParams,
 };
-use dflash_models::{
-    AttnPattern, DFlashDrafter, DraftInput, OpsMode, Qwen3Model, SeqForward, SequenceCache,
-};
+use dflash_models::{AttnPattern, DFlashDrafter, DraftInput, OpsMode, Qwen3Model, SeqForward};
 use dflash_tests::{demo_model, fixture, greedy_cases, ids, load_expected, max_abs_diff};
 use serde_json::{json, Value};
 
@@ -118,192 +111,6 @@ fn greedy(dev: &Device, dtype: DType) -> Result<Value> {
     )
 }
 
-fn qwen3_8b() -> Qwen3Config {
-    Qwen3Config {
-        vocab_size: 151936,
-        hidden_size: 4096,
-        intermediate_size: 12288,
-        num_hidden_layers: 36,
-        num_attention_heads: 32,
-        num_key_value_heads: 8,
-        head_dim: 128,
-        rms_norm_eps: 1e-6,
-        rope_theta: 1e6,
-        rope_scaling: RopeScaling::Default,
-        max_position_embeddings: 40960,
-        tie_word_embeddings: false,
-        eos_token_ids: vec![151645],
-        bos_token_id: None,
-        layer_types: vec![LayerType::FullAttention; 36],
-        sliding_window: None,
-    }
-}
-
-fn time_ms(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?;
-    dev.synchronize()?;
-    let mut v = Vec::new();
-    for _ in 0..reps {
-        let t = Instant::now();
-        f()?;
-        dev.synchronize()?;
-        v.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    Ok(v[v.len() / 2])
-}
-
-fn forward_n(m: &Qwen3Model, cache: &mut SequenceCache, n: usize, tree: bool) -> Result<()> {
-    let start = cache.len();
-    let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % 151936).collect();
-    let (positions, pattern) = if tree {
-        // a binary-ish tree: node i's parent is (i-1)/2
-        let parents: Vec<Option<usize>> = (0..n)
-            .map(|i| if i == 0 { None } else { Some((i - 1) / 2) })
-            .collect();
-        let mut depth = vec![0u32; n];
-        for i in 1..n {
-            depth[i] = depth[(i - 1) / 2] + 1;
-        }
-        (
-            depth.iter().map(|d| start as u32 + d).collect::<Vec<_>>(),
-            AttnPattern::Tree { parents },
-        )
-    } else {
-        (
-            (start as u32..(start + n) as u32).collect(),
-            AttnPattern::Causal,
-        )
-    };
-    let rows: Vec<usize> = (0..n).collect();
-    m.forward(
-        &mut [SeqForward {
-            cache,
-            tokens: &tokens,
-            positions: &positions,
-            pattern: &pattern,
-            logit_rows: &rows,
-        }],
-        &[],
-    )?;
-    cache.truncate(start)?;
-    Ok(())
-}
-
-fn bench(dev: &Device) -> Result<Value> {
-    // Copy bandwidth: read + write of a 4 GiB buffer into a preallocated one (no allocation
-    // inside the timed region).
-    let buf = Tensor::zeros(2usize << 30, DType::BF16, dev)?;
-    let dst = Tensor::zeros(2usize << 30, DType::BF16, dev)?;
-    let copy_ms = time_ms(dev, 5, || {
-        dst.slice_set(&buf, 0, 0)?;
-        Ok(())
-    })?;
-    drop(dst);
-    let bw = 2.0 * (4u64 << 30) as f64 / (copy_ms / 1e3);
-    drop(buf);
-    let cfg = qwen3_8b();
-    let t0 = Instant::now();
-    let m = Qwen3Model::random_with(
-        cfg.clone(),
-        &mut WeightRng::on_device(),
-        DType::BF16,
-        dev,
-        8192,
-        OpsMode::Fused,
-    )?;
-    dev.synchronize()?;
-    let init_s = t0.elapsed().as_secs_f64();
-    let (h, i, l, v) = (4096f64, 12288f64, 36f64, 151936f64);
-    let layer_params = h * 4096.0 * 2.0 + h * 1024.0 * 2.0 + 3.0 * h * i;
-    let step_bytes = 2.0 * (l * layer_params + v * h); // every layer + lm_head; one embedding row
-    let kv_bytes_1k = 2.0 * l * 2.0 * 1024.0 * 1024.0;
-    let roofline_ms = (step_bytes + kv_bytes_1k) / bw * 1e3;
-    let mut cache = m.new_cache(8192)?;
-    let prompt: Vec<u32> = (0..1024u32).map(|i| (i * 31) % 151936).collect();
-    let pos: Vec<u32> = (0..1024).collect();
-    let t = Instant::now();
-    m.forward(
-        &mut [SeqForward {
-            cache: &mut cache,
-            tokens: &prompt,
-            positions: &pos,
-            pattern: &AttnPattern::Causal,
-            logit_rows: &[1023],
-        }],
-        &[],
-    )?;
-    dev.synchronize()?;
-    let prefill_1k_ms = t.elapsed().as_secs_f64() * 1e3;
-    let mut res = serde_json::Map::new();
-    for (name, n, tree) in [
-        ("decode_1", 1, false),
-        ("verify_causal_16", 16, false),
-        ("verify_tree_64", 64, true),
-        ("verify_causal_64", 64, false),
-        ("verify_tree_256", 256, true),
-    ] {
-        let ms = time_ms(dev, 10, || forward_n(&m, &mut cache, n, tree))?;
-        res.insert(format!("{name}_ms_at_1k"), json!(ms));
-    }
-    let decode_ms = res["decode_1_ms_at_1k"].as_f64().unwrap_or(f64::NAN);
-    // Drafter: Qwen3-8B-DFlash-b16 shape, 16-token block over 1K of context.
-    let dcfg = DFlashConfig::for_target(&cfg, 5, 16, 151669, None);
-    let drafter =
-        DFlashDrafter::random_with(dcfg, &m, &mut WeightRng::on_device(), OpsMode::Fused)?;
-    let mut dc = drafter.new_cache(8192)?;
-    let feats = Tensor::randn(0f32, 1.0, (1024, 5 * 4096), dev)?.to_dtype(DType::BF16)?;
-    let block: Vec<u32> = std::iter::once(5u32)
-        .chain(std::iter::repeat(151669).take(15))
-        .collect();
-    drafter.forward(&mut [DraftInput {
-        cache: &mut dc,
-        context: Some(&feats),
-        block: &block,
-    }])?;
-    let draft_ms = time_ms(dev, 10, || {
-        drafter.draft_logits(&mut [DraftInput {
-            cache: &mut dc,
-            context: None,
-            block: &block,
-        }])?;
-        Ok(())
-    })?;
-    // Prefill of 4096 tokens.
-    let mut c2 = m.new_cache(4200)?;
-    let p4: Vec<u32> = (0..4096u32).map(|i| (i * 17) % 151936).collect();
-    let pos4: Vec<u32> = (0..4096).collect();
-    let t = Instant::now();
-    m.forward(
-        &mut [SeqForward {
-            cache: &mut c2,
-            tokens: &p4,
-            positions: &pos4,
-            pattern: &AttnPattern::Causal,
-            logit_rows: &[4095],
-        }],
-        &[],
-    )?;
-    dev.synchronize()?;
-    let prefill_4k_s = t.elapsed().as_secs_f64();
-    res.insert("copy_bandwidth_GBps".into(), json!(bw / 1e9));
-    res.insert("weights_init_s".into(), json!(init_s));
-    res.insert(
-        "decode_bytes_per_step_GB".into(),
-        json!((step_bytes + kv_bytes_1k) / 1e9),
-    );
-    res.insert("decode_roofline_ms_at_1k".into(), json!(roofline_ms));
-    res.insert(
-        "decode_fraction_of_roofline".into(),
-        json!(roofline_ms / decode_ms),
-    );
-    res.insert("decode_tok_per_s_at_1k".into(), json!(1e3 / decode_ms));
-    res.insert("prefill_1k_ms".into(), json!(prefill_1k_ms));
-    res.insert("prefill_4k_tok_per_s".into(), json!(4096.0 / prefill_4k_s));
-    res.insert("drafter_block16_over_1k_ms".into(), json!(draft_ms));
-    Ok(Value::Object(res))
-}
-
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let dev = match args.get(1).map(String::as_str) {
@@ -318,11 +125,6 @@ fn main() -> Result<()> {
         let g = greedy(&dev, dtype)?;
         println!("greedy {g}");
         report.insert(format!("greedy_{dtype:?}"), g);
-    }
-    if !dev.is_cpu() {
-        let b = bench(&dev)?;
-        println!("bench {b}");
-        report.insert("qwen3_8b_shape_bf16".into(), b);
     }
     let out = Value::Object(report).to_string();
     if let Some(path) = args.get(2) {

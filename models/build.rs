@@ -1,0 +1,39 @@
+//! With the `cuda` feature, compiles the fused kernels (src/fast/kernels.cu) to PTX with nvcc
+//! (the CUDA toolchain script puts it on PATH and sets CUDA_COMPUTE_CAP). Without the feature
+//! nothing is built and the CPU path needs no CUDA at all.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    println!("cargo:rerun-if-changed=src/fast/kernels.cu");
+    println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    println!("cargo:rerun-if-env-changed=NVCC");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("fast.ptx");
+    let nvcc = std::env::var("NVCC")
+        .ok()
+        .or_else(|| {
+            std::env::var("CUDA_HOME")
+                .ok()
+                .map(|h| format!("{h}/bin/nvcc"))
+        })
+        .unwrap_or_else(|| "nvcc".into());
+    let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
+    let status = Command::new(&nvcc)
+        .args(["-ptx", "-O3", "-lineinfo"])
+        .arg(format!("-arch=sm_{cap}"))
+        .arg("-o")
+        .arg(&out)
+        .arg("src/fast/kernels.cu")
+        .status();
+    match status {
+        Ok(s) if s.success() => {}
+        Ok(s) => panic!("{nvcc} failed ({s}) compiling src/fast/kernels.cu"),
+        Err(e) => panic!(
+            "cannot run {nvcc} ({e}): the `cuda` feature needs nvcc; source ../shared/tools/cuda-toolchain.sh or set NVCC"
+        ),
+    }
+}

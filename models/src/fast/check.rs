@@ -1,0 +1,169 @@
+//! Each fused kernel against the plain candle ops it replaces, on random inputs, on the GPU
+//! (CI has none): `dflash-serve bench` runs these and reports the errors; the model-level
+//! check there compares whole forwards.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use crate::attention::{attend, AttnPattern};
+use crate::ops::{rms_norm, rope, OpsMode};
+
+use super::cuda;
+
+/// (kernel, max |fast - plain|, max |plain|) per kernel.
+pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
+    let mut out = Vec::new();
+    let bf = |t: Tensor| t.to_dtype(DType::BF16);
+    let err = |a: &Tensor, b: &Tensor| -> Result<(f32, f32)> {
+        let a = a.to_dtype(DType::F32)?;
+        let b = b.to_dtype(DType::F32)?;
+        let d = (&a - &b)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        let s = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        Ok((d, s))
+    };
+    let (nh, nkv, d, cap, eps) = (8usize, 2usize, 128usize, 512usize, 1e-6);
+
+    // q/k norm + RoPE + cache write.
+    let (t, c0) = (5usize, 7usize);
+    let qkv = bf(Tensor::randn(0f32, 2.0, (t, (nh + 2 * nkv) * d), dev)?)?;
+    let qn = bf(Tensor::randn(1f32, 0.2, d, dev)?)?;
+    let kn = bf(Tensor::randn(1f32, 0.2, d, dev)?)?;
+    let ang = Tensor::randn(0f32, 3.0, (64, d / 2), dev)?;
+    let (cos, sin) = (ang.cos()?, ang.sin()?);
+    let pos = Tensor::new(&[3u32, 9, 9, 40, 63], dev)?;
+    let kc = bf(Tensor::zeros((nkv, cap, d), DType::F32, dev)?)?;
+    let vc = kc.copy()?;
+    let len = Tensor::new(&[c0 as u32], dev)?;
+    let q = cuda::qk_norm_rope_cache(
+        &qkv,
+        &qn,
+        &kn,
+        &cos,
+        &sin,
+        &pos,
+        &len,
+        &kc,
+        &vc,
+        (nh, nkv, d),
+        eps,
+    )?;
+    let (cr, sr) = (cos.index_select(&pos, 0)?, sin.index_select(&pos, 0)?);
+    let head = |start: usize, heads: usize, w: &Tensor| -> Result<Tensor> {
+        let y = qkv
+            .narrow(1, start * d, heads * d)?
+            .reshape((t, heads, d))?;
+        rope(
+            &rms_norm(&y, w, eps, OpsMode::Fused)?,
+            &cr,
+            &sr,
+            OpsMode::Fused,
+        )
+    };
+    let (e, s) = err(&q, &head(0, nh, &qn)?)?;
+    out.push(("qk_norm_rope_cache:q".into(), e, s));
+    let k_plain = head(nh, nkv, &kn)?.transpose(0, 1)?;
+    let (e, s) = err(&kc.narrow(1, c0, t)?, &k_plain)?;
+    out.push(("qk_norm_rope_cache:k_cache".into(), e, s));
+    let v_plain = qkv
+        .narrow(1, (nh + nkv) * d, nkv * d)?
+        .reshape((t, nkv, d))?
+        .transpose(0, 1)?;
+    let (e, s) = err(&vc.narrow(1, c0, t)?, &v_plain)?;
+    out.push(("qk_norm_rope_cache:v_cache".into(), e, s));
+
+    // Attention, causal and tree, against attend() with the dense mask.
+    let c = 300usize;
+    let kc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
+    let vc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
+    let len = Tensor::new(&[c as u32], dev)?;
+    for t in [1usize, 70] {
+        let q = bf(Tensor::randn(0f32, 1.0, (t, nh, d), dev)?)?;
+        let parents: Vec<Option<usize>> = (0..t)
+            .map(|i| if i == 0 { None } else { Some((i * 7 + 3) % i) })
+            .collect();
+        for (name, pattern) in [
+            ("attention:causal", AttnPattern::Causal),
+            (
+                "attention:tree",
+                AttnPattern::Tree {
+                    parents: parents.clone(),
+                },
+            ),
+        ] {
+            let bits = match &pattern {
+                AttnPattern::Tree { parents } => Some(Tensor::from_vec(
+                    super::tree_bits(parents),
+                    (t, t.div_ceil(64)),
+                    dev,
+                )?),
+                _ => None,
+            };
+            let ns = (c + t).div_ceil(cuda::CHUNK);
+            let fast = cuda::attention(&q, &kc, &vc, &len, bits.as_ref(), ns)?;
+            let simt = cuda::attention_simt(&q, &kc, &vc, &len, bits.as_ref(), ns)?;
+            let mask = pattern.mask(c, t, dev)?;
+            let plain = attend(
+                &q.transpose(0, 1)?.contiguous()?,
+                &kc.narrow(1, 0, c + t)?,
+                &vc.narrow(1, 0, c + t)?,
+                mask.as_ref(),
+                OpsMode::Fused,
+            )?;
+            let (e, s) = err(&fast, &plain)?;
+            out.push((format!("{name}:t{t}:tensor_cores"), e, s));
+            let (e, s) = err(&simt, &plain)?;
+            out.push((format!("{name}:t{t}:cuda_cores"), e, s));
+        }
+    }
+
+    // Skinny GEMM against cuBLAS.
+    let w = bf(Tensor::randn(0f32, 0.05, (1000, 4096), dev)?)?;
+    for m in [1usize, 3, 16, 17, 40, 64] {
+        let x = bf(Tensor::randn(0f32, 1.0, (m, 4096), dev)?)?;
+        let (e, s) = err(&cuda::skinny(&x, &w, m, 1000, 4096)?, &x.matmul(&w.t()?)?)?;
+        out.push((format!("skinny_gemm:m{m}"), e, s));
+    }
+
+    // SiLU product and residual add + RMSNorm.
+    let gu = bf(Tensor::randn(0f32, 2.0, (3, 2 * 1000), dev)?)?;
+    let plain = (gu.narrow(1, 0, 1000)?.silu()? * gu.narrow(1, 1000, 1000)?)?;
+    let (e, s) = err(&cuda::silu_mul(&gu)?, &plain)?;
+    out.push(("silu_mul".into(), e, s));
+    let x = bf(Tensor::randn(0f32, 3.0, (3, 4096), dev)?)?;
+    let dl = bf(Tensor::randn(0f32, 1.0, (3, 4096), dev)?)?;
+    let w = bf(Tensor::randn(1f32, 0.2, 4096, dev)?)?;
+    let (xo, ho) = cuda::add_rmsnorm(&x, &dl, &w, eps)?;
+    let xs = (&x + &dl)?;
+    let (e, s) = err(&xo, &xs)?;
+    out.push(("add_rmsnorm:sum".into(), e, s));
+    let (e, s) = err(&ho, &rms_norm(&xs, &w, eps, OpsMode::Fused)?)?;
+    out.push(("add_rmsnorm:norm".into(), e, s));
+    Ok(out)
+}
+
+/// Milliseconds of cuBLAS and of the skinny kernel for `[m, 4096] x [4096, 24576]` (a fused
+/// gate/up of Qwen3-8B): `(m, cublas_ms, skinny_ms)`.
+pub fn skinny_timings(dev: &Device) -> Result<Vec<(usize, f64, f64)>> {
+    let w = Tensor::randn(0f32, 0.05, (24576, 4096), dev)?.to_dtype(DType::BF16)?;
+    let mut out = Vec::new();
+    for m in [1usize, 4, 16, 32, 64] {
+        let x = Tensor::randn(0f32, 1.0, (m, 4096), dev)?.to_dtype(DType::BF16)?;
+        let time = |f: &dyn Fn() -> Result<Tensor>| -> Result<f64> {
+            f()?;
+            dev.synchronize()?;
+            let t = std::time::Instant::now();
+            for _ in 0..20 {
+                f()?;
+            }
+            dev.synchronize()?;
+            Ok(t.elapsed().as_secs_f64() * 1e3 / 20.0)
+        };
+        let a = time(&|| x.matmul(&w.t()?))?;
+        let b = time(&|| cuda::skinny(&x, &w, m, 24576, 4096))?;
+        out.push((m, a, b));
+    }
+    Ok(out)
+}

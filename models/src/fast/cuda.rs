@@ -1,0 +1,358 @@
+//! Launch wrappers of kernels.cu: candle tensors in, candle tensors out, raw device pointers
+//! in between. Every input must be contiguous on the CUDA device; shapes are checked here
+//! because the kernels trust them.
+
+use candle_core::cuda_backend::cudarc::driver::{
+    DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+use candle_core::op::BackpropOp;
+use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
+use half::bf16;
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fast.ptx"));
+const MODULE: &str = "dflash_fast";
+/// Keys per attention split (CH in kernels.cu).
+pub const CHUNK: usize = 64;
+/// Query rows per attention block (ROWS in kernels.cu).
+const ROWS: usize = 16;
+
+fn cuda(t: &Tensor) -> Result<CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Ok(d.clone()),
+        _ => bail!("fast kernels need CUDA tensors"),
+    }
+}
+
+/// Device address of a contiguous tensor's first element.
+pub fn device_address(t: &Tensor) -> Result<u64> {
+    ptr(t)
+}
+
+fn ptr(t: &Tensor) -> Result<u64> {
+    let (st, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*st else {
+        bail!("fast kernels need CUDA tensors")
+    };
+    let Some((start, _)) = layout.contiguous_offsets() else {
+        bail!("fast kernels need contiguous tensors, got {:?}", layout)
+    };
+    let stream = cs.device.cuda_stream();
+    let base = match t.dtype() {
+        DType::BF16 => cs.as_cuda_slice::<bf16>()?.device_ptr(&stream).0,
+        DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        DType::U32 => cs.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
+        DType::I64 => cs.as_cuda_slice::<i64>()?.device_ptr(&stream).0,
+        other => bail!("fast kernels: unsupported dtype {other:?}"),
+    };
+    Ok(base + (start * t.dtype().size_in_bytes()) as u64)
+}
+
+fn alloc_bf16(dev: &CudaDevice, shape: impl Into<Shape>) -> Result<Tensor> {
+    let shape = shape.into();
+    // Every element is written by the kernel before it is read.
+    let s = unsafe { dev.alloc::<bf16>(shape.elem_count())? };
+    Ok(Tensor::from_storage(
+        Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
+        shape,
+        BackpropOp::none(),
+        false,
+    ))
+}
+
+fn alloc_f32(dev: &CudaDevice, n: usize) -> Result<Tensor> {
+    let s = unsafe { dev.alloc::<f32>(n)? };
+    Ok(Tensor::from_storage(
+        Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
+        n,
+        BackpropOp::none(),
+        false,
+    ))
+}
+
+fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn go(b: &mut LaunchArgs<'_>, cfg: LaunchConfig, name: &str) -> Result<()> {
+    unsafe { b.launch(cfg) }.map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
+    Ok(())
+}
+
+fn check_bf16(name: &str, t: &Tensor) -> Result<()> {
+    if t.dtype() != DType::BF16 || !t.is_contiguous() {
+        bail!("{name} must be contiguous bf16, got {:?}", t.dtype())
+    }
+    Ok(())
+}
+
+/// Per-head q/k RMSNorm + RoPE of `qkv` (`[t, (nh + 2 nkv) d]`), K/V written into the cache
+/// buffers `kc`, `vc` (`[nkv, cap, d]`) at rows `cache_len[0] ..`; returns q `[t, nh, d]`.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope_cache(
+    qkv: &Tensor,
+    q_norm: &Tensor,
+    k_norm: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    positions: &Tensor,
+    cache_len: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    (nh, nkv, d): (usize, usize, usize),
+    eps: f64,
+) -> Result<Tensor> {
+    let dev = cuda(qkv)?;
+    check_bf16("qkv", qkv)?;
+    let (t, w) = qkv.dims2()?;
+    let (kv_heads, cap, hd) = kc.dims3()?;
+    if w != (nh + 2 * nkv) * d || kv_heads != nkv || hd != d || d != 128 {
+        bail!(
+            "qk_norm_rope_cache: qkv {w} wide, cache {:?}, heads {nh}/{nkv}, d {d}",
+            kc.shape()
+        )
+    }
+    if positions.dims1()? != t || positions.dtype() != DType::U32 || cos.dtype() != DType::F32 {
+        bail!("qk_norm_rope_cache: positions must be u32 [t], tables f32")
+    }
+    let q = alloc_bf16(&dev, (t, nh, d))?;
+    let args = [
+        ptr(qkv)?,
+        ptr(q_norm)?,
+        ptr(k_norm)?,
+        ptr(cos)?,
+        ptr(sin)?,
+        ptr(positions)?,
+        ptr(cache_len)?,
+        ptr(kc)?,
+        ptr(vc)?,
+        ptr(&q)?,
+    ];
+    let (nh, nkv, d, cap, eps) = (nh as i32, nkv as i32, d as i32, cap as i32, eps as f32);
+    let f = dev.get_or_load_custom_func("qk_norm_rope_cache", MODULE, PTX)?;
+    let mut b = f.builder();
+    for a in &args {
+        b.arg(a);
+    }
+    b.arg(&nh).arg(&nkv).arg(&d).arg(&cap).arg(&eps);
+    go(
+        &mut b,
+        cfg(((nh + 2 * nkv) as u32, t as u32, 1), d as u32),
+        "qk_norm_rope_cache",
+    )?;
+    Ok(q)
+}
+
+/// Attention of q `[t, nh, d]` over cache rows `[0, cache_len[0] + t)`: committed rows are
+/// visible to every token; new token j is visible to token i when `j <= i` (`tree_mask` None)
+/// or when bit j of `tree_mask[i * words + j / 64]` is set (`[t, words]` i64 bit rows).
+/// `nsplit` must cover the live keys (`ceil(len / CHUNK)`; more is allowed). `[t, nh * d]`.
+pub fn attention(
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    cache_len: &Tensor,
+    tree_mask: Option<&Tensor>,
+    nsplit: usize,
+) -> Result<Tensor> {
+    attention_with(true, q, kc, vc, cache_len, tree_mask, nsplit)
+}
+
+/// [`attention`] on CUDA cores (the first version, 4 query rows per warp), kept to check the
+/// tensor-core kernel against.
+pub fn attention_simt(
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    cache_len: &Tensor,
+    tree_mask: Option<&Tensor>,
+    nsplit: usize,
+) -> Result<Tensor> {
+    attention_with(false, q, kc, vc, cache_len, tree_mask, nsplit)
+}
+
+fn attention_with(
+    tensor_cores: bool,
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    cache_len: &Tensor,
+    tree_mask: Option<&Tensor>,
+    nsplit: usize,
+) -> Result<Tensor> {
+    let dev = cuda(q)?;
+    check_bf16("q", q)?;
+    let (t, nh, d) = q.dims3()?;
+    let (nkv, cap, _) = kc.dims3()?;
+    if d != 128 || nh % nkv != 0 {
+        bail!("attention: head_dim {d} (needs 128), heads {nh}/{nkv}")
+    }
+    let words = t.div_ceil(64);
+    let mask_ptr = match tree_mask {
+        Some(m) => {
+            if m.dims2()? != (t, words) || m.dtype() != DType::I64 {
+                bail!(
+                    "attention: tree mask must be i64 [{t}, {words}], got {:?}",
+                    m.shape()
+                )
+            }
+            ptr(m)?
+        }
+        None => 0u64,
+    };
+    let rows = t * (nh / nkv);
+    let acc = alloc_f32(&dev, nsplit * t * nh * d)?;
+    let ml = alloc_f32(&dev, nsplit * t * nh * 2)?;
+    let out = alloc_bf16(&dev, (t, nh * d))?;
+    let args = [ptr(q)?, ptr(kc)?, ptr(vc)?, ptr(cache_len)?, mask_ptr];
+    let (acc_p, ml_p, out_p) = (ptr(&acc)?, ptr(&ml)?, ptr(&out)?);
+    let (words, ti, nhi, nkvi, capi) = (words as i32, t as i32, nh as i32, nkv as i32, cap as i32);
+    let scale = 1.0f32 / (d as f32).sqrt();
+    // Tensor cores: one warp per 16 query rows; CUDA cores: four warps per ROWS rows.
+    let (name, tile, threads) = if tensor_cores {
+        ("attn_partial_mma", 16, 32)
+    } else {
+        ("attn_partial", ROWS, 128)
+    };
+    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    let mut b = f.builder();
+    for a in &args {
+        b.arg(a);
+    }
+    b.arg(&words).arg(&acc_p).arg(&ml_p);
+    b.arg(&ti).arg(&nhi).arg(&nkvi).arg(&capi).arg(&scale);
+    let grid = (nkv as u32, nsplit as u32, rows.div_ceil(tile) as u32);
+    go(&mut b, cfg(grid, threads), name)?;
+    let (di, ns) = (d as i32, nsplit as i32);
+    let len_p = args[3];
+    let f = dev.get_or_load_custom_func("attn_combine", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&acc_p).arg(&ml_p).arg(&len_p).arg(&out_p);
+    b.arg(&ti).arg(&nhi).arg(&di).arg(&ns);
+    go(
+        &mut b,
+        cfg(((t * nh) as u32, 1, 1), d as u32),
+        "attn_combine",
+    )?;
+    // acc/ml are freed stream-ordered after the combine kernel.
+    drop((acc, ml));
+    Ok(out)
+}
+
+/// `silu(gu[:, :i]) * gu[:, i:]` for `gu: [rows, 2i]`.
+pub fn silu_mul(gu: &Tensor) -> Result<Tensor> {
+    let dev = cuda(gu)?;
+    check_bf16("gate_up", gu)?;
+    let (rows, w) = gu.dims2()?;
+    let inter = w / 2;
+    let out = alloc_bf16(&dev, (rows, inter))?;
+    let (a, o) = (ptr(gu)?, ptr(&out)?);
+    let (r, i) = (rows as i32, inter as i32);
+    let blocks = (rows * inter).div_ceil(256).min(4096) as u32;
+    let f = dev.get_or_load_custom_func("silu_mul", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&a).arg(&o).arg(&r).arg(&i);
+    go(&mut b, cfg((blocks, 1, 1), 256), "silu_mul")?;
+    Ok(out)
+}
+
+/// `(x + delta, rmsnorm(x + delta) * w)`, the sum rounded to bf16 first as the plain path does.
+pub fn add_rmsnorm(x: &Tensor, delta: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let dev = cuda(x)?;
+    check_bf16("x", x)?;
+    check_bf16("delta", delta)?;
+    let (rows, hidden) = x.dims2()?;
+    if delta.dims2()? != (rows, hidden) || w.dims1()? != hidden {
+        bail!(
+            "add_rmsnorm: shapes {:?} {:?} {:?}",
+            x.shape(),
+            delta.shape(),
+            w.shape()
+        )
+    }
+    let xo = alloc_bf16(&dev, (rows, hidden))?;
+    let ho = alloc_bf16(&dev, (rows, hidden))?;
+    let args = [ptr(x)?, ptr(delta)?, ptr(w)?, ptr(&xo)?, ptr(&ho)?];
+    let (hi, e) = (hidden as i32, eps as f32);
+    let f = dev.get_or_load_custom_func("add_rmsnorm", MODULE, PTX)?;
+    let mut b = f.builder();
+    for a in &args {
+        b.arg(a);
+    }
+    b.arg(&hi).arg(&e);
+    go(&mut b, cfg((rows as u32, 1, 1), 256), "add_rmsnorm")?;
+    Ok((xo, ho))
+}
+
+/// Writes `values` into the contiguous u32 CUDA tensor `dst` (stream-ordered, from pageable
+/// memory: the driver stages the bytes before returning, so `values` may go away at once).
+pub fn upload_u32(dst: &Tensor, values: &[u32]) -> Result<()> {
+    upload(dst, DType::U32, values)
+}
+
+/// As [`upload_u32`] for i64 tensors (the tree bit rows).
+pub fn upload_i64(dst: &Tensor, values: &[i64]) -> Result<()> {
+    upload(dst, DType::I64, values)
+}
+
+fn upload<T>(dst: &Tensor, dtype: DType, values: &[T]) -> Result<()> {
+    if dst.dtype() != dtype || dst.elem_count() != values.len() {
+        bail!(
+            "upload: {} values into {:?} {:?}",
+            values.len(),
+            dst.dtype(),
+            dst.shape()
+        )
+    }
+    let dev = cuda(dst)?;
+    let p = ptr(dst)?;
+    let stream = dev.cuda_stream();
+    unsafe {
+        candle_core::cuda_backend::cudarc::driver::result::memcpy_htod_async(
+            p,
+            values,
+            stream.cu_stream(),
+        )
+    }
+    .map_err(|e| candle_core::Error::Msg(format!("upload: {e}")))
+}
+
+/// `x @ wᵀ` for `x: [m, k]`, `w: [n, k]`: cuBLAS. Measured on the H200 (bench
+/// `kernel_checks.gate_up_gemm_m*_ms`), cuBLAS already streams the weights of skinny products
+/// at ~85% of the copy bandwidth and beats [`skinny`] at every m from 1 to 64, so the fused
+/// path keeps it; `skinny` stays as the measured alternative.
+pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    x.matmul(&w.t()?)
+}
+
+/// `x @ wᵀ` through tensor cores with the weights streamed once (mma.m16n8k16, 4-way split
+/// K); `x` contiguous bf16 `[m <= 64, k]`, `k % 32 == 0`, `n % 8 == 0`.
+pub fn skinny(x: &Tensor, w: &Tensor, m: usize, n: usize, k: usize) -> Result<Tensor> {
+    if m > 64 || k % 32 != 0 || n % 8 != 0 || x.dims2()? != (m, k) || w.dims2()? != (n, k) {
+        bail!(
+            "skinny: x {:?}, w {:?}: needs m <= 64, k % 32 == 0, n % 8 == 0",
+            x.shape(),
+            w.shape()
+        )
+    }
+    check_bf16("x", x)?;
+    check_bf16("w", w)?;
+    let dev = cuda(x)?;
+    let y = alloc_bf16(&dev, (m, n))?;
+    let name = match m {
+        0..=16 => "skinny_t1",
+        17..=32 => "skinny_t2",
+        _ => "skinny_t4",
+    };
+    let (xp, wp, yp) = (ptr(x)?, ptr(w)?, ptr(&y)?);
+    let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&xp).arg(&wp).arg(&yp).arg(&mi).arg(&ni).arg(&ki);
+    go(&mut b, cfg(((n / 8) as u32, 1, 1), 128), name)?;
+    Ok(y)
+}

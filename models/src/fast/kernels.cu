@@ -1,0 +1,513 @@
+// Fused kernels for batch-1 decode and speculative verification (bf16 only).
+// Compiled to PTX by models/build.rs with nvcc when the `cuda` feature is on.
+// bf16 values travel as raw 16-bit words so no CUDA header is needed.
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float bf2f(bf16_t x) { return __uint_as_float(((u32)x) << 16); }
+
+// Round to nearest even, NaN kept quiet (matches __float2bfloat16_rn).
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block of blockDim.x (a multiple of 32, at most 1024) threads.
+__device__ float block_sum(float v, float* shared32) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) shared32[w] = v;
+    __syncthreads();
+    float t = lane < nw ? shared32[lane] : 0.f;
+    return warp_sum(t);
+}
+
+// Per-head RMSNorm (q, k), RoPE (q, k; rotate-half layout) and the cache write (k, v) of one
+// GEMM output row block. qkv: [t, (nh + 2 nkv) * d]. Grid (nh + 2 nkv, t), block d threads.
+// Row i's K/V go to cache row (*cache_len + i); q goes to q_out [t, nh, d].
+// cos/sin: f32 tables [max_pos, d/2], rounded to bf16 as the plain path does.
+extern "C" __global__ void qk_norm_rope_cache(
+    const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ qw, const bf16_t* __restrict__ kw,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+    const u32* __restrict__ positions, const u32* __restrict__ cache_len,
+    bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, bf16_t* __restrict__ q_out,
+    int nh, int nkv, int d, int cap, float eps) {
+    __shared__ float red[32];
+    __shared__ float normed[256];
+    int head = blockIdx.x, tok = blockIdx.y, i = threadIdx.x;
+    int width = (nh + 2 * nkv) * d;
+    float x = bf2f(qkv[(size_t)tok * width + (size_t)head * d + i]);
+    int row = (int)(*cache_len) + tok;
+    if (head >= nh + nkv) {  // V: copy into the cache
+        int kvh = head - nh - nkv;
+        vc[((size_t)kvh * cap + row) * d + i] = f2bf(x);
+        return;
+    }
+    const bf16_t* w = head < nh ? qw : kw;
+    float ss = block_sum(x * x, red);
+    float inv = rsqrtf(ss / (float)d + eps);
+    // The plain path rounds the normed value to bf16 before RoPE.
+    normed[i] = bf2f(f2bf(x * inv * bf2f(w[i])));
+    __syncthreads();
+    int half = d / 2;
+    int p = (int)positions[tok];
+    int f = i < half ? i : i - half;
+    float c = bf2f(f2bf(cos_t[(size_t)p * half + f]));
+    float s = bf2f(f2bf(sin_t[(size_t)p * half + f]));
+    float y = i < half ? normed[i] * c - normed[i + half] * s : normed[i] * c + normed[i - half] * s;
+    bf16_t out = f2bf(y);
+    if (head < nh) {
+        q_out[((size_t)tok * nh + head) * d + i] = out;
+    } else {
+        kc[((size_t)(head - nh) * cap + row) * d + i] = out;
+    }
+}
+
+// Split-K attention over the cache for t new tokens, one KV head per blockIdx.x, one chunk of
+// CH keys per blockIdx.y, one tile of ROWS query rows (row = token * groups + g) per blockIdx.z.
+// Keys [0, c) are committed (visible to all); key c + j is new token j, visible to token i when
+// j <= i (causal, tree_mask == null) or bit j of tree_mask[i * words + j / 64] is set.
+// Writes unnormalised partials: acc [nsplit, t * nh, d], ml [nsplit, t * nh, 2] (max, sum).
+#define CH 64
+#define ROWS 16
+#define DMAX 128
+extern "C" __global__ void attn_partial(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
+    const u32* __restrict__ cache_len, const u64* __restrict__ tree_mask, int words,
+    float* __restrict__ acc_out, float* __restrict__ ml_out,
+    int t, int nh, int nkv, int cap, float scale) {
+    __shared__ u32 ks[CH][DMAX / 2 + 1];  // K chunk as bf16 pairs, padded against bank conflicts
+    __shared__ u32 vs[CH][DMAX / 2];
+    __shared__ float qs[ROWS][DMAX];
+    const int d = DMAX;
+    int kvh = blockIdx.x, split = blockIdx.y, tile = blockIdx.z;
+    int groups = nh / nkv;
+    int c = (int)(*cache_len);
+    int L = c + t;
+    int k0 = split * CH;
+    int rows_total = t * groups;
+    int r0 = tile * ROWS;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    size_t nrows = (size_t)t * nh;
+    if (k0 >= L) return;  // past the end: the combine kernel ignores this split
+    int kend = min(k0 + CH, L);
+    // Causal/tree: no row of this tile sees any key of the chunk past its last token.
+    int last_tok = min(r0 + ROWS, rows_total) - 1;
+    last_tok = last_tok / groups;
+    bool empty = k0 > c + last_tok;
+    if (!empty) {
+        for (int e = threadIdx.x; e < CH * (d / 2); e += blockDim.x) {
+            int j = e / (d / 2), p = e % (d / 2);
+            u32 kv = 0, vv = 0;
+            if (k0 + j < kend) {
+                size_t off = ((size_t)kvh * cap + k0 + j) * d + 2 * p;
+                kv = *(const u32*)(kc + off);
+                vv = *(const u32*)(vc + off);
+            }
+            ks[j][p] = kv;
+            vs[j][p] = vv;
+        }
+        for (int e = threadIdx.x; e < ROWS * d; e += blockDim.x) {
+            int r = e / d, dd = e % d;
+            int row = r0 + r;
+            float v = 0.f;
+            if (row < rows_total) {
+                int tok = row / groups, g = row % groups;
+                v = bf2f(q[((size_t)tok * nh + kvh * groups + g) * d + dd]) * scale;
+            }
+            qs[r][dd] = v;
+        }
+    }
+    __syncthreads();
+    // Each warp owns RW consecutive rows of the tile and scores them together, so every K
+    // and V element read from shared memory feeds RW rows.
+    const int RW = 4;
+    int rbase = warp * RW;
+    if (rbase >= ROWS) return;
+    int tok[RW];
+    bool live[RW];
+    float m[RW], l[RW], a[RW][4];
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+        int row = r0 + rbase + i;
+        live[i] = row < rows_total;
+        tok[i] = live[i] ? row / groups : 0;
+        m[i] = -INFINITY;
+        l[i] = 0.f;
+        a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0.f;
+    }
+    if (!empty) {
+        for (int kb = 0; kb < CH; kb += 32) {
+            int j = kb + lane;
+            int key = k0 + j;
+            float s[RW];
+            bool vis[RW];
+#pragma unroll
+            for (int i = 0; i < RW; ++i) {
+                bool v = live[i] && key < kend;
+                if (v && key >= c) {
+                    int nj = key - c;
+                    v = tree_mask ? ((tree_mask[(size_t)tok[i] * words + (nj >> 6)] >> (nj & 63)) & 1ull) != 0
+                                  : nj <= tok[i];
+                }
+                vis[i] = v;
+                s[i] = 0.f;
+            }
+#pragma unroll 8
+            for (int p = 0; p < d / 2; ++p) {
+                u32 kk = ks[j][p];
+                float k0f = __uint_as_float(kk << 16), k1f = __uint_as_float(kk & 0xffff0000u);
+#pragma unroll
+                for (int i = 0; i < RW; ++i) {
+                    float2 qv = *(const float2*)&qs[rbase + i][2 * p];
+                    s[i] += qv.x * k0f + qv.y * k1f;
+                }
+            }
+            float pexp[RW];
+#pragma unroll
+            for (int i = 0; i < RW; ++i) {
+                float si = vis[i] ? s[i] : -INFINITY;
+                float m_new = fmaxf(m[i], warp_max(si));
+                if (m_new == -INFINITY) {  // nothing visible yet for this row (warp-uniform)
+                    pexp[i] = 0.f;
+                    continue;
+                }
+                pexp[i] = vis[i] ? __expf(si - m_new) : 0.f;
+                float corr = __expf(m[i] - m_new);
+                l[i] = l[i] * corr + warp_sum(pexp[i]);
+                a[i][0] *= corr; a[i][1] *= corr; a[i][2] *= corr; a[i][3] *= corr;
+                m[i] = m_new;
+            }
+#pragma unroll 4
+            for (int jj = 0; jj < 32; ++jj) {
+                u32 v01 = vs[kb + jj][2 * lane], v23 = vs[kb + jj][2 * lane + 1];
+                float v0 = __uint_as_float(v01 << 16), v1 = __uint_as_float(v01 & 0xffff0000u);
+                float v2 = __uint_as_float(v23 << 16), v3 = __uint_as_float(v23 & 0xffff0000u);
+#pragma unroll
+                for (int i = 0; i < RW; ++i) {
+                    float pj = __shfl_sync(0xffffffffu, pexp[i], jj);
+                    a[i][0] += pj * v0; a[i][1] += pj * v1; a[i][2] += pj * v2; a[i][3] += pj * v3;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+        if (!live[i]) continue;
+        int row = r0 + rbase + i;
+        int g = row % groups;
+        size_t orow = (size_t)tok[i] * nh + kvh * groups + g;
+        float* ao = acc_out + ((size_t)split * nrows + orow) * d + 4 * lane;
+        ao[0] = a[i][0]; ao[1] = a[i][1]; ao[2] = a[i][2]; ao[3] = a[i][3];
+        if (lane == 0) {
+            ml_out[((size_t)split * nrows + orow) * 2] = m[i];
+            ml_out[((size_t)split * nrows + orow) * 2 + 1] = l[i];
+        }
+    }
+}
+
+// Merges the splits of attn_partial: out [t, nh * d] bf16. Grid (t * nh), block d threads.
+extern "C" __global__ void attn_combine(
+    const float* __restrict__ acc, const float* __restrict__ ml, const u32* __restrict__ cache_len,
+    bf16_t* __restrict__ out, int t, int nh, int d, int nsplit) {
+    size_t orow = blockIdx.x;
+    size_t nrows = (size_t)t * nh;
+    int L = (int)(*cache_len) + t;
+    int used = min(nsplit, (L + CH - 1) / CH);
+    float M = -INFINITY;
+    for (int s = 0; s < used; ++s) M = fmaxf(M, ml[(s * nrows + orow) * 2]);
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < used; ++s) {
+        float m = ml[(s * nrows + orow) * 2];
+        if (m == -INFINITY) continue;
+        float w = __expf(m - M);
+        den += w * ml[(s * nrows + orow) * 2 + 1];
+        num += w * acc[(s * nrows + orow) * d + threadIdx.x];
+    }
+    out[orow * d + threadIdx.x] = f2bf(num / den);
+}
+
+// out[r, j] = silu(gu[r, j]) * gu[r, i + j] for gu [rows, 2i]; out [rows, i].
+// Rounds silu to bf16 before the product, as the plain path does.
+extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gu, bf16_t* __restrict__ out,
+                                    int rows, int inter) {
+    size_t n = (size_t)rows * inter;
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (size_t)gridDim.x * blockDim.x) {
+        size_t r = e / inter, j = e % inter;
+        float g = bf2f(gu[r * 2 * inter + j]);
+        float u = bf2f(gu[r * 2 * inter + inter + j]);
+        float sg = bf2f(f2bf(g / (1.f + __expf(-g))));
+        out[e] = f2bf(sg * u);
+    }
+}
+
+// x_out = bf16(x + delta); h_out = rmsnorm(x_out) * w. One block per row.
+extern "C" __global__ void add_rmsnorm(const bf16_t* __restrict__ x, const bf16_t* __restrict__ delta,
+                                       const bf16_t* __restrict__ w, bf16_t* __restrict__ x_out,
+                                       bf16_t* __restrict__ h_out, int hidden, float eps) {
+    __shared__ float red[32];
+    size_t base = (size_t)blockIdx.x * hidden;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        float v = bf2f(f2bf(bf2f(x[base + i]) + bf2f(delta[base + i])));
+        ss += v * v;
+    }
+    ss = block_sum(ss, red);
+    float inv = rsqrtf(ss / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        bf16_t s = f2bf(bf2f(x[base + i]) + bf2f(delta[base + i]));
+        x_out[base + i] = s;
+        h_out[base + i] = f2bf(bf2f(s) * inv * bf2f(w[i]));
+    }
+}
+
+// y[m, n] = sum_k x[m, k] * w[n, k] for M <= 16 * TILES rows: a skinny GEMM (decode, verify,
+// draft blocks) that streams the weights once through tensor cores. x [M, K], w [N, K]
+// (nn.Linear layout), y [M, N], bf16 in and out, f32 accumulation; K % 32 == 0, N % 8 == 0.
+// A block of 4 warps owns 8 output columns and splits K between its warps (chunks of 32).
+// Each lane loads 16 bytes of one weight row per chunk; the K order inside a chunk is
+// permuted identically for x and w so those loads feed mma.m16n8k16 fragments directly.
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int TILES>
+__device__ void skinny_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
+                            bf16_t* __restrict__ y, int M, int N, int K) {
+    __shared__ float red[4][TILES * 16 * 8];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int g = lane >> 2, tig = lane & 3;
+    int n0 = blockIdx.x * 8;
+    const uint4* wrow = (const uint4*)(w + (size_t)(n0 + g) * K);
+    int chunks = K / 32;
+    float c[TILES][4];
+#pragma unroll
+    for (int t = 0; t < TILES; ++t) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.f;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int ch0 = warp; ch0 < chunks; ch0 += 4 * 4) {
+        uint4 wv[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            int ch = ch0 + 4 * u;
+            wv[u] = ch < chunks ? __ldg(wrow + ch * 4 + tig) : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            int ch = ch0 + 4 * u;
+            if (ch >= chunks) break;
+#pragma unroll
+            for (int t = 0; t < TILES; ++t) {
+                int r0 = t * 16 + g, r1 = r0 + 8;
+                uint4 x0 = r0 < M ? __ldg((const uint4*)(x + (size_t)r0 * K) + ch * 4 + tig) : zero;
+                uint4 x1 = r1 < M ? __ldg((const uint4*)(x + (size_t)r1 * K) + ch * 4 + tig) : zero;
+                mma_bf16(c[t], x0.x, x1.x, x0.y, x1.y, wv[u].x, wv[u].y);
+                mma_bf16(c[t], x0.z, x1.z, x0.w, x1.w, wv[u].z, wv[u].w);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < TILES; ++t) {
+        float* r = red[warp] + t * 128;
+        r[g * 8 + tig * 2] = c[t][0];
+        r[g * 8 + tig * 2 + 1] = c[t][1];
+        r[(g + 8) * 8 + tig * 2] = c[t][2];
+        r[(g + 8) * 8 + tig * 2 + 1] = c[t][3];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < TILES * 128; e += blockDim.x) {
+        int row = e / 8, col = e % 8;
+        if (row < M) {
+            float v = red[0][e] + red[1][e] + red[2][e] + red[3][e];
+            y[(size_t)row * N + n0 + col] = f2bf(v);
+        }
+    }
+}
+
+extern "C" __global__ void skinny_t1(const bf16_t* x, const bf16_t* w, bf16_t* y, int M, int N, int K) { skinny_impl<1>(x, w, y, M, N, K); }
+extern "C" __global__ void skinny_t2(const bf16_t* x, const bf16_t* w, bf16_t* y, int M, int N, int K) { skinny_impl<2>(x, w, y, M, N, K); }
+extern "C" __global__ void skinny_t4(const bf16_t* x, const bf16_t* w, bf16_t* y, int M, int N, int K) { skinny_impl<4>(x, w, y, M, N, K); }
+
+// Tensor-core version of attn_partial (same grid meaning and partial outputs, so
+// attn_combine merges it): one warp per (KV head, chunk of CH keys, tile of 16 query rows).
+// S = Q K^T and O = P V run on mma.m16n8k16 (bf16 in, f32 accumulate); the S accumulators are
+// re-packed in registers as the A operand of P V (the FlashAttention-2 layout trick).
+#define KPAD 136  // bf16 per shared K/V row: 128 + 8, so fragment reads avoid bank conflicts
+extern "C" __global__ void attn_partial_mma(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
+    const u32* __restrict__ cache_len, const u64* __restrict__ tree_mask, int words,
+    float* __restrict__ acc_out, float* __restrict__ ml_out,
+    int t, int nh, int nkv, int cap, float scale) {
+    __shared__ __align__(16) bf16_t ks[CH * KPAD];
+    __shared__ __align__(16) bf16_t vs[CH * KPAD];
+    const int d = DMAX;
+    int kvh = blockIdx.x, split = blockIdx.y, tile = blockIdx.z;
+    int groups = nh / nkv;
+    int c = (int)(*cache_len);
+    int L = c + t;
+    int k0 = split * CH;
+    int rows_total = t * groups;
+    int r0 = tile * 16;
+    int lane = threadIdx.x, g = lane >> 2, tig = lane & 3;
+    size_t nrows = (size_t)t * nh;
+    if (k0 >= L) return;
+    int kend = min(k0 + CH, L);
+    int last_tok = (min(r0 + 16, rows_total) - 1) / groups;
+    bool empty = k0 > c + last_tok;
+    int rowA = r0 + g, rowB = r0 + g + 8;
+    bool liveA = rowA < rows_total, liveB = rowB < rows_total;
+    int tokA = liveA ? rowA / groups : 0, tokB = liveB ? rowB / groups : 0;
+    float o[16][4];
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
+    if (!empty) {
+        // K and V chunk into shared memory (16-byte copies), zeros past the live keys.
+        for (int e = lane; e < CH * (d / 8); e += 32) {
+            int j = e / (d / 8), p = e % (d / 8);
+            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
+            if (k0 + j < kend) {
+                size_t off = ((size_t)kvh * cap + k0 + j) * d + 8 * p;
+                kv4 = *(const uint4*)(kc + off);
+                vv4 = *(const uint4*)(vc + off);
+            }
+            *(uint4*)(ks + j * KPAD + 8 * p) = kv4;
+            *(uint4*)(vs + j * KPAD + 8 * p) = vv4;
+        }
+        __syncwarp();
+        // Q fragments (rows A = g, B = g + 8 of the tile), all 8 k-steps of 16 dims.
+        const u32* qa = (const u32*)(q + ((size_t)tokA * nh + kvh * groups + rowA % groups) * d);
+        const u32* qb = (const u32*)(q + ((size_t)tokB * nh + kvh * groups + rowB % groups) * d);
+        u32 qf[8][4];
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            int w0 = kk * 8 + tig;  // u32 index of dims kk*16 + tig*2
+            qf[kk][0] = liveA ? qa[w0] : 0u;
+            qf[kk][1] = liveB ? qb[w0] : 0u;
+            qf[kk][2] = liveA ? qa[w0 + 4] : 0u;
+            qf[kk][3] = liveB ? qb[w0 + 4] : 0u;
+        }
+        // S = Q K^T for the 64 keys: 8 tiles of 8 keys.
+        float s[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            const u32* krow = (const u32*)(ks + (nt * 8 + g) * KPAD);
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                mma_bf16(s[nt], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], krow[kk * 8 + tig],
+                         krow[kk * 8 + tig + 4]);
+            }
+        }
+        // Mask, scale, row max (rows A and B live in the 4 lanes of a quad).
+        float mxA = -INFINITY, mxB = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int key = k0 + nt * 8 + tig * 2 + e;
+                bool vA = liveA && key < kend, vB = liveB && key < kend;
+                if (key >= c) {
+                    int nj = key - c;
+                    if (tree_mask) {
+                        vA = vA && ((tree_mask[(size_t)tokA * words + (nj >> 6)] >> (nj & 63)) & 1ull);
+                        vB = vB && ((tree_mask[(size_t)tokB * words + (nj >> 6)] >> (nj & 63)) & 1ull);
+                    } else {
+                        vA = vA && nj <= tokA;
+                        vB = vB && nj <= tokB;
+                    }
+                }
+                s[nt][e] = vA ? s[nt][e] * scale : -INFINITY;
+                s[nt][2 + e] = vB ? s[nt][2 + e] * scale : -INFINITY;
+                mxA = fmaxf(mxA, s[nt][e]);
+                mxB = fmaxf(mxB, s[nt][2 + e]);
+            }
+        }
+        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
+        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
+        mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
+        mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
+        mA = mxA;
+        mB = mxB;
+        // P = exp(S - m), packed to bf16 as A fragments of P V (k-step j = key tiles 2j, 2j+1).
+        u32 pf[4][4];
+        float sumA = 0.f, sumB = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            float p0 = mA == -INFINITY ? 0.f : __expf(s[nt][0] - mA);
+            float p1 = mA == -INFINITY ? 0.f : __expf(s[nt][1] - mA);
+            float p2 = mB == -INFINITY ? 0.f : __expf(s[nt][2] - mB);
+            float p3 = mB == -INFINITY ? 0.f : __expf(s[nt][3] - mB);
+            bf16_t b0 = f2bf(p0), b1 = f2bf(p1), b2 = f2bf(p2), b3 = f2bf(p3);
+            // The sums use the rounded probabilities the P V product sees.
+            sumA += bf2f(b0) + bf2f(b1);
+            sumB += bf2f(b2) + bf2f(b3);
+            u32 lo = (u32)b0 | ((u32)b1 << 16), hi = (u32)b2 | ((u32)b3 << 16);
+            int j = nt >> 1;
+            if ((nt & 1) == 0) { pf[j][0] = lo; pf[j][1] = hi; }
+            else { pf[j][2] = lo; pf[j][3] = hi; }
+        }
+        sumA += __shfl_xor_sync(0xffffffffu, sumA, 1);
+        sumA += __shfl_xor_sync(0xffffffffu, sumA, 2);
+        sumB += __shfl_xor_sync(0xffffffffu, sumB, 1);
+        sumB += __shfl_xor_sync(0xffffffffu, sumB, 2);
+        lA = sumA;
+        lB = sumB;
+        // O = P V: 16 tiles of 8 dims, 4 k-steps of 16 keys; V fragments gathered from shared.
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+            int dim = nt * 8 + g;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                int key = j * 16 + tig * 2;
+                u32 b0 = (u32)vs[key * KPAD + dim] | ((u32)vs[(key + 1) * KPAD + dim] << 16);
+                u32 b1 = (u32)vs[(key + 8) * KPAD + dim] | ((u32)vs[(key + 9) * KPAD + dim] << 16);
+                mma_bf16(o[nt], pf[j][0], pf[j][1], pf[j][2], pf[j][3], b0, b1);
+            }
+        }
+    }
+    // Partials: rows A (o[.][0..1]) and B (o[.][2..3]), dims nt*8 + tig*2 + {0,1}.
+    if (liveA) {
+        size_t orow = (size_t)tokA * nh + kvh * groups + rowA % groups;
+        float* ao = acc_out + ((size_t)split * nrows + orow) * d;
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+            ao[nt * 8 + tig * 2] = o[nt][0];
+            ao[nt * 8 + tig * 2 + 1] = o[nt][1];
+        }
+        if (tig == 0) {
+            ml_out[((size_t)split * nrows + orow) * 2] = mA;
+            ml_out[((size_t)split * nrows + orow) * 2 + 1] = lA;
+        }
+    }
+    if (liveB) {
+        size_t orow = (size_t)tokB * nh + kvh * groups + rowB % groups;
+        float* ao = acc_out + ((size_t)split * nrows + orow) * d;
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+            ao[nt * 8 + tig * 2] = o[nt][2];
+            ao[nt * 8 + tig * 2 + 1] = o[nt][3];
+        }
+        if (tig == 0) {
+            ml_out[((size_t)split * nrows + orow) * 2] = mB;
+            ml_out[((size_t)split * nrows + orow) * 2 + 1] = lB;
+        }
+    }
+}

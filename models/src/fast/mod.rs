@@ -1,0 +1,89 @@
+//! Fused CUDA kernels for decode and speculative verification (`cuda` feature, bf16,
+//! head_dim 128): per-head q/k RMSNorm + RoPE + cache write in one kernel, split-K attention
+//! over the preallocated cache with the tree given as ancestor bit rows (no dense mask),
+//! SiLU-gate product, and residual add + RMSNorm. [`crate::Qwen3Model`] uses them for
+//! forwards of up to [`MAX_FAST_TOKENS`] tokens per sequence; everything else (CPU, f32,
+//! training, long prefills) takes the plain candle path, which stays the reference.
+
+use candle_core::{DType, Device};
+
+use crate::ops::OpsMode;
+
+#[cfg(feature = "cuda")]
+pub mod check;
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+pub use cuda::{
+    add_rmsnorm, attention, device_address, linear, qk_norm_rope_cache, silu_mul, skinny,
+    upload_i64, upload_u32, CHUNK,
+};
+
+/// Longest per-sequence forward the fused attention takes (its partials grow with t x splits).
+pub const MAX_FAST_TOKENS: usize = 512;
+
+/// Whether the fused kernels can run a model of this device, dtype, head size and mode.
+pub fn available(device: &Device, dtype: DType, head_dim: usize, mode: OpsMode) -> bool {
+    cfg!(feature = "cuda")
+        && device.is_cuda()
+        && dtype == DType::BF16
+        && head_dim == 128
+        && mode == OpsMode::Fused
+}
+
+/// The tree pattern as bit rows: bit j of word `i * words + j / 64` is set when new token j is
+/// token i itself or one of its ancestors (`words = ceil(t / 64)`), the layout the attention
+/// kernel reads. Bits are built from the parent's row, valid because parents precede children.
+pub fn tree_bits(parents: &[Option<usize>]) -> Vec<i64> {
+    let t = parents.len();
+    let words = t.div_ceil(64);
+    let mut bits = vec![0u64; t * words];
+    for i in 0..t {
+        if let Some(p) = parents[i] {
+            let (done, rest) = bits.split_at_mut(i * words);
+            rest[..words].copy_from_slice(&done[p * words..p * words + words]);
+        }
+        bits[i * words + i / 64] |= 1u64 << (i % 64);
+    }
+    bits.into_iter().map(|w| w as i64).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::AttnPattern;
+    use crate::spec::tree::DraftTree;
+
+    #[test]
+    fn tree_bits_match_the_dense_mask_visibility() {
+        // 130 nodes: spans three 64-bit words; parent of i is (i - 1) / 3 (a ternary tree).
+        let parents: Vec<Option<usize>> = (0..130)
+            .map(|i| if i == 0 { None } else { Some((i - 1) / 3) })
+            .collect();
+        let t = parents.len();
+        let words = t.div_ceil(64);
+        let bits = tree_bits(&parents);
+        let tokens: Vec<u32> = (0..t as u32).collect();
+        let vis = DraftTree::from_parents(tokens, parents.clone())
+            .unwrap()
+            .visibility();
+        let mask = AttnPattern::Tree { parents }
+            .mask(0, t, &Device::Cpu)
+            .unwrap()
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        for i in 0..t {
+            for j in 0..t {
+                let bit = (bits[i * words + j / 64] as u64 >> (j % 64)) & 1 == 1;
+                assert_eq!(bit, vis[i * t + j], "node {i} sees {j} (tree)");
+                assert_eq!(bit, mask[i][j] == 0.0, "node {i} sees {j} (mask)");
+            }
+        }
+    }
+
+    #[test]
+    fn fused_kernels_are_never_chosen_on_cpu() {
+        assert!(!available(&Device::Cpu, DType::BF16, 128, OpsMode::Fused));
+    }
+}
