@@ -16,7 +16,7 @@ use dflash_common::{DFlashConfig, LayerType, WeightFiles};
 
 use crate::attention::{attend, AttnPattern};
 use crate::error::{ModelError, ModelResult};
-use crate::kv_cache::{LayerCache, SequenceCache};
+use crate::kv_cache::SequenceCache;
 use crate::layer::{linear, DecoderLayer};
 use crate::ops::{rms_norm, OpsMode};
 use crate::qwen3::Qwen3Model;
@@ -376,7 +376,7 @@ impl DFlashDrafter {
             let mut outs = Vec::with_capacity(batch.len());
             for (s, item) in batch.iter().enumerate() {
                 let len = item.cache.len();
-                let LayerCache::Attention(kv) = item.cache.layer(li);
+                let kv = item.cache.layer(li).attention()?;
                 // Block rows are written past the committed context and never made live.
                 kv.write(len, &k.narrow(1, s * b, b)?, &v.narrow(1, s * b, b)?)?;
                 let (kc, vc) = kv.view(len + b)?;
@@ -453,7 +453,7 @@ impl DFlashDrafter {
             for item in batch.iter() {
                 let Some(c) = item.context else { continue };
                 let n = c.dim(0)?;
-                let LayerCache::Attention(kv) = item.cache.layer(li);
+                let kv = item.cache.layer(li).attention()?;
                 kv.write(
                     item.cache.len(),
                     &k.narrow(1, off, n)?,

@@ -1,0 +1,359 @@
+//! The Gated DeltaNet token mixer of `linear_attention` layers (HF `Qwen3_5GatedDeltaNet`,
+//! `Qwen3NextGatedDeltaNet`): one projection to q|k|v (short causal depthwise conv + SiLU),
+//! z (output gate), b (write strength) and a (decay), the delta rule per value head, then a
+//! gated RMSNorm and `out_proj`.
+//!
+//! The conv and the recurrence follow each token's *path*: a token's conv window is its
+//! ancestors' inputs (or the cached window once the path reaches the committed prefix), and its
+//! state starts from its parent's. For a causal chunk that is the ordinary sequence; for a
+//! verify tree it keeps sibling branches apart.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use dflash_common::{HybridConfig, WeightFiles};
+
+use crate::error::{ModelError, ModelResult};
+use crate::kv_cache::{GdnState, StagedState};
+use crate::layer::linear;
+use crate::qwen3_5::delta_rule::{chunked, recurrent, DeltaInputs};
+use crate::random::WeightRng;
+
+/// Which delta-rule form a forward uses (tests pin one to compare them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeltaForm {
+    /// Chunked for multi-token forwards that keep no per-row state, recurrent otherwise (HF's
+    /// choice: recurrent only for cached single-token steps).
+    #[default]
+    Auto,
+    Recurrent,
+    Chunked,
+}
+
+#[derive(Debug, Clone)]
+pub struct GatedDeltaNet {
+    /// `[q | k | v | z | b | a]` rows stacked: one GEMM for all six projections.
+    in_proj: Tensor,
+    /// Depthwise conv taps `[K, conv_dim]` (tap K-1 multiplies the current token).
+    conv_taps: Tensor,
+    /// `-exp(A_log)` and `dt_bias`, f32 `[Hv]`.
+    neg_a: Tensor,
+    dt_bias: Tensor,
+    norm: Tensor,
+    out_proj: Tensor,
+    hk: usize,
+    hv: usize,
+    dk: usize,
+    dv: usize,
+    kernel: usize,
+    eps: f64,
+}
+
+fn werr(e: candle_core::Error) -> ModelError {
+    ModelError::Candle(e)
+}
+
+impl GatedDeltaNet {
+    fn dims(cfg: &HybridConfig) -> (usize, usize, usize, usize, usize) {
+        (
+            cfg.linear_num_key_heads,
+            cfg.linear_num_value_heads,
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+            cfg.linear_conv_kernel_dim,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        cfg: &HybridConfig,
+        qkv: Tensor,
+        z: Tensor,
+        b: Tensor,
+        a: Tensor,
+        conv: Tensor,
+        a_log: Tensor,
+        dt_bias: Tensor,
+        norm: Tensor,
+        out_proj: Tensor,
+    ) -> Result<Self> {
+        let (hk, hv, dk, dv, kernel) = Self::dims(cfg);
+        let conv_dim = cfg.conv_dim();
+        Ok(Self {
+            in_proj: Tensor::cat(&[&qkv, &z, &b, &a], 0)?,
+            conv_taps: conv.reshape((conv_dim, kernel))?.t()?.contiguous()?,
+            neg_a: a_log.to_dtype(DType::F32)?.exp()?.neg()?,
+            dt_bias: dt_bias.to_dtype(DType::F32)?,
+            norm,
+            out_proj,
+            hk,
+            hv,
+            dk,
+            dv,
+            kernel,
+            eps: cfg.rms_norm_eps,
+        })
+    }
+
+    /// Loads `{p}.linear_attn.*` in the Qwen3.5 split layout (`in_proj_qkv`, `in_proj_z`,
+    /// `in_proj_b`, `in_proj_a`) or the Qwen3-Next fused one (`in_proj_qkvz`, `in_proj_ba`,
+    /// interleaved per key-head group), which is de-interleaved here into the split order.
+    pub fn load(
+        w: &WeightFiles,
+        p: &str,
+        cfg: &HybridConfig,
+        dtype: DType,
+        device: &Device,
+    ) -> ModelResult<Self> {
+        let (hk, hv, dk, dv, kernel) = Self::dims(cfg);
+        let h = cfg.hidden_size;
+        let conv_dim = cfg.conv_dim();
+        let t = |name: &str, shape: &[usize]| w.tensor(&format!("{p}.{name}"), shape, dtype, device);
+        let f32t =
+            |name: &str, shape: &[usize]| w.tensor(&format!("{p}.{name}"), shape, DType::F32, device);
+        let split = w.contains(&format!("{p}.in_proj_qkv.weight"));
+        let fused = w.contains(&format!("{p}.in_proj_qkvz.weight"));
+        let (qkv, z, b, a) = match (split, fused) {
+            (true, false) => (
+                t("in_proj_qkv.weight", &[conv_dim, h])?,
+                t("in_proj_z.weight", &[hv * dv, h])?,
+                t("in_proj_b.weight", &[hv, h])?,
+                t("in_proj_a.weight", &[hv, h])?,
+            ),
+            (false, true) => {
+                let r = hv / hk;
+                let qkvz = t("in_proj_qkvz.weight", &[2 * hk * dk + 2 * hv * dv, h])?
+                    .reshape((hk, 2 * dk + 2 * r * dv, h))
+                    .map_err(werr)?;
+                let ba = t("in_proj_ba.weight", &[2 * hv, h])?
+                    .reshape((hk, 2 * r, h))
+                    .map_err(werr)?;
+                let part = |x: &Tensor, from: usize, n: usize| -> Result<Tensor> {
+                    x.narrow(1, from, n)?.contiguous()?.reshape((hk * n, h))
+                };
+                let q = part(&qkvz, 0, dk).map_err(werr)?;
+                let k = part(&qkvz, dk, dk).map_err(werr)?;
+                let v = part(&qkvz, 2 * dk, r * dv).map_err(werr)?;
+                let z = part(&qkvz, 2 * dk + r * dv, r * dv).map_err(werr)?;
+                let qkv = Tensor::cat(&[&q, &k, &v], 0).map_err(werr)?;
+                (
+                    qkv,
+                    z,
+                    part(&ba, 0, r).map_err(werr)?,
+                    part(&ba, r, r).map_err(werr)?,
+                )
+            }
+            (true, true) => {
+                return Err(ModelError::Unsupported(format!(
+                    "{}: `{p}` has both the split (in_proj_qkv) and the fused (in_proj_qkvz) Gated DeltaNet projections; the checkpoint mixes two layouts",
+                    w.dir().display()
+                )))
+            }
+            (false, false) => {
+                return Err(ModelError::Unsupported(format!(
+                    "{}: `{p}` has neither in_proj_qkv (Qwen3.5 layout) nor in_proj_qkvz (Qwen3-Next layout), but config.json says this layer is linear_attention{}",
+                    w.dir().display(),
+                    if w.contains(&format!("{}.self_attn.q_proj.weight", p.trim_end_matches(".linear_attn"))) {
+                        "; the checkpoint has full-attention weights here, so layer_types does not match the weights"
+                    } else {
+                        ""
+                    }
+                )))
+            }
+        };
+        Ok(Self::assemble(
+            cfg,
+            qkv,
+            z,
+            b,
+            a,
+            t("conv1d.weight", &[conv_dim, 1, kernel])?,
+            f32t("A_log", &[hv])?,
+            f32t("dt_bias", &[hv])?,
+            t("norm.weight", &[dv])?,
+            t("out_proj.weight", &[h, hv * dv])?,
+        )?)
+    }
+
+    pub fn random(
+        rng: &mut WeightRng,
+        cfg: &HybridConfig,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let (_, hv, _, dv, kernel) = Self::dims(cfg);
+        let h = cfg.hidden_size;
+        let conv_dim = cfg.conv_dim();
+        Self::assemble(
+            cfg,
+            rng.linear(conv_dim, h, dtype, device)?,
+            rng.linear(hv * dv, h, dtype, device)?,
+            rng.linear(hv, h, dtype, device)?,
+            rng.linear(hv, h, dtype, device)?,
+            rng.normal(&[conv_dim, 1, kernel], 0.0, 0.5, dtype, device)?,
+            // A = exp(A_log) around e: decays well inside (0, 1) per token.
+            rng.normal(&[hv], 1.0, 0.5, DType::F32, device)?,
+            rng.normal(&[hv], 1.0, 0.3, DType::F32, device)?,
+            rng.norm(dv, dtype, device)?,
+            rng.linear(h, hv * dv, dtype, device)?,
+        )
+    }
+
+    pub fn conv_dim(&self) -> usize {
+        2 * self.hk * self.dk + self.hv * self.dv
+    }
+
+    /// A zero state (a fresh sequence) for this layer.
+    pub fn zero_state(&self, dtype: DType, device: &Device) -> Result<GdnState> {
+        GdnState::zeros(
+            self.kernel - 1,
+            self.conv_dim(),
+            (self.hv, self.dk, self.dv),
+            dtype,
+            device,
+        )
+    }
+
+    /// All projections of already-normed rows `x: [rows, hidden]` in one GEMM.
+    pub fn project(&self, x: &Tensor) -> Result<Tensor> {
+        linear(x, &self.in_proj)
+    }
+
+    /// `out_proj` of the gated-norm outputs `[rows, Hv * dv]`.
+    pub fn out(&self, y: &Tensor) -> Result<Tensor> {
+        linear(y, &self.out_proj)
+    }
+
+    /// Conv-tap rows of every token inside `[window (K-1 rows) ; new rows]`, oldest tap first,
+    /// following each token's path back through its ancestors and then the cached window.
+    fn tap_rows(&self, parents: &[Option<usize>]) -> Vec<u32> {
+        let w = self.kernel - 1;
+        let mut rows = Vec::with_capacity(parents.len() * self.kernel);
+        for i in 0..parents.len() {
+            let mut path = Vec::with_capacity(self.kernel);
+            let mut node = Some(i);
+            let mut window_next = w; // next cached-window row to use, counting down
+            while path.len() < self.kernel {
+                match node {
+                    Some(n) => {
+                        path.push((w + n) as u32);
+                        node = parents[n];
+                    }
+                    None => {
+                        window_next -= 1;
+                        path.push(window_next as u32);
+                    }
+                }
+            }
+            path.reverse();
+            rows.extend(path);
+        }
+        rows
+    }
+
+    /// The token mixer for one sequence. `proj` holds this sequence's rows of [`Self::project`];
+    /// `parents` its forest (a chain for causal input). Returns the gated-norm output
+    /// `[t, Hv * dv]` (before `out_proj`) and the states to stage: one per row when
+    /// `keep_rows`, else only the final one.
+    pub fn mix(
+        &self,
+        proj: &Tensor,
+        parents: &[Option<usize>],
+        state: &GdnState,
+        keep_rows: bool,
+        form: DeltaForm,
+    ) -> Result<(Tensor, StagedState)> {
+        let t = parents.len();
+        let dev = proj.device();
+        let dtype = proj.dtype();
+        let (hk, hv, dk, dv, kernel) = (self.hk, self.hv, self.dk, self.dv, self.kernel);
+        let conv_dim = self.conv_dim();
+        let mixed = proj.narrow(1, 0, conv_dim)?;
+        let z = proj.narrow(1, conv_dim, hv * dv)?;
+        let b = proj.narrow(1, conv_dim + hv * dv, hv)?;
+        let a = proj.narrow(1, conv_dim + hv * dv + hv, hv)?;
+
+        // Short causal conv along each token's path, then SiLU.
+        let ext = Tensor::cat(&[&state.conv, &mixed.contiguous()?], 0)?; // [K-1+t, C]
+        let taps = self.tap_rows(parents);
+        let gathered = ext
+            .index_select(&Tensor::new(taps.as_slice(), dev)?, 0)?
+            .reshape((t, kernel, conv_dim))?;
+        let u = gathered
+            .broadcast_mul(&self.conv_taps.unsqueeze(0)?)?
+            .sum(1)?
+            .silu()?;
+
+        let q = u.narrow(1, 0, hk * dk)?.reshape((t, hk, dk))?;
+        let k = u.narrow(1, hk * dk, hk * dk)?.reshape((t, hk, dk))?;
+        let v = u.narrow(1, 2 * hk * dk, hv * dv)?.reshape((t, hv, dv))?;
+        let l2 = |x: &Tensor| -> Result<Tensor> {
+            let x = x.to_dtype(DType::F32)?;
+            let inv = (x.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?.sqrt()?.recip()?;
+            x.broadcast_mul(&inv)
+        };
+        // Value head j reads key head j / r (HF repeat_interleave).
+        let expand = |x: Tensor| -> Result<Tensor> {
+            x.unsqueeze(2)?
+                .broadcast_as((t, hk, hv / hk, dk))?
+                .reshape((t, hv, dk))
+        };
+        let q = expand((l2(&q)? * (1.0 / (dk as f64).sqrt()))?)?;
+        let k = expand(l2(&k)?)?;
+        let v = v.to_dtype(DType::F32)?;
+        let beta = candle_nn::ops::sigmoid(&b.to_dtype(DType::F32)?)?;
+        let g = softplus(&a.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias)?)?
+            .broadcast_mul(&self.neg_a)?;
+        let inp = DeltaInputs { q, k, v, g, beta };
+
+        let use_chunked = !keep_rows
+            && match form {
+                DeltaForm::Auto => t > 1,
+                DeltaForm::Chunked => true,
+                DeltaForm::Recurrent => false,
+            };
+        let (o, staged) = if use_chunked {
+            let (o, s) = chunked(&inp, &state.ssm)?;
+            let conv = ext.narrow(0, t, kernel - 1)?;
+            (o, StagedState::Final(GdnState { conv, ssm: s }))
+        } else {
+            let (o, states) = recurrent(&inp, parents, &state.ssm)?;
+            // A token's window after it is its own last K-1 taps.
+            let windows = gathered.narrow(1, 1, kernel - 1)?;
+            let staged = if keep_rows {
+                StagedState::Rows(
+                    states
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, ssm)| Ok(GdnState { conv: windows.get(i)?, ssm }))
+                        .collect::<Result<Vec<_>>>()?,
+                )
+            } else {
+                let last = t - 1;
+                StagedState::Final(GdnState {
+                    conv: windows.get(last)?.contiguous()?,
+                    ssm: states[last].contiguous()?,
+                })
+            };
+            (o, staged)
+        };
+        let y = self.gated_norm(&o.to_dtype(dtype)?, &z.reshape((t, hv, dv))?)?;
+        Ok((y.reshape((t, hv * dv))?, staged))
+    }
+
+    /// HF `Qwen3_5RMSNormGated`: normalise in f32, cast, times the (plain, not zero-centred)
+    /// weight, times `silu(z)` in f32, cast back.
+    fn gated_norm(&self, o: &Tensor, z: &Tensor) -> Result<Tensor> {
+        let dtype = o.dtype();
+        let of = o.to_dtype(DType::F32)?;
+        let var = of.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = of.broadcast_div(&(var + self.eps)?.sqrt()?)?.to_dtype(dtype)?;
+        let weighted = normed.broadcast_mul(&self.norm)?.to_dtype(DType::F32)?;
+        (weighted * z.to_dtype(DType::F32)?.silu()?)?.to_dtype(dtype)
+    }
+}
+
+/// `log(1 + e^x)`, linear above 20 as torch's default threshold.
+fn softplus(x: &Tensor) -> Result<Tensor> {
+    let stable = (x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?)?;
+    let big = x.ge(20.0)?;
+    big.where_cond(x, &stable)
+}
