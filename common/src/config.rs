@@ -492,6 +492,28 @@ impl DFlashConfig {
         path: &Path,
         target: &Qwen3Config,
     ) -> Result<(), ConfigError> {
+        self.check_against_shape(
+            path,
+            target.hidden_size,
+            target.num_hidden_layers,
+            target.vocab_size,
+        )
+    }
+
+    /// [`Self::check_against_target`] for any target family, given its hidden size, depth
+    /// and vocabulary.
+    pub fn check_against_shape(
+        &self,
+        path: &Path,
+        hidden_size: usize,
+        num_hidden_layers: usize,
+        vocab_size: usize,
+    ) -> Result<(), ConfigError> {
+        let target = TargetShape {
+            hidden_size,
+            num_hidden_layers,
+            vocab_size,
+        };
         if self.layers.hidden_size != target.hidden_size {
             return Err(field_err(
                 path,
@@ -526,6 +548,12 @@ impl DFlashConfig {
         }
         Ok(())
     }
+}
+
+struct TargetShape {
+    hidden_size: usize,
+    num_hidden_layers: usize,
+    vocab_size: usize,
 }
 
 /// `dir/config.json`, for error messages and loaders.

@@ -17,6 +17,7 @@ pub mod qwen3_5;
 pub mod random;
 pub mod rope;
 pub mod spec;
+pub mod target;
 
 pub use attention::AttnPattern;
 pub use dflash::{DFlashDrafter, DraftInput, TargetEmbeddingsAndHead};
@@ -26,3 +27,4 @@ pub use kv_cache::SequenceCache;
 pub use ops::OpsMode;
 pub use qwen3::{ForwardOutput, Qwen3Model, SeqForward};
 pub use qwen3_5::Qwen35Model;
+pub use target::{DraftTarget, Target};

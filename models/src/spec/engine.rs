@@ -15,7 +15,8 @@ use candle_core::Tensor;
 use crate::attention::AttnPattern;
 use crate::error::ModelError;
 use crate::kv_cache::SequenceCache;
-use crate::qwen3::{Qwen3Model, SeqForward};
+use crate::qwen3::SeqForward;
+use crate::target::{DraftTarget, Target};
 use crate::spec::proposer::{ProposeItem, Proposer, SeqId};
 use crate::spec::sampling::{Sampler, SamplingError, SamplingParams};
 use crate::spec::stats::{RoundStats, SeqStats};
@@ -122,7 +123,7 @@ struct Sequence {
 }
 
 pub struct Engine {
-    target: Qwen3Model,
+    target: Target,
     proposer: Option<Box<dyn Proposer>>,
     config: EngineConfig,
     seqs: Vec<Sequence>,
@@ -131,12 +132,12 @@ pub struct Engine {
 
 impl Engine {
     pub fn new(
-        target: Qwen3Model,
+        target: impl Into<Target>,
         proposer: Option<Box<dyn Proposer>>,
         config: EngineConfig,
     ) -> Self {
         Self {
-            target,
+            target: target.into(),
             proposer,
             config,
             seqs: Vec::new(),
@@ -144,7 +145,7 @@ impl Engine {
         }
     }
 
-    pub fn target(&self) -> &Qwen3Model {
+    pub fn target(&self) -> &Target {
         &self.target
     }
     pub fn config(&self) -> &EngineConfig {
@@ -153,6 +154,15 @@ impl Engine {
     pub fn num_active(&self) -> usize {
         self.seqs.len()
     }
+    /// The committed tokens (the last one is the bonus token, not yet in the cache) and the
+    /// target cache of an active sequence: for inspection and for tests that recompute it.
+    pub fn sequence(&self, id: SeqId) -> Option<(&[u32], &SequenceCache)> {
+        self.seqs
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| (s.tokens.as_slice(), &s.cache))
+    }
+
     /// Drafts per round of the loaded proposer (0 without one).
     pub fn max_depth(&self) -> usize {
         self.proposer.as_ref().map_or(0, |p| p.max_depth())
@@ -188,7 +198,7 @@ impl Engine {
                 max_context,
             });
         }
-        let vocab = self.target.config().vocab_size;
+        let vocab = self.target.vocab_size();
         if let Some(&token) = req
             .prompt
             .iter()
@@ -214,8 +224,10 @@ impl Engine {
             }
         }
         let id = self.next_id;
-        let capacity = max_context + self.verify_width(req.algorithm);
-        let cache = self.target.new_cache(capacity)?;
+        let width = self.verify_width(req.algorithm);
+        let capacity = max_context + width;
+        // Hybrid targets keep a recurrent state per verify node so any accepted one commits.
+        let cache = self.target.new_cache(capacity, width)?;
         if let (Some(p), true) = (self.proposer.as_mut(), req.algorithm != Algorithm::Plain) {
             p.open(id, capacity)?;
         }
@@ -334,7 +346,7 @@ impl Engine {
     }
 
     fn round(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
-        let vocab = self.target.config().vocab_size;
+        let vocab = self.target.vocab_size();
         let t_draft = Instant::now();
         let spec: Vec<usize> = (0..self.seqs.len())
             .filter(|&i| self.seqs[i].req.algorithm != Algorithm::Plain)
@@ -372,7 +384,7 @@ impl Engine {
         .into_iter();
         let draft_time = t_draft.elapsed();
 
-        let max_positions = self.target.rope().max_positions();
+        let max_positions = self.target.max_positions();
         let trees: Vec<DraftTree> = self
             .seqs
             .iter()
