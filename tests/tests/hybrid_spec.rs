@@ -210,3 +210,52 @@ fn an_uncompacted_tree_cannot_be_extended_or_truncated_through() {
     assert!(max_abs_diff(&a.last().conv, &b.last().conv) < 1e-4);
 }
 
+
+/// A random DFlash drafter in the Qwen3.6 style (a sliding-window layer then a full one) tapping
+/// two GDN layers and the attention layer of the hybrid target: drafts are mostly rejected, so
+/// every round rolls recurrent state back, and the output must still be plain greedy's.
+#[test]
+fn dflash_drafter_tapping_recurrent_layers_keeps_hybrid_greedy_output() {
+    use dflash_common::{DFlashConfig, LayerType, Qwen3Config, RopeScaling};
+    use dflash_models::spec::DFlashProposer;
+    use dflash_models::{DFlashDrafter, OpsMode};
+    single_threaded_tensor_ops();
+    let m = tiny_hybrid(5);
+    let layers = Qwen3Config {
+        vocab_size: 96,
+        hidden_size: 32,
+        intermediate_size: 64,
+        num_hidden_layers: 2,
+        num_attention_heads: 2,
+        num_key_value_heads: 1,
+        head_dim: 16,
+        rms_norm_eps: 1e-6,
+        rope_theta: 1e4,
+        rope_scaling: RopeScaling::Default,
+        max_position_embeddings: 256,
+        tie_word_embeddings: false,
+        eos_token_ids: vec![],
+        bos_token_id: None,
+        layer_types: vec![LayerType::SlidingAttention, LayerType::FullAttention],
+        sliding_window: Some(4),
+    };
+    let cfg = DFlashConfig {
+        layers,
+        block_size: 8,
+        mask_token_id: 95,
+        target_layer_ids: vec![0, 1, 3],
+    };
+    for (p, prompt) in PROMPTS.iter().enumerate() {
+        let want = Engine::new(m.clone(), None, config())
+            .generate(request(prompt, Algorithm::Plain, 24))
+            .unwrap()
+            .0;
+        for algorithm in [Algorithm::Chain, Algorithm::DDTree { budget: 16 }] {
+            let drafter = DFlashDrafter::random(cfg.clone(), &m, 9, OpsMode::Fused).unwrap();
+            let mut e = Engine::new(m.clone(), Some(Box::new(DFlashProposer::new(drafter))), config());
+            let what = format!("prompt {p}, dflash {algorithm:?}");
+            let got = generate_checked(&mut e, &m, request(prompt, algorithm, 24), &what);
+            assert_eq!(got, want, "{what}");
+        }
+    }
+}
