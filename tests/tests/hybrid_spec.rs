@@ -259,3 +259,121 @@ fn dflash_drafter_tapping_recurrent_layers_keeps_hybrid_greedy_output() {
         }
     }
 }
+
+/// The built-in MTP head (random weights) as a chain and a tree proposer: drafting feeds back
+/// the head's own output and rolls its cache back each round; the output must stay plain
+/// greedy's and the committed target state must match a recomputation after every step.
+#[test]
+fn mtp_head_chain_and_tree_on_a_hybrid_target_match_plain() {
+    use dflash_models::qwen3_5::MtpHead;
+    use dflash_models::random::WeightRng;
+    use dflash_models::spec::MtpProposer;
+    use dflash_models::OpsMode;
+    single_threaded_tensor_ops();
+    let m = tiny_hybrid(13);
+    let mut accepted = 0;
+    for (p, prompt) in PROMPTS.iter().enumerate() {
+        let want = Engine::new(m.clone(), None, config())
+            .generate(request(prompt, Algorithm::Plain, 24))
+            .unwrap()
+            .0;
+        for algorithm in [Algorithm::Chain, Algorithm::DDTree { budget: 8 }] {
+            let head = MtpHead::random(
+                &mut WeightRng::new(17),
+                m.config(),
+                m.dtype(),
+                m.device(),
+                OpsMode::Fused,
+            )
+            .unwrap();
+            let proposer = MtpProposer::new(m.clone(), head, 3);
+            let mut e = Engine::new(m.clone(), Some(Box::new(proposer)), config());
+            let what = format!("prompt {p}, mtp {algorithm:?}");
+            let id = e.add(request(prompt, algorithm, 24)).unwrap();
+            let mut got = Vec::new();
+            'run: loop {
+                let events = e.step().unwrap();
+                if let Some((tokens, cache)) = e.sequence(id) {
+                    check_against_recompute(&m, tokens, cache, &what);
+                }
+                for ev in events {
+                    accepted += ev.round.as_ref().map_or(0, |r| r.accepted_drafts);
+                    got.extend_from_slice(&ev.tokens);
+                    if ev.finished.is_some() {
+                        break 'run;
+                    }
+                }
+            }
+            assert_eq!(got, want, "{what}");
+        }
+    }
+    eprintln!("mtp accepted {accepted}");
+}
+
+/// The MTP proposer's drafts for a committed prefix do not depend on how the prefix was
+/// committed: rounds that append 1..5 pairs at a time (rolling back 3 draft rows each time)
+/// give the drafts of a fresh head fed the whole prefix at once.
+#[test]
+fn mtp_drafts_depend_only_on_the_committed_prefix() {
+    use dflash_models::qwen3_5::MtpHead;
+    use dflash_models::random::WeightRng;
+    use dflash_models::spec::{MtpProposer, ProposeItem};
+    use dflash_models::OpsMode;
+    single_threaded_tensor_ops();
+    let m = tiny_hybrid(19);
+    let tokens = Engine::new(m.clone(), None, config())
+        .generate(request(PROMPTS[0], Algorithm::Plain, 20))
+        .unwrap()
+        .0;
+    let tokens: Vec<u32> = PROMPTS[0].iter().copied().chain(tokens).collect();
+    let n_all = tokens.len() - 1;
+    let last = m.config().num_hidden_layers - 1;
+    let mut cache = m.new_cache(64).unwrap();
+    let positions: Vec<u32> = (0..n_all as u32).collect();
+    let feats = m
+        .forward(
+            &mut [SeqForward {
+                cache: &mut cache,
+                tokens: &tokens[..n_all],
+                positions: &positions,
+                pattern: &AttnPattern::Causal,
+                logit_rows: &[],
+            }],
+            &[last],
+        )
+        .unwrap()
+        .taps
+        .unwrap();
+    let head = || {
+        MtpHead::random(&mut WeightRng::new(3), m.config(), m.dtype(), m.device(), OpsMode::Fused)
+            .unwrap()
+    };
+    let mut incremental = MtpProposer::new(m.clone(), head(), 3);
+    incremental.open(0, 64).unwrap();
+    let mut n = PROMPTS[0].len();
+    let mut prev = 0;
+    for step in [1usize, 3, 2, 5, 1, 4].iter().cycle() {
+        if n > n_all {
+            break;
+        }
+        let f = feats.narrow(0, prev, n - prev).unwrap();
+        let got = incremental
+            .propose(&[ProposeItem { seq: 0, tokens: &tokens[..=n], features: Some(&f), top_k: 4 }])
+            .unwrap();
+        let mut fresh = MtpProposer::new(m.clone(), head(), 3);
+        fresh.open(1, 64).unwrap();
+        let f = feats.narrow(0, 0, n).unwrap();
+        let want = fresh
+            .propose(&[ProposeItem { seq: 1, tokens: &tokens[..=n], features: Some(&f), top_k: 4 }])
+            .unwrap();
+        for d in 0..3 {
+            let (a, b) = (got[0].row(d), want[0].row(d));
+            assert_eq!(a.iter().map(|x| x.0).collect::<Vec<_>>(), b.iter().map(|x| x.0).collect::<Vec<_>>(), "n {n} depth {d}");
+            for (x, y) in a.iter().zip(b) {
+                assert!((x.1 - y.1).abs() < 1e-4, "n {n} depth {d}: logprob {} vs {}", x.1, y.1);
+            }
+        }
+        prev = n;
+        n += step;
+    }
+}

@@ -156,3 +156,39 @@ fn a_checkpoint_mixing_split_and_fused_projections_is_refused() {
     assert!(e.contains("both the split") && e.contains("model.layers.0.linear_attn"), "{e}");
     std::fs::remove_dir_all(dir).ok();
 }
+
+#[test]
+fn the_builtin_mtp_head_loads_from_mtp_tensors_and_its_absence_is_explained() {
+    use dflash_common::{HybridConfig, WeightFiles};
+    use dflash_models::qwen3_5::MtpHead;
+    let (cfg, mut w) = original();
+    let hc = HybridConfig::from_file(fixture(NAME).join("config.json")).unwrap();
+    let none = WeightFiles::open_dir(fixture(NAME)).unwrap();
+    let e = MtpHead::load(&none, &hc, DType::F32, &Device::Cpu, OpsMode::Fused)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no built-in MTP head") && e.contains("mtp.fc.weight"), "{e}");
+    // The 15 tensors of a dense checkpoint's head: layer 2 (gated attention) serves as its layer.
+    let layer: Vec<(String, Tensor)> = w
+        .iter()
+        .filter_map(|(k, v)| {
+            k.strip_prefix("model.language_model.layers.2.")
+                .map(|rest| (format!("mtp.layers.0.{rest}"), v.clone()))
+        })
+        .collect();
+    let h = hc.hidden_size;
+    let norm = w["model.language_model.norm.weight"].clone();
+    w.extend(layer);
+    for n in ["mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"] {
+        w.insert(n.into(), norm.clone());
+    }
+    let fc = Tensor::zeros((h, 2 * h), DType::BF16, &Device::Cpu).unwrap();
+    w.insert("mtp.fc.weight".into(), fc);
+    assert_eq!(w.keys().filter(|k| k.starts_with("mtp.")).count(), 15);
+    let dir = write("mtp", &cfg, &w);
+    let files = WeightFiles::open_dir(&dir).unwrap();
+    MtpHead::load(&files, &hc, DType::F32, &Device::Cpu, OpsMode::Fused).unwrap();
+    // The target itself ignores the head's tensors.
+    check_logits(&dir);
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -14,6 +14,7 @@
 pub mod delta_rule;
 pub mod gated_attention;
 pub mod gdn;
+pub mod mtp;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -31,6 +32,7 @@ use crate::random::WeightRng;
 use crate::rope::RotaryEmbedding;
 pub use gated_attention::{one_plus, GatedAttention, Mlp};
 pub use gdn::{DeltaForm, GatedDeltaNet};
+pub use mtp::MtpHead;
 
 #[derive(Debug, Clone)]
 pub enum Mixer {
