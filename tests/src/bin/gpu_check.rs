@@ -5,7 +5,12 @@
 //! 3. times a Qwen3-8B-shaped bf16 model with random weights: copy bandwidth, prefill, batch-1
 //!    decode at 1K context, 16-token causal and 64-node tree verify, and a 5-layer drafter block,
 //!    each against the memory roofline.
-//! Usage: gpu-check [cuda|cpu] [out.json]
+//! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid]
+//! With `--hybrid` it runs only the hybrid-target checks and the Qwen3.6-27B-shaped benchmark
+//! (see `gpu_check/hybrid.rs`).
+
+#[path = "gpu_check/hybrid.rs"]
+mod hybrid;
 
 use std::time::Instant;
 
@@ -139,7 +144,7 @@ fn qwen3_8b() -> Qwen3Config {
     }
 }
 
-fn time_ms(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+pub(crate) fn time_ms(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
     dev.synchronize()?;
     let mut v = Vec::new();
@@ -190,18 +195,20 @@ fn forward_n(m: &Qwen3Model, cache: &mut SequenceCache, n: usize, tree: bool) ->
     Ok(())
 }
 
-fn bench(dev: &Device) -> Result<Value> {
-    // Copy bandwidth: read + write of a 4 GiB buffer into a preallocated one (no allocation
-    // inside the timed region).
+/// Copy bandwidth: read + write of a 4 GiB buffer into a preallocated one (no allocation
+/// inside the timed region), in bytes per second.
+fn copy_bandwidth(dev: &Device) -> Result<f64> {
     let buf = Tensor::zeros(2usize << 30, DType::BF16, dev)?;
     let dst = Tensor::zeros(2usize << 30, DType::BF16, dev)?;
     let copy_ms = time_ms(dev, 5, || {
         dst.slice_set(&buf, 0, 0)?;
         Ok(())
     })?;
-    drop(dst);
-    let bw = 2.0 * (4u64 << 30) as f64 / (copy_ms / 1e3);
-    drop(buf);
+    Ok(2.0 * (4u64 << 30) as f64 / (copy_ms / 1e3))
+}
+
+fn bench(dev: &Device) -> Result<Value> {
+    let bw = copy_bandwidth(dev)?;
     let cfg = qwen3_8b();
     let t0 = Instant::now();
     let m = Qwen3Model::random_with(
@@ -311,6 +318,30 @@ fn main() -> Result<()> {
         _ => Device::new_cuda(0)?,
     };
     let mut report = serde_json::Map::new();
+    if args.iter().any(|a| a == "--hybrid") {
+        for dtype in [DType::F32, DType::BF16] {
+            let p = hybrid::parity(&dev, dtype)?;
+            println!("hybrid parity {p}");
+            report.insert(format!("hybrid_parity_{dtype:?}"), p);
+        }
+        // On the CPU a scaled-down shape only checks that the benchmark runs.
+        let (cfg, key) = if dev.is_cpu() {
+            (hybrid::small_for_cpu()?, "hybrid_small_shape_bf16_cpu")
+        } else {
+            (hybrid::qwen36_27b()?, "qwen3_6_27b_shape_bf16")
+        };
+        // (No 8 GiB copy probe on the CPU: its roofline figures are meaningless there anyway.)
+        let bw = if dev.is_cpu() { f64::NAN } else { copy_bandwidth(&dev)? };
+        let b = hybrid::bench(&dev, bw, cfg)?;
+        println!("hybrid bench {b}");
+        report.insert(key.into(), b);
+        let out = Value::Object(report).to_string();
+        if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
+            std::fs::write(path, &out)?;
+        }
+        println!("{out}");
+        return Ok(());
+    }
     for dtype in [DType::F32, DType::BF16] {
         let p = parity(&dev, dtype)?;
         println!("parity {p}");
