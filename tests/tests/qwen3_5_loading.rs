@@ -6,7 +6,7 @@
 //! QWEN_TARGETS.md §3.3); both must give the transformers logits of the original.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use dflash_models::{AttnPattern, OpsMode, Qwen35Model, SeqForward};
@@ -32,7 +32,7 @@ fn write(name: &str, cfg: &Value, w: &HashMap<String, Tensor>) -> PathBuf {
 }
 
 /// Logits of the first 20 fixture tokens against transformers' prefill rows.
-fn check_logits(dir: &PathBuf) {
+fn check_logits(dir: &Path) {
     let m = Qwen35Model::load(dir, DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();
     let exp = load_expected(NAME);
     let tokens = &ids(&exp["tokens"])[..20];

@@ -5,7 +5,9 @@
 //! 3. times a Qwen3-8B-shaped bf16 model with random weights: copy bandwidth, prefill, batch-1
 //!    decode at 1K context, 16-token causal and 64-node tree verify, and a 5-layer drafter block,
 //!    each against the memory roofline.
+//!
 //! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid]
+//!
 //! With `--hybrid` it runs only the hybrid-target checks and the Qwen3.6-27B-shaped benchmark
 //! (see `gpu_check/hybrid.rs`).
 
