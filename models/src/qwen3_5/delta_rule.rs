@@ -10,7 +10,7 @@
 //!   UT transform (a unit lower-triangular solve), one sequential step per chunk; it returns only
 //!   the final state.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, D};
 
 pub const CHUNK: usize = 64;
 
@@ -25,78 +25,163 @@ pub struct DeltaInputs {
     pub beta: Tensor,
 }
 
-/// Depth of every node and the nodes of each depth (parents precede children).
-pub fn levels(parents: &[Option<usize>]) -> (Vec<usize>, Vec<Vec<usize>>) {
-    let mut depth = vec![0usize; parents.len()];
-    let mut levels: Vec<Vec<usize>> = Vec::new();
-    for (i, p) in parents.iter().enumerate() {
-        depth[i] = p.map_or(0, |p| depth[p] + 1);
-        if levels.len() <= depth[i] {
-            levels.resize(depth[i] + 1, Vec::new());
+/// One sequence's token forest for a forward, planned once and shared by every GDN layer:
+/// depth levels, where each token's parent state sits, and the conv-tap rows along each path.
+/// Index tensors are uploaded once per forward, not once per layer, and chains (the common case)
+/// need none beyond the conv taps.
+pub struct Forest {
+    pub parents: Vec<Option<usize>>,
+    depth: Vec<usize>,
+    pos_in_level: Vec<usize>,
+    /// `(start, len)` of each depth level in level order.
+    levels: Vec<(usize, usize)>,
+    /// Level order -> token index, and back; `None` when level order is token order.
+    order: Option<(Tensor, Tensor)>,
+    /// Per level: rows of the previous level's states that its tokens continue from; `None`
+    /// for the roots and wherever the previous level has a single token (a broadcast).
+    parent_rows: Vec<Option<Tensor>>,
+    /// Rows of `[cached window (K-1 rows) ; new rows]` each token's conv reads, oldest first.
+    pub conv_taps: Tensor,
+    pub kernel: usize,
+}
+
+impl Forest {
+    pub fn new(parents: Vec<Option<usize>>, kernel: usize, dev: &Device) -> Result<Self> {
+        let t = parents.len();
+        let mut depth = vec![0usize; t];
+        let mut by_level: Vec<Vec<usize>> = Vec::new();
+        for (i, p) in parents.iter().enumerate() {
+            depth[i] = p.map_or(0, |p| depth[p] + 1);
+            if by_level.len() <= depth[i] {
+                by_level.resize(depth[i] + 1, Vec::new());
+            }
+            by_level[depth[i]].push(i);
         }
-        levels[depth[i]].push(i);
+        let mut pos_in_level = vec![0usize; t];
+        let mut levels = Vec::with_capacity(by_level.len());
+        let mut start = 0;
+        for lvl in &by_level {
+            for (j, &i) in lvl.iter().enumerate() {
+                pos_in_level[i] = j;
+            }
+            levels.push((start, lvl.len()));
+            start += lvl.len();
+        }
+        let order_vec: Vec<u32> = by_level.iter().flatten().map(|&i| i as u32).collect();
+        let order = if order_vec.iter().enumerate().all(|(j, &i)| i as usize == j) {
+            None
+        } else {
+            let mut inverse = vec![0u32; t];
+            for (j, &i) in order_vec.iter().enumerate() {
+                inverse[i as usize] = j as u32;
+            }
+            Some((
+                Tensor::new(order_vec.as_slice(), dev)?,
+                Tensor::new(inverse.as_slice(), dev)?,
+            ))
+        };
+        let mut parent_rows = vec![None];
+        for d in 1..by_level.len() {
+            if by_level[d - 1].len() == 1 {
+                parent_rows.push(None);
+            } else {
+                let rows: Vec<u32> = by_level[d]
+                    .iter()
+                    .map(|&i| pos_in_level[parents[i].expect("non-root has a parent")] as u32)
+                    .collect();
+                parent_rows.push(Some(Tensor::new(rows.as_slice(), dev)?));
+            }
+        }
+        let w = kernel - 1;
+        let mut taps = Vec::with_capacity(t * kernel);
+        for i in 0..t {
+            let mut path = Vec::with_capacity(kernel);
+            let (mut node, mut window_next) = (Some(i), w);
+            while path.len() < kernel {
+                match node {
+                    Some(n) => {
+                        path.push((w + n) as u32);
+                        node = parents[n];
+                    }
+                    None => {
+                        window_next -= 1;
+                        path.push(window_next as u32);
+                    }
+                }
+            }
+            path.reverse();
+            taps.extend(path);
+        }
+        Ok(Self {
+            conv_taps: Tensor::new(taps.as_slice(), dev)?,
+            parents,
+            depth,
+            pos_in_level,
+            levels,
+            order,
+            parent_rows,
+            kernel,
+        })
     }
-    (depth, levels)
+
+    pub fn len(&self) -> usize {
+        self.parents.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.parents.is_empty()
+    }
 }
 
-fn idx(rows: &[usize], dev: &candle_core::Device) -> Result<Tensor> {
-    let v: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-    Tensor::new(v.as_slice(), dev)
-}
-
-/// Token-by-token recurrence over the forest `parents` starting from `initial` `[Hv, dk, dv]`.
-/// Returns the outputs `[t, Hv, dv]` and the state after each token (`[Hv, dk, dv]` views).
+/// Token-by-token recurrence over `forest` starting from `initial` `[Hv, dk, dv]`: all tokens
+/// of one depth step together, each from its parent's state. Returns the outputs
+/// `[t, Hv, dv]` and the state after each token (`[Hv, dk, dv]` views).
 pub fn recurrent(
     inp: &DeltaInputs,
-    parents: &[Option<usize>],
+    forest: &Forest,
     initial: &Tensor,
 ) -> Result<(Tensor, Vec<Tensor>)> {
-    let dev = inp.q.device();
-    let t = parents.len();
-    let (depth, levels) = levels(parents);
-    let mut pos_in_level = vec![0usize; t];
-    for lvl in &levels {
-        for (j, &i) in lvl.iter().enumerate() {
-            pos_in_level[i] = j;
+    let (hv, dk, dv) = initial.dims3()?;
+    let in_level_order = |x: &Tensor| -> Result<Tensor> {
+        match &forest.order {
+            Some((order, _)) => x.index_select(order, 0),
+            None => Ok(x.clone()),
         }
-    }
-    let mut level_states: Vec<Tensor> = Vec::with_capacity(levels.len());
-    let mut outs: Vec<Tensor> = Vec::with_capacity(levels.len());
-    for (d, lvl) in levels.iter().enumerate() {
-        let n = lvl.len();
-        let rows = idx(lvl, dev)?;
-        let s_prev = if d == 0 {
-            initial.unsqueeze(0)?.repeat((n, 1, 1, 1))?
-        } else {
-            let from: Vec<usize> = lvl
-                .iter()
-                .map(|&i| pos_in_level[parents[i].expect("non-root node has a parent")])
-                .collect();
-            level_states[d - 1].index_select(&idx(&from, dev)?, 0)?
+    };
+    let q = in_level_order(&inp.q)?;
+    let k = in_level_order(&inp.k)?;
+    let v = in_level_order(&inp.v)?;
+    let decay = in_level_order(&inp.g.exp()?)?.unsqueeze(2)?.unsqueeze(3)?;
+    let beta = in_level_order(&inp.beta)?.unsqueeze(2)?.unsqueeze(3)?;
+    let mut level_states: Vec<Tensor> = Vec::with_capacity(forest.levels.len());
+    let mut outs: Vec<Tensor> = Vec::with_capacity(forest.levels.len());
+    for (d, &(start, n)) in forest.levels.iter().enumerate() {
+        let shape = (n, hv, dk, dv);
+        let s_prev = match (d, &forest.parent_rows[d]) {
+            (0, _) => initial.unsqueeze(0)?.broadcast_as(shape)?,
+            (_, Some(rows)) => level_states[d - 1].index_select(rows, 0)?,
+            (_, None) => level_states[d - 1].broadcast_as(shape)?,
         };
-        let (q, k, v) = (
-            inp.q.index_select(&rows, 0)?,
-            inp.k.index_select(&rows, 0)?,
-            inp.v.index_select(&rows, 0)?,
-        );
-        let decay = inp.g.index_select(&rows, 0)?.exp()?.unsqueeze(2)?.unsqueeze(3)?;
-        let beta = inp.beta.index_select(&rows, 0)?.unsqueeze(2)?.unsqueeze(3)?;
-        let s = s_prev.broadcast_mul(&decay)?;
-        let k_row = k.unsqueeze(2)?; // [n, Hv, 1, dk]
-        let remembered = k_row.matmul(&s)?; // [n, Hv, 1, dv]
-        let delta = (v.unsqueeze(2)? - remembered)?.broadcast_mul(&beta)?;
+        let at = |x: &Tensor| x.narrow(0, start, n);
+        let (q, k) = (at(&q)?, at(&k)?);
+        let s = s_prev.broadcast_mul(&at(&decay)?)?;
+        let remembered = k.unsqueeze(2)?.matmul(&s)?; // [n, Hv, 1, dv]
+        let delta = (at(&v)?.unsqueeze(2)? - remembered)?.broadcast_mul(&at(&beta)?)?;
         let s = (s + k.unsqueeze(3)?.matmul(&delta)?)?;
         outs.push(q.unsqueeze(2)?.matmul(&s)?.squeeze(2)?);
         level_states.push(s);
     }
-    let order: Vec<usize> = levels.iter().flatten().copied().collect();
-    let mut inverse = vec![0usize; t];
-    for (j, &i) in order.iter().enumerate() {
-        inverse[i] = j;
-    }
-    let out = Tensor::cat(&outs, 0)?.index_select(&idx(&inverse, dev)?, 0)?;
-    let states = (0..t)
-        .map(|i| level_states[depth[i]].get(pos_in_level[i]))
+    let out = if outs.len() == 1 {
+        outs.pop().expect("one level")
+    } else {
+        Tensor::cat(&outs, 0)?
+    };
+    let out = match &forest.order {
+        Some((_, inverse)) => out.index_select(inverse, 0)?,
+        None => out,
+    };
+    let states = (0..forest.len())
+        .map(|i| level_states[forest.depth[i]].get(forest.pos_in_level[i]))
         .collect::<Result<Vec<_>>>()?;
     Ok((out, states))
 }

@@ -14,7 +14,7 @@ use dflash_common::{HybridConfig, WeightFiles};
 use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::{GdnState, StagedState};
 use crate::layer::linear;
-use crate::qwen3_5::delta_rule::{chunked, recurrent, DeltaInputs};
+use crate::qwen3_5::delta_rule::{chunked, recurrent, DeltaInputs, Forest};
 use crate::random::WeightRng;
 
 /// Which delta-rule form a forward uses (tests pin one to compare them).
@@ -222,47 +222,19 @@ impl GatedDeltaNet {
         linear(y, &self.out_proj)
     }
 
-    /// Conv-tap rows of every token inside `[window (K-1 rows) ; new rows]`, oldest tap first,
-    /// following each token's path back through its ancestors and then the cached window.
-    fn tap_rows(&self, parents: &[Option<usize>]) -> Vec<u32> {
-        let w = self.kernel - 1;
-        let mut rows = Vec::with_capacity(parents.len() * self.kernel);
-        for i in 0..parents.len() {
-            let mut path = Vec::with_capacity(self.kernel);
-            let mut node = Some(i);
-            let mut window_next = w; // next cached-window row to use, counting down
-            while path.len() < self.kernel {
-                match node {
-                    Some(n) => {
-                        path.push((w + n) as u32);
-                        node = parents[n];
-                    }
-                    None => {
-                        window_next -= 1;
-                        path.push(window_next as u32);
-                    }
-                }
-            }
-            path.reverse();
-            rows.extend(path);
-        }
-        rows
-    }
-
     /// The token mixer for one sequence. `proj` holds this sequence's rows of [`Self::project`];
-    /// `parents` its forest (a chain for causal input). Returns the gated-norm output
+    /// `forest` its tokens' paths (a chain for causal input). Returns the gated-norm output
     /// `[t, Hv * dv]` (before `out_proj`) and the states to stage: one per row when
     /// `keep_rows`, else only the final one.
     pub fn mix(
         &self,
         proj: &Tensor,
-        parents: &[Option<usize>],
+        forest: &Forest,
         state: &GdnState,
         keep_rows: bool,
         form: DeltaForm,
     ) -> Result<(Tensor, StagedState)> {
-        let t = parents.len();
-        let dev = proj.device();
+        let t = forest.len();
         let dtype = proj.dtype();
         let (hk, hv, dk, dv, kernel) = (self.hk, self.hv, self.dk, self.dv, self.kernel);
         let conv_dim = self.conv_dim();
@@ -273,9 +245,8 @@ impl GatedDeltaNet {
 
         // Short causal conv along each token's path, then SiLU.
         let ext = Tensor::cat(&[&state.conv, &mixed.contiguous()?], 0)?; // [K-1+t, C]
-        let taps = self.tap_rows(parents);
         let gathered = ext
-            .index_select(&Tensor::new(taps.as_slice(), dev)?, 0)?
+            .index_select(&forest.conv_taps, 0)?
             .reshape((t, kernel, conv_dim))?;
         let u = gathered
             .broadcast_mul(&self.conv_taps.unsqueeze(0)?)?
@@ -315,7 +286,7 @@ impl GatedDeltaNet {
             let conv = ext.narrow(0, t, kernel - 1)?;
             (o, StagedState::Final(GdnState { conv, ssm: s }))
         } else {
-            let (o, states) = recurrent(&inp, parents, &state.ssm)?;
+            let (o, states) = recurrent(&inp, forest, &state.ssm)?;
             // A token's window after it is its own last K-1 taps.
             let windows = gathered.narrow(1, 1, kernel - 1)?;
             let staged = if keep_rows {

@@ -27,6 +27,7 @@ use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::{KvBuffer, LayerCache, SequenceCache, StagedState};
 use crate::layer::linear;
 use crate::ops::{rms_norm, OpsMode};
+use crate::qwen3_5::delta_rule::Forest;
 use crate::qwen3::{check_batch, ForwardOutput, SeqForward};
 use crate::random::WeightRng;
 use crate::rope::RotaryEmbedding;
@@ -309,7 +310,7 @@ impl Qwen35Model {
         let mut all_tokens = Vec::new();
         let mut all_positions = Vec::new();
         let mut logit_rows = Vec::new();
-        let mut forests: Vec<Vec<Option<usize>>> = Vec::with_capacity(batch.len());
+        let mut forests: Vec<Forest> = Vec::with_capacity(batch.len());
         let mut keep_rows = Vec::with_capacity(batch.len());
         for seq in batch.iter() {
             let off = all_tokens.len();
@@ -336,7 +337,7 @@ impl Qwen35Model {
                 }
                 _ => (0..t).map(|i| i.checked_sub(1)).collect(),
             };
-            forests.push(forest);
+            forests.push(Forest::new(forest, self.cfg.linear_conv_kernel_dim, &self.device)?);
             keep_rows.push(keep);
         }
         let masks = batch
@@ -399,7 +400,7 @@ impl Qwen35Model {
         }
         for (s, seq) in batch.iter_mut().enumerate() {
             let t = seq.tokens.len();
-            let parents = keep_rows[s].then_some(forests[s].as_slice());
+            let parents = keep_rows[s].then_some(forests[s].parents.as_slice());
             seq.cache
                 .commit_recurrent(t, parents, std::mem::take(&mut staged[s]))?;
         }
