@@ -3,9 +3,13 @@
 //! [`ForwardOutput`]; they differ in their caches (hybrid caches keep per-row recurrent states
 //! for up to `rollback` rows so a verify can be committed or rolled back).
 
+use std::path::Path;
+
 use candle_core::{DType, Device, Tensor};
+use dflash_common::HybridConfig;
 
 use crate::error::ModelResult;
+use crate::ops::OpsMode;
 use crate::kv_cache::SequenceCache;
 use crate::qwen3::{ForwardOutput, Qwen3Model, SeqForward};
 use crate::qwen3_5::Qwen35Model;
@@ -131,6 +135,34 @@ impl DraftTarget for Target {
 }
 
 impl Target {
+    /// Loads a checkpoint directory of either family, chosen by its `config.json`
+    /// (`qwen3_5`, `qwen3_5_text` or `qwen3_next` load as hybrids, anything else as Qwen3).
+    pub fn load(
+        dir: &Path,
+        dtype: DType,
+        device: &Device,
+        max_positions: usize,
+        mode: OpsMode,
+    ) -> ModelResult<Self> {
+        if HybridConfig::is_hybrid_file(&dir.join("config.json")) {
+            Ok(Target::Hybrid(Qwen35Model::load(
+                dir,
+                dtype,
+                device,
+                max_positions,
+                mode,
+            )?))
+        } else {
+            Ok(Target::Qwen3(Qwen3Model::load(
+                dir,
+                dtype,
+                device,
+                max_positions,
+                mode,
+            )?))
+        }
+    }
+
     pub fn forward(
         &self,
         batch: &mut [SeqForward<'_>],

@@ -192,3 +192,16 @@ fn the_builtin_mtp_head_loads_from_mtp_tensors_and_its_absence_is_explained() {
     check_logits(&dir);
     std::fs::remove_dir_all(dir).ok();
 }
+
+#[test]
+fn target_load_picks_the_family_from_config_json() {
+    use dflash_models::Target;
+    let hybrid = Target::load(&fixture(NAME), DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();
+    assert!(matches!(hybrid, Target::Hybrid(_)));
+    let next = fixture("qwen3_next-tiny-random");
+    let next = Target::load(&next, DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();
+    assert!(matches!(next, Target::Hybrid(_)));
+    let dense = fixture("qwen3-tiny-random");
+    let dense = Target::load(&dense, DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();
+    assert!(dense.as_qwen3().is_some());
+}
