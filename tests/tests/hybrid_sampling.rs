@@ -4,6 +4,7 @@
 //! As `spec_sampling.rs`, on the tiny random hybrid target of `dflash_tests::tiny_hybrid` (GDN
 //! and gated-attention layers): 800 seeded samples of 4 new tokens per algorithm, temperature
 //! 0.8 and top_k 6, drafts from the greedy oracle (chain) and the noisy oracle (DDTree-8), a
+//! and the built-in MTP head (random weights, DDTree-8 from its per-depth top-8), a
 //! two-sample chi-square test per position 2..4 and for the pair (2, 3) against plain sampling,
 //! bound at p = 1e-4. A sampled token committed with the state of a rejected sibling, or a walk
 //! that keeps a draft the target did not sample, moves these distributions far past the bound.
@@ -14,7 +15,10 @@ use dflash_models::spec::{
     Algorithm, Engine, EngineConfig, GenerationRequest, Noise, OracleProposer, Proposer,
     SamplingParams,
 };
-use dflash_models::Qwen35Model;
+use dflash_models::qwen3_5::MtpHead;
+use dflash_models::random::WeightRng;
+use dflash_models::spec::MtpProposer;
+use dflash_models::{OpsMode, Qwen35Model};
 use dflash_tests::{chi2_bound, single_threaded_tensor_ops, tiny_hybrid, two_sample_chi2};
 
 const SAMPLES: usize = 800;
@@ -94,10 +98,23 @@ fn speculative_sampling_on_a_hybrid_target_matches_plain_sampling_distribution()
         Algorithm::DDTree { budget: 8 },
         3_000_000,
     );
+    // The built-in MTP head (random weights) proposing a DDTree from its per-depth top-8: its
+    // top-8 sometimes holds the token the target samples among its top-6 of 96 (125 accepted
+    // drafts over the 800 samples, deterministic for these seeds: fewer decided tokens, so this
+    // comparison has less power than the oracle ones).
+    let head = MtpHead::random(&mut WeightRng::new(4), t.config(), t.dtype(), t.device(), OpsMode::Fused)
+        .unwrap();
+    let (mtp, mtp_accepted) = sample_all(
+        &t,
+        Some(Box::new(MtpProposer::new(t.clone(), head, 3))),
+        Algorithm::DDTree { budget: 8 },
+        4_000_000,
+    );
     // The drafts must decide many tokens, or the test would only compare prefill samples.
     assert!(chain_accepted > SAMPLES / 2, "chain accepted only {chain_accepted} drafts");
     assert!(tree_accepted > SAMPLES / 2, "tree accepted only {tree_accepted} drafts");
-    for (name, spec) in [("chain", &chain), ("ddtree", &tree)] {
+    assert!(mtp_accepted > SAMPLES / 8, "mtp accepted only {mtp_accepted} drafts");
+    for (name, spec) in [("chain", &chain), ("ddtree", &tree), ("mtp ddtree", &mtp)] {
         for pos in 1..NEW {
             let a: Vec<u32> = plain.iter().map(|s| s[pos]).collect();
             let b: Vec<u32> = spec.iter().map(|s| s[pos]).collect();
