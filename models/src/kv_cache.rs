@@ -135,6 +135,16 @@ impl SequenceCache {
         }
     }
 
+    /// Sets the largest forward (in rows) whose recurrent states are kept per row (so that it
+    /// can be truncated or compacted); longer forwards settle. Returns the previous value
+    /// (0 for attention-only caches, where it means nothing).
+    pub fn set_rollback(&mut self, rows: usize) -> usize {
+        match self.rows.as_mut() {
+            Some(t) => std::mem::replace(&mut t.rollback, rows),
+            None => 0,
+        }
+    }
+
     /// The recurrent bookkeeping (None for pure attention caches).
     pub fn row_tracker(&self) -> Option<&RowTracker> {
         self.rows.as_ref()

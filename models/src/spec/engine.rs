@@ -301,7 +301,15 @@ impl Engine {
             .iter()
             .map(|&i| [self.seqs[i].tokens.len() - 1])
             .collect();
-        let out = {
+        // Nothing in a prompt is ever rolled back: hybrid targets take the chunked delta rule
+        // and keep no per-token recurrent state for it.
+        let saved: Vec<usize> = self
+            .seqs
+            .iter_mut()
+            .filter(|s| !s.prefilled)
+            .map(|s| s.cache.set_rollback(0))
+            .collect();
+        let result = {
             let mut batch: Vec<SeqForward<'_>> = Vec::with_capacity(idx.len());
             let mut pos_iter = positions.iter().zip(&last_rows);
             for seq in self.seqs.iter_mut().filter(|s| !s.prefilled) {
@@ -316,8 +324,12 @@ impl Engine {
                     logit_rows: rows,
                 });
             }
-            self.target.forward(&mut batch, &taps)?
+            self.target.forward(&mut batch, &taps)
         };
+        for (seq, &rows) in self.seqs.iter_mut().filter(|s| !s.prefilled).zip(&saved) {
+            seq.cache.set_rollback(rows);
+        }
+        let out = result?;
         let logits = out
             .logits
             .ok_or_else(|| ModelError::BadInput("prefill returned no logits".into()))?;
