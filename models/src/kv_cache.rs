@@ -173,15 +173,16 @@ impl SequenceCache {
 
     /// Folds every live row into the recurrent base states: nothing before `len` can be rolled
     /// back afterwards, and the per-row states are freed (a no-op for attention-only caches).
-    pub fn settle(&mut self) {
+    pub fn settle(&mut self) -> ModelResult<()> {
         if let Some(tracker) = self.rows.as_mut() {
             let last = tracker.settle_all(self.len);
             for layer in &mut self.layers {
                 if let LayerCache::Recurrent(r) = layer {
-                    r.settle_on(last);
+                    r.settle_on(last)?;
                 }
             }
         }
+        Ok(())
     }
 
     pub fn len(&self) -> usize {
@@ -263,7 +264,7 @@ impl SequenceCache {
         for layer in &mut self.layers {
             match layer {
                 LayerCache::Attention(kv) => kv.compact(start, keep)?,
-                LayerCache::Recurrent(r) => r.settle_on(recurrent_last.flatten()),
+                LayerCache::Recurrent(r) => r.settle_on(recurrent_last.flatten())?,
             }
         }
         self.len = start + keep.len();

@@ -82,12 +82,19 @@ impl RecurrentLayer {
         }
     }
 
-    /// Settles on `rows[i]` (relative to the settled row), or keeps the base for `None`.
-    pub(crate) fn settle_on(&mut self, keep_last: Option<usize>) {
+    /// Settles on `rows[i]` (relative to the settled row), or keeps the base for `None`. The
+    /// state is copied out: the per-row states are views into a whole verify level's buffer,
+    /// which must not stay alive for one row.
+    pub(crate) fn settle_on(&mut self, keep_last: Option<usize>) -> Result<()> {
         if let Some(i) = keep_last {
-            self.base = self.rows[i].clone();
+            let row = &self.rows[i];
+            self.base = GdnState {
+                conv: row.conv.copy()?,
+                ssm: row.ssm.copy()?,
+            };
         }
         self.rows.clear();
+        Ok(())
     }
 
     pub(crate) fn truncate_rows(&mut self, n: usize) {

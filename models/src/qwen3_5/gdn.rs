@@ -270,7 +270,7 @@ impl GatedDeltaNet {
         let q = expand((l2(&q)? * (1.0 / (dk as f64).sqrt()))?)?;
         let k = expand(l2(&k)?)?;
         let v = v.to_dtype(DType::F32)?;
-        let beta = candle_nn::ops::sigmoid(&b.to_dtype(DType::F32)?)?;
+        let beta = candle_nn::ops::sigmoid(&b.to_dtype(DType::F32)?.contiguous()?)?;
         let g = softplus(&a.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias)?)?
             .broadcast_mul(&self.neg_a)?;
         let inp = DeltaInputs { q, k, v, g, beta };
@@ -283,7 +283,8 @@ impl GatedDeltaNet {
             };
         let (o, staged) = if use_chunked {
             let (o, s) = chunked(&inp, &state.ssm)?;
-            let conv = ext.narrow(0, t, kernel - 1)?;
+            // A copy, so that the window does not keep the whole chunk's input alive.
+            let conv = ext.narrow(0, t, kernel - 1)?.copy()?;
             (o, StagedState::Final(GdnState { conv, ssm: s }))
         } else {
             let (o, states) = recurrent(&inp, forest, &state.ssm)?;
@@ -300,8 +301,8 @@ impl GatedDeltaNet {
             } else {
                 let last = t - 1;
                 StagedState::Final(GdnState {
-                    conv: windows.get(last)?.contiguous()?,
-                    ssm: states[last].contiguous()?,
+                    conv: windows.get(last)?.copy()?,
+                    ssm: states[last].copy()?,
                 })
             };
             (o, staged)

@@ -132,7 +132,7 @@ impl Proposer for OracleProposer {
                 let seen = cache.len();
                 let mut next = self.greedy_next(&mut cache, &item.tokens[seen..])?;
                 // The committed tokens are final: recurrent layers need not keep their rows.
-                cache.settle();
+                cache.settle()?;
                 let mut truth = vec![next];
                 while truth.len() < self.max_depth {
                     next = self.greedy_next(&mut cache, &[next])?;

@@ -55,7 +55,7 @@ pub fn parity(dev: &Device, dtype: DType) -> Result<Value> {
             run(&m, &mut cache, &tokens[i..=i], &pos[i..=i], &AttnPattern::Causal, &[0])?
                 .context("logits")?,
         );
-        cache.settle();
+        cache.settle()?;
     }
     let decode_err = max_abs_diff(&candle_core::Tensor::cat(&dec, 0)?, &exp["decode_logits"]);
     Ok(json!({"dtype": format!("{dtype:?}"), "prefill_logits_max_abs_err": prefill_err, "decode_logits_max_abs_err": decode_err}))
