@@ -142,13 +142,13 @@ impl GatedDeltaNet {
                 )
             }
             (true, true) => {
-                return Err(ModelError::Unsupported(format!(
+                return Err(ModelError::Inconsistent(format!(
                     "{}: `{p}` has both the split (in_proj_qkv) and the fused (in_proj_qkvz) Gated DeltaNet projections; the checkpoint mixes two layouts",
                     w.dir().display()
                 )))
             }
             (false, false) => {
-                return Err(ModelError::Unsupported(format!(
+                return Err(ModelError::Inconsistent(format!(
                     "{}: `{p}` has neither in_proj_qkv (Qwen3.5 layout) nor in_proj_qkvz (Qwen3-Next layout), but config.json says this layer is linear_attention{}",
                     w.dir().display(),
                     if w.contains(&format!("{}.self_attn.q_proj.weight", p.trim_end_matches(".linear_attn"))) {

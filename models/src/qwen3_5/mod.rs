@@ -116,7 +116,7 @@ impl Qwen35Model {
                 )?),
                 HybridLayerType::FullAttention => {
                     if w.contains(&format!("{p}.linear_attn.A_log")) {
-                        return Err(ModelError::Unsupported(format!(
+                        return Err(ModelError::Inconsistent(format!(
                             "{}: config.json says layer {i} is full_attention, but the checkpoint has Gated DeltaNet weights (`{p}.linear_attn.*`) there: layer_types does not match the weights",
                             w.dir().display()
                         )));
