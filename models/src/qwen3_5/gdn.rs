@@ -14,6 +14,7 @@ use dflash_common::{HybridConfig, WeightFiles};
 use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::{GdnState, StagedState};
 use crate::layer::linear;
+use crate::ops::{rms_norm, OpsMode};
 use crate::qwen3_5::delta_rule::{chunked, recurrent, DeltaInputs, Forest};
 use crate::random::WeightRng;
 
@@ -253,22 +254,22 @@ impl GatedDeltaNet {
             .sum(1)?
             .silu()?;
 
-        let q = u.narrow(1, 0, hk * dk)?.reshape((t, hk, dk))?;
-        let k = u.narrow(1, hk * dk, hk * dk)?.reshape((t, hk, dk))?;
         let v = u.narrow(1, 2 * hk * dk, hv * dv)?.reshape((t, hv, dv))?;
-        let l2 = |x: &Tensor| -> Result<Tensor> {
-            let x = x.to_dtype(DType::F32)?;
-            let inv = (x.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?.sqrt()?.recip()?;
-            x.broadcast_mul(&inv)
-        };
+        // q and k of every key head side by side: one L2 normalisation (in f32) for both.
+        let qk = u
+            .narrow(1, 0, 2 * hk * dk)?
+            .reshape((t, 2 * hk, dk))?
+            .to_dtype(DType::F32)?;
+        let inv = (qk.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?.sqrt()?.recip()?;
+        let qk = qk.broadcast_mul(&inv)?;
         // Value head j reads key head j / r (HF repeat_interleave).
         let expand = |x: Tensor| -> Result<Tensor> {
             x.unsqueeze(2)?
                 .broadcast_as((t, hk, hv / hk, dk))?
                 .reshape((t, hv, dk))
         };
-        let q = expand((l2(&q)? * (1.0 / (dk as f64).sqrt()))?)?;
-        let k = expand(l2(&k)?)?;
+        let q = expand((qk.narrow(1, 0, hk)? * (1.0 / (dk as f64).sqrt()))?)?;
+        let k = expand(qk.narrow(1, hk, hk)?)?;
         let v = v.to_dtype(DType::F32)?;
         let beta = candle_nn::ops::sigmoid(&b.to_dtype(DType::F32)?.contiguous()?)?;
         let g = softplus(&a.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias)?)?
@@ -311,21 +312,17 @@ impl GatedDeltaNet {
         Ok((y.reshape((t, hv * dv))?, staged))
     }
 
-    /// HF `Qwen3_5RMSNormGated`: normalise in f32, cast, times the (plain, not zero-centred)
+    /// HF `Qwen3_5RMSNormGated`: RMS-normalise (f32 inside), times the plain (not zero-centred)
     /// weight, times `silu(z)` in f32, cast back.
     fn gated_norm(&self, o: &Tensor, z: &Tensor) -> Result<Tensor> {
         let dtype = o.dtype();
-        let of = o.to_dtype(DType::F32)?;
-        let var = of.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = of.broadcast_div(&(var + self.eps)?.sqrt()?)?.to_dtype(dtype)?;
-        let weighted = normed.broadcast_mul(&self.norm)?.to_dtype(DType::F32)?;
-        (weighted * z.to_dtype(DType::F32)?.silu()?)?.to_dtype(dtype)
+        let normed = rms_norm(&o.contiguous()?, &self.norm, self.eps, OpsMode::Fused)?;
+        (normed.to_dtype(DType::F32)? * z.to_dtype(DType::F32)?.silu()?)?.to_dtype(dtype)
     }
 }
 
 /// `log(1 + e^x)`, linear above 20 as torch's default threshold.
 fn softplus(x: &Tensor) -> Result<Tensor> {
-    let stable = (x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?)?;
-    let big = x.ge(20.0)?;
-    big.where_cond(x, &stable)
+    let soft = (x.exp()? + 1.0)?.log()?;
+    x.ge(20.0)?.where_cond(x, &soft)
 }
