@@ -283,9 +283,11 @@ impl HybridConfig {
             ));
         }
         if let Some(e) = raw.num_experts.filter(|&e| e > 0) {
-            let dense = raw.mlp_only_layers.as_ref().is_some_and(|l| {
-                (0..raw.num_hidden_layers).all(|i| l.contains(&i))
-            }) || raw.decoder_sparse_step == Some(0);
+            let dense = raw
+                .mlp_only_layers
+                .as_ref()
+                .is_some_and(|l| (0..raw.num_hidden_layers).all(|i| l.contains(&i)))
+                || raw.decoder_sparse_step == Some(0);
             if !dense {
                 return Err(err(
                     "num_experts",

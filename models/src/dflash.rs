@@ -19,9 +19,9 @@ use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::SequenceCache;
 use crate::layer::{linear, DecoderLayer};
 use crate::ops::{rms_norm, OpsMode};
-use crate::target::DraftTarget;
 use crate::random::WeightRng;
 use crate::rope::RotaryEmbedding;
+use crate::target::DraftTarget;
 
 /// One sequence's draft request.
 pub struct DraftInput<'a> {

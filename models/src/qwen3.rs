@@ -341,21 +341,13 @@ pub(crate) fn check_batch(
                 seq.positions.len()
             )));
         }
-        if let Some(&tok) = seq
-            .tokens
-            .iter()
-            .find(|&&x| x as usize >= vocab_size)
-        {
+        if let Some(&tok) = seq.tokens.iter().find(|&&x| x as usize >= vocab_size) {
             return Err(ModelError::BadInput(format!(
                 "token id {tok} is outside the vocabulary ({})",
                 vocab_size
             )));
         }
-        if let Some(&p) = seq
-            .positions
-            .iter()
-            .find(|&&p| p as usize >= max_positions)
-        {
+        if let Some(&p) = seq.positions.iter().find(|&&p| p as usize >= max_positions) {
             return Err(ModelError::PositionOutOfRange {
                 position: p as usize,
                 max: max_positions,

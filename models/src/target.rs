@@ -9,8 +9,8 @@ use candle_core::{DType, Device, Tensor};
 use dflash_common::HybridConfig;
 
 use crate::error::ModelResult;
-use crate::ops::OpsMode;
 use crate::kv_cache::SequenceCache;
+use crate::ops::OpsMode;
 use crate::qwen3::{ForwardOutput, Qwen3Model, SeqForward};
 use crate::qwen3_5::Qwen35Model;
 

@@ -11,13 +11,13 @@
 
 use std::collections::HashMap;
 
+use dflash_models::qwen3_5::MtpHead;
+use dflash_models::random::WeightRng;
+use dflash_models::spec::MtpProposer;
 use dflash_models::spec::{
     Algorithm, Engine, EngineConfig, GenerationRequest, Noise, OracleProposer, Proposer,
     SamplingParams,
 };
-use dflash_models::qwen3_5::MtpHead;
-use dflash_models::random::WeightRng;
-use dflash_models::spec::MtpProposer;
 use dflash_models::{OpsMode, Qwen35Model};
 use dflash_tests::{chi2_bound, single_threaded_tensor_ops, tiny_hybrid, two_sample_chi2};
 
@@ -102,8 +102,14 @@ fn speculative_sampling_on_a_hybrid_target_matches_plain_sampling_distribution()
     // top-8 sometimes holds the token the target samples among its top-6 of 96 (125 accepted
     // drafts over the 800 samples, deterministic for these seeds: fewer decided tokens, so this
     // comparison has less power than the oracle ones).
-    let head = MtpHead::random(&mut WeightRng::new(4), t.config(), t.dtype(), t.device(), OpsMode::Fused)
-        .unwrap();
+    let head = MtpHead::random(
+        &mut WeightRng::new(4),
+        t.config(),
+        t.dtype(),
+        t.device(),
+        OpsMode::Fused,
+    )
+    .unwrap();
     let (mtp, mtp_accepted) = sample_all(
         &t,
         Some(Box::new(MtpProposer::new(t.clone(), head, 3))),
@@ -111,9 +117,18 @@ fn speculative_sampling_on_a_hybrid_target_matches_plain_sampling_distribution()
         4_000_000,
     );
     // The drafts must decide many tokens, or the test would only compare prefill samples.
-    assert!(chain_accepted > SAMPLES / 2, "chain accepted only {chain_accepted} drafts");
-    assert!(tree_accepted > SAMPLES / 2, "tree accepted only {tree_accepted} drafts");
-    assert!(mtp_accepted > SAMPLES / 8, "mtp accepted only {mtp_accepted} drafts");
+    assert!(
+        chain_accepted > SAMPLES / 2,
+        "chain accepted only {chain_accepted} drafts"
+    );
+    assert!(
+        tree_accepted > SAMPLES / 2,
+        "tree accepted only {tree_accepted} drafts"
+    );
+    assert!(
+        mtp_accepted > SAMPLES / 8,
+        "mtp accepted only {mtp_accepted} drafts"
+    );
     for (name, spec) in [("chain", &chain), ("ddtree", &tree), ("mtp ddtree", &mtp)] {
         for pos in 1..NEW {
             let a: Vec<u32> = plain.iter().map(|s| s[pos]).collect();

@@ -43,7 +43,9 @@ fn request(prompt: &[u32], algorithm: Algorithm, max_new_tokens: usize) -> Gener
 const PROMPTS: [&[u32]; 3] = [
     &[5, 17, 33, 2, 90, 41, 7],
     &[60],
-    &[12, 12, 12, 80, 3, 44, 19, 27, 65, 8, 1, 93, 50, 22, 71, 36, 4, 88, 9, 30],
+    &[
+        12, 12, 12, 80, 3, 44, 19, 27, 65, 8, 1, 93, 50, 22, 71, 36, 4, 88, 9, 30,
+    ],
 ];
 
 fn noisy(m: &Qwen35Model, seed: u64) -> Box<dyn Proposer> {
@@ -61,7 +63,10 @@ fn noisy(m: &Qwen35Model, seed: u64) -> Box<dyn Proposer> {
 fn check_against_recompute(m: &Qwen35Model, tokens: &[u32], cache: &SequenceCache, what: &str) {
     let n = cache.len();
     let tracker = cache.row_tracker().unwrap();
-    assert_eq!(tracker.settled, n, "{what}: per-row states outlive the commit");
+    assert_eq!(
+        tracker.settled, n,
+        "{what}: per-row states outlive the commit"
+    );
     let mut fresh = m.new_cache(n + 1).unwrap();
     let positions: Vec<u32> = (0..n as u32).collect();
     m.forward(
@@ -97,7 +102,12 @@ fn check_against_recompute(m: &Qwen35Model, tokens: &[u32], cache: &SequenceCach
 }
 
 /// Runs one request to the end, checking the committed state after every step.
-fn generate_checked(e: &mut Engine, m: &Qwen35Model, req: GenerationRequest, what: &str) -> Vec<u32> {
+fn generate_checked(
+    e: &mut Engine,
+    m: &Qwen35Model,
+    req: GenerationRequest,
+    what: &str,
+) -> Vec<u32> {
     let id = e.add(req).unwrap();
     let mut out = Vec::new();
     loop {
@@ -120,18 +130,38 @@ fn chain_and_ddtree_greedy_on_a_hybrid_target_match_plain_with_recomputed_states
     let m = tiny_hybrid(7);
     for (p, prompt) in PROMPTS.iter().enumerate() {
         let mut plain = Engine::new(m.clone(), None, config());
-        let want = generate_checked(&mut plain, &m, request(prompt, Algorithm::Plain, 40), "plain");
+        let want = generate_checked(
+            &mut plain,
+            &m,
+            request(prompt, Algorithm::Plain, 40),
+            "plain",
+        );
         let runs: Vec<(&str, Box<dyn Proposer>, Algorithm)> = vec![
-            ("oracle chain", Box::new(OracleProposer::new(m.clone(), 7, None)), Algorithm::Chain),
+            (
+                "oracle chain",
+                Box::new(OracleProposer::new(m.clone(), 7, None)),
+                Algorithm::Chain,
+            ),
             ("noisy chain", noisy(&m, p as u64), Algorithm::Chain),
-            ("noisy ddtree-4", noisy(&m, 10 + p as u64), Algorithm::DDTree { budget: 4 }),
-            ("noisy ddtree-32", noisy(&m, 20 + p as u64), Algorithm::DDTree { budget: 32 }),
+            (
+                "noisy ddtree-4",
+                noisy(&m, 10 + p as u64),
+                Algorithm::DDTree { budget: 4 },
+            ),
+            (
+                "noisy ddtree-32",
+                noisy(&m, 20 + p as u64),
+                Algorithm::DDTree { budget: 32 },
+            ),
         ];
         for (name, proposer, algorithm) in runs {
             let mut e = Engine::new(m.clone(), Some(proposer), config());
             let what = format!("prompt {p}, {name}");
             let got = generate_checked(&mut e, &m, request(prompt, algorithm, 40), &what);
-            assert_eq!(got, want, "{what}: speculative output differs from plain greedy");
+            assert_eq!(
+                got, want,
+                "{what}: speculative output differs from plain greedy"
+            );
         }
     }
 }
@@ -150,7 +180,11 @@ fn a_batch_mixing_algorithms_on_a_hybrid_target_matches_plain() {
         })
         .collect();
     let mut e = Engine::new(m.clone(), Some(noisy(&m, 3)), config());
-    let algos = [Algorithm::Chain, Algorithm::DDTree { budget: 16 }, Algorithm::Plain];
+    let algos = [
+        Algorithm::Chain,
+        Algorithm::DDTree { budget: 16 },
+        Algorithm::Plain,
+    ];
     let ids: Vec<_> = PROMPTS
         .iter()
         .zip(algos)
@@ -176,40 +210,57 @@ fn an_uncompacted_tree_cannot_be_extended_or_truncated_through() {
     single_threaded_tensor_ops();
     let m = tiny_hybrid(3);
     let mut cache = m.new_cache_with_rollback(32, 8).unwrap();
-    let fwd = |cache: &mut SequenceCache, tokens: &[u32], positions: &[u32], pattern: &AttnPattern| {
-        m.forward(
-            &mut [SeqForward {
-                cache,
-                tokens,
-                positions,
-                pattern,
-                logit_rows: &[],
-            }],
-            &[],
-        )
-        .map(|_| ())
-    };
+    let fwd =
+        |cache: &mut SequenceCache, tokens: &[u32], positions: &[u32], pattern: &AttnPattern| {
+            m.forward(
+                &mut [SeqForward {
+                    cache,
+                    tokens,
+                    positions,
+                    pattern,
+                    logit_rows: &[],
+                }],
+                &[],
+            )
+            .map(|_| ())
+        };
     fwd(&mut cache, &[1, 2, 3], &[0, 1, 2], &AttnPattern::Causal).unwrap();
     // root, two children of the root, one grandchild under the second child
     let tree = AttnPattern::Tree {
         parents: vec![None, Some(0), Some(0), Some(2)],
     };
     fwd(&mut cache, &[4, 5, 6, 7], &[3, 4, 4, 5], &tree).unwrap();
-    let e = fwd(&mut cache, &[8], &[7], &AttnPattern::Causal).unwrap_err().to_string();
+    let e = fwd(&mut cache, &[8], &[7], &AttnPattern::Causal)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("uncommitted tree"), "{e}");
-    assert!(cache.clone().truncate(6).unwrap_err().to_string().contains("tree"));
-    assert!(cache.clone().compact(3, &[3, 4, 6]).is_err(), "not one path");
+    assert!(cache
+        .clone()
+        .truncate(6)
+        .unwrap_err()
+        .to_string()
+        .contains("tree"));
+    assert!(
+        cache.clone().compact(3, &[3, 4, 6]).is_err(),
+        "not one path"
+    );
     // The path root -> second child -> grandchild commits the grandchild's state.
     cache.compact(3, &[3, 5, 6]).unwrap();
     let mut fresh = m.new_cache(32).unwrap();
-    fwd(&mut fresh, &[1, 2, 3, 4, 6, 7], &[0, 1, 2, 3, 4, 5], &AttnPattern::Causal).unwrap();
-    let (LayerCache::Recurrent(a), LayerCache::Recurrent(b)) = (cache.layer(0), fresh.layer(0)) else {
+    fwd(
+        &mut fresh,
+        &[1, 2, 3, 4, 6, 7],
+        &[0, 1, 2, 3, 4, 5],
+        &AttnPattern::Causal,
+    )
+    .unwrap();
+    let (LayerCache::Recurrent(a), LayerCache::Recurrent(b)) = (cache.layer(0), fresh.layer(0))
+    else {
         panic!("layer 0 is GDN")
     };
     assert!(max_abs_diff(&a.last().ssm, &b.last().ssm) < 1e-4);
     assert!(max_abs_diff(&a.last().conv, &b.last().conv) < 1e-4);
 }
-
 
 /// A random DFlash drafter in the Qwen3.6 style (a sliding-window layer then a full one) tapping
 /// two GDN layers and the attention layer of the hybrid target: drafts are mostly rejected, so
@@ -252,7 +303,11 @@ fn dflash_drafter_tapping_recurrent_layers_keeps_hybrid_greedy_output() {
             .0;
         for algorithm in [Algorithm::Chain, Algorithm::DDTree { budget: 16 }] {
             let drafter = DFlashDrafter::random(cfg.clone(), &m, 9, OpsMode::Fused).unwrap();
-            let mut e = Engine::new(m.clone(), Some(Box::new(DFlashProposer::new(drafter))), config());
+            let mut e = Engine::new(
+                m.clone(),
+                Some(Box::new(DFlashProposer::new(drafter))),
+                config(),
+            );
             let what = format!("prompt {p}, dflash {algorithm:?}");
             let got = generate_checked(&mut e, &m, request(prompt, algorithm, 24), &what);
             assert_eq!(got, want, "{what}");
@@ -345,8 +400,14 @@ fn mtp_drafts_depend_only_on_the_committed_prefix() {
         .taps
         .unwrap();
     let head = || {
-        MtpHead::random(&mut WeightRng::new(3), m.config(), m.dtype(), m.device(), OpsMode::Fused)
-            .unwrap()
+        MtpHead::random(
+            &mut WeightRng::new(3),
+            m.config(),
+            m.dtype(),
+            m.device(),
+            OpsMode::Fused,
+        )
+        .unwrap()
     };
     let mut incremental = MtpProposer::new(m.clone(), head(), 3);
     incremental.open(0, 64).unwrap();
@@ -358,19 +419,38 @@ fn mtp_drafts_depend_only_on_the_committed_prefix() {
         }
         let f = feats.narrow(0, prev, n - prev).unwrap();
         let got = incremental
-            .propose(&[ProposeItem { seq: 0, tokens: &tokens[..=n], features: Some(&f), top_k: 4 }])
+            .propose(&[ProposeItem {
+                seq: 0,
+                tokens: &tokens[..=n],
+                features: Some(&f),
+                top_k: 4,
+            }])
             .unwrap();
         let mut fresh = MtpProposer::new(m.clone(), head(), 3);
         fresh.open(1, 64).unwrap();
         let f = feats.narrow(0, 0, n).unwrap();
         let want = fresh
-            .propose(&[ProposeItem { seq: 1, tokens: &tokens[..=n], features: Some(&f), top_k: 4 }])
+            .propose(&[ProposeItem {
+                seq: 1,
+                tokens: &tokens[..=n],
+                features: Some(&f),
+                top_k: 4,
+            }])
             .unwrap();
         for d in 0..3 {
             let (a, b) = (got[0].row(d), want[0].row(d));
-            assert_eq!(a.iter().map(|x| x.0).collect::<Vec<_>>(), b.iter().map(|x| x.0).collect::<Vec<_>>(), "n {n} depth {d}");
+            assert_eq!(
+                a.iter().map(|x| x.0).collect::<Vec<_>>(),
+                b.iter().map(|x| x.0).collect::<Vec<_>>(),
+                "n {n} depth {d}"
+            );
             for (x, y) in a.iter().zip(b) {
-                assert!((x.1 - y.1).abs() < 1e-4, "n {n} depth {d}: logprob {} vs {}", x.1, y.1);
+                assert!(
+                    (x.1 - y.1).abs() < 1e-4,
+                    "n {n} depth {d}: logprob {} vs {}",
+                    x.1,
+                    y.1
+                );
             }
         }
         prev = n;

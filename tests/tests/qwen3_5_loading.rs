@@ -108,14 +108,23 @@ fn qwen3_next_fused_projection_layout_loads_to_the_same_logits() {
             ba.push(rows(&b, g * r, r));
             ba.push(rows(&a, g * r, r));
         }
-        w.insert(format!("{p}.in_proj_qkvz.weight"), Tensor::cat(&qkvz, 0).unwrap());
-        w.insert(format!("{p}.in_proj_ba.weight"), Tensor::cat(&ba, 0).unwrap());
+        w.insert(
+            format!("{p}.in_proj_qkvz.weight"),
+            Tensor::cat(&qkvz, 0).unwrap(),
+        );
+        w.insert(
+            format!("{p}.in_proj_ba.weight"),
+            Tensor::cat(&ba, 0).unwrap(),
+        );
     }
     let o = text.as_object_mut().unwrap();
     o.insert("model_type".into(), "qwen3_next".into());
     let rope = o.remove("rope_parameters").unwrap();
     o.insert("rope_theta".into(), rope["rope_theta"].clone());
-    o.insert("partial_rotary_factor".into(), rope["partial_rotary_factor"].clone());
+    o.insert(
+        "partial_rotary_factor".into(),
+        rope["partial_rotary_factor"].clone(),
+    );
     let dir = write("next", &text, &w);
     check_logits(&dir);
     std::fs::remove_dir_all(dir).ok();
@@ -138,7 +147,10 @@ fn layer_types_that_disagree_with_the_weights_are_refused_by_layer() {
             .to_string();
         assert!(e.contains("layer_types does not match the weights"), "{e}");
         assert!(e.contains(says), "{e}");
-        assert!(e.contains(&format!("layers.{layer}")) || e.contains(&format!("layer {layer}")), "{e}");
+        assert!(
+            e.contains(&format!("layers.{layer}")) || e.contains(&format!("layer {layer}")),
+            "{e}"
+        );
         std::fs::remove_dir_all(dir).ok();
     }
 }
@@ -153,7 +165,10 @@ fn a_checkpoint_mixing_split_and_fused_projections_is_refused() {
     let e = Qwen35Model::load(&dir, DType::F32, &Device::Cpu, 64, OpsMode::Fused)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("both the split") && e.contains("model.layers.0.linear_attn"), "{e}");
+    assert!(
+        e.contains("both the split") && e.contains("model.layers.0.linear_attn"),
+        "{e}"
+    );
     std::fs::remove_dir_all(dir).ok();
 }
 
@@ -167,7 +182,10 @@ fn the_builtin_mtp_head_loads_from_mtp_tensors_and_its_absence_is_explained() {
     let e = MtpHead::load(&none, &hc, DType::F32, &Device::Cpu, OpsMode::Fused)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("no built-in MTP head") && e.contains("mtp.fc.weight"), "{e}");
+    assert!(
+        e.contains("no built-in MTP head") && e.contains("mtp.fc.weight"),
+        "{e}"
+    );
     // The 15 tensors of a dense checkpoint's head: layer 2 (gated attention) serves as its layer.
     let layer: Vec<(String, Tensor)> = w
         .iter()
@@ -179,7 +197,11 @@ fn the_builtin_mtp_head_loads_from_mtp_tensors_and_its_absence_is_explained() {
     let h = hc.hidden_size;
     let norm = w["model.language_model.norm.weight"].clone();
     w.extend(layer);
-    for n in ["mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"] {
+    for n in [
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "mtp.norm.weight",
+    ] {
         w.insert(n.into(), norm.clone());
     }
     let fc = Tensor::zeros((h, 2 * h), DType::BF16, &Device::Cpu).unwrap();
@@ -196,7 +218,8 @@ fn the_builtin_mtp_head_loads_from_mtp_tensors_and_its_absence_is_explained() {
 #[test]
 fn target_load_picks_the_family_from_config_json() {
     use dflash_models::Target;
-    let hybrid = Target::load(&fixture(NAME), DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();
+    let hybrid =
+        Target::load(&fixture(NAME), DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();
     assert!(matches!(hybrid, Target::Hybrid(_)));
     let next = fixture("qwen3_next-tiny-random");
     let next = Target::load(&next, DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();

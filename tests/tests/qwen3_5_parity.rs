@@ -20,9 +20,15 @@ const TOL: f32 = 1e-4;
 const FIXTURES: [&str; 2] = ["qwen3_5-tiny-random", "qwen3_next-tiny-random"];
 
 fn model(name: &str, form: DeltaForm) -> Qwen35Model {
-    Qwen35Model::load(&fixture(name), DType::F32, &Device::Cpu, 128, OpsMode::Fused)
-        .unwrap()
-        .with_delta_form(form)
+    Qwen35Model::load(
+        &fixture(name),
+        DType::F32,
+        &Device::Cpu,
+        128,
+        OpsMode::Fused,
+    )
+    .unwrap()
+    .with_delta_form(form)
 }
 
 fn run(
@@ -70,7 +76,11 @@ fn prefill_logits_and_taps_match_transformers_in_both_delta_rule_forms() {
             let (logits, taps) = run(&m, &mut cache, &tokens);
             let d = max_abs_diff(&logits, &exp["prefill_logits"]);
             assert!(d < TOL, "{name} {form:?}: prefill logits differ by {d}");
-            check_taps(&taps, &exp["prefill_taps"], &format!("{name} {form:?} prefill"));
+            check_taps(
+                &taps,
+                &exp["prefill_taps"],
+                &format!("{name} {form:?} prefill"),
+            );
         }
     }
 }
@@ -107,7 +117,10 @@ fn chunked_prefill_continued_from_the_cache_matches_transformers() {
             run(&m, &mut cache, &tokens[..40]);
             let (logits, _) = run(&m, &mut cache, &tokens[40..]);
             let d = max_abs_diff(&logits, &exp["chunk2_logits"]);
-            assert!(d < TOL, "{name} {form:?}: second chunk's logits differ by {d}");
+            assert!(
+                d < TOL,
+                "{name} {form:?}: second chunk's logits differ by {d}"
+            );
         }
     }
 }

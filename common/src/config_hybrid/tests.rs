@@ -8,7 +8,13 @@ fn parse(v: Value) -> Result<HybridConfig, ConfigError> {
 /// The Qwen3.6-27B text config as transcribed in QWEN_TARGETS.md §3.2, nested as released.
 fn qwen36_27b() -> Value {
     let layer_types: Vec<&str> = (0..64)
-        .map(|i| if (i + 1) % 4 == 0 { "full_attention" } else { "linear_attention" })
+        .map(|i| {
+            if (i + 1) % 4 == 0 {
+                "full_attention"
+            } else {
+                "linear_attention"
+            }
+        })
         .collect();
     json!({
         "model_type": "qwen3_5",
@@ -73,7 +79,10 @@ fn wrong_layer_type_and_wrong_count_are_refused() {
     let mut v = qwen36_27b();
     v["text_config"]["layer_types"][2] = json!("sliding_attention");
     let e = parse(v).unwrap_err().to_string();
-    assert!(e.contains("layer_types[2]") && e.contains("sliding_attention"), "{e}");
+    assert!(
+        e.contains("layer_types[2]") && e.contains("sliding_attention"),
+        "{e}"
+    );
     let mut v = qwen36_27b();
     v["text_config"]["num_hidden_layers"] = json!(63);
     let e = parse(v).unwrap_err().to_string();

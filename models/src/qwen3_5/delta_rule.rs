@@ -25,12 +25,14 @@ pub struct DeltaInputs {
     pub beta: Tensor,
 }
 
-/// One sequence's token forest for a forward, planned once and shared by every GDN layer:
-/// depth levels, where each token's parent state sits, and the conv-tap rows along each path.
-/// Index tensors are uploaded once per forward, not once per layer, and chains (the common case)
-/// need none beyond the conv taps.
+/// The token forests of one or more sequences (segments) for a forward, planned once and shared
+/// by every GDN layer: depth levels across all segments (so nodes of one depth in every
+/// sequence step together), where each token's parent state sits, which segment each root
+/// starts from, and the conv-tap rows along each path. Index tensors are uploaded once per
+/// forward, not once per layer; chains need none beyond the conv taps.
 pub struct Forest {
-    pub parents: Vec<Option<usize>>,
+    /// Start and length of each segment in the combined token order.
+    pub segments: Vec<(usize, usize)>,
     depth: Vec<usize>,
     pos_in_level: Vec<usize>,
     /// `(start, len)` of each depth level in level order.
@@ -40,14 +42,27 @@ pub struct Forest {
     /// Per level: rows of the previous level's states that its tokens continue from; `None`
     /// for the roots and wherever the previous level has a single token (a broadcast).
     parent_rows: Vec<Option<Tensor>>,
-    /// Rows of `[cached window (K-1 rows) ; new rows]` each token's conv reads, oldest first.
+    /// Segment of each root, in level order; `None` when root j belongs to segment j.
+    root_segments: Option<Tensor>,
+    /// Rows of the segments' `[cached window (K-1 rows) ; new rows]` blocks, stacked in segment
+    /// order, that each token's conv reads, oldest first.
     pub conv_taps: Tensor,
     pub kernel: usize,
 }
 
 impl Forest {
-    pub fn new(parents: Vec<Option<usize>>, kernel: usize, dev: &Device) -> Result<Self> {
-        let t = parents.len();
+    /// One segment per sequence; `parents` are local to each segment.
+    pub fn new(segments: &[&[Option<usize>]], kernel: usize, dev: &Device) -> Result<Self> {
+        let t: usize = segments.iter().map(|s| s.len()).sum();
+        let mut parents: Vec<Option<usize>> = Vec::with_capacity(t);
+        let mut seg_of = Vec::with_capacity(t);
+        let mut spans = Vec::with_capacity(segments.len());
+        for (j, seg) in segments.iter().enumerate() {
+            let off = parents.len();
+            spans.push((off, seg.len()));
+            parents.extend(seg.iter().map(|p| p.map(|p| p + off)));
+            seg_of.extend(std::iter::repeat(j).take(seg.len()));
+        }
         let mut depth = vec![0usize; t];
         let mut by_level: Vec<Vec<usize>> = Vec::new();
         for (i, p) in parents.iter().enumerate() {
@@ -80,6 +95,16 @@ impl Forest {
                 Tensor::new(inverse.as_slice(), dev)?,
             ))
         };
+        let roots: Vec<u32> = by_level.first().map_or(Vec::new(), |l| {
+            l.iter().map(|&i| seg_of[i] as u32).collect()
+        });
+        let root_segments = if roots.iter().enumerate().all(|(j, &s)| s as usize == j)
+            && roots.len() == segments.len()
+        {
+            None
+        } else {
+            Some(Tensor::new(roots.as_slice(), dev)?)
+        };
         let mut parent_rows = vec![None];
         for d in 1..by_level.len() {
             if by_level[d - 1].len() == 1 {
@@ -94,54 +119,61 @@ impl Forest {
         }
         let w = kernel - 1;
         let mut taps = Vec::with_capacity(t * kernel);
-        for i in 0..t {
-            let mut path = Vec::with_capacity(kernel);
-            let (mut node, mut window_next) = (Some(i), w);
-            while path.len() < kernel {
-                match node {
-                    Some(n) => {
-                        path.push((w + n) as u32);
-                        node = parents[n];
-                    }
-                    None => {
-                        window_next -= 1;
-                        path.push(window_next as u32);
+        for (j, &(off, len)) in spans.iter().enumerate() {
+            // This segment's block starts after the earlier segments' windows and rows.
+            let base = j * w + off;
+            for i in off..off + len {
+                let mut path = Vec::with_capacity(kernel);
+                let (mut node, mut window_next) = (Some(i), w);
+                while path.len() < kernel {
+                    match node {
+                        Some(n) => {
+                            path.push((base + w + n - off) as u32);
+                            node = parents[n];
+                        }
+                        None => {
+                            window_next -= 1;
+                            path.push((base + window_next) as u32);
+                        }
                     }
                 }
+                path.reverse();
+                taps.extend(path);
             }
-            path.reverse();
-            taps.extend(path);
         }
         Ok(Self {
             conv_taps: Tensor::new(taps.as_slice(), dev)?,
-            parents,
+            segments: spans,
             depth,
             pos_in_level,
             levels,
             order,
             parent_rows,
+            root_segments,
             kernel,
         })
     }
 
+    /// Tokens over all segments.
     pub fn len(&self) -> usize {
-        self.parents.len()
+        self.depth.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.parents.is_empty()
+        self.depth.is_empty()
     }
 }
 
-/// Token-by-token recurrence over `forest` starting from `initial` `[Hv, dk, dv]`: all tokens
-/// of one depth step together, each from its parent's state. Returns the outputs
-/// `[t, Hv, dv]` and the state after each token (`[Hv, dk, dv]` views).
+/// Token-by-token recurrence over `forest` from `initial` `[segments, Hv, dk, dv]` (one state
+/// per segment): all tokens of one depth step together, each from its parent's state (roots
+/// from their segment's). Returns the outputs `[t, Hv, dv]` and the state after each token
+/// (`[Hv, dk, dv]` views).
 pub fn recurrent(
     inp: &DeltaInputs,
     forest: &Forest,
     initial: &Tensor,
 ) -> Result<(Tensor, Vec<Tensor>)> {
-    let (hv, dk, dv) = initial.dims3()?;
+    let (_, hv, dk, dv) = initial.dims4()?;
     let in_level_order = |x: &Tensor| -> Result<Tensor> {
         match &forest.order {
             Some((order, _)) => x.index_select(order, 0),
@@ -158,7 +190,10 @@ pub fn recurrent(
     for (d, &(start, n)) in forest.levels.iter().enumerate() {
         let shape = (n, hv, dk, dv);
         let s_prev = match (d, &forest.parent_rows[d]) {
-            (0, _) => initial.unsqueeze(0)?.broadcast_as(shape)?,
+            (0, _) => match &forest.root_segments {
+                None => initial.clone(),
+                Some(segs) => initial.index_select(segs, 0)?,
+            },
             (_, Some(rows)) => level_states[d - 1].index_select(rows, 0)?,
             (_, None) => level_states[d - 1].broadcast_as(shape)?,
         };
@@ -231,7 +266,7 @@ pub fn chunked(inp: &DeltaInputs, initial: &Tensor) -> Result<(Tensor, Tensor)> 
     let v_beta = v.broadcast_mul(&beta)?;
     let k_beta = k.broadcast_mul(&beta)?;
     let cum = g.cumsum(D::Minus1)?; // [Hv, nc, C]
-    // decay[i, j] = exp(cum_i - cum_j) for j <= i, 0 above the diagonal.
+                                    // decay[i, j] = exp(cum_i - cum_j) for j <= i, 0 above the diagonal.
     let diff = cum.unsqueeze(3)?.broadcast_sub(&cum.unsqueeze(2)?)?;
     let upper: Vec<f32> = (0..CHUNK)
         .flat_map(|i| (0..CHUNK).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))

@@ -49,7 +49,8 @@ impl GatedAttention {
             cfg.num_key_value_heads,
             cfg.head_dim,
         );
-        let t = |name: &str, shape: &[usize]| w.tensor(&format!("{p}.{name}"), shape, dtype, device);
+        let t =
+            |name: &str, shape: &[usize]| w.tensor(&format!("{p}.{name}"), shape, dtype, device);
         Ok(Self {
             q_proj: t("q_proj.weight", &[2 * nh * d, h])?,
             k_proj: t("k_proj.weight", &[nkv * d, h])?,
@@ -101,8 +102,16 @@ impl GatedAttention {
         if r == self.head_dim {
             return rope(x, cos, sin, self.mode);
         }
-        let rot = rope(&x.narrow(D::Minus1, 0, r)?.contiguous()?, cos, sin, self.mode)?;
-        Tensor::cat(&[&rot, &x.narrow(D::Minus1, r, self.head_dim - r)?], D::Minus1)
+        let rot = rope(
+            &x.narrow(D::Minus1, 0, r)?.contiguous()?,
+            cos,
+            sin,
+            self.mode,
+        )?;
+        Tensor::cat(
+            &[&rot, &x.narrow(D::Minus1, r, self.head_dim - r)?],
+            D::Minus1,
+        )
     }
 
     /// Queries `[heads, rows, d]`, keys and values `[kv_heads, rows, d]`, and the output gate
@@ -117,11 +126,22 @@ impl GatedAttention {
         let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let qg = linear(x, &self.q_proj)?.reshape((rows, nh, 2 * d))?;
         let gate = qg.narrow(2, d, d)?.reshape((rows, nh * d))?;
-        let q = rms_norm(&qg.narrow(2, 0, d)?.contiguous()?, &self.q_norm, self.eps, self.mode)?;
-        let q = self.partial_rope(&q, cos, sin)?.transpose(0, 1)?.contiguous()?;
+        let q = rms_norm(
+            &qg.narrow(2, 0, d)?.contiguous()?,
+            &self.q_norm,
+            self.eps,
+            self.mode,
+        )?;
+        let q = self
+            .partial_rope(&q, cos, sin)?
+            .transpose(0, 1)?
+            .contiguous()?;
         let k = linear(x, &self.k_proj)?.reshape((rows, nkv, d))?;
         let k = rms_norm(&k, &self.k_norm, self.eps, self.mode)?;
-        let k = self.partial_rope(&k, cos, sin)?.transpose(0, 1)?.contiguous()?;
+        let k = self
+            .partial_rope(&k, cos, sin)?
+            .transpose(0, 1)?
+            .contiguous()?;
         let v = linear(x, &self.v_proj)?
             .reshape((rows, nkv, d))?
             .transpose(0, 1)?
@@ -152,7 +172,8 @@ impl Mlp {
         dtype: DType,
         device: &Device,
     ) -> ModelResult<Self> {
-        let t = |name: &str, shape: &[usize]| w.tensor(&format!("{p}.{name}"), shape, dtype, device);
+        let t =
+            |name: &str, shape: &[usize]| w.tensor(&format!("{p}.{name}"), shape, dtype, device);
         Ok(Self {
             gate_proj: t("gate_proj.weight", &[i, h])?,
             up_proj: t("up_proj.weight", &[i, h])?,

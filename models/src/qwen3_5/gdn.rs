@@ -107,9 +107,11 @@ impl GatedDeltaNet {
         let (hk, hv, dk, dv, kernel) = Self::dims(cfg);
         let h = cfg.hidden_size;
         let conv_dim = cfg.conv_dim();
-        let t = |name: &str, shape: &[usize]| w.tensor(&format!("{p}.{name}"), shape, dtype, device);
-        let f32t =
-            |name: &str, shape: &[usize]| w.tensor(&format!("{p}.{name}"), shape, DType::F32, device);
+        let t =
+            |name: &str, shape: &[usize]| w.tensor(&format!("{p}.{name}"), shape, dtype, device);
+        let f32t = |name: &str, shape: &[usize]| {
+            w.tensor(&format!("{p}.{name}"), shape, DType::F32, device)
+        };
         let split = w.contains(&format!("{p}.in_proj_qkv.weight"));
         let fused = w.contains(&format!("{p}.in_proj_qkvz.weight"));
         let (qkv, z, b, a) = match (split, fused) {
@@ -223,29 +225,47 @@ impl GatedDeltaNet {
         linear(y, &self.out_proj)
     }
 
-    /// The token mixer for one sequence. `proj` holds this sequence's rows of [`Self::project`];
-    /// `forest` its tokens' paths (a chain for causal input). Returns the gated-norm output
-    /// `[t, Hv * dv]` (before `out_proj`) and the states to stage: one per row when
-    /// `keep_rows`, else only the final one.
+    /// Whether a forward of `t` tokens that keeps no per-token state runs the chunked form.
+    pub fn use_chunked(t: usize, keep_rows: bool, form: DeltaForm) -> bool {
+        !keep_rows
+            && match form {
+                DeltaForm::Auto => t > 1,
+                DeltaForm::Chunked => true,
+                DeltaForm::Recurrent => false,
+            }
+    }
+
+    /// The token mixer for the sequences (segments) of `forest`. `proj` holds their rows of
+    /// [`Self::project`] in the forest's combined order; `states` and `keep_rows` are per
+    /// segment. With `chunked` (one segment only) the chunked form runs; otherwise the
+    /// recurrence steps all segments' tokens of one depth together. Returns the gated-norm
+    /// output `[t, Hv * dv]` (before `out_proj`) and each segment's states to stage: one per
+    /// row where `keep_rows`, else only the final one.
     pub fn mix(
         &self,
         proj: &Tensor,
         forest: &Forest,
-        state: &GdnState,
-        keep_rows: bool,
-        form: DeltaForm,
-    ) -> Result<(Tensor, StagedState)> {
+        states: &[&GdnState],
+        keep_rows: &[bool],
+        chunked_form: bool,
+    ) -> Result<(Tensor, Vec<StagedState>)> {
         let t = forest.len();
         let dtype = proj.dtype();
         let (hk, hv, dk, dv, kernel) = (self.hk, self.hv, self.dk, self.dv, self.kernel);
         let conv_dim = self.conv_dim();
-        let mixed = proj.narrow(1, 0, conv_dim)?;
+        let mixed = proj.narrow(1, 0, conv_dim)?.contiguous()?;
         let z = proj.narrow(1, conv_dim, hv * dv)?;
         let b = proj.narrow(1, conv_dim + hv * dv, hv)?;
         let a = proj.narrow(1, conv_dim + hv * dv + hv, hv)?;
 
-        // Short causal conv along each token's path, then SiLU.
-        let ext = Tensor::cat(&[&state.conv, &mixed.contiguous()?], 0)?; // [K-1+t, C]
+        // Short causal conv along each token's path, then SiLU. Each segment's block is its
+        // cached window followed by its new rows.
+        let mut blocks = Vec::with_capacity(2 * forest.segments.len());
+        for (state, &(off, len)) in states.iter().zip(&forest.segments) {
+            blocks.push(state.conv.clone());
+            blocks.push(mixed.narrow(0, off, len)?);
+        }
+        let ext = Tensor::cat(&blocks, 0)?;
         let gathered = ext
             .index_select(&forest.conv_taps, 0)?
             .reshape((t, kernel, conv_dim))?;
@@ -260,7 +280,9 @@ impl GatedDeltaNet {
             .narrow(1, 0, 2 * hk * dk)?
             .reshape((t, 2 * hk, dk))?
             .to_dtype(DType::F32)?;
-        let inv = (qk.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?.sqrt()?.recip()?;
+        let inv = (qk.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?
+            .sqrt()?
+            .recip()?;
         let qk = qk.broadcast_mul(&inv)?;
         // Value head j reads key head j / r (HF repeat_interleave).
         let expand = |x: Tensor| -> Result<Tensor> {
@@ -276,36 +298,45 @@ impl GatedDeltaNet {
             .broadcast_mul(&self.neg_a)?;
         let inp = DeltaInputs { q, k, v, g, beta };
 
-        let use_chunked = !keep_rows
-            && match form {
-                DeltaForm::Auto => t > 1,
-                DeltaForm::Chunked => true,
-                DeltaForm::Recurrent => false,
-            };
-        let (o, staged) = if use_chunked {
-            let (o, s) = chunked(&inp, &state.ssm)?;
+        let (o, staged) = if chunked_form {
+            if states.len() != 1 {
+                candle_core::bail!("the chunked delta rule runs one sequence at a time");
+            }
+            let (o, s) = chunked(&inp, &states[0].ssm)?;
             // A copy, so that the window does not keep the whole chunk's input alive.
             let conv = ext.narrow(0, t, kernel - 1)?.copy()?;
-            (o, StagedState::Final(GdnState { conv, ssm: s }))
+            (o, vec![StagedState::Final(GdnState { conv, ssm: s })])
         } else {
-            let (o, states) = recurrent(&inp, forest, &state.ssm)?;
+            let initial = if states.len() == 1 {
+                states[0].ssm.unsqueeze(0)?
+            } else {
+                let ssm: Vec<&Tensor> = states.iter().map(|s| &s.ssm).collect();
+                Tensor::stack(&ssm, 0)?
+            };
+            let (o, row_states) = recurrent(&inp, forest, &initial)?;
             // A token's window after it is its own last K-1 taps.
             let windows = gathered.narrow(1, 1, kernel - 1)?;
-            let staged = if keep_rows {
-                StagedState::Rows(
-                    states
-                        .into_iter()
-                        .enumerate()
-                        .map(|(i, ssm)| Ok(GdnState { conv: windows.get(i)?, ssm }))
-                        .collect::<Result<Vec<_>>>()?,
-                )
-            } else {
-                let last = t - 1;
-                StagedState::Final(GdnState {
-                    conv: windows.get(last)?.copy()?,
-                    ssm: states[last].copy()?,
-                })
-            };
+            let mut staged = Vec::with_capacity(states.len());
+            for (&(off, len), &keep) in forest.segments.iter().zip(keep_rows) {
+                staged.push(if keep {
+                    StagedState::Rows(
+                        (off..off + len)
+                            .map(|i| {
+                                Ok(GdnState {
+                                    conv: windows.get(i)?,
+                                    ssm: row_states[i].clone(),
+                                })
+                            })
+                            .collect::<Result<Vec<_>>>()?,
+                    )
+                } else {
+                    let last = off + len - 1;
+                    StagedState::Final(GdnState {
+                        conv: windows.get(last)?.copy()?,
+                        ssm: row_states[last].copy()?,
+                    })
+                });
+            }
             (o, staged)
         };
         let y = self.gated_norm(&o.to_dtype(dtype)?, &z.reshape((t, hv, dv))?)?;

@@ -27,8 +27,8 @@ use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::{KvBuffer, LayerCache, SequenceCache, StagedState};
 use crate::layer::linear;
 use crate::ops::{rms_norm, OpsMode};
-use crate::qwen3_5::delta_rule::Forest;
 use crate::qwen3::{check_batch, ForwardOutput, SeqForward};
+use crate::qwen3_5::delta_rule::Forest;
 use crate::random::WeightRng;
 use crate::rope::RotaryEmbedding;
 pub use gated_attention::{one_plus, GatedAttention, Mlp};
@@ -102,7 +102,8 @@ impl Qwen35Model {
         }
         let pre = text_prefix(w);
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-        let embed_tokens = w.tensor(&format!("{pre}embed_tokens.weight"), &[v, h], dtype, device)?;
+        let embed_tokens =
+            w.tensor(&format!("{pre}embed_tokens.weight"), &[v, h], dtype, device)?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for (i, kind) in cfg.layer_types.iter().enumerate() {
             let p = format!("{pre}layers.{i}");
@@ -132,13 +133,25 @@ impl Qwen35Model {
                 }
             };
             let norm = |n: &str| -> ModelResult<Tensor> {
-                Ok(one_plus(&w.tensor(&format!("{p}.{n}.weight"), &[h], dtype, device)?)?)
+                Ok(one_plus(&w.tensor(
+                    &format!("{p}.{n}.weight"),
+                    &[h],
+                    dtype,
+                    device,
+                )?)?)
             };
             layers.push(HybridLayer {
                 input_norm: norm("input_layernorm")?,
                 post_norm: norm("post_attention_layernorm")?,
                 mixer,
-                mlp: Mlp::load(w, &format!("{p}.mlp"), h, cfg.intermediate_size, dtype, device)?,
+                mlp: Mlp::load(
+                    w,
+                    &format!("{p}.mlp"),
+                    h,
+                    cfg.intermediate_size,
+                    dtype,
+                    device,
+                )?,
             });
         }
         let norm = one_plus(&w.tensor(&format!("{pre}norm.weight"), &[h], dtype, device)?)?;
@@ -147,7 +160,17 @@ impl Qwen35Model {
         } else {
             w.tensor("lm_head.weight", &[v, h], dtype, device)?
         };
-        Self::assemble(cfg, embed_tokens, layers, norm, lm_head, dtype, device, max_positions, mode)
+        Self::assemble(
+            cfg,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            dtype,
+            device,
+            max_positions,
+            mode,
+        )
     }
 
     /// Seeded random weights of `cfg`'s shape (tests, benchmarks).
@@ -184,7 +207,17 @@ impl Qwen35Model {
         } else {
             rng.linear(v, h, dtype, device)?
         };
-        Self::assemble(cfg, embed_tokens, layers, norm, lm_head, dtype, device, max_positions, mode)
+        Self::assemble(
+            cfg,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            dtype,
+            device,
+            max_positions,
+            mode,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -310,7 +343,7 @@ impl Qwen35Model {
         let mut all_tokens = Vec::new();
         let mut all_positions = Vec::new();
         let mut logit_rows = Vec::new();
-        let mut forests: Vec<Forest> = Vec::with_capacity(batch.len());
+        let mut forests: Vec<Vec<Option<usize>>> = Vec::with_capacity(batch.len());
         let mut keep_rows = Vec::with_capacity(batch.len());
         for seq in batch.iter() {
             let off = all_tokens.len();
@@ -321,7 +354,9 @@ impl Qwen35Model {
             token_offsets.push(all_tokens.len());
             logit_offsets.push(logit_rows.len());
             let tracker = seq.cache.row_tracker().ok_or_else(|| {
-                ModelError::BadInput("a hybrid model needs a cache from Qwen35Model::new_cache".into())
+                ModelError::BadInput(
+                    "a hybrid model needs a cache from Qwen35Model::new_cache".into(),
+                )
             })?;
             tracker.check_extendable(seq.cache.len())?;
             let keep = t <= tracker.rollback;
@@ -337,9 +372,43 @@ impl Qwen35Model {
                 }
                 _ => (0..t).map(|i| i.checked_sub(1)).collect(),
             };
-            forests.push(Forest::new(forest, self.cfg.linear_conv_kernel_dim, &self.device)?);
+            forests.push(forest);
             keep_rows.push(keep);
         }
+        // GDN plans, shared by every GDN layer: one forest over all sequences that take the
+        // recurrence (their tokens of one depth step together), one per chunked sequence.
+        let kernel = self.cfg.linear_conv_kernel_dim;
+        let chunked: Vec<bool> = forests
+            .iter()
+            .zip(&keep_rows)
+            .map(|(f, &keep)| GatedDeltaNet::use_chunked(f.len(), keep, self.form))
+            .collect();
+        let members: Vec<usize> = (0..batch.len()).filter(|&s| !chunked[s]).collect();
+        let plan = if members.is_empty() {
+            None
+        } else {
+            let segs: Vec<&[Option<usize>]> =
+                members.iter().map(|&s| forests[s].as_slice()).collect();
+            let forest = Forest::new(&segs, kernel, &self.device)?;
+            // The members' proj rows, unless they are the whole batch in order.
+            let rows = if members.len() == batch.len() {
+                None
+            } else {
+                let r: Vec<u32> = members
+                    .iter()
+                    .flat_map(|&s| (token_offsets[s]..token_offsets[s + 1]).map(|i| i as u32))
+                    .collect();
+                Some(Tensor::new(r.as_slice(), &self.device)?)
+            };
+            Some((forest, rows))
+        };
+        let single: Vec<Option<Forest>> = (0..batch.len())
+            .map(|s| {
+                chunked[s]
+                    .then(|| Forest::new(&[forests[s].as_slice()], kernel, &self.device))
+                    .transpose()
+            })
+            .collect::<candle_core::Result<_>>()?;
         let masks = batch
             .iter()
             .map(|s| s.pattern.mask(s.cache.len(), s.tokens.len(), &self.device))
@@ -374,21 +443,42 @@ impl Qwen35Model {
                 }
                 Mixer::Linear(gdn) => {
                     let proj = gdn.project(&h)?;
-                    let mut outs = Vec::with_capacity(batch.len());
+                    let mut pieces: Vec<Option<Tensor>> = vec![None; batch.len()];
+                    if let Some((forest, rows)) = &plan {
+                        let p = match rows {
+                            Some(r) => proj.index_select(r, 0)?,
+                            None => proj.clone(),
+                        };
+                        let states = members
+                            .iter()
+                            .map(|&s| batch[s].cache.layer(li).recurrent().map(|r| r.last()))
+                            .collect::<ModelResult<Vec<_>>>()?;
+                        let keep: Vec<bool> = members.iter().map(|&s| keep_rows[s]).collect();
+                        let (y, st) = gdn.mix(&p, forest, &states, &keep, false)?;
+                        for ((&s, &(off, len)), st) in members.iter().zip(&forest.segments).zip(st)
+                        {
+                            pieces[s] = Some(y.narrow(0, off, len)?);
+                            staged[s].push((li, st));
+                        }
+                    }
                     for (s, seq) in batch.iter().enumerate() {
+                        let Some(forest) = &single[s] else { continue };
                         let (off, t) = (token_offsets[s], seq.tokens.len());
                         let state = seq.cache.layer(li).recurrent()?.last();
-                        let (y, st) = gdn.mix(
-                            &proj.narrow(0, off, t)?,
-                            &forests[s],
-                            state,
-                            keep_rows[s],
-                            self.form,
-                        )?;
-                        outs.push(y);
-                        staged[s].push((li, st));
+                        let (y, mut st) =
+                            gdn.mix(&proj.narrow(0, off, t)?, forest, &[state], &[false], true)?;
+                        pieces[s] = Some(y);
+                        staged[s].push((li, st.remove(0)));
                     }
-                    gdn.out(&cat_rows(outs)?)?
+                    let pieces = pieces
+                        .into_iter()
+                        .map(|p| {
+                            p.ok_or_else(|| {
+                                ModelError::BadInput("a sequence missed its GDN output".into())
+                            })
+                        })
+                        .collect::<ModelResult<Vec<_>>>()?;
+                    gdn.out(&cat_rows(pieces)?)?
                 }
             };
             let x1 = (x + mixed)?;
@@ -400,7 +490,7 @@ impl Qwen35Model {
         }
         for (s, seq) in batch.iter_mut().enumerate() {
             let t = seq.tokens.len();
-            let parents = keep_rows[s].then_some(forests[s].parents.as_slice());
+            let parents = keep_rows[s].then_some(forests[s].as_slice());
             seq.cache
                 .commit_recurrent(t, parents, std::mem::take(&mut staged[s]))?;
         }

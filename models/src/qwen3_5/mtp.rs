@@ -57,7 +57,8 @@ impl MtpHead {
             )));
         }
         let h = cfg.hidden_size;
-        let t = |name: &str, shape: &[usize]| w.tensor(&format!("mtp.{name}"), shape, dtype, device);
+        let t =
+            |name: &str, shape: &[usize]| w.tensor(&format!("mtp.{name}"), shape, dtype, device);
         let norm = |name: &str| -> ModelResult<Tensor> { Ok(one_plus(&t(name, &[h])?)?) };
         Ok(Self {
             norm_embedding: norm("pre_fc_norm_embedding.weight")?,
@@ -66,7 +67,14 @@ impl MtpHead {
             input_norm: norm("layers.0.input_layernorm.weight")?,
             post_norm: norm("layers.0.post_attention_layernorm.weight")?,
             attn: GatedAttention::load(w, "mtp.layers.0.self_attn", cfg, dtype, device, mode)?,
-            mlp: Mlp::load(w, "mtp.layers.0.mlp", h, cfg.intermediate_size, dtype, device)?,
+            mlp: Mlp::load(
+                w,
+                "mtp.layers.0.mlp",
+                h,
+                cfg.intermediate_size,
+                dtype,
+                device,
+            )?,
             norm: norm("norm.weight")?,
             eps: cfg.rms_norm_eps,
             mode,
@@ -129,7 +137,12 @@ impl MtpHead {
     ) -> ModelResult<(Tensor, Tensor)> {
         let n = tokens.len();
         cache.check_room(n)?;
-        let e = rms_norm(&target.embed(tokens)?, &self.norm_embedding, self.eps, self.mode)?;
+        let e = rms_norm(
+            &target.embed(tokens)?,
+            &self.norm_embedding,
+            self.eps,
+            self.mode,
+        )?;
         let h = rms_norm(hidden, &self.norm_hidden, self.eps, self.mode)?;
         let x = linear(&Tensor::cat(&[&e, &h], 1)?, &self.fc)?;
         let pos = Tensor::new(positions, target.device())?;
@@ -144,7 +157,10 @@ impl MtpHead {
         let mask = AttnPattern::Causal.mask(len, n, target.device())?;
         let a = attend(&q, &kc, &vc, mask.as_ref(), self.mode)?;
         let x = (x + self.attn.out(&a, &gate)?)?;
-        let x = (&x + self.mlp.forward(&rms_norm(&x, &self.post_norm, self.eps, self.mode)?)?)?;
+        let x = (&x
+            + self
+                .mlp
+                .forward(&rms_norm(&x, &self.post_norm, self.eps, self.mode)?)?)?;
         cache.advance(n);
         let out = rms_norm(&x, &self.norm, self.eps, self.mode)?;
         let logits = target.lm_head(&out)?;

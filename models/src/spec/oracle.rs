@@ -15,9 +15,9 @@ use crate::attention::AttnPattern;
 use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::SequenceCache;
 use crate::qwen3::SeqForward;
-use crate::target::{DraftTarget, Target};
 use crate::spec::proposer::{ProposeItem, Proposer, SeqId};
 use crate::spec::tree::TopK;
+use crate::target::{DraftTarget, Target};
 
 #[derive(Debug, Clone, Copy)]
 pub struct Noise {

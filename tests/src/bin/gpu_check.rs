@@ -333,7 +333,11 @@ fn main() -> Result<()> {
             (hybrid::qwen36_27b()?, "qwen3_6_27b_shape_bf16")
         };
         // (No 8 GiB copy probe on the CPU: its roofline figures are meaningless there anyway.)
-        let bw = if dev.is_cpu() { f64::NAN } else { copy_bandwidth(&dev)? };
+        let bw = if dev.is_cpu() {
+            f64::NAN
+        } else {
+            copy_bandwidth(&dev)?
+        };
         let b = hybrid::bench(&dev, bw, cfg)?;
         println!("hybrid bench {b}");
         report.insert(key.into(), b);

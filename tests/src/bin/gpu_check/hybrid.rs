@@ -45,25 +45,48 @@ pub fn parity(dev: &Device, dtype: DType) -> Result<Value> {
     let pos: Vec<u32> = (0..80).collect();
     let rows: Vec<usize> = (0..80).collect();
     let mut cache = m.new_cache(128)?;
-    let logits = run(&m, &mut cache, &tokens, &pos, &AttnPattern::Causal, &rows)?.context("logits")?;
+    let logits =
+        run(&m, &mut cache, &tokens, &pos, &AttnPattern::Causal, &rows)?.context("logits")?;
     let prefill_err = max_abs_diff(&logits, &exp["prefill_logits"]);
     let mut cache = m.new_cache_with_rollback(128, 1)?;
-    run(&m, &mut cache, &tokens[..5], &pos[..5], &AttnPattern::Causal, &[])?;
+    run(
+        &m,
+        &mut cache,
+        &tokens[..5],
+        &pos[..5],
+        &AttnPattern::Causal,
+        &[],
+    )?;
     let mut dec = Vec::new();
     for i in 5..17 {
         dec.push(
-            run(&m, &mut cache, &tokens[i..=i], &pos[i..=i], &AttnPattern::Causal, &[0])?
-                .context("logits")?,
+            run(
+                &m,
+                &mut cache,
+                &tokens[i..=i],
+                &pos[i..=i],
+                &AttnPattern::Causal,
+                &[0],
+            )?
+            .context("logits")?,
         );
         cache.settle()?;
     }
     let decode_err = max_abs_diff(&candle_core::Tensor::cat(&dec, 0)?, &exp["decode_logits"]);
-    Ok(json!({"dtype": format!("{dtype:?}"), "prefill_logits_max_abs_err": prefill_err, "decode_logits_max_abs_err": decode_err}))
+    Ok(
+        json!({"dtype": format!("{dtype:?}"), "prefill_logits_max_abs_err": prefill_err, "decode_logits_max_abs_err": decode_err}),
+    )
 }
 
 pub fn qwen36_27b() -> Result<HybridConfig> {
     let layer_types: Vec<&str> = (0..64)
-        .map(|i| if (i + 1) % 4 == 0 { "full_attention" } else { "linear_attention" })
+        .map(|i| {
+            if (i + 1) % 4 == 0 {
+                "full_attention"
+            } else {
+                "linear_attention"
+            }
+        })
         .collect();
     let v = json!({
         "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120,
@@ -73,7 +96,10 @@ pub fn qwen36_27b() -> Result<HybridConfig> {
         "linear_conv_kernel_dim": 4, "layer_types": layer_types, "max_position_embeddings": 262144,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
     });
-    Ok(HybridConfig::from_value(std::path::Path::new("qwen3.6-27b-shape"), &v)?)
+    Ok(HybridConfig::from_value(
+        std::path::Path::new("qwen3.6-27b-shape"),
+        &v,
+    )?)
 }
 
 /// Parents of a 64-node tree: `binary` (depth 6) or DDTree-like (a 16-deep spine with three
@@ -101,8 +127,18 @@ fn tree(n: usize, binary: bool) -> (Vec<Option<usize>>, Vec<u32>) {
 /// benchmark code path too.
 pub fn small_for_cpu() -> Result<HybridConfig> {
     let mut c = qwen36_27b()?;
-    (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers) = (1024, 128, 256, 8);
-    (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim) = (4, 2, 32, 8);
+    (
+        c.vocab_size,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_hidden_layers,
+    ) = (1024, 128, 256, 8);
+    (
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.rotary_dim,
+    ) = (4, 2, 32, 8);
     (c.linear_num_key_heads, c.linear_num_value_heads) = (2, 6);
     (c.linear_key_head_dim, c.linear_value_head_dim) = (16, 16);
     c.layer_types.truncate(8);
@@ -115,7 +151,11 @@ fn weight_bytes(c: &HybridConfig, elem: f64) -> f64 {
     let mlp = 3.0 * h * c.intermediate_size as f64;
     let hv_dv = (c.linear_num_value_heads * c.linear_value_head_dim) as f64;
     let gdn = h * (c.conv_dim() as f64 + hv_dv + 2.0 * c.linear_num_value_heads as f64) + h * hv_dv;
-    let (nh, nkv, d) = (c.num_attention_heads as f64, c.num_key_value_heads as f64, c.head_dim as f64);
+    let (nh, nkv, d) = (
+        c.num_attention_heads as f64,
+        c.num_key_value_heads as f64,
+        c.head_dim as f64,
+    );
     let attn = h * 2.0 * nh * d + 2.0 * h * nkv * d + h * nh * d;
     let lin = c.num_linear_layers() as f64;
     let full = c.num_hidden_layers as f64 - lin;
@@ -158,7 +198,10 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
     for (name, n, kind) in shapes {
         let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % vocab).collect();
         let (pattern, positions) = match kind {
-            None => (AttnPattern::Causal, (start as u32..(start + n) as u32).collect::<Vec<_>>()),
+            None => (
+                AttnPattern::Causal,
+                (start as u32..(start + n) as u32).collect::<Vec<_>>(),
+            ),
             Some(binary) => {
                 let (parents, depth) = tree(n, binary);
                 (
@@ -187,7 +230,13 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
     res.insert("prefill_1k_ms".into(), json!(prefill_1k_ms));
     res.insert(
         "config".into(),
-        json!(format!("{} layers ({} GDN), hidden {}, vocab {}", cfg.num_hidden_layers, cfg.num_linear_layers(), cfg.hidden_size, cfg.vocab_size)),
+        json!(format!(
+            "{} layers ({} GDN), hidden {}, vocab {}",
+            cfg.num_hidden_layers,
+            cfg.num_linear_layers(),
+            cfg.hidden_size,
+            cfg.vocab_size
+        )),
     );
     res.insert(
         "recurrent_state_bytes_per_tree_node_MiB".into(),
