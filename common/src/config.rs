@@ -144,7 +144,7 @@ fn read_raw(path: &Path) -> Result<(RawConfig, Value), ConfigError> {
     Ok((raw, value))
 }
 
-fn field_err(path: &Path, field: &str, message: impl Into<String>) -> ConfigError {
+pub(crate) fn field_err(path: &Path, field: &str, message: impl Into<String>) -> ConfigError {
     ConfigError::Field {
         path: path.to_path_buf(),
         field: field.into(),
@@ -153,22 +153,36 @@ fn field_err(path: &Path, field: &str, message: impl Into<String>) -> ConfigErro
 }
 
 fn parse_rope_scaling(path: &Path, raw: &RawConfig) -> Result<(f64, RopeScaling), ConfigError> {
+    parse_rope(
+        path,
+        raw.rope_theta,
+        raw.rope_scaling.as_ref(),
+        raw.rope_parameters.as_ref(),
+        raw.max_position_embeddings,
+    )
+}
+
+/// RoPE theta and scaling from the top-level `rope_theta`, `rope_scaling` or transformers 5's
+/// `rope_parameters` (shared with the hybrid-family parser).
+pub(crate) fn parse_rope(
+    path: &Path,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<&Value>,
+    rope_parameters: Option<&Value>,
+    max_position_embeddings: usize,
+) -> Result<(f64, RopeScaling), ConfigError> {
     // transformers 5 folds rope_theta into rope_parameters; older files keep it top-level.
-    let params = raw
-        .rope_scaling
-        .as_ref()
+    let params = rope_scaling
         .filter(|v| !v.is_null())
-        .or(raw.rope_parameters.as_ref().filter(|v| !v.is_null()));
-    let theta_from_params = raw
-        .rope_parameters
-        .as_ref()
+        .or(rope_parameters.filter(|v| !v.is_null()));
+    let theta_from_params = rope_parameters
         .and_then(|p| p.get("rope_theta"))
         .and_then(Value::as_f64);
-    let theta = raw.rope_theta.or(theta_from_params).unwrap_or(10_000.0);
+    let theta = rope_theta.or(theta_from_params).unwrap_or(10_000.0);
     let Some(p) = params else {
         return Ok((theta, RopeScaling::Default));
     };
-    let field = if raw.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
+    let field = if rope_scaling.is_some_and(|v| !v.is_null()) {
         "rope_scaling"
     } else {
         "rope_parameters"
@@ -195,7 +209,7 @@ fn parse_rope_scaling(path: &Path, raw: &RawConfig) -> Result<(f64, RopeScaling)
             factor: factor()?,
             original_max_position_embeddings: num("original_max_position_embeddings")
                 .map(|v| v as usize)
-                .unwrap_or(raw.max_position_embeddings),
+                .unwrap_or(max_position_embeddings),
             beta_fast: num("beta_fast").unwrap_or(32.0),
             beta_slow: num("beta_slow").unwrap_or(1.0),
             attention_factor: num("attention_factor"),
@@ -240,6 +254,30 @@ fn parse_layer_types(path: &Path, raw: &RawConfig) -> Result<Vec<LayerType>, Con
                 })
                 .collect()
         }
+    }
+}
+
+/// `eos_token_id` as one id or a list of ids.
+pub(crate) fn parse_eos(path: &Path, eos: Option<&Value>) -> Result<Vec<u32>, ConfigError> {
+    match eos {
+        None | Some(Value::Null) => Ok(vec![]),
+        Some(Value::Number(n)) => Ok(vec![n
+            .as_u64()
+            .ok_or_else(|| field_err(path, "eos_token_id", "must be a non-negative integer"))?
+            as u32]),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_u64().map(|x| x as u32).ok_or_else(|| {
+                    field_err(path, "eos_token_id", "must hold non-negative integers")
+                })
+            })
+            .collect::<Result<_, _>>(),
+        Some(_) => Err(field_err(
+            path,
+            "eos_token_id",
+            "must be an integer or a list of integers",
+        )),
     }
 }
 
@@ -295,28 +333,7 @@ fn layers_from_raw(path: &Path, raw: &RawConfig) -> Result<Qwen3Config, ConfigEr
         }
     }
     let (rope_theta, rope_scaling) = parse_rope_scaling(path, raw)?;
-    let eos_token_ids = match &raw.eos_token_id {
-        None | Some(Value::Null) => vec![],
-        Some(Value::Number(n)) => vec![n
-            .as_u64()
-            .ok_or_else(|| field_err(path, "eos_token_id", "must be a non-negative integer"))?
-            as u32],
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| {
-                v.as_u64().map(|x| x as u32).ok_or_else(|| {
-                    field_err(path, "eos_token_id", "must hold non-negative integers")
-                })
-            })
-            .collect::<Result<_, _>>()?,
-        Some(_) => {
-            return Err(field_err(
-                path,
-                "eos_token_id",
-                "must be an integer or a list of integers",
-            ))
-        }
-    };
+    let eos_token_ids = parse_eos(path, raw.eos_token_id.as_ref())?;
     let layer_types = parse_layer_types(path, raw)?;
     let sliding_window = if layer_types.contains(&LayerType::SlidingAttention) {
         Some(raw.sliding_window.ok_or_else(|| {
@@ -475,6 +492,28 @@ impl DFlashConfig {
         path: &Path,
         target: &Qwen3Config,
     ) -> Result<(), ConfigError> {
+        self.check_against_shape(
+            path,
+            target.hidden_size,
+            target.num_hidden_layers,
+            target.vocab_size,
+        )
+    }
+
+    /// [`Self::check_against_target`] for any target family, given its hidden size, depth
+    /// and vocabulary.
+    pub fn check_against_shape(
+        &self,
+        path: &Path,
+        hidden_size: usize,
+        num_hidden_layers: usize,
+        vocab_size: usize,
+    ) -> Result<(), ConfigError> {
+        let target = TargetShape {
+            hidden_size,
+            num_hidden_layers,
+            vocab_size,
+        };
         if self.layers.hidden_size != target.hidden_size {
             return Err(field_err(
                 path,
@@ -509,6 +548,12 @@ impl DFlashConfig {
         }
         Ok(())
     }
+}
+
+struct TargetShape {
+    hidden_size: usize,
+    num_hidden_layers: usize,
+    vocab_size: usize,
 }
 
 /// `dir/config.json`, for error messages and loaders.

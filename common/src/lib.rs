@@ -7,6 +7,7 @@
 
 pub mod chat;
 pub mod config;
+pub mod config_hybrid;
 pub mod detokenize;
 pub mod error;
 pub mod hub;
@@ -14,6 +15,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use config::{DFlashConfig, LayerType, Qwen3Config, RopeScaling};
+pub use config_hybrid::{HybridConfig, HybridLayerType};
 pub use error::{ConfigError, HubError, WeightError};
 pub use hub::{resolve_model, ModelLocation};
 pub use weights::WeightFiles;

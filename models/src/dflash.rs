@@ -16,12 +16,12 @@ use dflash_common::{DFlashConfig, LayerType, WeightFiles};
 
 use crate::attention::{attend, AttnPattern};
 use crate::error::{ModelError, ModelResult};
-use crate::kv_cache::{LayerCache, SequenceCache};
+use crate::kv_cache::SequenceCache;
 use crate::layer::{linear, DecoderLayer};
 use crate::ops::{rms_norm, OpsMode};
-use crate::qwen3::Qwen3Model;
 use crate::random::WeightRng;
 use crate::rope::RotaryEmbedding;
+use crate::target::DraftTarget;
 
 /// One sequence's draft request.
 pub struct DraftInput<'a> {
@@ -45,11 +45,11 @@ pub struct TargetEmbeddingsAndHead {
 }
 
 impl TargetEmbeddingsAndHead {
-    pub fn of(target: &Qwen3Model) -> Self {
+    pub fn of(target: &impl DraftTarget) -> Self {
         Self {
             embed_tokens: target.embed_weight().clone(),
             lm_head: target.lm_head_weight().clone(),
-            max_positions: target.rope().max_positions(),
+            max_positions: target.max_positions(),
         }
     }
 }
@@ -73,10 +73,15 @@ pub struct DFlashDrafter {
 
 impl DFlashDrafter {
     /// Loads a z-lab drafter directory for `target` (embeddings and `lm_head` are borrowed).
-    pub fn load(dir: &Path, target: &Qwen3Model, mode: OpsMode) -> ModelResult<Self> {
+    pub fn load(dir: &Path, target: &impl DraftTarget, mode: OpsMode) -> ModelResult<Self> {
         let config_path = dir.join("config.json");
         let cfg = DFlashConfig::from_file(&config_path)?;
-        cfg.check_against_target(&config_path, target.config())?;
+        cfg.check_against_shape(
+            &config_path,
+            target.hidden_size(),
+            target.num_layers(),
+            target.vocab_size(),
+        )?;
         let weights = WeightFiles::open_dir(dir)?;
         Self::from_weights(cfg, &weights, target, mode)
     }
@@ -84,7 +89,7 @@ impl DFlashDrafter {
     pub fn from_weights(
         cfg: DFlashConfig,
         w: &WeightFiles,
-        target: &Qwen3Model,
+        target: &impl DraftTarget,
         mode: OpsMode,
     ) -> ModelResult<Self> {
         let (dtype, device) = (target.dtype(), target.device().clone());
@@ -126,7 +131,7 @@ impl DFlashDrafter {
     /// A freshly initialised drafter of `cfg`'s shape for `target` (seeded random weights).
     pub fn random(
         cfg: DFlashConfig,
-        target: &Qwen3Model,
+        target: &impl DraftTarget,
         seed: u64,
         mode: OpsMode,
     ) -> ModelResult<Self> {
@@ -136,7 +141,7 @@ impl DFlashDrafter {
     /// As [`Self::random`], drawing from `rng`.
     pub fn random_with(
         cfg: DFlashConfig,
-        target: &Qwen3Model,
+        target: &impl DraftTarget,
         rng: &mut WeightRng,
         mode: OpsMode,
     ) -> ModelResult<Self> {
@@ -422,7 +427,7 @@ impl DFlashDrafter {
             let mut outs = Vec::with_capacity(batch.len());
             for (s, item) in batch.iter().enumerate() {
                 let len = item.cache.len();
-                let LayerCache::Attention(kv) = item.cache.layer(li);
+                let kv = item.cache.layer(li).attention()?;
                 // Block rows are written past the committed context and never made live.
                 kv.write(len, &k.narrow(1, s * b, b)?, &v.narrow(1, s * b, b)?)?;
                 let (kc, vc) = kv.view(len + b)?;
@@ -507,7 +512,7 @@ impl DFlashDrafter {
             for item in batch.iter() {
                 let Some(c) = item.context else { continue };
                 let n = c.dim(0)?;
-                let LayerCache::Attention(kv) = item.cache.layer(li);
+                let kv = item.cache.layer(li).attention()?;
                 kv.write(
                     item.cache.len(),
                     &k.narrow(1, off, n)?,

@@ -22,6 +22,9 @@ pub enum ModelError {
     BadInput(String),
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// config.json and the weights disagree (layer kinds, projection layouts).
+    #[error("inconsistent checkpoint: {0}")]
+    Inconsistent(String),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

@@ -6,12 +6,15 @@
 //! is `[num_kv_heads, capacity, head_dim]`; rows `[0, len)` are live.
 //!
 //! A cache is a list of per-layer caches behind [`LayerCache`]. Attention layers keep K/V rows;
-//! the recurrent (Gated DeltaNet) layers of the hybrid targets will add a variant that keeps a
-//! state snapshot per position, with the same truncate/compact contract.
+//! the recurrent (Gated DeltaNet) layers of the hybrid targets keep a state per rollback-able
+//! row ([`recurrent`]), with the same truncate/compact contract.
+
+pub mod recurrent;
 
 use candle_core::{DType, Device, Result, Tensor};
 
 use crate::error::{ModelError, ModelResult};
+pub use recurrent::{GdnState, RecurrentLayer, RowTracker, StagedState};
 
 /// K/V rows of one attention layer.
 #[derive(Debug, Clone)]
@@ -71,6 +74,28 @@ impl KvBuffer {
 #[derive(Debug, Clone)]
 pub enum LayerCache {
     Attention(KvBuffer),
+    Recurrent(RecurrentLayer),
+}
+
+impl LayerCache {
+    /// The K/V rows of an attention layer; an error for a recurrent one.
+    pub fn attention(&self) -> ModelResult<&KvBuffer> {
+        match self {
+            LayerCache::Attention(kv) => Ok(kv),
+            LayerCache::Recurrent(_) => Err(ModelError::BadInput(
+                "an attention layer was given a recurrent (GDN) layer cache".into(),
+            )),
+        }
+    }
+
+    pub fn recurrent(&self) -> ModelResult<&RecurrentLayer> {
+        match self {
+            LayerCache::Recurrent(r) => Ok(r),
+            LayerCache::Attention(_) => Err(ModelError::BadInput(
+                "a recurrent (GDN) layer was given an attention cache".into(),
+            )),
+        }
+    }
 }
 
 /// All layers' caches of one sequence plus the number of live positions.
@@ -79,6 +104,8 @@ pub struct SequenceCache {
     layers: Vec<LayerCache>,
     len: usize,
     capacity: usize,
+    /// Hybrid caches only: which rows the recurrent layers can still roll back.
+    rows: Option<RowTracker>,
 }
 
 impl SequenceCache {
@@ -100,7 +127,69 @@ impl SequenceCache {
             layers,
             len: 0,
             capacity,
+            rows: None,
         })
+    }
+
+    /// A cache mixing attention and recurrent layers. Forwards of at most `rollback` rows keep
+    /// per-row recurrent states (so they can be truncated or compacted); longer ones settle.
+    pub fn new_hybrid(layers: Vec<LayerCache>, capacity: usize, rollback: usize) -> Self {
+        Self {
+            layers,
+            len: 0,
+            capacity,
+            rows: Some(RowTracker::new(rollback)),
+        }
+    }
+
+    /// Sets the largest forward (in rows) whose recurrent states are kept per row (so that it
+    /// can be truncated or compacted); longer forwards settle. Returns the previous value
+    /// (0 for attention-only caches, where it means nothing).
+    pub fn set_rollback(&mut self, rows: usize) -> usize {
+        match self.rows.as_mut() {
+            Some(t) => std::mem::replace(&mut t.rollback, rows),
+            None => 0,
+        }
+    }
+
+    /// The recurrent bookkeeping (None for pure attention caches).
+    pub fn row_tracker(&self) -> Option<&RowTracker> {
+        self.rows.as_ref()
+    }
+
+    /// Applies a successful forward's recurrent states and makes its `t` rows live. `parents`
+    /// (relative to the new rows) is given when the forward kept per-row states.
+    pub(crate) fn commit_recurrent(
+        &mut self,
+        t: usize,
+        parents: Option<&[Option<usize>]>,
+        staged: Vec<(usize, StagedState)>,
+    ) -> ModelResult<()> {
+        let tracker = self.rows.as_mut().ok_or_else(|| {
+            ModelError::BadCacheOp("recurrent states for a cache without recurrent layers".into())
+        })?;
+        tracker.record(self.len, t, parents);
+        for (li, st) in staged {
+            if let LayerCache::Recurrent(r) = &mut self.layers[li] {
+                r.apply(st);
+            }
+        }
+        self.len += t;
+        Ok(())
+    }
+
+    /// Folds every live row into the recurrent base states: nothing before `len` can be rolled
+    /// back afterwards, and the per-row states are freed (a no-op for attention-only caches).
+    pub fn settle(&mut self) -> ModelResult<()> {
+        if let Some(tracker) = self.rows.as_mut() {
+            let last = tracker.settle_all(self.len);
+            for layer in &mut self.layers {
+                if let LayerCache::Recurrent(r) = layer {
+                    r.settle_on(last)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     pub fn len(&self) -> usize {
@@ -148,12 +237,22 @@ impl SequenceCache {
                 self.len
             )));
         }
+        if let Some(tracker) = self.rows.as_mut() {
+            let keep = tracker.truncate(len)?;
+            for layer in &mut self.layers {
+                if let LayerCache::Recurrent(r) = layer {
+                    r.truncate_rows(keep);
+                }
+            }
+        }
         self.len = len;
         Ok(())
     }
 
     /// Keeps rows `[0, start)` and the rows `keep` (ascending, in `[start, len)`), moved to
     /// `[start, start + keep.len())`; drops the rest. Used to commit an accepted tree path.
+    /// In hybrid caches `keep` must be one path of the last forward, and compaction commits:
+    /// the recurrent layers settle on the state of its last row.
     pub fn compact(&mut self, start: usize, keep: &[usize]) -> ModelResult<()> {
         let ascending = keep.windows(2).all(|w| w[0] < w[1]);
         if !ascending
@@ -165,9 +264,14 @@ impl SequenceCache {
                 self.len
             )));
         }
-        for layer in &self.layers {
+        let recurrent_last = match self.rows.as_mut() {
+            Some(tracker) => Some(tracker.compact(start, keep)?),
+            None => None,
+        };
+        for layer in &mut self.layers {
             match layer {
                 LayerCache::Attention(kv) => kv.compact(start, keep)?,
+                LayerCache::Recurrent(r) => r.settle_on(recurrent_last.flatten())?,
             }
         }
         self.len = start + keep.len();

@@ -18,9 +18,11 @@ pub mod ops;
 pub mod qwen3;
 #[cfg(feature = "cuda")]
 mod qwen3_fast;
+pub mod qwen3_5;
 pub mod random;
 pub mod rope;
 pub mod spec;
+pub mod target;
 
 pub use attention::AttnPattern;
 pub use dflash::{DFlashDrafter, DraftInput, TargetEmbeddingsAndHead};
@@ -31,3 +33,5 @@ pub use ops::OpsMode;
 pub use qwen3::{ForwardOutput, Qwen3Model, SeqForward};
 #[cfg(feature = "cuda")]
 pub use qwen3_fast::StepGraph;
+pub use qwen3_5::Qwen35Model;
+pub use target::{DraftTarget, Target};

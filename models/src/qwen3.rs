@@ -14,7 +14,7 @@ use dflash_common::{Qwen3Config, WeightFiles};
 
 use crate::attention::{attend, AttnPattern};
 use crate::error::{ModelError, ModelResult};
-use crate::kv_cache::{LayerCache, SequenceCache};
+use crate::kv_cache::SequenceCache;
 use crate::layer::{linear, DecoderLayer};
 use crate::ops::{rms_norm, OpsMode};
 use crate::random::WeightRng;
@@ -250,72 +250,13 @@ impl Qwen3Model {
     }
 
     fn check(&self, batch: &[SeqForward<'_>], taps: &[usize]) -> ModelResult<()> {
-        if batch.is_empty() {
-            return Err(ModelError::BadInput("empty batch".into()));
-        }
-        if let Some(&bad) = taps.iter().find(|&&l| l >= self.layers.len()) {
-            return Err(ModelError::BadInput(format!(
-                "tap layer {bad} but the model has {} layers",
-                self.layers.len()
-            )));
-        }
-        for (s, seq) in batch.iter().enumerate() {
-            let t = seq.tokens.len();
-            if t == 0 {
-                return Err(ModelError::BadInput(format!(
-                    "sequence {s} has no new tokens"
-                )));
-            }
-            if seq.positions.len() != t {
-                return Err(ModelError::BadInput(format!(
-                    "sequence {s}: {t} tokens but {} positions",
-                    seq.positions.len()
-                )));
-            }
-            if let Some(&tok) = seq
-                .tokens
-                .iter()
-                .find(|&&x| x as usize >= self.cfg.vocab_size)
-            {
-                return Err(ModelError::BadInput(format!(
-                    "token id {tok} is outside the vocabulary ({})",
-                    self.cfg.vocab_size
-                )));
-            }
-            if let Some(&p) = seq
-                .positions
-                .iter()
-                .find(|&&p| p as usize >= self.rope.max_positions())
-            {
-                return Err(ModelError::PositionOutOfRange {
-                    position: p as usize,
-                    max: self.rope.max_positions(),
-                });
-            }
-            if let Some(&r) = seq.logit_rows.iter().find(|&&r| r >= t) {
-                return Err(ModelError::BadInput(format!(
-                    "sequence {s}: logit row {r} but only {t} tokens"
-                )));
-            }
-            match seq.pattern {
-                AttnPattern::Causal | AttnPattern::Tree { .. } => {}
-                other => {
-                    return Err(ModelError::BadInput(format!(
-                        "target attention must be causal or tree, got {other:?}"
-                    )))
-                }
-            }
-            seq.pattern.validate(t).map_err(ModelError::BadInput)?;
-            seq.cache.check_room(t)?;
-            if seq.cache.num_layers() != self.layers.len() {
-                return Err(ModelError::BadInput(format!(
-                    "sequence {s}: cache has {} layers, model {}",
-                    seq.cache.num_layers(),
-                    self.layers.len()
-                )));
-            }
-        }
-        Ok(())
+        check_batch(
+            batch,
+            taps,
+            self.layers.len(),
+            self.cfg.vocab_size,
+            self.rope.max_positions(),
+        )
     }
 
     /// Runs the new tokens of every sequence through the model, appending their K/V to each
@@ -368,7 +309,7 @@ impl Qwen3Model {
             for (s, seq) in batch.iter().enumerate() {
                 let (off, t) = (token_offsets[s], seq.tokens.len());
                 let len = seq.cache.len();
-                let LayerCache::Attention(kv) = seq.cache.layer(li);
+                let kv = seq.cache.layer(li).attention()?;
                 kv.write(len, &k.narrow(1, off, t)?, &v.narrow(1, off, t)?)?;
                 let (kc, vc) = kv.view(len + t)?;
                 outs.push(attend(
@@ -422,4 +363,73 @@ impl Qwen3Model {
     pub fn final_norm(&self, x: &Tensor) -> ModelResult<Tensor> {
         Ok(rms_norm(x, &self.norm, self.cfg.rms_norm_eps, self.mode)?)
     }
+}
+
+/// The forward contract both target families share: non-empty sequences, positions and logit
+/// rows in range, causal or tree patterns, room in each cache, tap layers that exist.
+pub(crate) fn check_batch(
+    batch: &[SeqForward<'_>],
+    taps: &[usize],
+    num_layers: usize,
+    vocab_size: usize,
+    max_positions: usize,
+) -> ModelResult<()> {
+    if batch.is_empty() {
+        return Err(ModelError::BadInput("empty batch".into()));
+    }
+    if let Some(&bad) = taps.iter().find(|&&l| l >= num_layers) {
+        return Err(ModelError::BadInput(format!(
+            "tap layer {bad} but the model has {} layers",
+            num_layers
+        )));
+    }
+    for (s, seq) in batch.iter().enumerate() {
+        let t = seq.tokens.len();
+        if t == 0 {
+            return Err(ModelError::BadInput(format!(
+                "sequence {s} has no new tokens"
+            )));
+        }
+        if seq.positions.len() != t {
+            return Err(ModelError::BadInput(format!(
+                "sequence {s}: {t} tokens but {} positions",
+                seq.positions.len()
+            )));
+        }
+        if let Some(&tok) = seq.tokens.iter().find(|&&x| x as usize >= vocab_size) {
+            return Err(ModelError::BadInput(format!(
+                "token id {tok} is outside the vocabulary ({})",
+                vocab_size
+            )));
+        }
+        if let Some(&p) = seq.positions.iter().find(|&&p| p as usize >= max_positions) {
+            return Err(ModelError::PositionOutOfRange {
+                position: p as usize,
+                max: max_positions,
+            });
+        }
+        if let Some(&r) = seq.logit_rows.iter().find(|&&r| r >= t) {
+            return Err(ModelError::BadInput(format!(
+                "sequence {s}: logit row {r} but only {t} tokens"
+            )));
+        }
+        match seq.pattern {
+            AttnPattern::Causal | AttnPattern::Tree { .. } => {}
+            other => {
+                return Err(ModelError::BadInput(format!(
+                    "target attention must be causal or tree, got {other:?}"
+                )))
+            }
+        }
+        seq.pattern.validate(t).map_err(ModelError::BadInput)?;
+        seq.cache.check_room(t)?;
+        if seq.cache.num_layers() != num_layers {
+            return Err(ModelError::BadInput(format!(
+                "sequence {s}: cache has {} layers, model {}",
+                seq.cache.num_layers(),
+                num_layers
+            )));
+        }
+    }
+    Ok(())
 }

@@ -44,12 +44,28 @@ fn yarn_inv_freq(
 
 impl RotaryEmbedding {
     pub fn new(cfg: &Qwen3Config, max_positions: usize, device: &Device) -> Result<Self> {
-        let d = cfg.head_dim;
-        let base = cfg.rope_theta;
+        Self::from_params(
+            cfg.head_dim,
+            cfg.rope_theta,
+            &cfg.rope_scaling,
+            max_positions,
+            device,
+        )
+    }
+
+    /// A table for `d` rotated dims (the hybrid family rotates only the leading
+    /// `partial_rotary_factor` share of each head, so `d` is less than the head dim there).
+    pub fn from_params(
+        d: usize,
+        base: f64,
+        scaling: &RopeScaling,
+        max_positions: usize,
+        device: &Device,
+    ) -> Result<Self> {
         let plain: Vec<f64> = (0..d / 2)
             .map(|i| 1.0 / base.powf((2 * i) as f64 / d as f64))
             .collect();
-        let (inv_freq, position_scale, attention_scale) = match &cfg.rope_scaling {
+        let (inv_freq, position_scale, attention_scale) = match scaling {
             RopeScaling::Default => (plain, 1.0, 1.0),
             RopeScaling::Linear { factor } => (plain, 1.0 / factor, 1.0),
             RopeScaling::Yarn {

@@ -119,11 +119,16 @@ fn parse_device(s: &str) -> Result<DeviceSpec, ConfigError> {
     }
 }
 
-/// `Qwen/Qwen3-8B` -> `z-lab/Qwen3-8B-DFlash-b16`.
+/// `Qwen/Qwen3-8B` -> `z-lab/Qwen3-8B-DFlash-b16`; the hybrid Qwen3.5 / Qwen3.6 targets'
+/// drafters carry no block-size suffix (`Qwen/Qwen3.6-27B` -> `z-lab/Qwen3.6-27B-DFlash`, mask
+/// token 248070 in their configs).
 pub fn zlab_drafter_repo(target: &str) -> Option<String> {
     let (_, name) = target.split_once('/')?;
     if name.is_empty() || name.contains('/') || Path::new(target).exists() {
         return None;
+    }
+    if name.starts_with("Qwen3.5-") || name.starts_with("Qwen3.6-") {
+        return Some(format!("z-lab/{name}-DFlash"));
     }
     Some(format!("z-lab/{name}-DFlash-b16"))
 }

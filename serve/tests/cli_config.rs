@@ -58,6 +58,33 @@ fn dflash_is_case_insensitive_and_defaults_max_running_to_48() {
 }
 
 #[test]
+fn zlab_drafter_for_qwen3_5_and_qwen3_6_targets_has_no_block_suffix() {
+    for (target, drafter) in [
+        ("Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash"),
+        ("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash"),
+        ("Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash"),
+        ("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16"),
+    ] {
+        let c = config(&[
+            "--model-path",
+            target,
+            "--speculative-algorithm",
+            "dflash",
+            "--drafter",
+            "z-lab",
+        ])
+        .expect("ok");
+        assert_eq!(
+            c.speculative.expect("speculative").draft,
+            DraftSource::ZLab {
+                repo: drafter.into()
+            },
+            "{target}"
+        );
+    }
+}
+
+#[test]
 fn old_spellings_and_unique_prefixes_are_accepted() {
     let c = config(&[
         "--model",

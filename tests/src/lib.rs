@@ -100,3 +100,72 @@ pub fn ids(t: &Tensor) -> Vec<u32> {
 pub fn argmax_rows(logits: &Tensor) -> Vec<u32> {
     logits.argmax(1).unwrap().to_vec1::<u32>().unwrap()
 }
+
+/// Upper p-quantile of chi-square with `df` degrees of freedom (Wilson-Hilferty), z for 1e-4.
+pub fn chi2_bound(df: usize) -> f64 {
+    let z = 3.719;
+    let d = df as f64;
+    d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
+}
+
+/// Two-sample chi-square statistic and degrees of freedom over categorical outcomes.
+pub fn two_sample_chi2<K: std::hash::Hash + Eq + Clone>(a: &[K], b: &[K]) -> (f64, usize) {
+    let mut counts: HashMap<K, (f64, f64)> = HashMap::new();
+    for k in a {
+        counts.entry(k.clone()).or_default().0 += 1.0;
+    }
+    for k in b {
+        counts.entry(k.clone()).or_default().1 += 1.0;
+    }
+    let (mut cells, mut other) = (Vec::new(), (0.0, 0.0));
+    for (_, c) in counts {
+        if c.0 + c.1 >= 10.0 {
+            cells.push(c);
+        } else {
+            other.0 += c.0;
+            other.1 += c.1;
+        }
+    }
+    if other.0 + other.1 > 0.0 {
+        cells.push(other);
+    }
+    let (na, nb) = (a.len() as f64, b.len() as f64);
+    let stat = cells
+        .iter()
+        .map(|&(x, y)| (x * (nb / na).sqrt() - y * (na / nb).sqrt()).powi(2) / (x + y))
+        .sum();
+    (stat, cells.len().saturating_sub(1).max(1))
+}
+
+/// A tiny random Qwen3.5-shaped hybrid target in f32 on the CPU (4 layers: GDN, gated
+/// attention, GDN, GDN; vocab 96, hidden 32) for the speculative-decoding tests.
+pub fn tiny_hybrid(seed: u64) -> dflash_models::Qwen35Model {
+    let cfg = serde_json::json!({
+        "model_type": "qwen3_5_text", "vocab_size": 96, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    });
+    let cfg = dflash_common::HybridConfig::from_value(std::path::Path::new("tiny-hybrid"), &cfg)
+        .unwrap_or_else(|e| panic!("tiny hybrid config: {e}"));
+    let mut rng = dflash_models::random::WeightRng::new(seed);
+    dflash_models::Qwen35Model::random(
+        cfg,
+        &mut rng,
+        candle_core::DType::F32,
+        &Device::Cpu,
+        256,
+        dflash_models::OpsMode::Fused,
+    )
+    .unwrap_or_else(|e| panic!("tiny hybrid model: {e}"))
+}
+
+/// The tiny hybrid tests run thousands of forwards over 32-wide tensors, where handing each op
+/// to a thread pool costs more than the op (4x slower on the 2-core CI machine). Call first in
+/// such a test, before any tensor op creates candle's pool.
+pub fn single_threaded_tensor_ops() {
+    std::env::set_var("RAYON_NUM_THREADS", "1");
+}

@@ -20,7 +20,7 @@ use dflash_models::spec::{
     SamplingParams,
 };
 use dflash_models::{OpsMode, Qwen3Model};
-use dflash_tests::{demo_model, greedy_cases};
+use dflash_tests::{chi2_bound, demo_model, greedy_cases, two_sample_chi2};
 
 const SAMPLES: usize = 800;
 const NEW: usize = 4;
@@ -73,42 +73,6 @@ fn sample_all(
         out.extend(ids.into_iter().map(|(_, v)| v));
     }
     (out, accepted)
-}
-
-/// Upper p-quantile of chi-square with `df` degrees of freedom (Wilson-Hilferty), z for 1e-4.
-fn chi2_bound(df: usize) -> f64 {
-    let z = 3.719;
-    let d = df as f64;
-    d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
-}
-
-/// Two-sample chi-square statistic and degrees of freedom over categorical outcomes.
-fn two_sample_chi2<K: std::hash::Hash + Eq + Clone>(a: &[K], b: &[K]) -> (f64, usize) {
-    let mut counts: HashMap<K, (f64, f64)> = HashMap::new();
-    for k in a {
-        counts.entry(k.clone()).or_default().0 += 1.0;
-    }
-    for k in b {
-        counts.entry(k.clone()).or_default().1 += 1.0;
-    }
-    let (mut cells, mut other) = (Vec::new(), (0.0, 0.0));
-    for (_, c) in counts {
-        if c.0 + c.1 >= 10.0 {
-            cells.push(c);
-        } else {
-            other.0 += c.0;
-            other.1 += c.1;
-        }
-    }
-    if other.0 + other.1 > 0.0 {
-        cells.push(other);
-    }
-    let (na, nb) = (a.len() as f64, b.len() as f64);
-    let stat = cells
-        .iter()
-        .map(|&(x, y)| (x * (nb / na).sqrt() - y * (na / nb).sqrt()).powi(2) / (x + y))
-        .sum();
-    (stat, cells.len().saturating_sub(1).max(1))
 }
 
 #[test]

@@ -15,12 +15,13 @@ use candle_core::Tensor;
 use crate::attention::AttnPattern;
 use crate::error::ModelError;
 use crate::kv_cache::SequenceCache;
-use crate::qwen3::{Qwen3Model, SeqForward};
+use crate::qwen3::SeqForward;
 use crate::spec::proposer::{ProposeItem, Proposer, SeqId};
 use crate::spec::sampling::{Sampler, SamplingError, SamplingParams};
 use crate::spec::simulate::SimulatedAcceptance;
 use crate::spec::stats::{RoundStats, SeqStats};
 use crate::spec::tree::{build_ddtree, chain_tree, walk, DraftTree, TopK};
+use crate::target::{DraftTarget, Target};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Algorithm {
@@ -123,7 +124,7 @@ struct Sequence {
 }
 
 pub struct Engine {
-    target: Qwen3Model,
+    target: Target,
     proposer: Option<Box<dyn Proposer>>,
     config: EngineConfig,
     seqs: Vec<Sequence>,
@@ -134,12 +135,12 @@ pub struct Engine {
 
 impl Engine {
     pub fn new(
-        target: Qwen3Model,
+        target: impl Into<Target>,
         proposer: Option<Box<dyn Proposer>>,
         config: EngineConfig,
     ) -> Self {
         Self {
-            target,
+            target: target.into(),
             proposer,
             config,
             seqs: Vec::new(),
@@ -155,7 +156,7 @@ impl Engine {
         self.simulate = Some(sim);
     }
 
-    pub fn target(&self) -> &Qwen3Model {
+    pub fn target(&self) -> &Target {
         &self.target
     }
     pub fn config(&self) -> &EngineConfig {
@@ -164,6 +165,15 @@ impl Engine {
     pub fn num_active(&self) -> usize {
         self.seqs.len()
     }
+    /// The committed tokens (the last one is the bonus token, not yet in the cache) and the
+    /// target cache of an active sequence: for inspection and for tests that recompute it.
+    pub fn sequence(&self, id: SeqId) -> Option<(&[u32], &SequenceCache)> {
+        self.seqs
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| (s.tokens.as_slice(), &s.cache))
+    }
+
     /// Drafts per round of the loaded proposer (0 without one).
     pub fn max_depth(&self) -> usize {
         self.proposer.as_ref().map_or(0, |p| p.max_depth())
@@ -199,7 +209,7 @@ impl Engine {
                 max_context,
             });
         }
-        let vocab = self.target.config().vocab_size;
+        let vocab = self.target.vocab_size();
         if let Some(&token) = req
             .prompt
             .iter()
@@ -225,8 +235,10 @@ impl Engine {
             }
         }
         let id = self.next_id;
-        let capacity = max_context + self.verify_width(req.algorithm);
-        let cache = self.target.new_cache(capacity)?;
+        let width = self.verify_width(req.algorithm);
+        let capacity = max_context + width;
+        // Hybrid targets keep a recurrent state per verify node so any accepted one commits.
+        let cache = self.target.new_cache(capacity, width)?;
         if let (Some(p), true) = (self.proposer.as_mut(), req.algorithm != Algorithm::Plain) {
             p.open(id, capacity)?;
         }
@@ -300,7 +312,15 @@ impl Engine {
             .iter()
             .map(|&i| [self.seqs[i].tokens.len() - 1])
             .collect();
-        let out = {
+        // Nothing in a prompt is ever rolled back: hybrid targets take the chunked delta rule
+        // and keep no per-token recurrent state for it.
+        let saved: Vec<usize> = self
+            .seqs
+            .iter_mut()
+            .filter(|s| !s.prefilled)
+            .map(|s| s.cache.set_rollback(0))
+            .collect();
+        let result = {
             let mut batch: Vec<SeqForward<'_>> = Vec::with_capacity(idx.len());
             let mut pos_iter = positions.iter().zip(&last_rows);
             for seq in self.seqs.iter_mut().filter(|s| !s.prefilled) {
@@ -315,8 +335,12 @@ impl Engine {
                     logit_rows: rows,
                 });
             }
-            self.target.forward(&mut batch, &taps)?
+            self.target.forward(&mut batch, &taps)
         };
+        for (seq, &rows) in self.seqs.iter_mut().filter(|s| !s.prefilled).zip(&saved) {
+            seq.cache.set_rollback(rows);
+        }
+        let out = result?;
         let logits = out
             .logits
             .ok_or_else(|| ModelError::BadInput("prefill returned no logits".into()))?;
@@ -345,7 +369,7 @@ impl Engine {
     }
 
     fn round(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
-        let vocab = self.target.config().vocab_size;
+        let vocab = self.target.vocab_size();
         let t_draft = Instant::now();
         let spec: Vec<usize> = (0..self.seqs.len())
             .filter(|&i| self.seqs[i].req.algorithm != Algorithm::Plain)
@@ -383,7 +407,7 @@ impl Engine {
         .into_iter();
         let draft_time = t_draft.elapsed();
 
-        let max_positions = self.target.rope().max_positions();
+        let max_positions = self.target.max_positions();
         let trees: Vec<DraftTree> = self
             .seqs
             .iter()

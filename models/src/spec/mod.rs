@@ -2,6 +2,7 @@
 //! the proposers, and the decoding engine built on them.
 
 pub mod engine;
+pub mod mtp;
 pub mod oracle;
 pub mod proposer;
 pub mod sampling;
@@ -12,6 +13,7 @@ pub mod tree;
 pub use engine::{
     Algorithm, Engine, EngineConfig, EngineError, FinishReason, GenerationRequest, SeqEvent,
 };
+pub use mtp::MtpProposer;
 pub use oracle::{Noise, OracleProposer};
 pub use proposer::{DFlashProposer, ProposeItem, Proposer, SeqId};
 pub use sampling::{argmax, Sampler, SamplingError, SamplingParams};

@@ -14,9 +14,10 @@ use rand_chacha::ChaCha8Rng;
 use crate::attention::AttnPattern;
 use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::SequenceCache;
-use crate::qwen3::{Qwen3Model, SeqForward};
+use crate::qwen3::SeqForward;
 use crate::spec::proposer::{ProposeItem, Proposer, SeqId};
 use crate::spec::tree::TopK;
+use crate::target::{DraftTarget, Target};
 
 #[derive(Debug, Clone, Copy)]
 pub struct Noise {
@@ -26,7 +27,7 @@ pub struct Noise {
 }
 
 pub struct OracleProposer {
-    target: Qwen3Model,
+    target: Target,
     max_depth: usize,
     noise: Option<Noise>,
     rng: ChaCha8Rng,
@@ -34,10 +35,10 @@ pub struct OracleProposer {
 }
 
 impl OracleProposer {
-    pub fn new(target: Qwen3Model, max_depth: usize, noise: Option<Noise>) -> Self {
+    pub fn new(target: impl Into<Target>, max_depth: usize, noise: Option<Noise>) -> Self {
         let seed = noise.map(|n| n.seed).unwrap_or(0);
         Self {
-            target,
+            target: target.into(),
             max_depth,
             noise,
             rng: ChaCha8Rng::seed_from_u64(seed),
@@ -65,7 +66,7 @@ impl OracleProposer {
     }
 
     fn other_token(&mut self, avoid: u32) -> u32 {
-        let vocab = self.target.config().vocab_size as u32;
+        let vocab = self.target.vocab_size() as u32;
         loop {
             let t = self.rng.random_range(0..vocab);
             if t != avoid {
@@ -113,7 +114,8 @@ impl Proposer for OracleProposer {
     }
 
     fn open(&mut self, seq: SeqId, capacity: usize) -> ModelResult<()> {
-        let cache = self.target.new_cache(capacity + self.max_depth + 1)?;
+        // Rollouts are single tokens; each is rolled back after the proposal.
+        let cache = self.target.new_cache(capacity + self.max_depth + 1, 1)?;
         self.caches.insert(seq, cache);
         Ok(())
     }
@@ -129,6 +131,8 @@ impl Proposer for OracleProposer {
                 // The cache holds a committed prefix; catch up, roll out greedily, roll back.
                 let seen = cache.len();
                 let mut next = self.greedy_next(&mut cache, &item.tokens[seen..])?;
+                // The committed tokens are final: recurrent layers need not keep their rows.
+                cache.settle()?;
                 let mut truth = vec![next];
                 while truth.len() < self.max_depth {
                     next = self.greedy_next(&mut cache, &[next])?;

@@ -4,10 +4,19 @@
 //!    counts prompts that reproduce transformers' fp32 tokens;
 //! The Qwen3-8B-shaped speed figures that used to live here moved to `dflash-serve bench`
 //! (serve/src/bench/, deploy/bench/README.md), which also checks the fused CUDA kernels.
-//! Usage: gpu-check [cuda|cpu] [out.json]
+//!
+//! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid]
+//!
+//! With `--hybrid` it runs only the hybrid-target checks and the Qwen3.6-27B-shaped benchmark
+//! (see `gpu_check/hybrid.rs`).
+
+#[path = "gpu_check/hybrid.rs"]
+mod hybrid;
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device};
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
 use dflash_models::spec::{
     Algorithm, Engine, EngineConfig, GenerationRequest, OracleProposer, SamplingParams,
 };
@@ -111,6 +120,32 @@ fn greedy(dev: &Device, dtype: DType) -> Result<Value> {
     )
 }
 
+pub(crate) fn time_ms(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    dev.synchronize()?;
+    let mut v = Vec::new();
+    for _ in 0..reps {
+        let t = Instant::now();
+        f()?;
+        dev.synchronize()?;
+        v.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Ok(v[v.len() / 2])
+}
+
+/// Copy bandwidth: read + write of a 4 GiB buffer into a preallocated one (no allocation
+/// inside the timed region), in bytes per second.
+fn copy_bandwidth(dev: &Device) -> Result<f64> {
+    let buf = Tensor::zeros(2usize << 30, DType::BF16, dev)?;
+    let dst = Tensor::zeros(2usize << 30, DType::BF16, dev)?;
+    let copy_ms = time_ms(dev, 5, || {
+        dst.slice_set(&buf, 0, 0)?;
+        Ok(())
+    })?;
+    Ok(2.0 * (4u64 << 30) as f64 / (copy_ms / 1e3))
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let dev = match args.get(1).map(String::as_str) {
@@ -118,6 +153,34 @@ fn main() -> Result<()> {
         _ => Device::new_cuda(0)?,
     };
     let mut report = serde_json::Map::new();
+    if args.iter().any(|a| a == "--hybrid") {
+        for dtype in [DType::F32, DType::BF16] {
+            let p = hybrid::parity(&dev, dtype)?;
+            println!("hybrid parity {p}");
+            report.insert(format!("hybrid_parity_{dtype:?}"), p);
+        }
+        // On the CPU a scaled-down shape only checks that the benchmark runs.
+        let (cfg, key) = if dev.is_cpu() {
+            (hybrid::small_for_cpu()?, "hybrid_small_shape_bf16_cpu")
+        } else {
+            (hybrid::qwen36_27b()?, "qwen3_6_27b_shape_bf16")
+        };
+        // (No 8 GiB copy probe on the CPU: its roofline figures are meaningless there anyway.)
+        let bw = if dev.is_cpu() {
+            f64::NAN
+        } else {
+            copy_bandwidth(&dev)?
+        };
+        let b = hybrid::bench(&dev, bw, cfg)?;
+        println!("hybrid bench {b}");
+        report.insert(key.into(), b);
+        let out = Value::Object(report).to_string();
+        if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
+            std::fs::write(path, &out)?;
+        }
+        println!("{out}");
+        return Ok(());
+    }
     for dtype in [DType::F32, DType::BF16] {
         let p = parity(&dev, dtype)?;
         println!("parity {p}");

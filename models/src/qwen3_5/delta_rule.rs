@@ -1,0 +1,300 @@
+//! The gated delta rule (HF `torch_recurrent_gated_delta_rule` / `torch_chunk_gated_delta_rule`,
+//! FLA's kernels): per value head a `[key_dim, value_dim]` f32 memory S, for each token
+//! `S <- exp(g) S;  S <- S + k (beta (v - Sᵀk))ᵀ;  o = Sᵀ q`.
+//!
+//! Two forms with equal outputs up to rounding:
+//! - [`recurrent`] walks a forest of tokens by depth. Each token starts from its parent's state
+//!   (a chain is the one-path forest), all tokens of one depth run together, and the state after
+//!   every token is returned: what chain and tree verification need to commit any accepted node.
+//! - [`chunked`] is the prefill form: 64-token chunks, the intra-chunk updates condensed by the
+//!   UT transform (a unit lower-triangular solve), one sequential step per chunk; it returns only
+//!   the final state.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+
+pub const CHUNK: usize = 64;
+
+/// One sequence's delta-rule inputs in f32, already expanded to the value heads: `q`, `k`
+/// `[t, Hv, dk]` (L2-normalised, `q` scaled by dk^-1/2), `v` `[t, Hv, dv]`, log-decay `g` and
+/// write strength `beta` `[t, Hv]`.
+pub struct DeltaInputs {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub g: Tensor,
+    pub beta: Tensor,
+}
+
+/// The token forests of one or more sequences (segments) for a forward, planned once and shared
+/// by every GDN layer: depth levels across all segments (so nodes of one depth in every
+/// sequence step together), where each token's parent state sits, which segment each root
+/// starts from, and the conv-tap rows along each path. Index tensors are uploaded once per
+/// forward, not once per layer; chains need none beyond the conv taps.
+pub struct Forest {
+    /// Start and length of each segment in the combined token order.
+    pub segments: Vec<(usize, usize)>,
+    depth: Vec<usize>,
+    pos_in_level: Vec<usize>,
+    /// `(start, len)` of each depth level in level order.
+    levels: Vec<(usize, usize)>,
+    /// Level order -> token index, and back; `None` when level order is token order.
+    order: Option<(Tensor, Tensor)>,
+    /// Per level: rows of the previous level's states that its tokens continue from; `None`
+    /// for the roots and wherever the previous level has a single token (a broadcast).
+    parent_rows: Vec<Option<Tensor>>,
+    /// Segment of each root, in level order; `None` when root j belongs to segment j.
+    root_segments: Option<Tensor>,
+    /// Rows of the segments' `[cached window (K-1 rows) ; new rows]` blocks, stacked in segment
+    /// order, that each token's conv reads, oldest first.
+    pub conv_taps: Tensor,
+    pub kernel: usize,
+}
+
+impl Forest {
+    /// One segment per sequence; `parents` are local to each segment.
+    pub fn new(segments: &[&[Option<usize>]], kernel: usize, dev: &Device) -> Result<Self> {
+        let t: usize = segments.iter().map(|s| s.len()).sum();
+        let mut parents: Vec<Option<usize>> = Vec::with_capacity(t);
+        let mut seg_of = Vec::with_capacity(t);
+        let mut spans = Vec::with_capacity(segments.len());
+        for (j, seg) in segments.iter().enumerate() {
+            let off = parents.len();
+            spans.push((off, seg.len()));
+            parents.extend(seg.iter().map(|p| p.map(|p| p + off)));
+            seg_of.extend(std::iter::repeat(j).take(seg.len()));
+        }
+        let mut depth = vec![0usize; t];
+        let mut by_level: Vec<Vec<usize>> = Vec::new();
+        for (i, p) in parents.iter().enumerate() {
+            depth[i] = p.map_or(0, |p| depth[p] + 1);
+            if by_level.len() <= depth[i] {
+                by_level.resize(depth[i] + 1, Vec::new());
+            }
+            by_level[depth[i]].push(i);
+        }
+        let mut pos_in_level = vec![0usize; t];
+        let mut levels = Vec::with_capacity(by_level.len());
+        let mut start = 0;
+        for lvl in &by_level {
+            for (j, &i) in lvl.iter().enumerate() {
+                pos_in_level[i] = j;
+            }
+            levels.push((start, lvl.len()));
+            start += lvl.len();
+        }
+        let order_vec: Vec<u32> = by_level.iter().flatten().map(|&i| i as u32).collect();
+        let order = if order_vec.iter().enumerate().all(|(j, &i)| i as usize == j) {
+            None
+        } else {
+            let mut inverse = vec![0u32; t];
+            for (j, &i) in order_vec.iter().enumerate() {
+                inverse[i as usize] = j as u32;
+            }
+            Some((
+                Tensor::new(order_vec.as_slice(), dev)?,
+                Tensor::new(inverse.as_slice(), dev)?,
+            ))
+        };
+        let roots: Vec<u32> = by_level.first().map_or(Vec::new(), |l| {
+            l.iter().map(|&i| seg_of[i] as u32).collect()
+        });
+        let root_segments = if roots.iter().enumerate().all(|(j, &s)| s as usize == j)
+            && roots.len() == segments.len()
+        {
+            None
+        } else {
+            Some(Tensor::new(roots.as_slice(), dev)?)
+        };
+        let mut parent_rows = vec![None];
+        for d in 1..by_level.len() {
+            if by_level[d - 1].len() == 1 {
+                parent_rows.push(None);
+            } else {
+                let rows: Vec<u32> = by_level[d]
+                    .iter()
+                    .map(|&i| pos_in_level[parents[i].expect("non-root has a parent")] as u32)
+                    .collect();
+                parent_rows.push(Some(Tensor::new(rows.as_slice(), dev)?));
+            }
+        }
+        let w = kernel - 1;
+        let mut taps = Vec::with_capacity(t * kernel);
+        for (j, &(off, len)) in spans.iter().enumerate() {
+            // This segment's block starts after the earlier segments' windows and rows.
+            let base = j * w + off;
+            for i in off..off + len {
+                let mut path = Vec::with_capacity(kernel);
+                let (mut node, mut window_next) = (Some(i), w);
+                while path.len() < kernel {
+                    match node {
+                        Some(n) => {
+                            path.push((base + w + n - off) as u32);
+                            node = parents[n];
+                        }
+                        None => {
+                            window_next -= 1;
+                            path.push((base + window_next) as u32);
+                        }
+                    }
+                }
+                path.reverse();
+                taps.extend(path);
+            }
+        }
+        Ok(Self {
+            conv_taps: Tensor::new(taps.as_slice(), dev)?,
+            segments: spans,
+            depth,
+            pos_in_level,
+            levels,
+            order,
+            parent_rows,
+            root_segments,
+            kernel,
+        })
+    }
+
+    /// Tokens over all segments.
+    pub fn len(&self) -> usize {
+        self.depth.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.depth.is_empty()
+    }
+}
+
+/// Token-by-token recurrence over `forest` from `initial` `[segments, Hv, dk, dv]` (one state
+/// per segment): all tokens of one depth step together, each from its parent's state (roots
+/// from their segment's). Returns the outputs `[t, Hv, dv]` and the state after each token
+/// (`[Hv, dk, dv]` views).
+pub fn recurrent(
+    inp: &DeltaInputs,
+    forest: &Forest,
+    initial: &Tensor,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let (_, hv, dk, dv) = initial.dims4()?;
+    let in_level_order = |x: &Tensor| -> Result<Tensor> {
+        match &forest.order {
+            Some((order, _)) => x.index_select(order, 0),
+            None => Ok(x.clone()),
+        }
+    };
+    let q = in_level_order(&inp.q)?;
+    let k = in_level_order(&inp.k)?;
+    let v = in_level_order(&inp.v)?;
+    let decay = in_level_order(&inp.g.exp()?)?.unsqueeze(2)?.unsqueeze(3)?;
+    let beta = in_level_order(&inp.beta)?.unsqueeze(2)?.unsqueeze(3)?;
+    let mut level_states: Vec<Tensor> = Vec::with_capacity(forest.levels.len());
+    let mut outs: Vec<Tensor> = Vec::with_capacity(forest.levels.len());
+    for (d, &(start, n)) in forest.levels.iter().enumerate() {
+        let shape = (n, hv, dk, dv);
+        let s_prev = match (d, &forest.parent_rows[d]) {
+            (0, _) => match &forest.root_segments {
+                None => initial.clone(),
+                Some(segs) => initial.index_select(segs, 0)?,
+            },
+            (_, Some(rows)) => level_states[d - 1].index_select(rows, 0)?,
+            (_, None) => level_states[d - 1].broadcast_as(shape)?,
+        };
+        let at = |x: &Tensor| x.narrow(0, start, n);
+        let (q, k) = (at(&q)?, at(&k)?);
+        let s = s_prev.broadcast_mul(&at(&decay)?)?;
+        let remembered = k.unsqueeze(2)?.matmul(&s)?; // [n, Hv, 1, dv]
+        let delta = (at(&v)?.unsqueeze(2)? - remembered)?.broadcast_mul(&at(&beta)?)?;
+        let s = (s + k.unsqueeze(3)?.matmul(&delta)?)?;
+        outs.push(q.unsqueeze(2)?.matmul(&s)?.squeeze(2)?);
+        level_states.push(s);
+    }
+    let out = if outs.len() == 1 {
+        outs.pop().expect("one level")
+    } else {
+        Tensor::cat(&outs, 0)?
+    };
+    let out = match &forest.order {
+        Some((_, inverse)) => out.index_select(inverse, 0)?,
+        None => out,
+    };
+    let states = (0..forest.len())
+        .map(|i| level_states[forest.depth[i]].get(forest.pos_in_level[i]))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((out, states))
+}
+
+/// Solves `(I + N) X = B` for the strictly lower-triangular part N of `a` (`[.., C, C]`) by
+/// forward substitution (HF uses `solve_triangular(unitriangular=True)`, which reads the same N).
+fn unit_lower_solve(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let c = a.dim(D::Minus1)?;
+    let mut rows: Vec<Tensor> = Vec::with_capacity(c);
+    for i in 0..c {
+        let bi = b.narrow(D::Minus2, i, 1)?;
+        let xi = if i == 0 {
+            bi
+        } else {
+            let n_i = a.narrow(D::Minus2, i, 1)?.narrow(D::Minus1, 0, i)?;
+            let prev = Tensor::cat(&rows, D::Minus2)?;
+            (bi - n_i.contiguous()?.matmul(&prev)?)?
+        };
+        rows.push(xi);
+    }
+    Tensor::cat(&rows, D::Minus2)
+}
+
+/// The chunked form from `initial` `[Hv, dk, dv]`: outputs `[t, Hv, dv]` and the final state.
+pub fn chunked(inp: &DeltaInputs, initial: &Tensor) -> Result<(Tensor, Tensor)> {
+    let dev = inp.q.device();
+    let (t, hv, dk) = inp.k.dims3()?;
+    let dv = inp.v.dim(2)?;
+    let pad = (CHUNK - t % CHUNK) % CHUNK;
+    let nc = (t + pad) / CHUNK;
+    // [t, Hv, x] -> [Hv, nc, CHUNK, x], zero rows padding the last chunk.
+    let heads_first = |x: &Tensor, width: usize| -> Result<Tensor> {
+        let x = x.transpose(0, 1)?.contiguous()?; // [Hv, t, width]
+        let x = if pad > 0 {
+            let z = Tensor::zeros((hv, pad, width), DType::F32, dev)?;
+            Tensor::cat(&[&x, &z], 1)?
+        } else {
+            x
+        };
+        x.reshape((hv, nc, CHUNK, width))
+    };
+    let q = heads_first(&inp.q, dk)?;
+    let k = heads_first(&inp.k, dk)?;
+    let v = heads_first(&inp.v, dv)?;
+    let g = heads_first(&inp.g.unsqueeze(2)?, 1)?.squeeze(3)?; // [Hv, nc, C]
+    let beta = heads_first(&inp.beta.unsqueeze(2)?, 1)?; // [Hv, nc, C, 1]
+    let v_beta = v.broadcast_mul(&beta)?;
+    let k_beta = k.broadcast_mul(&beta)?;
+    let cum = g.cumsum(D::Minus1)?; // [Hv, nc, C]
+                                    // decay[i, j] = exp(cum_i - cum_j) for j <= i, 0 above the diagonal.
+    let diff = cum.unsqueeze(3)?.broadcast_sub(&cum.unsqueeze(2)?)?;
+    let upper: Vec<f32> = (0..CHUNK)
+        .flat_map(|i| (0..CHUNK).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    let upper = Tensor::from_vec(upper, (CHUNK, CHUNK), dev)?;
+    let decay = diff.broadcast_add(&upper)?.exp()?;
+    let kt = k.transpose(2, 3)?.contiguous()?;
+    let ut = (k_beta.matmul(&kt)? * &decay)?;
+    let intra = (q.matmul(&kt)? * &decay)?;
+    let cum_exp = cum.exp()?.unsqueeze(3)?;
+    let decayed_k_beta = k_beta.broadcast_mul(&cum_exp)?;
+    let solved = unit_lower_solve(&ut, &Tensor::cat(&[&v_beta, &decayed_k_beta], 3)?)?;
+    let new_values = solved.narrow(3, 0, dv)?;
+    let k_cumdecay = solved.narrow(3, dv, dk)?;
+    let q_dec = q.broadcast_mul(&cum_exp)?;
+    let last = cum.narrow(2, CHUNK - 1, 1)?; // [Hv, nc, 1]
+    let k_dec = k.broadcast_mul(&last.broadcast_sub(&cum)?.exp()?.unsqueeze(3)?)?;
+    let chunk_decay = last.exp()?.unsqueeze(3)?; // [Hv, nc, 1, 1]
+    let mut s = initial.clone();
+    let mut outs = Vec::with_capacity(nc);
+    for i in 0..nc {
+        let at = |x: &Tensor| x.narrow(1, i, 1).and_then(|y| y.squeeze(1));
+        let v_new = (at(&new_values)? - at(&k_cumdecay)?.contiguous()?.matmul(&s)?)?;
+        let inter = at(&q_dec)?.contiguous()?.matmul(&s)?;
+        outs.push((inter + at(&intra)?.contiguous()?.matmul(&v_new)?)?);
+        let kd = at(&k_dec)?.transpose(1, 2)?.contiguous()?;
+        s = (s.broadcast_mul(&at(&chunk_decay)?)? + kd.matmul(&v_new)?)?;
+    }
+    let out = Tensor::cat(&outs, 1)?.narrow(1, 0, t)?; // [Hv, t, dv]
+    Ok((out.transpose(0, 1)?.contiguous()?, s))
+}

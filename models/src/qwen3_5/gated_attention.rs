@@ -1,0 +1,203 @@
+//! Gated full attention (HF `Qwen3_5Attention` / `Qwen3NextAttention`) and the dense MLP.
+//!
+//! `q_proj` is twice the usual height: per head, `head_dim` query rows then `head_dim` gate rows.
+//! q and k get a zero-centred RMSNorm per head, then RoPE on their leading `rotary_dim` dims
+//! only; the attention output is multiplied by `sigmoid(gate)` before `o_proj`.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use dflash_common::{HybridConfig, WeightFiles};
+
+use crate::error::ModelResult;
+use crate::layer::linear;
+use crate::ops::{rms_norm, rope, OpsMode};
+use crate::random::WeightRng;
+
+/// A zero-centred norm weight as the multiplier it stands for: `1 + w` (computed once, in f32
+/// as HF does, then stored in the model dtype).
+pub fn one_plus(w: &Tensor) -> Result<Tensor> {
+    (w.to_dtype(DType::F32)? + 1.0)?.to_dtype(w.dtype())
+}
+
+#[derive(Debug, Clone)]
+pub struct GatedAttention {
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    rotary_dim: usize,
+    eps: f64,
+    mode: OpsMode,
+}
+
+impl GatedAttention {
+    pub fn load(
+        w: &WeightFiles,
+        p: &str,
+        cfg: &HybridConfig,
+        dtype: DType,
+        device: &Device,
+        mode: OpsMode,
+    ) -> ModelResult<Self> {
+        let (h, nh, nkv, d) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let t =
+            |name: &str, shape: &[usize]| w.tensor(&format!("{p}.{name}"), shape, dtype, device);
+        Ok(Self {
+            q_proj: t("q_proj.weight", &[2 * nh * d, h])?,
+            k_proj: t("k_proj.weight", &[nkv * d, h])?,
+            v_proj: t("v_proj.weight", &[nkv * d, h])?,
+            o_proj: t("o_proj.weight", &[h, nh * d])?,
+            q_norm: one_plus(&t("q_norm.weight", &[d])?)?,
+            k_norm: one_plus(&t("k_norm.weight", &[d])?)?,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: d,
+            rotary_dim: cfg.rotary_dim,
+            eps: cfg.rms_norm_eps,
+            mode,
+        })
+    }
+
+    pub fn random(
+        rng: &mut WeightRng,
+        cfg: &HybridConfig,
+        dtype: DType,
+        device: &Device,
+        mode: OpsMode,
+    ) -> Result<Self> {
+        let (h, nh, nkv, d) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        Ok(Self {
+            q_proj: rng.linear(2 * nh * d, h, dtype, device)?,
+            k_proj: rng.linear(nkv * d, h, dtype, device)?,
+            v_proj: rng.linear(nkv * d, h, dtype, device)?,
+            o_proj: rng.linear(h, nh * d, dtype, device)?,
+            q_norm: rng.norm(d, dtype, device)?,
+            k_norm: rng.norm(d, dtype, device)?,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: d,
+            rotary_dim: cfg.rotary_dim,
+            eps: cfg.rms_norm_eps,
+            mode,
+        })
+    }
+
+    /// RoPE on the leading `rotary_dim` dims of `x: [rows, heads, head_dim]`.
+    fn partial_rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let r = self.rotary_dim;
+        if r == self.head_dim {
+            return rope(x, cos, sin, self.mode);
+        }
+        let rot = rope(
+            &x.narrow(D::Minus1, 0, r)?.contiguous()?,
+            cos,
+            sin,
+            self.mode,
+        )?;
+        Tensor::cat(
+            &[&rot, &x.narrow(D::Minus1, r, self.head_dim - r)?],
+            D::Minus1,
+        )
+    }
+
+    /// Queries `[heads, rows, d]`, keys and values `[kv_heads, rows, d]`, and the output gate
+    /// `[rows, heads * d]` of already-normed `x`.
+    pub fn qkv_gate(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let rows = x.dim(0)?;
+        let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let qg = linear(x, &self.q_proj)?.reshape((rows, nh, 2 * d))?;
+        let gate = qg.narrow(2, d, d)?.reshape((rows, nh * d))?;
+        let q = rms_norm(
+            &qg.narrow(2, 0, d)?.contiguous()?,
+            &self.q_norm,
+            self.eps,
+            self.mode,
+        )?;
+        let q = self
+            .partial_rope(&q, cos, sin)?
+            .transpose(0, 1)?
+            .contiguous()?;
+        let k = linear(x, &self.k_proj)?.reshape((rows, nkv, d))?;
+        let k = rms_norm(&k, &self.k_norm, self.eps, self.mode)?;
+        let k = self
+            .partial_rope(&k, cos, sin)?
+            .transpose(0, 1)?
+            .contiguous()?;
+        let v = linear(x, &self.v_proj)?
+            .reshape((rows, nkv, d))?
+            .transpose(0, 1)?
+            .contiguous()?;
+        Ok((q, k, v, gate))
+    }
+
+    /// `o_proj(attn * sigmoid(gate))`.
+    pub fn out(&self, attn: &Tensor, gate: &Tensor) -> Result<Tensor> {
+        let gated = (attn * candle_nn::ops::sigmoid(gate)?)?;
+        linear(&gated, &self.o_proj)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+}
+
+impl Mlp {
+    pub fn load(
+        w: &WeightFiles,
+        p: &str,
+        h: usize,
+        i: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> ModelResult<Self> {
+        let t =
+            |name: &str, shape: &[usize]| w.tensor(&format!("{p}.{name}"), shape, dtype, device);
+        Ok(Self {
+            gate_proj: t("gate_proj.weight", &[i, h])?,
+            up_proj: t("up_proj.weight", &[i, h])?,
+            down_proj: t("down_proj.weight", &[h, i])?,
+        })
+    }
+
+    pub fn random(
+        rng: &mut WeightRng,
+        h: usize,
+        i: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_proj: rng.linear(i, h, dtype, device)?,
+            up_proj: rng.linear(i, h, dtype, device)?,
+            down_proj: rng.linear(h, i, dtype, device)?,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = linear(x, &self.gate_proj)?.silu()?;
+        let up = linear(x, &self.up_proj)?;
+        linear(&(gate * up)?, &self.down_proj)
+    }
+}

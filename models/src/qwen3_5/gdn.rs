@@ -1,0 +1,359 @@
+//! The Gated DeltaNet token mixer of `linear_attention` layers (HF `Qwen3_5GatedDeltaNet`,
+//! `Qwen3NextGatedDeltaNet`): one projection to q|k|v (short causal depthwise conv + SiLU),
+//! z (output gate), b (write strength) and a (decay), the delta rule per value head, then a
+//! gated RMSNorm and `out_proj`.
+//!
+//! The conv and the recurrence follow each token's *path*: a token's conv window is its
+//! ancestors' inputs (or the cached window once the path reaches the committed prefix), and its
+//! state starts from its parent's. For a causal chunk that is the ordinary sequence; for a
+//! verify tree it keeps sibling branches apart.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use dflash_common::{HybridConfig, WeightFiles};
+
+use crate::error::{ModelError, ModelResult};
+use crate::kv_cache::{GdnState, StagedState};
+use crate::layer::linear;
+use crate::ops::{rms_norm, OpsMode};
+use crate::qwen3_5::delta_rule::{chunked, recurrent, DeltaInputs, Forest};
+use crate::random::WeightRng;
+
+/// Which delta-rule form a forward uses (tests pin one to compare them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeltaForm {
+    /// Chunked for multi-token forwards that keep no per-row state, recurrent otherwise (HF's
+    /// choice: recurrent only for cached single-token steps).
+    #[default]
+    Auto,
+    Recurrent,
+    Chunked,
+}
+
+#[derive(Debug, Clone)]
+pub struct GatedDeltaNet {
+    /// `[q | k | v | z | b | a]` rows stacked: one GEMM for all six projections.
+    in_proj: Tensor,
+    /// Depthwise conv taps `[K, conv_dim]` (tap K-1 multiplies the current token).
+    conv_taps: Tensor,
+    /// `-exp(A_log)` and `dt_bias`, f32 `[Hv]`.
+    neg_a: Tensor,
+    dt_bias: Tensor,
+    norm: Tensor,
+    out_proj: Tensor,
+    hk: usize,
+    hv: usize,
+    dk: usize,
+    dv: usize,
+    kernel: usize,
+    eps: f64,
+}
+
+fn werr(e: candle_core::Error) -> ModelError {
+    ModelError::Candle(e)
+}
+
+impl GatedDeltaNet {
+    fn dims(cfg: &HybridConfig) -> (usize, usize, usize, usize, usize) {
+        (
+            cfg.linear_num_key_heads,
+            cfg.linear_num_value_heads,
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+            cfg.linear_conv_kernel_dim,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        cfg: &HybridConfig,
+        qkv: Tensor,
+        z: Tensor,
+        b: Tensor,
+        a: Tensor,
+        conv: Tensor,
+        a_log: Tensor,
+        dt_bias: Tensor,
+        norm: Tensor,
+        out_proj: Tensor,
+    ) -> Result<Self> {
+        let (hk, hv, dk, dv, kernel) = Self::dims(cfg);
+        let conv_dim = cfg.conv_dim();
+        Ok(Self {
+            in_proj: Tensor::cat(&[&qkv, &z, &b, &a], 0)?,
+            conv_taps: conv.reshape((conv_dim, kernel))?.t()?.contiguous()?,
+            neg_a: a_log.to_dtype(DType::F32)?.exp()?.neg()?,
+            dt_bias: dt_bias.to_dtype(DType::F32)?,
+            norm,
+            out_proj,
+            hk,
+            hv,
+            dk,
+            dv,
+            kernel,
+            eps: cfg.rms_norm_eps,
+        })
+    }
+
+    /// Loads `{p}.linear_attn.*` in the Qwen3.5 split layout (`in_proj_qkv`, `in_proj_z`,
+    /// `in_proj_b`, `in_proj_a`) or the Qwen3-Next fused one (`in_proj_qkvz`, `in_proj_ba`,
+    /// interleaved per key-head group), which is de-interleaved here into the split order.
+    pub fn load(
+        w: &WeightFiles,
+        p: &str,
+        cfg: &HybridConfig,
+        dtype: DType,
+        device: &Device,
+    ) -> ModelResult<Self> {
+        let (hk, hv, dk, dv, kernel) = Self::dims(cfg);
+        let h = cfg.hidden_size;
+        let conv_dim = cfg.conv_dim();
+        let t =
+            |name: &str, shape: &[usize]| w.tensor(&format!("{p}.{name}"), shape, dtype, device);
+        let f32t = |name: &str, shape: &[usize]| {
+            w.tensor(&format!("{p}.{name}"), shape, DType::F32, device)
+        };
+        let split = w.contains(&format!("{p}.in_proj_qkv.weight"));
+        let fused = w.contains(&format!("{p}.in_proj_qkvz.weight"));
+        let (qkv, z, b, a) = match (split, fused) {
+            (true, false) => (
+                t("in_proj_qkv.weight", &[conv_dim, h])?,
+                t("in_proj_z.weight", &[hv * dv, h])?,
+                t("in_proj_b.weight", &[hv, h])?,
+                t("in_proj_a.weight", &[hv, h])?,
+            ),
+            (false, true) => {
+                let r = hv / hk;
+                let qkvz = t("in_proj_qkvz.weight", &[2 * hk * dk + 2 * hv * dv, h])?
+                    .reshape((hk, 2 * dk + 2 * r * dv, h))
+                    .map_err(werr)?;
+                let ba = t("in_proj_ba.weight", &[2 * hv, h])?
+                    .reshape((hk, 2 * r, h))
+                    .map_err(werr)?;
+                let part = |x: &Tensor, from: usize, n: usize| -> Result<Tensor> {
+                    x.narrow(1, from, n)?.contiguous()?.reshape((hk * n, h))
+                };
+                let q = part(&qkvz, 0, dk).map_err(werr)?;
+                let k = part(&qkvz, dk, dk).map_err(werr)?;
+                let v = part(&qkvz, 2 * dk, r * dv).map_err(werr)?;
+                let z = part(&qkvz, 2 * dk + r * dv, r * dv).map_err(werr)?;
+                let qkv = Tensor::cat(&[&q, &k, &v], 0).map_err(werr)?;
+                (
+                    qkv,
+                    z,
+                    part(&ba, 0, r).map_err(werr)?,
+                    part(&ba, r, r).map_err(werr)?,
+                )
+            }
+            (true, true) => {
+                return Err(ModelError::Inconsistent(format!(
+                    "{}: `{p}` has both the split (in_proj_qkv) and the fused (in_proj_qkvz) Gated DeltaNet projections; the checkpoint mixes two layouts",
+                    w.dir().display()
+                )))
+            }
+            (false, false) => {
+                return Err(ModelError::Inconsistent(format!(
+                    "{}: `{p}` has neither in_proj_qkv (Qwen3.5 layout) nor in_proj_qkvz (Qwen3-Next layout), but config.json says this layer is linear_attention{}",
+                    w.dir().display(),
+                    if w.contains(&format!("{}.self_attn.q_proj.weight", p.trim_end_matches(".linear_attn"))) {
+                        "; the checkpoint has full-attention weights here, so layer_types does not match the weights"
+                    } else {
+                        ""
+                    }
+                )))
+            }
+        };
+        Ok(Self::assemble(
+            cfg,
+            qkv,
+            z,
+            b,
+            a,
+            t("conv1d.weight", &[conv_dim, 1, kernel])?,
+            f32t("A_log", &[hv])?,
+            f32t("dt_bias", &[hv])?,
+            t("norm.weight", &[dv])?,
+            t("out_proj.weight", &[h, hv * dv])?,
+        )?)
+    }
+
+    pub fn random(
+        rng: &mut WeightRng,
+        cfg: &HybridConfig,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let (_, hv, _, dv, kernel) = Self::dims(cfg);
+        let h = cfg.hidden_size;
+        let conv_dim = cfg.conv_dim();
+        Self::assemble(
+            cfg,
+            rng.linear(conv_dim, h, dtype, device)?,
+            rng.linear(hv * dv, h, dtype, device)?,
+            rng.linear(hv, h, dtype, device)?,
+            rng.linear(hv, h, dtype, device)?,
+            rng.normal(&[conv_dim, 1, kernel], 0.0, 0.5, dtype, device)?,
+            // A = exp(A_log) around e: decays well inside (0, 1) per token.
+            rng.normal(&[hv], 1.0, 0.5, DType::F32, device)?,
+            rng.normal(&[hv], 1.0, 0.3, DType::F32, device)?,
+            rng.norm(dv, dtype, device)?,
+            rng.linear(h, hv * dv, dtype, device)?,
+        )
+    }
+
+    pub fn conv_dim(&self) -> usize {
+        2 * self.hk * self.dk + self.hv * self.dv
+    }
+
+    /// A zero state (a fresh sequence) for this layer.
+    pub fn zero_state(&self, dtype: DType, device: &Device) -> Result<GdnState> {
+        GdnState::zeros(
+            self.kernel - 1,
+            self.conv_dim(),
+            (self.hv, self.dk, self.dv),
+            dtype,
+            device,
+        )
+    }
+
+    /// All projections of already-normed rows `x: [rows, hidden]` in one GEMM.
+    pub fn project(&self, x: &Tensor) -> Result<Tensor> {
+        linear(x, &self.in_proj)
+    }
+
+    /// `out_proj` of the gated-norm outputs `[rows, Hv * dv]`.
+    pub fn out(&self, y: &Tensor) -> Result<Tensor> {
+        linear(y, &self.out_proj)
+    }
+
+    /// Whether a forward of `t` tokens that keeps no per-token state runs the chunked form.
+    pub fn use_chunked(t: usize, keep_rows: bool, form: DeltaForm) -> bool {
+        !keep_rows
+            && match form {
+                DeltaForm::Auto => t > 1,
+                DeltaForm::Chunked => true,
+                DeltaForm::Recurrent => false,
+            }
+    }
+
+    /// The token mixer for the sequences (segments) of `forest`. `proj` holds their rows of
+    /// [`Self::project`] in the forest's combined order; `states` and `keep_rows` are per
+    /// segment. With `chunked` (one segment only) the chunked form runs; otherwise the
+    /// recurrence steps all segments' tokens of one depth together. Returns the gated-norm
+    /// output `[t, Hv * dv]` (before `out_proj`) and each segment's states to stage: one per
+    /// row where `keep_rows`, else only the final one.
+    pub fn mix(
+        &self,
+        proj: &Tensor,
+        forest: &Forest,
+        states: &[&GdnState],
+        keep_rows: &[bool],
+        chunked_form: bool,
+    ) -> Result<(Tensor, Vec<StagedState>)> {
+        let t = forest.len();
+        let dtype = proj.dtype();
+        let (hk, hv, dk, dv, kernel) = (self.hk, self.hv, self.dk, self.dv, self.kernel);
+        let conv_dim = self.conv_dim();
+        let mixed = proj.narrow(1, 0, conv_dim)?.contiguous()?;
+        let z = proj.narrow(1, conv_dim, hv * dv)?;
+        let b = proj.narrow(1, conv_dim + hv * dv, hv)?;
+        let a = proj.narrow(1, conv_dim + hv * dv + hv, hv)?;
+
+        // Short causal conv along each token's path, then SiLU. Each segment's block is its
+        // cached window followed by its new rows.
+        let mut blocks = Vec::with_capacity(2 * forest.segments.len());
+        for (state, &(off, len)) in states.iter().zip(&forest.segments) {
+            blocks.push(state.conv.clone());
+            blocks.push(mixed.narrow(0, off, len)?);
+        }
+        let ext = Tensor::cat(&blocks, 0)?;
+        let gathered = ext
+            .index_select(&forest.conv_taps, 0)?
+            .reshape((t, kernel, conv_dim))?;
+        let u = gathered
+            .broadcast_mul(&self.conv_taps.unsqueeze(0)?)?
+            .sum(1)?
+            .silu()?;
+
+        let v = u.narrow(1, 2 * hk * dk, hv * dv)?.reshape((t, hv, dv))?;
+        // q and k of every key head side by side: one L2 normalisation (in f32) for both.
+        let qk = u
+            .narrow(1, 0, 2 * hk * dk)?
+            .reshape((t, 2 * hk, dk))?
+            .to_dtype(DType::F32)?;
+        let inv = (qk.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?
+            .sqrt()?
+            .recip()?;
+        let qk = qk.broadcast_mul(&inv)?;
+        // Value head j reads key head j / r (HF repeat_interleave).
+        let expand = |x: Tensor| -> Result<Tensor> {
+            x.unsqueeze(2)?
+                .broadcast_as((t, hk, hv / hk, dk))?
+                .reshape((t, hv, dk))
+        };
+        let q = expand((qk.narrow(1, 0, hk)? * (1.0 / (dk as f64).sqrt()))?)?;
+        let k = expand(qk.narrow(1, hk, hk)?)?;
+        let v = v.to_dtype(DType::F32)?;
+        let beta = candle_nn::ops::sigmoid(&b.to_dtype(DType::F32)?.contiguous()?)?;
+        let g = softplus(&a.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias)?)?
+            .broadcast_mul(&self.neg_a)?;
+        let inp = DeltaInputs { q, k, v, g, beta };
+
+        let (o, staged) = if chunked_form {
+            if states.len() != 1 {
+                candle_core::bail!("the chunked delta rule runs one sequence at a time");
+            }
+            let (o, s) = chunked(&inp, &states[0].ssm)?;
+            // A copy, so that the window does not keep the whole chunk's input alive.
+            let conv = ext.narrow(0, t, kernel - 1)?.copy()?;
+            (o, vec![StagedState::Final(GdnState { conv, ssm: s })])
+        } else {
+            let initial = if states.len() == 1 {
+                states[0].ssm.unsqueeze(0)?
+            } else {
+                let ssm: Vec<&Tensor> = states.iter().map(|s| &s.ssm).collect();
+                Tensor::stack(&ssm, 0)?
+            };
+            let (o, row_states) = recurrent(&inp, forest, &initial)?;
+            // A token's window after it is its own last K-1 taps.
+            let windows = gathered.narrow(1, 1, kernel - 1)?;
+            let mut staged = Vec::with_capacity(states.len());
+            for (&(off, len), &keep) in forest.segments.iter().zip(keep_rows) {
+                staged.push(if keep {
+                    StagedState::Rows(
+                        (off..off + len)
+                            .map(|i| {
+                                Ok(GdnState {
+                                    conv: windows.get(i)?,
+                                    ssm: row_states[i].clone(),
+                                })
+                            })
+                            .collect::<Result<Vec<_>>>()?,
+                    )
+                } else {
+                    let last = off + len - 1;
+                    StagedState::Final(GdnState {
+                        conv: windows.get(last)?.copy()?,
+                        ssm: row_states[last].copy()?,
+                    })
+                });
+            }
+            (o, staged)
+        };
+        let y = self.gated_norm(&o.to_dtype(dtype)?, &z.reshape((t, hv, dv))?)?;
+        Ok((y.reshape((t, hv * dv))?, staged))
+    }
+
+    /// HF `Qwen3_5RMSNormGated`: RMS-normalise (f32 inside), times the plain (not zero-centred)
+    /// weight, times `silu(z)` in f32, cast back.
+    fn gated_norm(&self, o: &Tensor, z: &Tensor) -> Result<Tensor> {
+        let dtype = o.dtype();
+        let normed = rms_norm(&o.contiguous()?, &self.norm, self.eps, OpsMode::Fused)?;
+        (normed.to_dtype(DType::F32)? * z.to_dtype(DType::F32)?.silu()?)?.to_dtype(dtype)
+    }
+}
+
+/// `log(1 + e^x)`, linear above 20 as torch's default threshold.
+fn softplus(x: &Tensor) -> Result<Tensor> {
+    let soft = (x.exp()? + 1.0)?.log()?;
+    x.ge(20.0)?.where_cond(x, &soft)
+}

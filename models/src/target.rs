@@ -1,0 +1,198 @@
+//! The verifier a speculative engine drives: a Qwen3 dense target or a hybrid (Qwen3.5 /
+//! Qwen3.6 / Qwen3-Next) one. Both take the same batched [`SeqForward`] and return the same
+//! [`ForwardOutput`]; they differ in their caches (hybrid caches keep per-row recurrent states
+//! for up to `rollback` rows so a verify can be committed or rolled back).
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use dflash_common::HybridConfig;
+
+use crate::error::ModelResult;
+use crate::kv_cache::SequenceCache;
+use crate::ops::OpsMode;
+use crate::qwen3::{ForwardOutput, Qwen3Model, SeqForward};
+use crate::qwen3_5::Qwen35Model;
+
+#[derive(Debug, Clone)]
+pub enum Target {
+    Qwen3(Qwen3Model),
+    Hybrid(Qwen35Model),
+}
+
+impl From<Qwen3Model> for Target {
+    fn from(m: Qwen3Model) -> Self {
+        Target::Qwen3(m)
+    }
+}
+
+impl From<Qwen35Model> for Target {
+    fn from(m: Qwen35Model) -> Self {
+        Target::Hybrid(m)
+    }
+}
+
+/// What a drafter borrows from its target (embeddings, LM head, shape), for either family.
+pub trait DraftTarget {
+    fn embed_weight(&self) -> &Tensor;
+    fn lm_head_weight(&self) -> &Tensor;
+    fn max_positions(&self) -> usize;
+    fn dtype(&self) -> DType;
+    fn device(&self) -> &Device;
+    fn hidden_size(&self) -> usize;
+    fn num_layers(&self) -> usize;
+    fn vocab_size(&self) -> usize;
+}
+
+impl DraftTarget for Qwen3Model {
+    fn embed_weight(&self) -> &Tensor {
+        Qwen3Model::embed_weight(self)
+    }
+    fn lm_head_weight(&self) -> &Tensor {
+        Qwen3Model::lm_head_weight(self)
+    }
+    fn max_positions(&self) -> usize {
+        self.rope().max_positions()
+    }
+    fn dtype(&self) -> DType {
+        Qwen3Model::dtype(self)
+    }
+    fn device(&self) -> &Device {
+        Qwen3Model::device(self)
+    }
+    fn hidden_size(&self) -> usize {
+        self.config().hidden_size
+    }
+    fn num_layers(&self) -> usize {
+        self.config().num_hidden_layers
+    }
+    fn vocab_size(&self) -> usize {
+        self.config().vocab_size
+    }
+}
+
+impl DraftTarget for Qwen35Model {
+    fn embed_weight(&self) -> &Tensor {
+        Qwen35Model::embed_weight(self)
+    }
+    fn lm_head_weight(&self) -> &Tensor {
+        Qwen35Model::lm_head_weight(self)
+    }
+    fn max_positions(&self) -> usize {
+        self.rope().max_positions()
+    }
+    fn dtype(&self) -> DType {
+        Qwen35Model::dtype(self)
+    }
+    fn device(&self) -> &Device {
+        Qwen35Model::device(self)
+    }
+    fn hidden_size(&self) -> usize {
+        self.config().hidden_size
+    }
+    fn num_layers(&self) -> usize {
+        self.config().num_hidden_layers
+    }
+    fn vocab_size(&self) -> usize {
+        self.config().vocab_size
+    }
+}
+
+macro_rules! both {
+    ($self:ident, $m:ident => $e:expr) => {
+        match $self {
+            Target::Qwen3($m) => $e,
+            Target::Hybrid($m) => $e,
+        }
+    };
+}
+
+impl DraftTarget for Target {
+    fn embed_weight(&self) -> &Tensor {
+        both!(self, m => m.embed_weight())
+    }
+    fn lm_head_weight(&self) -> &Tensor {
+        both!(self, m => m.lm_head_weight())
+    }
+    fn max_positions(&self) -> usize {
+        both!(self, m => m.rope().max_positions())
+    }
+    fn dtype(&self) -> DType {
+        both!(self, m => m.dtype())
+    }
+    fn device(&self) -> &Device {
+        both!(self, m => m.device())
+    }
+    fn hidden_size(&self) -> usize {
+        both!(self, m => m.config().hidden_size)
+    }
+    fn num_layers(&self) -> usize {
+        both!(self, m => m.config().num_hidden_layers)
+    }
+    fn vocab_size(&self) -> usize {
+        both!(self, m => m.config().vocab_size)
+    }
+}
+
+impl Target {
+    /// Loads a checkpoint directory of either family, chosen by its `config.json`
+    /// (`qwen3_5`, `qwen3_5_text` or `qwen3_next` load as hybrids, anything else as Qwen3).
+    pub fn load(
+        dir: &Path,
+        dtype: DType,
+        device: &Device,
+        max_positions: usize,
+        mode: OpsMode,
+    ) -> ModelResult<Self> {
+        if HybridConfig::is_hybrid_file(&dir.join("config.json")) {
+            Ok(Target::Hybrid(Qwen35Model::load(
+                dir,
+                dtype,
+                device,
+                max_positions,
+                mode,
+            )?))
+        } else {
+            Ok(Target::Qwen3(Qwen3Model::load(
+                dir,
+                dtype,
+                device,
+                max_positions,
+                mode,
+            )?))
+        }
+    }
+
+    pub fn forward(
+        &self,
+        batch: &mut [SeqForward<'_>],
+        taps: &[usize],
+    ) -> ModelResult<ForwardOutput> {
+        both!(self, m => m.forward(batch, taps))
+    }
+
+    /// A cache for `capacity` positions in which forwards of up to `rollback` tokens can be
+    /// rolled back (attention caches can always be truncated; the argument only matters for
+    /// recurrent layers).
+    pub fn new_cache(&self, capacity: usize, rollback: usize) -> ModelResult<SequenceCache> {
+        match self {
+            Target::Qwen3(m) => m.new_cache(capacity),
+            Target::Hybrid(m) => m.new_cache_with_rollback(capacity, rollback),
+        }
+    }
+
+    /// The Qwen3 model, for callers that only support that family.
+    pub fn as_qwen3(&self) -> Option<&Qwen3Model> {
+        match self {
+            Target::Qwen3(m) => Some(m),
+            Target::Hybrid(_) => None,
+        }
+    }
+
+    pub fn eos_token_ids(&self) -> &[u32] {
+        match self {
+            Target::Qwen3(m) => &m.config().eos_token_ids,
+            Target::Hybrid(m) => &m.config().eos_token_ids,
+        }
+    }
+}

@@ -1,0 +1,230 @@
+//! Loading the hybrid family in its three shapes and refusing inconsistent checkpoints.
+//!
+//! The fixture (released Qwen3.5 layout) is rewritten into the text-only layout (`model.`
+//! prefix, flat config) and into Qwen3-Next's fused projection layout (`in_proj_qkvz`,
+//! `in_proj_ba`, interleaved per key-head group, built here from the layout description in
+//! QWEN_TARGETS.md §3.3); both must give the transformers logits of the original.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use dflash_models::{AttnPattern, OpsMode, Qwen35Model, SeqForward};
+use dflash_tests::{fixture, ids, load_expected, max_abs_diff};
+use serde_json::Value;
+
+const NAME: &str = "qwen3_5-tiny-random";
+
+fn original() -> (Value, HashMap<String, Tensor>) {
+    let dir = fixture(NAME);
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let w = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    (cfg, w)
+}
+
+fn write(name: &str, cfg: &Value, w: &HashMap<String, Tensor>) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("qwen35-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), serde_json::to_string(cfg).unwrap()).unwrap();
+    candle_core::safetensors::save(w, dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+/// Logits of the first 20 fixture tokens against transformers' prefill rows.
+fn check_logits(dir: &Path) {
+    let m = Qwen35Model::load(dir, DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();
+    let exp = load_expected(NAME);
+    let tokens = &ids(&exp["tokens"])[..20];
+    let positions: Vec<u32> = (0..20).collect();
+    let rows: Vec<usize> = (0..20).collect();
+    let mut cache = m.new_cache(64).unwrap();
+    let out = m
+        .forward(
+            &mut [SeqForward {
+                cache: &mut cache,
+                tokens,
+                positions: &positions,
+                pattern: &AttnPattern::Causal,
+                logit_rows: &rows,
+            }],
+            &[],
+        )
+        .unwrap();
+    let d = max_abs_diff(
+        &out.logits.unwrap(),
+        &exp["prefill_logits"].narrow(0, 0, 20).unwrap(),
+    );
+    assert!(d < 1e-4, "{}: logits differ by {d}", dir.display());
+}
+
+fn flat(cfg: &Value, w: &HashMap<String, Tensor>) -> (Value, HashMap<String, Tensor>) {
+    let text = cfg["text_config"].clone();
+    let w = w
+        .iter()
+        .map(|(k, v)| (k.replace("model.language_model.", "model."), v.clone()))
+        .collect();
+    (text, w)
+}
+
+#[test]
+fn text_only_layout_under_the_model_prefix_loads_to_the_same_logits() {
+    let (cfg, w) = original();
+    check_logits(&fixture(NAME));
+    let (text, w) = flat(&cfg, &w);
+    let dir = write("flat", &text, &w);
+    check_logits(&dir);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn qwen3_next_fused_projection_layout_loads_to_the_same_logits() {
+    let (cfg, w) = original();
+    let (mut text, mut w) = flat(&cfg, &w);
+    let tc = text.clone();
+    let n = |k: &str| tc[k].as_u64().unwrap() as usize;
+    let (hk, hv, dk, dv) = (
+        n("linear_num_key_heads"),
+        n("linear_num_value_heads"),
+        n("linear_key_head_dim"),
+        n("linear_value_head_dim"),
+    );
+    let r = hv / hk;
+    for i in 0..n("num_hidden_layers") {
+        let p = format!("model.layers.{i}.linear_attn");
+        let Some(qkv) = w.remove(&format!("{p}.in_proj_qkv.weight")) else {
+            continue;
+        };
+        let z = w.remove(&format!("{p}.in_proj_z.weight")).unwrap();
+        let b = w.remove(&format!("{p}.in_proj_b.weight")).unwrap();
+        let a = w.remove(&format!("{p}.in_proj_a.weight")).unwrap();
+        let rows = |t: &Tensor, from: usize, len: usize| t.narrow(0, from, len).unwrap();
+        let (mut qkvz, mut ba) = (Vec::new(), Vec::new());
+        for g in 0..hk {
+            qkvz.push(rows(&qkv, g * dk, dk)); // q of key head g
+            qkvz.push(rows(&qkv, hk * dk + g * dk, dk)); // k of key head g
+            qkvz.push(rows(&qkv, 2 * hk * dk + g * r * dv, r * dv)); // v of its value heads
+            qkvz.push(rows(&z, g * r * dv, r * dv)); // z of its value heads
+            ba.push(rows(&b, g * r, r));
+            ba.push(rows(&a, g * r, r));
+        }
+        w.insert(
+            format!("{p}.in_proj_qkvz.weight"),
+            Tensor::cat(&qkvz, 0).unwrap(),
+        );
+        w.insert(
+            format!("{p}.in_proj_ba.weight"),
+            Tensor::cat(&ba, 0).unwrap(),
+        );
+    }
+    let o = text.as_object_mut().unwrap();
+    o.insert("model_type".into(), "qwen3_next".into());
+    let rope = o.remove("rope_parameters").unwrap();
+    o.insert("rope_theta".into(), rope["rope_theta"].clone());
+    o.insert(
+        "partial_rotary_factor".into(),
+        rope["partial_rotary_factor"].clone(),
+    );
+    let dir = write("next", &text, &w);
+    check_logits(&dir);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn layer_types_that_disagree_with_the_weights_are_refused_by_layer() {
+    let (cfg, w) = original();
+    let (text, w) = flat(&cfg, &w);
+    for (layer, kind, says) in [
+        (2, "linear_attention", "full-attention weights"),
+        (0, "full_attention", "Gated DeltaNet weights"),
+    ] {
+        let mut t = text.clone();
+        t.as_object_mut().unwrap().remove("full_attention_interval");
+        t["layer_types"][layer] = kind.into();
+        let dir = write(&format!("mismatch{layer}"), &t, &w);
+        let e = Qwen35Model::load(&dir, DType::F32, &Device::Cpu, 64, OpsMode::Fused)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("layer_types does not match the weights"), "{e}");
+        assert!(e.contains(says), "{e}");
+        assert!(
+            e.contains(&format!("layers.{layer}")) || e.contains(&format!("layer {layer}")),
+            "{e}"
+        );
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
+
+#[test]
+fn a_checkpoint_mixing_split_and_fused_projections_is_refused() {
+    let (cfg, w) = original();
+    let (text, mut w) = flat(&cfg, &w);
+    let qkv = w["model.layers.0.linear_attn.in_proj_qkv.weight"].clone();
+    w.insert("model.layers.0.linear_attn.in_proj_qkvz.weight".into(), qkv);
+    let dir = write("mixed", &text, &w);
+    let e = Qwen35Model::load(&dir, DType::F32, &Device::Cpu, 64, OpsMode::Fused)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("both the split") && e.contains("model.layers.0.linear_attn"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn the_builtin_mtp_head_loads_from_mtp_tensors_and_its_absence_is_explained() {
+    use dflash_common::{HybridConfig, WeightFiles};
+    use dflash_models::qwen3_5::MtpHead;
+    let (cfg, mut w) = original();
+    let hc = HybridConfig::from_file(fixture(NAME).join("config.json")).unwrap();
+    let none = WeightFiles::open_dir(fixture(NAME)).unwrap();
+    let e = MtpHead::load(&none, &hc, DType::F32, &Device::Cpu, OpsMode::Fused)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no built-in MTP head") && e.contains("mtp.fc.weight"),
+        "{e}"
+    );
+    // The 15 tensors of a dense checkpoint's head: layer 2 (gated attention) serves as its layer.
+    let layer: Vec<(String, Tensor)> = w
+        .iter()
+        .filter_map(|(k, v)| {
+            k.strip_prefix("model.language_model.layers.2.")
+                .map(|rest| (format!("mtp.layers.0.{rest}"), v.clone()))
+        })
+        .collect();
+    let h = hc.hidden_size;
+    let norm = w["model.language_model.norm.weight"].clone();
+    w.extend(layer);
+    for n in [
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "mtp.norm.weight",
+    ] {
+        w.insert(n.into(), norm.clone());
+    }
+    let fc = Tensor::zeros((h, 2 * h), DType::BF16, &Device::Cpu).unwrap();
+    w.insert("mtp.fc.weight".into(), fc);
+    assert_eq!(w.keys().filter(|k| k.starts_with("mtp.")).count(), 15);
+    let dir = write("mtp", &cfg, &w);
+    let files = WeightFiles::open_dir(&dir).unwrap();
+    MtpHead::load(&files, &hc, DType::F32, &Device::Cpu, OpsMode::Fused).unwrap();
+    // The target itself ignores the head's tensors.
+    check_logits(&dir);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn target_load_picks_the_family_from_config_json() {
+    use dflash_models::Target;
+    let hybrid =
+        Target::load(&fixture(NAME), DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();
+    assert!(matches!(hybrid, Target::Hybrid(_)));
+    let next = fixture("qwen3_next-tiny-random");
+    let next = Target::load(&next, DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();
+    assert!(matches!(next, Target::Hybrid(_)));
+    let dense = fixture("qwen3-tiny-random");
+    let dense = Target::load(&dense, DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();
+    assert!(dense.as_qwen3().is_some());
+}
