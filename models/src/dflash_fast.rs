@@ -57,8 +57,8 @@ impl DFlashDrafter {
                     (nh, nkv, d),
                     eps,
                 )?;
-                let nsplit = (item.cache.len() + b).div_ceil(fast::CHUNK);
-                outs.push(fast::attention(&q, kc, vc, &lens[s], Some(&full), nsplit)?);
+                let split = fast::split_plan(item.cache.len() + b, b, nh, nkv);
+                outs.push(fast::attention(&q, kc, vc, &lens[s], Some(&full), split)?);
             }
             let attn = if outs.len() == 1 {
                 outs.swap_remove(0)

@@ -22,8 +22,8 @@ struct SeqInputs {
     tokens: usize,
     /// `[1]` u32: committed rows before this forward.
     cache_len: Tensor,
-    /// Rows of attention splits covering the live keys.
-    nsplit: usize,
+    /// Attention splits and key chunks per split (see [`fast::split_plan`]).
+    split: (usize, usize),
     tree: Option<Tensor>,
 }
 
@@ -65,7 +65,12 @@ impl Qwen3Model {
                 offset: off,
                 tokens: t,
                 cache_len: Tensor::new(&[len as u32], &dev)?,
-                nsplit: (len + t).div_ceil(fast::CHUNK),
+                split: fast::split_plan(
+                    len + t,
+                    t,
+                    self.cfg.num_attention_heads,
+                    self.cfg.num_key_value_heads,
+                ),
                 tree,
             });
         }
@@ -232,7 +237,7 @@ impl Qwen3Model {
                     vc,
                     &inp.cache_len,
                     inp.tree.as_ref(),
-                    inp.nsplit,
+                    inp.split,
                 )?);
             }
             let attn = if outs.len() == 1 {
@@ -325,7 +330,7 @@ impl Qwen3Model {
             offset: 0,
             tokens: t,
             cache_len: inputs.narrow(0, 2 * t, 1)?,
-            nsplit: cache.capacity().div_ceil(fast::CHUNK),
+            split: (cache.capacity().div_ceil(fast::CHUNK), 1),
             tree: tree_bits.clone(),
         };
         let ids = inputs.narrow(0, 0, t)?;

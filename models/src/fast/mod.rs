@@ -16,11 +16,12 @@ mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::{
     add_rmsnorm, attention, device_address, linear, qk_norm_rope_cache, silu_mul, skinny,
-    upload_i64, upload_u32, CHUNK,
+    split_plan, upload_i64, upload_u32, CHUNK,
 };
 
-/// Longest per-sequence forward the fused attention takes (its partials grow with t x splits).
-pub const MAX_FAST_TOKENS: usize = 512;
+/// Longest per-sequence forward the fused path takes in one piece; longer causal forwards
+/// (prefills) run as consecutive pieces of this size.
+pub const MAX_FAST_TOKENS: usize = 1024;
 
 /// Whether the fused kernels can run a model of this device, dtype, head size and mode.
 pub fn available(device: &Device, dtype: DType, head_dim: usize, mode: OpsMode) -> bool {

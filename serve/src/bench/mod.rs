@@ -243,7 +243,9 @@ fn figures(
         #[cfg(feature = "cuda")]
         if m.fast_kernels() {
             let entry = match measure::decode_graph_ms(m, &mut cache, args.decode_steps) {
-                Ok(g) => json!({"ms": g, "tok_per_s": 1e3 / g, "roofline_ms": roof, "fraction_of_roofline": roof / g, "speedup_vs_no_graph": ms / g}),
+                Ok(g) => {
+                    json!({"ms": g, "tok_per_s": 1e3 / g, "roofline_ms": roof, "fraction_of_roofline": roof / g, "speedup_vs_no_graph": ms / g})
+                }
                 Err(e) => json!({"error": format!("{e:#}")}),
             };
             decode.insert(format!("ctx_{c}_cuda_graph"), entry);
@@ -285,7 +287,9 @@ fn figures(
             #[cfg(feature = "cuda")]
             if let Some(g1) = graph_1k {
                 let entry = match measure::forward_graph_ms(m, &mut cache, n, tree, args.reps) {
-                    Ok((g, _)) => json!({"ms": g, "ratio_to_decode_step": g / g1, "roofline_ms": roof, "fraction_of_roofline": roof / g}),
+                    Ok((g, _)) => {
+                        json!({"ms": g, "ratio_to_decode_step": g / g1, "roofline_ms": roof, "fraction_of_roofline": roof / g})
+                    }
                     Err(e) => json!({"error": format!("{e:#}")}),
                 };
                 graphs.insert(n.to_string(), entry);
@@ -382,7 +386,8 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
     {
         let width = drafter.config().target_layer_ids.len() * drafter.config().layers.hidden_size;
         let dev = base.device();
-        let f1 = candle_core::Tensor::randn(0f32, 1.0, (300, width), dev)?.to_dtype(base.dtype())?;
+        let f1 =
+            candle_core::Tensor::randn(0f32, 1.0, (300, width), dev)?.to_dtype(base.dtype())?;
         let f2 = candle_core::Tensor::randn(0f32, 1.0, (7, width), dev)?.to_dtype(base.dtype())?;
         let mut block = vec![drafter.mask_token_id(); drafter.block_size()];
         block[0] = 11;
@@ -447,5 +452,7 @@ fn compare(a: &candle_core::Tensor, b: &candle_core::Tensor) -> Result<Value> {
     let am = a.argmax(1)?.to_vec1::<u32>()?;
     let bm = b.argmax(1)?.to_vec1::<u32>()?;
     let same = am.iter().zip(&bm).filter(|(x, y)| x == y).count();
-    Ok(json!({"max_abs_logit_diff": diff, "max_abs_logit": scale, "argmax_equal_rows": same, "rows": am.len()}))
+    Ok(
+        json!({"max_abs_logit_diff": diff, "max_abs_logit": scale, "argmax_equal_rows": same, "rows": am.len()}),
+    )
 }
