@@ -239,7 +239,7 @@ fn attention_with(
     let f = dev.get_or_load_custom_func("attn_combine", MODULE, PTX)?;
     let mut b = f.builder();
     b.arg(&acc_p).arg(&ml_p).arg(&len_p).arg(&out_p);
-    b.arg(&ti).arg(&nhi).arg(&di).arg(&ns);
+    b.arg(&ti).arg(&nhi).arg(&di).arg(&ns).arg(&cpsi);
     go(
         &mut b,
         cfg(((t * nh) as u32, 1, 1), d as u32),
