@@ -1,9 +1,12 @@
-//! Fused CUDA kernels for decode and speculative verification (`cuda` feature, bf16,
-//! head_dim 128): per-head q/k RMSNorm + RoPE + cache write in one kernel, split-K attention
-//! over the preallocated cache with the tree given as ancestor bit rows (no dense mask),
-//! SiLU-gate product, and residual add + RMSNorm. [`crate::Qwen3Model`] uses them for
-//! forwards of up to [`MAX_FAST_TOKENS`] tokens per sequence; everything else (CPU, f32,
-//! training, long prefills) takes the plain candle path, which stays the reference.
+//! Fused CUDA kernels for decode, speculative verification, drafting and prefill (`cuda`
+//! feature, bf16, head_dim 128): per-head q/k RMSNorm + RoPE + cache write in one kernel,
+//! split-K attention on tensor cores straight over the preallocated cache with the tree given
+//! as ancestor bit rows (no dense mask), SiLU-gate product, and residual add + RMSNorm; GEMMs
+//! stay on cuBLAS. [`crate::Qwen3Model`] and [`crate::DFlashDrafter`] use them when
+//! [`available`] (on by default there; `with_fast_kernels(false)` turns them off); causal
+//! forwards longer than [`MAX_FAST_TOKENS`] (prefills) run as consecutive pieces. CPU, f32,
+//! training (`OpsMode::Differentiable`) and batches of several long sequences take the plain
+//! candle path, which stays the reference the kernels are checked against (`check`).
 
 use candle_core::{DType, Device};
 

@@ -116,8 +116,8 @@ pub fn main(argv: Vec<String>) -> Result<()> {
     let cfg = shapes::resolve(&args.model)?;
     let bpe = dtype.size_in_bytes() as f64;
 
-    let bw = measure::copy_bandwidth(&dev, if dev.is_cpu() { 1 << 28 } else { 4 << 30 })?;
-    let mm = measure::matmul_rate(&dev, if dev.is_cpu() { 1024 } else { 8192 }, dtype)?;
+    let bw = measure::copy_bandwidth(&dev, if dev.is_cpu() { 1 << 26 } else { 4 << 30 })?;
+    let mm = measure::matmul_rate(&dev, if dev.is_cpu() { 512 } else { 8192 }, dtype)?;
     let probes = json!({"copy_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": mm / 1e12,
         "note": "copy: read+write bytes of a copy into a preallocated buffer (4 GiB on CUDA); matmul: n^3 in the model dtype (n = 8192 on CUDA)"});
     eprintln!("probes {probes}");
