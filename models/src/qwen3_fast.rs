@@ -272,9 +272,11 @@ impl Qwen3Model {
 /// reads the tokens, positions, cache length and (tree graphs) the ancestor bit rows from
 /// device buffers written before each replay, and attends over as many key chunks as the
 /// cache can hold (chunks past the live length exit at once), so one capture serves every
-/// step of that cache. Logits come back for all `t` rows.
+/// step of that cache (checked by address). Logits come back for all `t` rows.
 pub struct StepGraph {
     graph: candle_core::cuda_backend::cudarc::driver::CudaGraph,
+    /// Keeps the weights the graph reads alive.
+    _model: Qwen3Model,
     tokens: usize,
     /// u32 [tokens (t), positions (t), cache_len].
     inputs: Tensor,
@@ -359,6 +361,7 @@ impl Qwen3Model {
             .ok_or_else(|| ModelError::Unsupported("graph capture produced no graph".into()))?;
         Ok(StepGraph {
             graph,
+            _model: self.clone(),
             tokens: t,
             inputs,
             tree: tree_bits,

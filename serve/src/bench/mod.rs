@@ -314,6 +314,15 @@ fn figures(
         .filter(|&c| c <= ctxs.last().copied().unwrap_or(1024))
     {
         let (hid, logits) = drafter_block_ms(drafter, c, args.reps)?;
+        #[allow(unused_mut)]
+        let mut graph = Value::Null;
+        #[cfg(feature = "cuda")]
+        if drafter.fast_kernels() {
+            graph = match measure::drafter_graph_ms(drafter, c, args.reps) {
+                Ok(g) => json!({"hidden_ms": g, "hidden_ratio_to_decode_step": g / best_decode_1k}),
+                Err(e) => json!({"error": format!("{e:#}")}),
+            };
+        }
         let kv = 2.0
             * dl
             * (dc.layers.num_key_value_heads * dc.layers.head_dim) as f64
@@ -326,7 +335,8 @@ fn figures(
             json!({"block": args.block_size, "hidden_ms": hid, "with_logits_ms": logits,
                    "hidden_ratio_to_decode_step": hid / best_decode_1k, "with_logits_ratio_to_decode_step": logits / best_decode_1k,
                    "hidden_roofline_ms": roof_h, "with_logits_roofline_ms": roof_l,
-                   "hidden_fraction_of_roofline": roof_h / hid, "with_logits_fraction_of_roofline": roof_l / logits}),
+                   "hidden_fraction_of_roofline": roof_h / hid, "with_logits_fraction_of_roofline": roof_l / logits,
+                   "cuda_graph": graph}),
         );
     }
     out.insert("drafter".into(), Value::Object(dr));
@@ -407,6 +417,33 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         let b = run(&drafter.clone().with_fast_kernels(true))?;
         out.insert("drafter_round1".into(), compare(&a[0], &b[0])?);
         out.insert("drafter_round2".into(), compare(&a[1], &b[1])?);
+        // The draft graph against the fused forward on the same cache.
+        #[cfg(feature = "cuda")]
+        {
+            let fd = drafter.clone().with_fast_kernels(true);
+            let mut c = fd.new_cache(400)?;
+            fd.forward(&mut [dflash_models::DraftInput {
+                cache: &mut c,
+                context: Some(&f1),
+                block: &block,
+            }])?;
+            let direct = fd.forward(&mut [dflash_models::DraftInput {
+                cache: &mut c,
+                context: None,
+                block: &block,
+            }])?;
+            let graph = fd.capture_block(&c)?.draft(&c, &block)?;
+            let diff = (direct.to_dtype(candle_core::DType::F32)?
+                - graph.to_dtype(candle_core::DType::F32)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+            out.insert(
+                "drafter_graph_hidden".into(),
+                json!({"max_abs_diff_vs_fused": diff}),
+            );
+        }
     }
     // A 600-token prefill: plain (one forward) against fused (chunks of MAX_FAST_TOKENS), rows out of order.
     {
