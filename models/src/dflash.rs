@@ -273,6 +273,10 @@ impl DFlashDrafter {
                 .all(|t| *t == LayerType::FullAttention)
     }
 
+    pub fn fast_kernels(&self) -> bool {
+        self.fast
+    }
+
     /// Turns the fused kernels on or off (off: the plain candle path, for comparisons).
     pub fn with_fast_kernels(mut self, on: bool) -> Self {
         self.fast =

@@ -8,7 +8,7 @@ use candle_core::Tensor;
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
 use crate::fast;
-use crate::kv_cache::LayerCache;
+use crate::kv_cache::{LayerCache, SequenceCache};
 use crate::ops::rms_norm;
 
 impl DFlashDrafter {
@@ -22,16 +22,47 @@ impl DFlashDrafter {
     ) -> ModelResult<Tensor> {
         let b = self.config().block_size;
         let dev = self.device().clone();
-        let eps = self.config().layers.rms_norm_eps;
-        let layers = self.layers();
-        let (nh, nkv, d) = layers[0].heads();
-        let (cos, sin) = self.rotary().tables();
-        let full: Vec<i64> = vec![(u64::MAX >> (64 - b)) as i64; b];
-        let full = Tensor::from_vec(full, (b, 1), &dev)?;
+        let (nh, nkv) = (
+            self.config().layers.num_attention_heads,
+            self.config().layers.num_key_value_heads,
+        );
+        let full = self.full_block_bits()?;
         let lens = batch
             .iter()
             .map(|i| Tensor::new(&[i.cache.len() as u32], &dev))
             .collect::<candle_core::Result<Vec<_>>>()?;
+        let caches: Vec<&SequenceCache> = batch.iter().map(|i| &*i.cache).collect();
+        let splits: Vec<(usize, usize)> = batch
+            .iter()
+            .map(|i| fast::split_plan(i.cache.len() + b, b, nh, nkv))
+            .collect();
+        self.block_layers(ids, pos, &caches, &lens, &splits, &full)
+    }
+
+    /// Every block token sees the whole block: all-ones bit rows `[b, 1]`.
+    fn full_block_bits(&self) -> ModelResult<Tensor> {
+        let b = self.config().block_size;
+        let full: Vec<i64> = vec![(u64::MAX >> (64 - b)) as i64; b];
+        Ok(Tensor::from_vec(full, (b, 1), self.device())?)
+    }
+
+    /// The block's layers over already-uploaded inputs (no host-device copies, so a CUDA
+    /// graph can capture it): sequence s's block is rows `s * b ..`, its committed length is
+    /// `lens[s]` (a `[1]` u32 tensor), its attention split `splits[s]`.
+    fn block_layers(
+        &self,
+        ids: &Tensor,
+        pos: &Tensor,
+        caches: &[&SequenceCache],
+        lens: &[Tensor],
+        splits: &[(usize, usize)],
+        full: &Tensor,
+    ) -> ModelResult<Tensor> {
+        let b = self.config().block_size;
+        let eps = self.config().layers.rms_norm_eps;
+        let layers = self.layers();
+        let (nh, nkv, d) = layers[0].heads();
+        let (cos, sin) = self.rotary().tables();
         let mut x = self.embed_weight().index_select(ids, 0)?;
         let mut h = rms_norm(&x, layers[0].norm_weights().0, eps, self.mode())?;
         for (li, layer) in layers.iter().enumerate() {
@@ -40,9 +71,9 @@ impl DFlashDrafter {
                 .ok_or_else(|| ModelError::BadInput("fused draft on unfused weights".into()))?;
             let (_, post_norm, q_norm, k_norm) = layer.norm_weights();
             let qkv = fast::linear(&h, &fused.qkv)?;
-            let mut outs = Vec::with_capacity(batch.len());
-            for (s, item) in batch.iter().enumerate() {
-                let LayerCache::Attention(kv) = item.cache.layer(li);
+            let mut outs = Vec::with_capacity(caches.len());
+            for (s, cache) in caches.iter().enumerate() {
+                let LayerCache::Attention(kv) = cache.layer(li);
                 let (kc, vc) = kv.buffers();
                 let q = fast::qk_norm_rope_cache(
                     &qkv.narrow(0, s * b, b)?,
@@ -57,8 +88,14 @@ impl DFlashDrafter {
                     (nh, nkv, d),
                     eps,
                 )?;
-                let nsplit = (item.cache.len() + b).div_ceil(fast::CHUNK);
-                outs.push(fast::attention(&q, kc, vc, &lens[s], Some(&full), nsplit)?);
+                outs.push(fast::attention(
+                    &q,
+                    kc,
+                    vc,
+                    &lens[s],
+                    Some(full),
+                    splits[s],
+                )?);
             }
             let attn = if outs.len() == 1 {
                 outs.swap_remove(0)
@@ -134,5 +171,114 @@ impl DFlashDrafter {
             item.cache.advance(*n);
         }
         Ok(())
+    }
+}
+
+/// Drafting one block over one sequence's drafter cache, captured as a CUDA graph and replayed
+/// with one launch (see [`crate::StepGraph`]): block tokens, positions and the committed length
+/// come from a device buffer written before each replay; attention covers every key chunk the
+/// cache can hold. Holds the drafter (its weights stay alive); the cache is checked by address.
+pub struct DraftGraph {
+    graph: candle_core::cuda_backend::cudarc::driver::CudaGraph,
+    _drafter: DFlashDrafter,
+    /// u32 [block (b), positions (b), cache_len].
+    inputs: Tensor,
+    _full: Tensor,
+    /// `[b, hidden]` final-normed hidden states, rewritten by every replay.
+    hidden: Tensor,
+    cache_key: u64,
+}
+
+fn cache_key(cache: &SequenceCache) -> ModelResult<u64> {
+    let LayerCache::Attention(kv) = cache.layer(0);
+    Ok(fast::device_address(kv.buffers().0)?)
+}
+
+impl DFlashDrafter {
+    /// Captures the block forward for `cache`. The graph drafts over whatever context the
+    /// cache holds at replay time; new context is appended outside it (a
+    /// [`DFlashDrafter::forward`] with `context`, which also drafts).
+    pub fn capture_block(&self, cache: &SequenceCache) -> ModelResult<DraftGraph> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let candle_core::Device::Cuda(cd) = self.device() else {
+            return Err(ModelError::Unsupported(
+                "CUDA graphs need a CUDA device".into(),
+            ));
+        };
+        if !self.fast_kernels() {
+            return Err(ModelError::Unsupported(
+                "draft graphs need the fused kernels (CUDA, bf16, head_dim 128)".into(),
+            ));
+        }
+        let b = self.config().block_size;
+        cache.check_room(b)?;
+        let dev = self.device().clone();
+        let len = cache.len() as u32;
+        let mut init = vec![self.mask_token_id(); b];
+        init.extend((0..b as u32).map(|i| len + i));
+        init.push(len);
+        let inputs = Tensor::new(init.as_slice(), &dev)?;
+        let full = self.full_block_bits()?;
+        let hidden = Tensor::zeros((b, self.config().layers.hidden_size), self.dtype(), &dev)?;
+        let lens = [inputs.narrow(0, 2 * b, 1)?];
+        let splits = [(cache.capacity().div_ceil(fast::CHUNK), 1)];
+        let ids = inputs.narrow(0, 0, b)?;
+        let pos = inputs.narrow(0, b, b)?;
+        let body = || -> ModelResult<()> {
+            let h = self.block_layers(&ids, &pos, &[cache], &lens, &splits, &full)?;
+            hidden.slice_set(&h, 0, 0)?;
+            Ok(())
+        };
+        let _cache_guard = cd.enable_cuda_graph_htod_cache();
+        body()?;
+        dev.synchronize()?;
+        let stream = cd.cuda_stream();
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| ModelError::Unsupported(format!("begin graph capture: {e}")))?;
+        let captured = body();
+        let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        captured?;
+        let graph = ended
+            .map_err(|e| ModelError::Unsupported(format!("end graph capture: {e}")))?
+            .ok_or_else(|| ModelError::Unsupported("graph capture produced no graph".into()))?;
+        Ok(DraftGraph {
+            graph,
+            _drafter: self.clone(),
+            inputs,
+            _full: full,
+            hidden,
+            cache_key: cache_key(cache)?,
+        })
+    }
+}
+
+impl DraftGraph {
+    /// Drafts `block` (`[bonus, mask, ...]`) after the context already in `cache` (the one the
+    /// graph was captured for); returns the block's final-normed hidden states `[b, hidden]`
+    /// (a copy). Like [`DFlashDrafter::forward`], the cache length does not change.
+    pub fn draft(&self, cache: &SequenceCache, block: &[u32]) -> ModelResult<Tensor> {
+        let b = self.hidden.dim(0)?;
+        if block.len() != b {
+            return Err(ModelError::BadInput(format!(
+                "draft graph for blocks of {b} got {} tokens",
+                block.len()
+            )));
+        }
+        if cache_key(cache)? != self.cache_key {
+            return Err(ModelError::BadInput(
+                "draft graph replayed on a cache it was not captured for".into(),
+            ));
+        }
+        cache.check_room(b)?;
+        let len = cache.len() as u32;
+        let mut host: Vec<u32> = block.to_vec();
+        host.extend((0..b as u32).map(|i| len + i));
+        host.push(len);
+        fast::upload_u32(&self.inputs, &host)?;
+        self.graph
+            .launch()
+            .map_err(|e| ModelError::Unsupported(format!("graph launch: {e}")))?;
+        Ok(self.hidden.copy()?)
     }
 }

@@ -26,6 +26,8 @@ pub mod target;
 
 pub use attention::AttnPattern;
 pub use dflash::{DFlashDrafter, DraftInput, TargetEmbeddingsAndHead};
+#[cfg(feature = "cuda")]
+pub use dflash_fast::DraftGraph;
 pub use dflash_train::TrainSequence;
 pub use error::{ModelError, ModelResult};
 pub use kv_cache::SequenceCache;

@@ -22,8 +22,8 @@ struct SeqInputs {
     tokens: usize,
     /// `[1]` u32: committed rows before this forward.
     cache_len: Tensor,
-    /// Rows of attention splits covering the live keys.
-    nsplit: usize,
+    /// Attention splits and key chunks per split (see [`fast::split_plan`]).
+    split: (usize, usize),
     tree: Option<Tensor>,
 }
 
@@ -65,7 +65,12 @@ impl Qwen3Model {
                 offset: off,
                 tokens: t,
                 cache_len: Tensor::new(&[len as u32], &dev)?,
-                nsplit: (len + t).div_ceil(fast::CHUNK),
+                split: fast::split_plan(
+                    len + t,
+                    t,
+                    self.cfg.num_attention_heads,
+                    self.cfg.num_key_value_heads,
+                ),
                 tree,
             });
         }
@@ -232,7 +237,7 @@ impl Qwen3Model {
                     vc,
                     &inp.cache_len,
                     inp.tree.as_ref(),
-                    inp.nsplit,
+                    inp.split,
                 )?);
             }
             let attn = if outs.len() == 1 {
@@ -267,9 +272,11 @@ impl Qwen3Model {
 /// reads the tokens, positions, cache length and (tree graphs) the ancestor bit rows from
 /// device buffers written before each replay, and attends over as many key chunks as the
 /// cache can hold (chunks past the live length exit at once), so one capture serves every
-/// step of that cache. Logits come back for all `t` rows.
+/// step of that cache (checked by address). Logits come back for all `t` rows.
 pub struct StepGraph {
     graph: candle_core::cuda_backend::cudarc::driver::CudaGraph,
+    /// Keeps the weights the graph reads alive.
+    _model: Qwen3Model,
     tokens: usize,
     /// u32 [tokens (t), positions (t), cache_len].
     inputs: Tensor,
@@ -325,7 +332,7 @@ impl Qwen3Model {
             offset: 0,
             tokens: t,
             cache_len: inputs.narrow(0, 2 * t, 1)?,
-            nsplit: cache.capacity().div_ceil(fast::CHUNK),
+            split: (cache.capacity().div_ceil(fast::CHUNK), 1),
             tree: tree_bits.clone(),
         };
         let ids = inputs.narrow(0, 0, t)?;
@@ -354,6 +361,7 @@ impl Qwen3Model {
             .ok_or_else(|| ModelError::Unsupported("graph capture produced no graph".into()))?;
         Ok(StepGraph {
             graph,
+            _model: self.clone(),
             tokens: t,
             inputs,
             tree: tree_bits,

@@ -102,7 +102,8 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
                 _ => None,
             };
             let ns = (c + t).div_ceil(cuda::CHUNK);
-            let fast = cuda::attention(&q, &kc, &vc, &len, bits.as_ref(), ns)?;
+            let fast = cuda::attention(&q, &kc, &vc, &len, bits.as_ref(), (ns, 1))?;
+            let multi = cuda::attention(&q, &kc, &vc, &len, bits.as_ref(), (ns.div_ceil(3), 3))?;
             let simt = cuda::attention_simt(&q, &kc, &vc, &len, bits.as_ref(), ns)?;
             let mask = pattern.mask(c, t, dev)?;
             let plain = attend(
@@ -114,6 +115,8 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
             )?;
             let (e, s) = err(&fast, &plain)?;
             out.push((format!("{name}:t{t}:tensor_cores"), e, s));
+            let (e, s) = err(&multi, &plain)?;
+            out.push((format!("{name}:t{t}:tensor_cores_3_chunks_per_split"), e, s));
             let (e, s) = err(&simt, &plain)?;
             out.push((format!("{name}:t{t}:cuda_cores"), e, s));
         }

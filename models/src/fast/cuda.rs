@@ -150,16 +150,17 @@ pub fn qk_norm_rope_cache(
 /// Attention of q `[t, nh, d]` over cache rows `[0, cache_len[0] + t)`: committed rows are
 /// visible to every token; new token j is visible to token i when `j <= i` (`tree_mask` None)
 /// or when bit j of `tree_mask[i * words + j / 64]` is set (`[t, words]` i64 bit rows).
-/// `nsplit` must cover the live keys (`ceil(len / CHUNK)`; more is allowed). `[t, nh * d]`.
+/// `(nsplit, cps)`: splits of `cps` key chunks of [`CHUNK`] each, covering the live keys
+/// (see [`split_plan`]; more splits are allowed, and idle). Returns `[t, nh * d]`.
 pub fn attention(
     q: &Tensor,
     kc: &Tensor,
     vc: &Tensor,
     cache_len: &Tensor,
     tree_mask: Option<&Tensor>,
-    nsplit: usize,
+    (nsplit, cps): (usize, usize),
 ) -> Result<Tensor> {
-    attention_with(true, q, kc, vc, cache_len, tree_mask, nsplit)
+    attention_with(true, q, kc, vc, cache_len, tree_mask, nsplit, cps)
 }
 
 /// [`attention`] on CUDA cores (the first version, 4 query rows per warp), kept to check the
@@ -172,9 +173,10 @@ pub fn attention_simt(
     tree_mask: Option<&Tensor>,
     nsplit: usize,
 ) -> Result<Tensor> {
-    attention_with(false, q, kc, vc, cache_len, tree_mask, nsplit)
+    attention_with(false, q, kc, vc, cache_len, tree_mask, nsplit, 1)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn attention_with(
     tensor_cores: bool,
     q: &Tensor,
@@ -183,6 +185,7 @@ fn attention_with(
     cache_len: &Tensor,
     tree_mask: Option<&Tensor>,
     nsplit: usize,
+    cps: usize,
 ) -> Result<Tensor> {
     let dev = cuda(q)?;
     check_bf16("q", q)?;
@@ -225,6 +228,10 @@ fn attention_with(
     }
     b.arg(&words).arg(&acc_p).arg(&ml_p);
     b.arg(&ti).arg(&nhi).arg(&nkvi).arg(&capi).arg(&scale);
+    let cpsi = cps.max(1) as i32;
+    if tensor_cores {
+        b.arg(&cpsi);
+    }
     let grid = (nkv as u32, nsplit as u32, rows.div_ceil(tile) as u32);
     go(&mut b, cfg(grid, threads), name)?;
     let (di, ns) = (d as i32, nsplit as i32);
@@ -232,7 +239,7 @@ fn attention_with(
     let f = dev.get_or_load_custom_func("attn_combine", MODULE, PTX)?;
     let mut b = f.builder();
     b.arg(&acc_p).arg(&ml_p).arg(&len_p).arg(&out_p);
-    b.arg(&ti).arg(&nhi).arg(&di).arg(&ns);
+    b.arg(&ti).arg(&nhi).arg(&di).arg(&ns).arg(&cpsi);
     go(
         &mut b,
         cfg(((t * nh) as u32, 1, 1), d as u32),
@@ -355,4 +362,20 @@ pub fn skinny(x: &Tensor, w: &Tensor, m: usize, n: usize, k: usize) -> Result<Te
     b.arg(&xp).arg(&wp).arg(&yp).arg(&mi).arg(&ni).arg(&ki);
     go(&mut b, cfg(((n / 8) as u32, 1, 1), 128), name)?;
     Ok(y)
+}
+
+/// How to split `live_keys` keys for `t` query tokens: `(splits, chunks per split)`. Few query
+/// rows (decode, small verifies) get one chunk per split, for parallelism over the keys; many
+/// rows (prefill chunks, wide trees) walk several chunks per split, so the f32 partials the
+/// combine step reads stay small.
+pub fn split_plan(live_keys: usize, t: usize, nh: usize, nkv: usize) -> (usize, usize) {
+    let chunks = live_keys.div_ceil(CHUNK).max(1);
+    let tiles = (t * (nh / nkv.max(1))).div_ceil(16);
+    let want = (2048 / (tiles * nkv).max(1)).max(1);
+    if want >= chunks {
+        (chunks, 1)
+    } else {
+        let cps = chunks.div_ceil(want);
+        (chunks.div_ceil(cps), cps)
+    }
 }

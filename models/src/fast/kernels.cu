@@ -223,11 +223,11 @@ extern "C" __global__ void attn_partial(
 // Merges the splits of attn_partial: out [t, nh * d] bf16. Grid (t * nh), block d threads.
 extern "C" __global__ void attn_combine(
     const float* __restrict__ acc, const float* __restrict__ ml, const u32* __restrict__ cache_len,
-    bf16_t* __restrict__ out, int t, int nh, int d, int nsplit) {
+    bf16_t* __restrict__ out, int t, int nh, int d, int nsplit, int cps) {
     size_t orow = blockIdx.x;
     size_t nrows = (size_t)t * nh;
     int L = (int)(*cache_len) + t;
-    int used = min(nsplit, (L + CH - 1) / CH);
+    int used = min(nsplit, (L + CH * cps - 1) / (CH * cps));
     float M = -INFINITY;
     for (int s = 0; s < used; ++s) M = fmaxf(M, ml[(s * nrows + orow) * 2]);
     float num = 0.f, den = 0.f;
@@ -354,7 +354,7 @@ extern "C" __global__ void attn_partial_mma(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
     const u32* __restrict__ cache_len, const u64* __restrict__ tree_mask, int words,
     float* __restrict__ acc_out, float* __restrict__ ml_out,
-    int t, int nh, int nkv, int cap, float scale) {
+    int t, int nh, int nkv, int cap, float scale, int cps) {
     __shared__ __align__(16) bf16_t ks[CH * KPAD];
     __shared__ __align__(16) bf16_t vs[CH * KPAD];
     const int d = DMAX;
@@ -362,15 +362,13 @@ extern "C" __global__ void attn_partial_mma(
     int groups = nh / nkv;
     int c = (int)(*cache_len);
     int L = c + t;
-    int k0 = split * CH;
+    int kbeg = split * cps * CH;
     int rows_total = t * groups;
     int r0 = tile * 16;
     int lane = threadIdx.x, g = lane >> 2, tig = lane & 3;
     size_t nrows = (size_t)t * nh;
-    if (k0 >= L) return;
-    int kend = min(k0 + CH, L);
+    if (kbeg >= L) return;
     int last_tok = (min(r0 + 16, rows_total) - 1) / groups;
-    bool empty = k0 > c + last_tok;
     int rowA = r0 + g, rowB = r0 + g + 8;
     bool liveA = rowA < rows_total, liveB = rowB < rows_total;
     int tokA = liveA ? rowA / groups : 0, tokB = liveB ? rowB / groups : 0;
@@ -378,7 +376,25 @@ extern "C" __global__ void attn_partial_mma(
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
     float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
-    if (!empty) {
+    // Q fragments (rows A = g, B = g + 8 of the tile), all 8 k-steps of 16 dims.
+    const u32* qa = (const u32*)(q + ((size_t)tokA * nh + kvh * groups + rowA % groups) * d);
+    const u32* qb = (const u32*)(q + ((size_t)tokB * nh + kvh * groups + rowB % groups) * d);
+    u32 qf[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        int w0 = kk * 8 + tig;  // u32 index of dims kk*16 + tig*2
+        qf[kk][0] = liveA ? qa[w0] : 0u;
+        qf[kk][1] = liveB ? qb[w0] : 0u;
+        qf[kk][2] = liveA ? qa[w0 + 4] : 0u;
+        qf[kk][3] = liveB ? qb[w0 + 4] : 0u;
+    }
+    // The split's chunks in order, with the running max / sum / output rescaled per chunk.
+    for (int sc = 0; sc < cps; ++sc) {
+        int k0 = kbeg + sc * CH;
+        // Past the live keys, or past every row's last visible key (causal/tree): done.
+        if (k0 >= L || k0 > c + last_tok) break;
+        int kend = min(k0 + CH, L);
+        __syncwarp();
         // K and V chunk into shared memory (16-byte copies), zeros past the live keys.
         for (int e = lane; e < CH * (d / 8); e += 32) {
             int j = e / (d / 8), p = e % (d / 8);
@@ -392,18 +408,6 @@ extern "C" __global__ void attn_partial_mma(
             *(uint4*)(vs + j * KPAD + 8 * p) = vv4;
         }
         __syncwarp();
-        // Q fragments (rows A = g, B = g + 8 of the tile), all 8 k-steps of 16 dims.
-        const u32* qa = (const u32*)(q + ((size_t)tokA * nh + kvh * groups + rowA % groups) * d);
-        const u32* qb = (const u32*)(q + ((size_t)tokB * nh + kvh * groups + rowB % groups) * d);
-        u32 qf[8][4];
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-            int w0 = kk * 8 + tig;  // u32 index of dims kk*16 + tig*2
-            qf[kk][0] = liveA ? qa[w0] : 0u;
-            qf[kk][1] = liveB ? qb[w0] : 0u;
-            qf[kk][2] = liveA ? qa[w0 + 4] : 0u;
-            qf[kk][3] = liveB ? qb[w0 + 4] : 0u;
-        }
         // S = Q K^T for the 64 keys: 8 tiles of 8 keys.
         float s[8][4];
 #pragma unroll
@@ -444,8 +448,16 @@ extern "C" __global__ void attn_partial_mma(
         mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
         mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
         mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
-        mA = mxA;
-        mB = mxB;
+        // New running maxima; rescale what earlier chunks accumulated.
+        float nA = fmaxf(mA, mxA), nB = fmaxf(mB, mxB);
+        float cA = nA == -INFINITY ? 1.f : __expf(mA - nA);
+        float cB = nB == -INFINITY ? 1.f : __expf(mB - nB);
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+            o[nt][0] *= cA; o[nt][1] *= cA; o[nt][2] *= cB; o[nt][3] *= cB;
+        }
+        mA = nA;
+        mB = nB;
         // P = exp(S - m), packed to bf16 as A fragments of P V (k-step j = key tiles 2j, 2j+1).
         u32 pf[4][4];
         float sumA = 0.f, sumB = 0.f;
@@ -468,8 +480,8 @@ extern "C" __global__ void attn_partial_mma(
         sumA += __shfl_xor_sync(0xffffffffu, sumA, 2);
         sumB += __shfl_xor_sync(0xffffffffu, sumB, 1);
         sumB += __shfl_xor_sync(0xffffffffu, sumB, 2);
-        lA = sumA;
-        lB = sumB;
+        lA = lA * cA + sumA;
+        lB = lB * cB + sumB;
         // O = P V: 16 tiles of 8 dims, 4 k-steps of 16 keys; V fragments gathered from shared.
 #pragma unroll
         for (int nt = 0; nt < 16; ++nt) {

@@ -1,9 +1,12 @@
-//! Fused CUDA kernels for decode and speculative verification (`cuda` feature, bf16,
-//! head_dim 128): per-head q/k RMSNorm + RoPE + cache write in one kernel, split-K attention
-//! over the preallocated cache with the tree given as ancestor bit rows (no dense mask),
-//! SiLU-gate product, and residual add + RMSNorm. [`crate::Qwen3Model`] uses them for
-//! forwards of up to [`MAX_FAST_TOKENS`] tokens per sequence; everything else (CPU, f32,
-//! training, long prefills) takes the plain candle path, which stays the reference.
+//! Fused CUDA kernels for decode, speculative verification, drafting and prefill (`cuda`
+//! feature, bf16, head_dim 128): per-head q/k RMSNorm + RoPE + cache write in one kernel,
+//! split-K attention on tensor cores straight over the preallocated cache with the tree given
+//! as ancestor bit rows (no dense mask), SiLU-gate product, and residual add + RMSNorm; GEMMs
+//! stay on cuBLAS. [`crate::Qwen3Model`] and [`crate::DFlashDrafter`] use them when
+//! [`available`] (on by default there; `with_fast_kernels(false)` turns them off); causal
+//! forwards longer than [`MAX_FAST_TOKENS`] (prefills) run as consecutive pieces. CPU, f32,
+//! training (`OpsMode::Differentiable`) and batches of several long sequences take the plain
+//! candle path, which stays the reference the kernels are checked against (`check`).
 
 use candle_core::{DType, Device};
 
@@ -16,11 +19,12 @@ mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::{
     add_rmsnorm, attention, device_address, linear, qk_norm_rope_cache, silu_mul, skinny,
-    upload_i64, upload_u32, CHUNK,
+    split_plan, upload_i64, upload_u32, CHUNK,
 };
 
-/// Longest per-sequence forward the fused attention takes (its partials grow with t x splits).
-pub const MAX_FAST_TOKENS: usize = 512;
+/// Longest per-sequence forward the fused path takes in one piece; longer causal forwards
+/// (prefills) run as consecutive pieces of this size.
+pub const MAX_FAST_TOKENS: usize = 1024;
 
 /// Whether the fused kernels can run a model of this device, dtype, head size and mode.
 pub fn available(device: &Device, dtype: DType, head_dim: usize, mode: OpsMode) -> bool {

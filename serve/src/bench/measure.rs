@@ -290,3 +290,30 @@ pub fn forward_graph_ms(
     })?;
     Ok((ms, last.context("no replay")?))
 }
+
+/// Drafter block latency over `ctx` positions of context, replayed from a CUDA graph.
+#[cfg(feature = "cuda")]
+pub fn drafter_graph_ms(drafter: &DFlashDrafter, ctx: usize, reps: usize) -> Result<f64> {
+    let dev = drafter.device().clone();
+    let cfg = drafter.config();
+    let width = cfg.target_layer_ids.len() * cfg.layers.hidden_size;
+    let mut cache = drafter.new_cache(ctx + 64)?;
+    let mut block = vec![drafter.mask_token_id(); drafter.block_size()];
+    block[0] = 5;
+    let mut done = 0;
+    while done < ctx {
+        let n = (ctx - done).min(2048);
+        let feats = Tensor::randn(0f32, 1.0, (n, width), &dev)?.to_dtype(drafter.dtype())?;
+        drafter.forward(&mut [DraftInput {
+            cache: &mut cache,
+            context: Some(&feats),
+            block: &block,
+        }])?;
+        done += n;
+    }
+    let graph = drafter.capture_block(&cache)?;
+    time_ms(&dev, reps, || {
+        graph.draft(&cache, &block)?;
+        Ok(())
+    })
+}

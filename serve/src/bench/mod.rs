@@ -116,8 +116,8 @@ pub fn main(argv: Vec<String>) -> Result<()> {
     let cfg = shapes::resolve(&args.model)?;
     let bpe = dtype.size_in_bytes() as f64;
 
-    let bw = measure::copy_bandwidth(&dev, if dev.is_cpu() { 1 << 28 } else { 4 << 30 })?;
-    let mm = measure::matmul_rate(&dev, if dev.is_cpu() { 1024 } else { 8192 }, dtype)?;
+    let bw = measure::copy_bandwidth(&dev, if dev.is_cpu() { 1 << 26 } else { 4 << 30 })?;
+    let mm = measure::matmul_rate(&dev, if dev.is_cpu() { 512 } else { 8192 }, dtype)?;
     let probes = json!({"copy_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": mm / 1e12,
         "note": "copy: read+write bytes of a copy into a preallocated buffer (4 GiB on CUDA); matmul: n^3 in the model dtype (n = 8192 on CUDA)"});
     eprintln!("probes {probes}");
@@ -243,7 +243,9 @@ fn figures(
         #[cfg(feature = "cuda")]
         if m.fast_kernels() {
             let entry = match measure::decode_graph_ms(m, &mut cache, args.decode_steps) {
-                Ok(g) => json!({"ms": g, "tok_per_s": 1e3 / g, "roofline_ms": roof, "fraction_of_roofline": roof / g, "speedup_vs_no_graph": ms / g}),
+                Ok(g) => {
+                    json!({"ms": g, "tok_per_s": 1e3 / g, "roofline_ms": roof, "fraction_of_roofline": roof / g, "speedup_vs_no_graph": ms / g})
+                }
                 Err(e) => json!({"error": format!("{e:#}")}),
             };
             decode.insert(format!("ctx_{c}_cuda_graph"), entry);
@@ -285,7 +287,9 @@ fn figures(
             #[cfg(feature = "cuda")]
             if let Some(g1) = graph_1k {
                 let entry = match measure::forward_graph_ms(m, &mut cache, n, tree, args.reps) {
-                    Ok((g, _)) => json!({"ms": g, "ratio_to_decode_step": g / g1, "roofline_ms": roof, "fraction_of_roofline": roof / g}),
+                    Ok((g, _)) => {
+                        json!({"ms": g, "ratio_to_decode_step": g / g1, "roofline_ms": roof, "fraction_of_roofline": roof / g})
+                    }
                     Err(e) => json!({"error": format!("{e:#}")}),
                 };
                 graphs.insert(n.to_string(), entry);
@@ -310,6 +314,15 @@ fn figures(
         .filter(|&c| c <= ctxs.last().copied().unwrap_or(1024))
     {
         let (hid, logits) = drafter_block_ms(drafter, c, args.reps)?;
+        #[allow(unused_mut)]
+        let mut graph = Value::Null;
+        #[cfg(feature = "cuda")]
+        if drafter.fast_kernels() {
+            graph = match measure::drafter_graph_ms(drafter, c, args.reps) {
+                Ok(g) => json!({"hidden_ms": g, "hidden_ratio_to_decode_step": g / best_decode_1k}),
+                Err(e) => json!({"error": format!("{e:#}")}),
+            };
+        }
         let kv = 2.0
             * dl
             * (dc.layers.num_key_value_heads * dc.layers.head_dim) as f64
@@ -322,7 +335,8 @@ fn figures(
             json!({"block": args.block_size, "hidden_ms": hid, "with_logits_ms": logits,
                    "hidden_ratio_to_decode_step": hid / best_decode_1k, "with_logits_ratio_to_decode_step": logits / best_decode_1k,
                    "hidden_roofline_ms": roof_h, "with_logits_roofline_ms": roof_l,
-                   "hidden_fraction_of_roofline": roof_h / hid, "with_logits_fraction_of_roofline": roof_l / logits}),
+                   "hidden_fraction_of_roofline": roof_h / hid, "with_logits_fraction_of_roofline": roof_l / logits,
+                   "cuda_graph": graph}),
         );
     }
     out.insert("drafter".into(), Value::Object(dr));
@@ -382,7 +396,8 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
     {
         let width = drafter.config().target_layer_ids.len() * drafter.config().layers.hidden_size;
         let dev = base.device();
-        let f1 = candle_core::Tensor::randn(0f32, 1.0, (300, width), dev)?.to_dtype(base.dtype())?;
+        let f1 =
+            candle_core::Tensor::randn(0f32, 1.0, (300, width), dev)?.to_dtype(base.dtype())?;
         let f2 = candle_core::Tensor::randn(0f32, 1.0, (7, width), dev)?.to_dtype(base.dtype())?;
         let mut block = vec![drafter.mask_token_id(); drafter.block_size()];
         block[0] = 11;
@@ -402,6 +417,33 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         let b = run(&drafter.clone().with_fast_kernels(true))?;
         out.insert("drafter_round1".into(), compare(&a[0], &b[0])?);
         out.insert("drafter_round2".into(), compare(&a[1], &b[1])?);
+        // The draft graph against the fused forward on the same cache.
+        #[cfg(feature = "cuda")]
+        {
+            let fd = drafter.clone().with_fast_kernels(true);
+            let mut c = fd.new_cache(400)?;
+            fd.forward(&mut [dflash_models::DraftInput {
+                cache: &mut c,
+                context: Some(&f1),
+                block: &block,
+            }])?;
+            let direct = fd.forward(&mut [dflash_models::DraftInput {
+                cache: &mut c,
+                context: None,
+                block: &block,
+            }])?;
+            let graph = fd.capture_block(&c)?.draft(&c, &block)?;
+            let diff = (direct.to_dtype(candle_core::DType::F32)?
+                - graph.to_dtype(candle_core::DType::F32)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+            out.insert(
+                "drafter_graph_hidden".into(),
+                json!({"max_abs_diff_vs_fused": diff}),
+            );
+        }
     }
     // A 600-token prefill: plain (one forward) against fused (chunks of MAX_FAST_TOKENS), rows out of order.
     {
@@ -447,5 +489,7 @@ fn compare(a: &candle_core::Tensor, b: &candle_core::Tensor) -> Result<Value> {
     let am = a.argmax(1)?.to_vec1::<u32>()?;
     let bm = b.argmax(1)?.to_vec1::<u32>()?;
     let same = am.iter().zip(&bm).filter(|(x, y)| x == y).count();
-    Ok(json!({"max_abs_logit_diff": diff, "max_abs_logit": scale, "argmax_equal_rows": same, "rows": am.len()}))
+    Ok(
+        json!({"max_abs_logit_diff": diff, "max_abs_logit": scale, "argmax_equal_rows": same, "rows": am.len()}),
+    )
 }
