@@ -4,6 +4,8 @@
 //! DFlash drafter (drafts mostly rejected), the greedy oracle (drafts all accepted) and the
 //! noisy oracle (partial acceptances, branching trees).
 
+use std::sync::OnceLock;
+
 use candle_core::{DType, Device};
 use dflash_common::DFlashConfig;
 use dflash_models::spec::{
@@ -83,75 +85,113 @@ fn algorithms() -> Vec<Algorithm> {
     a
 }
 
-#[test]
-fn ddtree_and_chain_greedy_match_plain_greedy_alone() {
+/// Plain greedy decoding of every prompt, 48 tokens, checked once against transformers and
+/// shared by the tests below (they run in parallel; the first one computes it).
+fn plain_reference() -> &'static [Vec<u32>] {
+    static REFERENCE: OnceLock<Vec<Vec<u32>>> = OnceLock::new();
+    REFERENCE.get_or_init(|| {
+        let cases = greedy_cases("tiny-coder-demo");
+        let mut plain = Engine::new(target(), None, engine_config());
+        let reference: Vec<Vec<u32>> = cases
+            .iter()
+            .map(|c| {
+                plain
+                    .generate(request(&c.input_ids, 48, Algorithm::Plain))
+                    .unwrap()
+                    .0
+            })
+            .collect();
+        for (c, r) in cases.iter().zip(&reference) {
+            assert_eq!(
+                r, &c.output_ids,
+                "plain decoding reproduces transformers for {}",
+                c.id
+            );
+        }
+        reference
+    })
+}
+
+/// Runs every request alone through one engine with `which`'s proposer, for each of `algs`,
+/// and compares each output with plain greedy.
+fn check_alone(which: Which, algs: &[Algorithm]) {
     let t = target();
     let cases = greedy_cases("tiny-coder-demo");
-    let mut plain = Engine::new(t.clone(), None, engine_config());
-    let reference: Vec<Vec<u32>> = cases
-        .iter()
-        .map(|c| {
-            plain
-                .generate(request(&c.input_ids, 48, Algorithm::Plain))
-                .unwrap()
-                .0
-        })
-        .collect();
-    for (c, r) in cases.iter().zip(&reference) {
-        assert_eq!(
-            r, &c.output_ids,
-            "plain decoding reproduces transformers for {}",
-            c.id
-        );
-    }
-    for which in [Which::RandomDrafter, Which::Oracle, Which::NoisyOracle] {
-        let mut e = engine(&t, which);
-        for alg in algorithms() {
-            // Every prompt for chain and the big budgets; a subset for the rest keeps CI fast.
-            let n_cases = if matches!(
-                alg,
-                Algorithm::Chain | Algorithm::DDTree { budget: 16 | 256 }
-            ) {
-                cases.len()
-            } else {
-                3
-            };
-            for (c, r) in cases.iter().zip(&reference).take(n_cases) {
-                let (got, stats) = e.generate(request(&c.input_ids, 48, alg)).unwrap();
-                assert_eq!(&got, r, "{which:?} {alg:?} on {}", c.id);
-                if let (Which::Oracle, Algorithm::Chain) = (which, alg) {
-                    // 1 prefill token, then full blocks of 16 until the limit cuts one.
-                    assert!(
-                        stats.tau() >= 15.0,
-                        "oracle chain tau {} on {}",
-                        stats.tau(),
-                        c.id
-                    );
-                }
+    let reference = plain_reference();
+    let mut e = engine(&t, which);
+    for &alg in algs {
+        // Every prompt for chain and the big budgets; a subset for the rest keeps CI fast.
+        let n_cases = if matches!(
+            alg,
+            Algorithm::Chain | Algorithm::DDTree { budget: 16 | 256 }
+        ) {
+            cases.len()
+        } else {
+            3
+        };
+        for (c, r) in cases.iter().zip(reference).take(n_cases) {
+            let (got, stats) = e.generate(request(&c.input_ids, 48, alg)).unwrap();
+            assert_eq!(&got, r, "{which:?} {alg:?} on {}", c.id);
+            if let (Which::Oracle, Algorithm::Chain) = (which, alg) {
+                // 1 prefill token, then full blocks of 16 until the limit cuts one.
+                assert!(
+                    stats.tau() >= 15.0,
+                    "oracle chain tau {} on {}",
+                    stats.tau(),
+                    c.id
+                );
             }
         }
-        assert_eq!(e.num_active(), 0);
     }
+    assert_eq!(e.num_active(), 0);
+}
+
+// One test per proposer (and the costly DDTree-256 of the random drafter on its own), so the
+// harness spreads them over the cores; together they cover every algorithm and budget.
+
+#[test]
+fn random_drafter_chain_and_ddtree_up_to_64_match_plain_greedy_alone() {
+    let algs = algorithms();
+    let small: Vec<Algorithm> = algs
+        .into_iter()
+        .filter(|a| *a != Algorithm::DDTree { budget: 256 })
+        .collect();
+    check_alone(Which::RandomDrafter, &small);
+}
+
+#[test]
+fn random_drafter_ddtree_256_matches_plain_greedy_alone() {
+    check_alone(Which::RandomDrafter, &[Algorithm::DDTree { budget: 256 }]);
+}
+
+#[test]
+fn oracle_chain_and_ddtree_match_plain_greedy_alone() {
+    check_alone(Which::Oracle, &algorithms());
+}
+
+#[test]
+fn noisy_oracle_chain_and_ddtree_match_plain_greedy_alone() {
+    check_alone(Which::NoisyOracle, &algorithms());
 }
 
 #[test]
 fn batch_of_four_mixed_lengths_and_algorithms_matches_plain() {
     let t = target();
     let cases = greedy_cases("tiny-coder-demo");
+    // Different prompt lengths: truncate the prompts differently.
+    let prompts: Vec<Vec<u32>> = cases
+        .iter()
+        .take(4)
+        .enumerate()
+        .map(|(i, c)| c.input_ids[..c.input_ids.len() - 3 * i].to_vec())
+        .collect();
+    let mut plain = Engine::new(t.clone(), None, engine_config());
+    let expect: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| plain.generate(request(p, 40, Algorithm::Plain)).unwrap().0)
+        .collect();
     for which in [Which::RandomDrafter, Which::Oracle, Which::NoisyOracle] {
         let mut e = engine(&t, which);
-        // Different prompt lengths: truncate the prompts differently.
-        let prompts: Vec<Vec<u32>> = cases
-            .iter()
-            .take(4)
-            .enumerate()
-            .map(|(i, c)| c.input_ids[..c.input_ids.len() - 3 * i].to_vec())
-            .collect();
-        let mut plain = Engine::new(t.clone(), None, engine_config());
-        let expect: Vec<Vec<u32>> = prompts
-            .iter()
-            .map(|p| plain.generate(request(p, 40, Algorithm::Plain)).unwrap().0)
-            .collect();
         for algs in [
             [
                 Algorithm::Chain,
