@@ -8,7 +8,7 @@ use candle_core::Tensor;
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
 use crate::fast;
-use crate::kv_cache::{LayerCache, SequenceCache};
+use crate::kv_cache::SequenceCache;
 use crate::ops::rms_norm;
 
 impl DFlashDrafter {
@@ -73,7 +73,7 @@ impl DFlashDrafter {
             let qkv = fast::linear(&h, &fused.qkv)?;
             let mut outs = Vec::with_capacity(caches.len());
             for (s, cache) in caches.iter().enumerate() {
-                let LayerCache::Attention(kv) = cache.layer(li);
+                let kv = cache.layer(li).attention()?;
                 let (kc, vc) = kv.buffers();
                 let q = fast::qk_norm_rope_cache(
                     &qkv.narrow(0, s * b, b)?,
@@ -150,7 +150,7 @@ impl DFlashDrafter {
                 if *n == 0 {
                     continue;
                 }
-                let LayerCache::Attention(kv) = item.cache.layer(li);
+                let kv = item.cache.layer(li).attention()?;
                 let (kc, vc) = kv.buffers();
                 fast::qk_norm_rope_cache(
                     &qkv.narrow(0, *off, *n)?,
@@ -190,7 +190,7 @@ pub struct DraftGraph {
 }
 
 fn cache_key(cache: &SequenceCache) -> ModelResult<u64> {
-    let LayerCache::Attention(kv) = cache.layer(0);
+    let kv = cache.layer(0).attention()?;
     Ok(fast::device_address(kv.buffers().0)?)
 }
 

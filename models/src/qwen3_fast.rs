@@ -12,7 +12,7 @@ use candle_core::Tensor;
 use crate::attention::AttnPattern;
 use crate::error::{ModelError, ModelResult};
 use crate::fast;
-use crate::kv_cache::{LayerCache, SequenceCache};
+use crate::kv_cache::SequenceCache;
 use crate::ops::rms_norm;
 use crate::qwen3::{ForwardOutput, Qwen3Model, SeqForward};
 
@@ -214,7 +214,7 @@ impl Qwen3Model {
             let qkv = fast::linear(&h, &fused.qkv)?;
             let mut outs = Vec::with_capacity(inputs.len());
             for (cache, inp) in caches.iter().zip(inputs) {
-                let LayerCache::Attention(kv) = cache.layer(li);
+                let kv = cache.layer(li).attention()?;
                 let (kc, vc) = kv.buffers();
                 let rows = qkv.narrow(0, inp.offset, inp.tokens)?;
                 let pos = positions.narrow(0, inp.offset, inp.tokens)?;
@@ -372,7 +372,7 @@ impl Qwen3Model {
 }
 
 fn cache_key(cache: &SequenceCache) -> ModelResult<u64> {
-    let LayerCache::Attention(kv) = cache.layer(0);
+    let kv = cache.layer(0).attention()?;
     Ok(fast::device_address(kv.buffers().0)?)
 }
 
