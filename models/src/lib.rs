@@ -16,9 +16,9 @@ pub mod kv_cache;
 pub mod layer;
 pub mod ops;
 pub mod qwen3;
+pub mod qwen3_5;
 #[cfg(feature = "cuda")]
 mod qwen3_fast;
-pub mod qwen3_5;
 pub mod random;
 pub mod rope;
 pub mod spec;
@@ -33,7 +33,7 @@ pub use error::{ModelError, ModelResult};
 pub use kv_cache::SequenceCache;
 pub use ops::OpsMode;
 pub use qwen3::{ForwardOutput, Qwen3Model, SeqForward};
+pub use qwen3_5::Qwen35Model;
 #[cfg(feature = "cuda")]
 pub use qwen3_fast::StepGraph;
-pub use qwen3_5::Qwen35Model;
 pub use target::{DraftTarget, Target};
