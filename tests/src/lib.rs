@@ -169,3 +169,51 @@ pub fn tiny_hybrid(seed: u64) -> dflash_models::Qwen35Model {
 pub fn single_threaded_tensor_ops() {
     std::env::set_var("RAYON_NUM_THREADS", "1");
 }
+
+/// Draws `samples` seeded T=0.8, top-k 6 continuations of `new_tokens` tokens of `prompt` with
+/// `algorithm`, 100 sequences per engine batch, in seed order (seed `seed_base + i`); also
+/// returns the draft tokens accepted, to show speculation took part.
+pub fn sample_continuations(
+    engine: &mut dflash_models::spec::Engine,
+    prompt: &[u32],
+    algorithm: dflash_models::spec::Algorithm,
+    samples: usize,
+    new_tokens: usize,
+    seed_base: u64,
+) -> (Vec<Vec<u32>>, usize) {
+    use dflash_models::spec::{GenerationRequest, SamplingParams};
+    let mut out = Vec::with_capacity(samples);
+    let mut accepted = 0;
+    for chunk in 0..samples / 100 {
+        let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+        for i in 0..100 {
+            let sampling = SamplingParams {
+                temperature: 0.8,
+                top_k: 6,
+                seed: Some(seed_base + (chunk * 100 + i) as u64),
+                ..SamplingParams::default()
+            };
+            let id = engine
+                .add(GenerationRequest {
+                    prompt: prompt.to_vec(),
+                    max_new_tokens: new_tokens,
+                    sampling,
+                    stop_token_ids: vec![],
+                    ignore_eos: true,
+                    algorithm,
+                })
+                .unwrap();
+            got.insert(id, Vec::new());
+        }
+        while engine.num_active() > 0 {
+            for ev in engine.step().unwrap() {
+                accepted += ev.round.as_ref().map_or(0, |r| r.accepted_drafts);
+                got.get_mut(&ev.id).unwrap().extend_from_slice(&ev.tokens);
+            }
+        }
+        let mut ids: Vec<_> = got.into_iter().collect();
+        ids.sort();
+        out.extend(ids.into_iter().map(|(_, v)| v));
+    }
+    (out, accepted)
+}

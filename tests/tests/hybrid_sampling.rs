@@ -10,17 +10,14 @@
 //! bound at p = 1e-4. A sampled token committed with the state of a rejected sibling, or a walk
 //! that keeps a draft the target did not sample, moves these distributions far past the bound.
 
-use std::collections::HashMap;
-
 use dflash_models::qwen3_5::MtpHead;
 use dflash_models::random::WeightRng;
 use dflash_models::spec::MtpProposer;
-use dflash_models::spec::{
-    Algorithm, Engine, EngineConfig, GenerationRequest, Noise, OracleProposer, Proposer,
-    SamplingParams,
-};
+use dflash_models::spec::{Algorithm, Engine, EngineConfig, Noise, OracleProposer, Proposer};
 use dflash_models::{OpsMode, Qwen35Model};
-use dflash_tests::{chi2_bound, single_threaded_tensor_ops, tiny_hybrid, two_sample_chi2};
+use dflash_tests::{
+    chi2_bound, sample_continuations, single_threaded_tensor_ops, tiny_hybrid, two_sample_chi2,
+};
 
 const SAMPLES: usize = 400;
 const NEW: usize = 4;
@@ -39,40 +36,7 @@ fn sample_all(
         seed: 0,
     };
     let mut e = Engine::new(t.clone(), proposer, cfg);
-    let mut out = Vec::with_capacity(SAMPLES);
-    let mut accepted = 0;
-    for chunk in 0..SAMPLES / 100 {
-        let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
-        for i in 0..100 {
-            let sampling = SamplingParams {
-                temperature: 0.8,
-                top_k: 6,
-                seed: Some(seed_base + (chunk * 100 + i) as u64),
-                ..SamplingParams::default()
-            };
-            let id = e
-                .add(GenerationRequest {
-                    prompt: PROMPT.to_vec(),
-                    max_new_tokens: NEW,
-                    sampling,
-                    stop_token_ids: vec![],
-                    ignore_eos: true,
-                    algorithm,
-                })
-                .unwrap();
-            got.insert(id, Vec::new());
-        }
-        while e.num_active() > 0 {
-            for ev in e.step().unwrap() {
-                accepted += ev.round.as_ref().map_or(0, |r| r.accepted_drafts);
-                got.get_mut(&ev.id).unwrap().extend_from_slice(&ev.tokens);
-            }
-        }
-        let mut ids: Vec<_> = got.into_iter().collect();
-        ids.sort();
-        out.extend(ids.into_iter().map(|(_, v)| v));
-    }
-    (out, accepted)
+    sample_continuations(&mut e, &PROMPT, algorithm, SAMPLES, NEW, seed_base)
 }
 
 #[test]

@@ -12,15 +12,10 @@
 //! target having sampled it shifts these distributions far beyond the bound (checked once by
 //! breaking the walk on purpose; see the issue note).
 
-use std::collections::HashMap;
-
 use candle_core::{DType, Device};
-use dflash_models::spec::{
-    Algorithm, Engine, EngineConfig, GenerationRequest, Noise, OracleProposer, Proposer,
-    SamplingParams,
-};
+use dflash_models::spec::{Algorithm, Engine, EngineConfig, Noise, OracleProposer, Proposer};
 use dflash_models::{OpsMode, Qwen3Model};
-use dflash_tests::{chi2_bound, demo_model, greedy_cases, two_sample_chi2};
+use dflash_tests::{chi2_bound, demo_model, greedy_cases, sample_continuations, two_sample_chi2};
 
 const SAMPLES: usize = 800;
 const NEW: usize = 4;
@@ -39,40 +34,7 @@ fn sample_all(
     };
     let mut e = Engine::new(t.clone(), proposer, cfg);
     let prompt = greedy_cases("tiny-coder-demo")[0].input_ids.clone();
-    let mut out = Vec::with_capacity(SAMPLES);
-    let mut accepted = 0;
-    for chunk in 0..SAMPLES / 100 {
-        let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
-        for i in 0..100 {
-            let sampling = SamplingParams {
-                temperature: 0.8,
-                top_k: 6,
-                seed: Some(seed_base + (chunk * 100 + i) as u64),
-                ..SamplingParams::default()
-            };
-            let id = e
-                .add(GenerationRequest {
-                    prompt: prompt.clone(),
-                    max_new_tokens: NEW,
-                    sampling,
-                    stop_token_ids: vec![],
-                    ignore_eos: true,
-                    algorithm,
-                })
-                .unwrap();
-            got.insert(id, Vec::new());
-        }
-        while e.num_active() > 0 {
-            for ev in e.step().unwrap() {
-                accepted += ev.round.as_ref().map_or(0, |r| r.accepted_drafts);
-                got.get_mut(&ev.id).unwrap().extend_from_slice(&ev.tokens);
-            }
-        }
-        let mut ids: Vec<_> = got.into_iter().collect();
-        ids.sort();
-        out.extend(ids.into_iter().map(|(_, v)| v));
-    }
-    (out, accepted)
+    sample_continuations(&mut e, &prompt, algorithm, SAMPLES, NEW, seed_base)
 }
 
 #[test]
