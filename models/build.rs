@@ -6,13 +6,15 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
-    println!("cargo:rerun-if-changed=src/fast/kernels.cu");
+    for f in ["kernels.cu", "gemv.cu", "common.cuh"] {
+        println!("cargo:rerun-if-changed=src/fast/{f}");
+    }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
-    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("fast.ptx");
+    let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let nvcc = std::env::var("NVCC")
         .ok()
         .or_else(|| {
@@ -22,18 +24,20 @@ fn main() {
         })
         .unwrap_or_else(|| "nvcc".into());
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
-    let status = Command::new(&nvcc)
-        .args(["-ptx", "-O3", "-lineinfo"])
-        .arg(format!("-arch=sm_{cap}"))
-        .arg("-o")
-        .arg(&out)
-        .arg("src/fast/kernels.cu")
-        .status();
-    match status {
-        Ok(s) if s.success() => {}
-        Ok(s) => panic!("{nvcc} failed ({s}) compiling src/fast/kernels.cu"),
-        Err(e) => panic!(
-            "cannot run {nvcc} ({e}): the `cuda` feature needs nvcc; source ../shared/tools/cuda-toolchain.sh or set NVCC"
-        ),
+    for (src, ptx) in [("kernels.cu", "fast.ptx"), ("gemv.cu", "gemv.ptx")] {
+        let status = Command::new(&nvcc)
+            .args(["-ptx", "-O3", "-lineinfo"])
+            .arg(format!("-arch=sm_{cap}"))
+            .arg("-o")
+            .arg(out_dir.join(ptx))
+            .arg(format!("src/fast/{src}"))
+            .status();
+        match status {
+            Ok(s) if s.success() => {}
+            Ok(s) => panic!("{nvcc} failed ({s}) compiling src/fast/{src}"),
+            Err(e) => panic!(
+                "cannot run {nvcc} ({e}): the `cuda` feature needs nvcc; source ../shared/tools/cuda-toolchain.sh or set NVCC"
+            ),
+        }
     }
 }

@@ -69,6 +69,8 @@ pub struct DFlashDrafter {
     mode: OpsMode,
     /// Draft blocks through the fused CUDA kernels (on by default where they apply).
     fast: bool,
+    /// Most rows a fused forward runs through the skinny GEMMs (see `fast_decoder.rs`).
+    gemv_rows: usize,
 }
 
 impl DFlashDrafter {
@@ -246,6 +248,7 @@ impl DFlashDrafter {
             device,
             mode,
             fast: false,
+            gemv_rows: crate::fast::GEMV_DEFAULT_ROWS,
         };
         if drafter.fast_kernels_available() {
             for l in &mut drafter.layers {
@@ -282,6 +285,18 @@ impl DFlashDrafter {
         self.fast =
             on && self.fast_kernels_available() && self.layers.iter().all(|l| l.fused().is_some());
         self
+    }
+
+    /// Caps the rows a fused forward sends through the skinny GEMMs (wider ones use cuBLAS);
+    /// 0 keeps every forward on cuBLAS. For comparisons; the default is the measured best.
+    pub fn with_gemv_rows(mut self, rows: usize) -> Self {
+        self.gemv_rows = rows.min(crate::fast::GEMV_MAX_ROWS);
+        self
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn gemv_rows(&self) -> usize {
+        self.gemv_rows
     }
 
     /// Every drafter-owned tensor with its z-lab name, in [`Self::parameter_shapes`] order.
@@ -479,7 +494,8 @@ impl DFlashDrafter {
     pub fn lm_head(&self, hidden: &Tensor) -> ModelResult<Tensor> {
         #[cfg(feature = "cuda")]
         if self.fast {
-            return Ok(crate::fast::linear(hidden, &self.lm_head)?.to_dtype(DType::F32)?);
+            return Ok(crate::fast::project(hidden, &self.lm_head, self.gemv_rows)?
+                .to_dtype(DType::F32)?);
         }
         Ok(linear(hidden, &self.lm_head)?.to_dtype(DType::F32)?)
     }

@@ -8,8 +8,8 @@ use candle_core::Tensor;
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
 use crate::fast;
+use crate::fast_decoder::{AttnSeq, Stack};
 use crate::kv_cache::SequenceCache;
-use crate::ops::rms_norm;
 
 impl DFlashDrafter {
     /// Final-normed hidden states of every block slot, `[batch * block_size, hidden]`, for
@@ -59,62 +59,28 @@ impl DFlashDrafter {
         full: &Tensor,
     ) -> ModelResult<Tensor> {
         let b = self.config().block_size;
-        let eps = self.config().layers.rms_norm_eps;
-        let layers = self.layers();
-        let (nh, nkv, d) = layers[0].heads();
-        let (cos, sin) = self.rotary().tables();
-        let mut x = self.embed_weight().index_select(ids, 0)?;
-        let mut h = rms_norm(&x, layers[0].norm_weights().0, eps, self.mode())?;
-        for (li, layer) in layers.iter().enumerate() {
-            let fused = layer
-                .fused()
-                .ok_or_else(|| ModelError::BadInput("fused draft on unfused weights".into()))?;
-            let (_, post_norm, q_norm, k_norm) = layer.norm_weights();
-            let qkv = fast::linear(&h, &fused.qkv)?;
-            let mut outs = Vec::with_capacity(caches.len());
-            for (s, cache) in caches.iter().enumerate() {
-                let kv = cache.layer(li).attention()?;
-                let (kc, vc) = kv.buffers();
-                let q = fast::qk_norm_rope_cache(
-                    &qkv.narrow(0, s * b, b)?,
-                    q_norm,
-                    k_norm,
-                    cos,
-                    sin,
-                    &pos.narrow(0, s * b, b)?,
-                    &lens[s],
-                    kc,
-                    vc,
-                    (nh, nkv, d),
-                    eps,
-                )?;
-                outs.push(fast::attention(
-                    &q,
-                    kc,
-                    vc,
-                    &lens[s],
-                    Some(full),
-                    splits[s],
-                )?);
-            }
-            let attn = if outs.len() == 1 {
-                outs.swap_remove(0)
-            } else {
-                Tensor::cat(&outs, 0)?
-            };
-            let o = fast::linear(&attn, layer.o_proj())?;
-            let (x1, h1) = fast::add_rmsnorm(&x, &o, post_norm, eps)?;
-            let act = fast::silu_mul(&fast::linear(&h1, &fused.gate_up)?)?;
-            let down = fast::linear(&act, layer.down_proj())?;
-            let next_norm = match layers.get(li + 1) {
-                Some(next) => next.norm_weights().0,
-                None => self.final_norm_weight(),
-            };
-            let (x2, h2) = fast::add_rmsnorm(&x1, &down, next_norm, eps)?;
-            x = x2;
-            h = h2;
-        }
-        Ok(h)
+        let seqs: Vec<AttnSeq<'_>> = caches
+            .iter()
+            .enumerate()
+            .map(|(s, cache)| AttnSeq {
+                cache,
+                offset: s * b,
+                tokens: b,
+                cache_len: &lens[s],
+                split: splits[s],
+                tree: Some(full),
+            })
+            .collect();
+        let stack = Stack {
+            layers: self.layers(),
+            final_norm: self.final_norm_weight(),
+            rope: self.rotary(),
+            eps: self.config().layers.rms_norm_eps,
+            mode: self.mode(),
+            gemv_rows: self.gemv_rows(),
+        };
+        let x = self.embed_weight().index_select(ids, 0)?;
+        Ok(stack.run(x, pos, &seqs, &[])?.0)
     }
 
     /// The context path fused: per layer one q/k/v GEMM over the new context rows and the

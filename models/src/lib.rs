@@ -12,6 +12,8 @@ mod dflash_fast;
 pub mod dflash_train;
 pub mod error;
 pub mod fast;
+#[cfg(feature = "cuda")]
+mod fast_decoder;
 pub mod kv_cache;
 pub mod layer;
 pub mod ops;

@@ -57,6 +57,8 @@ pub struct Qwen3Model {
     mode: OpsMode,
     /// Use the fused CUDA kernels where they apply (on by default when available).
     fast: bool,
+    /// Most rows a fused forward runs through the skinny GEMMs (see `fast_decoder.rs`).
+    gemv_rows: usize,
 }
 
 impl Qwen3Model {
@@ -111,6 +113,7 @@ impl Qwen3Model {
             device: device.clone(),
             mode,
             fast: false,
+            gemv_rows: crate::fast::GEMV_DEFAULT_ROWS,
         }
         .prepare_fast()
     }
@@ -166,6 +169,7 @@ impl Qwen3Model {
             device: device.clone(),
             mode,
             fast: false,
+            gemv_rows: crate::fast::GEMV_DEFAULT_ROWS,
         }
         .prepare_fast()
     }
@@ -193,6 +197,18 @@ impl Qwen3Model {
         self.fast =
             on && self.fast_kernels_available() && self.layers.iter().all(|l| l.fused().is_some());
         self
+    }
+
+    /// Caps the rows a fused forward sends through the skinny GEMMs (wider ones use cuBLAS);
+    /// 0 keeps every forward on cuBLAS. For comparisons; the default is the measured best.
+    pub fn with_gemv_rows(mut self, rows: usize) -> Self {
+        self.gemv_rows = rows.min(crate::fast::GEMV_MAX_ROWS);
+        self
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn gemv_rows(&self) -> usize {
+        self.gemv_rows
     }
 
     pub fn mode(&self) -> OpsMode {
@@ -244,7 +260,9 @@ impl Qwen3Model {
     pub fn lm_head(&self, x: &Tensor) -> ModelResult<Tensor> {
         #[cfg(feature = "cuda")]
         if self.fast {
-            return Ok(crate::fast::linear(x, &self.lm_head)?.to_dtype(DType::F32)?);
+            return Ok(
+                crate::fast::project(x, &self.lm_head, self.gemv_rows)?.to_dtype(DType::F32)?
+            );
         }
         Ok(linear(x, &self.lm_head)?.to_dtype(DType::F32)?)
     }

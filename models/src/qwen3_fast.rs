@@ -1,9 +1,7 @@
-//! The fused-kernel forward of [`Qwen3Model`] (CUDA, bf16): per layer one GEMM for q/k/v, one
-//! kernel for q/k norm + RoPE + cache write, split-K attention (two kernels) straight over the
-//! preallocated cache, the o-projection GEMM, residual add + RMSNorm in one kernel, one GEMM
-//! for gate/up, the SiLU product, the down GEMM, and the next residual add fused with the next
-//! layer's input norm. About 10 launches per layer instead of about 40; same contract and
-//! outputs as the plain path in `qwen3.rs` (to bf16 rounding), which stays the reference.
+//! The fused-kernel forward of [`Qwen3Model`] (CUDA, bf16): the layer stack of
+//! `fast_decoder.rs` (7 launches per layer for up to 64 rows, 10 for wider forwards, instead
+//! of about 40), chunked prefill and CUDA-graph steps; same contract and outputs as the plain
+//! path in `qwen3.rs` (to bf16 rounding), which stays the reference.
 
 use std::collections::HashMap;
 
@@ -12,8 +10,8 @@ use candle_core::Tensor;
 use crate::attention::AttnPattern;
 use crate::error::{ModelError, ModelResult};
 use crate::fast;
+use crate::fast_decoder::{AttnSeq, Stack};
 use crate::kv_cache::SequenceCache;
-use crate::ops::rms_norm;
 use crate::qwen3::{ForwardOutput, Qwen3Model, SeqForward};
 
 /// Per-sequence device inputs of one fused forward.
@@ -200,69 +198,28 @@ impl Qwen3Model {
         inputs: &[SeqInputs],
         taps: &[usize],
     ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
-        let (cos, sin) = self.rope.tables();
-        let (nh, nkv, d) = self.layers[0].heads();
-        let eps = self.cfg.rms_norm_eps;
-        let mut x = self.embed_weight().index_select(ids, 0)?;
-        let mut h = rms_norm(&x, self.layers[0].norm_weights().0, eps, self.mode())?;
-        let mut tapped: HashMap<usize, Tensor> = HashMap::new();
-        for (li, layer) in self.layers.iter().enumerate() {
-            let fused = layer
-                .fused()
-                .ok_or_else(|| ModelError::BadInput("fused forward on unfused weights".into()))?;
-            let (_, post_norm, q_norm, k_norm) = layer.norm_weights();
-            let qkv = fast::linear(&h, &fused.qkv)?;
-            let mut outs = Vec::with_capacity(inputs.len());
-            for (cache, inp) in caches.iter().zip(inputs) {
-                let kv = cache.layer(li).attention()?;
-                let (kc, vc) = kv.buffers();
-                let rows = qkv.narrow(0, inp.offset, inp.tokens)?;
-                let pos = positions.narrow(0, inp.offset, inp.tokens)?;
-                let q = fast::qk_norm_rope_cache(
-                    &rows,
-                    q_norm,
-                    k_norm,
-                    cos,
-                    sin,
-                    &pos,
-                    &inp.cache_len,
-                    kc,
-                    vc,
-                    (nh, nkv, d),
-                    eps,
-                )?;
-                outs.push(fast::attention(
-                    &q,
-                    kc,
-                    vc,
-                    &inp.cache_len,
-                    inp.tree.as_ref(),
-                    inp.split,
-                )?);
-            }
-            let attn = if outs.len() == 1 {
-                outs.pop().expect("one output")
-            } else {
-                Tensor::cat(&outs, 0)?
-            };
-            let o = fast::linear(&attn, layer.o_proj())?;
-            let (x1, h1) = fast::add_rmsnorm(&x, &o, post_norm, eps)?;
-            let gu = fast::linear(&h1, &fused.gate_up)?;
-            let act = fast::silu_mul(&gu)?;
-            let down = fast::linear(&act, layer.down_proj())?;
-            // The next layer's input norm, or the final norm after the last layer.
-            let next_norm = match self.layers.get(li + 1) {
-                Some(next) => next.norm_weights().0,
-                None => &self.norm,
-            };
-            let (x2, h2) = fast::add_rmsnorm(&x1, &down, next_norm, eps)?;
-            x = x2;
-            h = h2;
-            if taps.contains(&li) {
-                tapped.insert(li, x.clone());
-            }
-        }
-        Ok((h, tapped))
+        let seqs: Vec<AttnSeq<'_>> = caches
+            .iter()
+            .zip(inputs)
+            .map(|(cache, inp)| AttnSeq {
+                cache,
+                offset: inp.offset,
+                tokens: inp.tokens,
+                cache_len: &inp.cache_len,
+                split: inp.split,
+                tree: inp.tree.as_ref(),
+            })
+            .collect();
+        let stack = Stack {
+            layers: &self.layers,
+            final_norm: &self.norm,
+            rope: &self.rope,
+            eps: self.cfg.rms_norm_eps,
+            mode: self.mode(),
+            gemv_rows: self.gemv_rows(),
+        };
+        let x = self.embed_weight().index_select(ids, 0)?;
+        stack.run(x, positions, &seqs, taps)
     }
 }
 

@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use crate::attention::{attend, AttnPattern};
 use crate::ops::{rms_norm, rope, OpsMode};
 
-use super::cuda;
+use super::{cuda, gemv};
 
 /// (kernel, max |fast - plain|, max |plain|) per kernel.
 pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
@@ -122,12 +122,49 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         }
     }
 
-    // Skinny GEMM against cuBLAS.
-    let w = bf(Tensor::randn(0f32, 0.05, (1000, 4096), dev)?)?;
-    for m in [1usize, 3, 16, 17, 40, 64] {
-        let x = bf(Tensor::randn(0f32, 1.0, (m, 4096), dev)?)?;
-        let (e, s) = err(&cuda::skinny(&x, &w, m, 1000, 4096)?, &x.matmul(&w.t()?)?)?;
-        out.push((format!("skinny_gemm:m{m}"), e, s));
+    // Skinny GEMMs against cuBLAS and the candle ops they fuse.
+    let (n, k) = (1008usize, 4096usize);
+    let w = bf(Tensor::randn(0f32, 0.05, (n, k), dev)?)?;
+    let w2 = bf(Tensor::randn(0f32, 0.05, (2 * n, k), dev)?)?;
+    let nw = bf(Tensor::randn(1f32, 0.2, k, dev)?)?;
+    let counter = Tensor::zeros(1, DType::U32, dev)?;
+    let x16 = bf(Tensor::randn(0f32, 1.0, (16, k), dev)?)?;
+    for variant in ["rows", "mma"] {
+        let x = x16.narrow(0, 0, 1)?;
+        let (e, s) = err(&gemv::gemv_variant(&x, &w, variant)?, &x.matmul(&w.t()?)?)?;
+        out.push((format!("gemv:{variant}:m1"), e, s));
+    }
+    for m in [1usize, 2, 5, 16] {
+        let x = x16.narrow(0, 0, m)?.contiguous()?;
+        let (e, s) = err(&gemv::gemv(&x, &w, None)?, &x.matmul(&w.t()?)?)?;
+        out.push((format!("gemv:m{m}"), e, s));
+        let ss = gemv::row_sumsq(&x)?;
+        let (e, s) = err(&ss, &x.to_dtype(DType::F32)?.sqr()?.sum(1)?)?;
+        out.push((format!("row_sumsq:m{m}"), e, s));
+        let norm = gemv::RowNorm {
+            ss: &ss,
+            weight: &nw,
+            eps,
+        };
+        let h = rms_norm(&x, &nw, eps, OpsMode::Fused)?;
+        let (e, s) = err(&gemv::rms_apply(&x, norm)?, &h)?;
+        out.push((format!("rms_apply:m{m}"), e, s));
+        let (e, s) = err(&gemv::gemv(&x, &w, Some(norm))?, &h.matmul(&w.t()?)?)?;
+        out.push((format!("gemv_norm:m{m}"), e, s));
+        let gu = h.matmul(&w2.t()?)?;
+        let plain = (gu.narrow(1, 0, n)?.silu()? * gu.narrow(1, n, n)?)?;
+        let (e, s) = err(&gemv::gemv_silu(&x, &w2, Some(norm))?, &plain)?;
+        out.push((format!("gemv_silu_norm:m{m}"), e, s));
+        let resid = bf(Tensor::randn(0f32, 3.0, (m, n), dev)?)?;
+        // Twice on one counter: the kernel must leave it ready for the next launch.
+        for pass in 0..2 {
+            let (y, ss) = gemv::gemv_resid(&x, &w, &resid, &counter)?;
+            let plain = (&resid + x.matmul(&w.t()?)?)?;
+            let (e, s) = err(&y, &plain)?;
+            out.push((format!("gemv_resid:m{m}:pass{pass}"), e, s));
+            let (e, s) = err(&ss, &y.to_dtype(DType::F32)?.sqr()?.sum(1)?)?;
+            out.push((format!("gemv_resid_sumsq:m{m}:pass{pass}"), e, s));
+        }
     }
 
     // SiLU product and residual add + RMSNorm.
@@ -147,26 +184,58 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     Ok(out)
 }
 
-/// Milliseconds of cuBLAS and of the skinny kernel for `[m, 4096] x [4096, 24576]` (a fused
-/// gate/up of Qwen3-8B): `(m, cublas_ms, skinny_ms)`.
-pub fn skinny_timings(dev: &Device) -> Result<Vec<(usize, f64, f64)>> {
-    let w = Tensor::randn(0f32, 0.05, (24576, 4096), dev)?.to_dtype(DType::BF16)?;
-    let mut out = Vec::new();
-    for m in [1usize, 4, 16, 32, 64] {
-        let x = Tensor::randn(0f32, 1.0, (m, 4096), dev)?.to_dtype(DType::BF16)?;
-        let time = |f: &dyn Fn() -> Result<Tensor>| -> Result<f64> {
+/// Milliseconds of cuBLAS and of the skinny kernels on Qwen3-8B's projections (the SiLU
+/// variant reads the stacked gate/up) for 1, 4 and 16 rows: `(name, cublas_ms, gemv_ms,
+/// weight_GB)`; for one row also every store variant.
+pub fn gemv_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f64)>> {
+    let time = |f: &dyn Fn() -> Result<Tensor>| -> Result<f64> {
+        f()?;
+        dev.synchronize()?;
+        let t = std::time::Instant::now();
+        for _ in 0..20 {
             f()?;
-            dev.synchronize()?;
-            let t = std::time::Instant::now();
-            for _ in 0..20 {
-                f()?;
+        }
+        dev.synchronize()?;
+        Ok(t.elapsed().as_secs_f64() * 1e3 / 20.0)
+    };
+    let counter = Tensor::zeros(1, DType::U32, dev)?;
+    let mut out = Vec::new();
+    for (name, n, k) in [
+        ("qkv", 6144usize, 4096usize),
+        ("o_proj", 4096, 4096),
+        ("gate_up_silu", 24576, 4096),
+        ("down", 4096, 12288),
+        ("lm_head", 151936, 4096),
+    ] {
+        let w = Tensor::randn(0f32, 0.05, (n, k), dev)?.to_dtype(DType::BF16)?;
+        let nw = Tensor::ones(k, DType::BF16, dev)?;
+        let gb = (n * k * 2) as f64 / 1e9;
+        for m in [1usize, 4, 16] {
+            let x = Tensor::randn(0f32, 1.0, (m, k), dev)?.to_dtype(DType::BF16)?;
+            let resid = Tensor::zeros((m, n), DType::BF16, dev)?;
+            let ss = gemv::row_sumsq(&x)?;
+            let norm = gemv::RowNorm {
+                ss: &ss,
+                weight: &nw,
+                eps: 1e-6,
+            };
+            let a = time(&|| x.matmul(&w.t()?))?;
+            let b = match name {
+                "gate_up_silu" => time(&|| gemv::gemv_silu(&x, &w, Some(norm)))?,
+                "o_proj" | "down" => time(&|| Ok(gemv::gemv_resid(&x, &w, &resid, &counter)?.0))?,
+                _ => time(&|| gemv::gemv(&x, &w, Some(norm)))?,
+            };
+            out.push((format!("{name}_m{m}"), a, b, gb));
+            if m == 1 || (m == 16 && name == "lm_head") {
+                for v in ["rows", "mma"] {
+                    if m > 1 && v.starts_with("rows") {
+                        continue;
+                    }
+                    let c = time(&|| gemv::gemv_variant(&x, &w, v))?;
+                    out.push((format!("{name}_m{m}_store_{v}"), a, c, gb));
+                }
             }
-            dev.synchronize()?;
-            Ok(t.elapsed().as_secs_f64() * 1e3 / 20.0)
-        };
-        let a = time(&|| x.matmul(&w.t()?))?;
-        let b = time(&|| cuda::skinny(&x, &w, m, 24576, 4096))?;
-        out.push((m, a, b));
+        }
     }
     Ok(out)
 }

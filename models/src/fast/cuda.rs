@@ -17,7 +17,7 @@ pub const CHUNK: usize = 64;
 /// Query rows per attention block (ROWS in kernels.cu).
 const ROWS: usize = 16;
 
-fn cuda(t: &Tensor) -> Result<CudaDevice> {
+pub(super) fn cuda(t: &Tensor) -> Result<CudaDevice> {
     match t.device() {
         Device::Cuda(d) => Ok(d.clone()),
         _ => bail!("fast kernels need CUDA tensors"),
@@ -29,7 +29,7 @@ pub fn device_address(t: &Tensor) -> Result<u64> {
     ptr(t)
 }
 
-fn ptr(t: &Tensor) -> Result<u64> {
+pub(super) fn ptr(t: &Tensor) -> Result<u64> {
     let (st, layout) = t.storage_and_layout();
     let Storage::Cuda(cs) = &*st else {
         bail!("fast kernels need CUDA tensors")
@@ -48,7 +48,7 @@ fn ptr(t: &Tensor) -> Result<u64> {
     Ok(base + (start * t.dtype().size_in_bytes()) as u64)
 }
 
-fn alloc_bf16(dev: &CudaDevice, shape: impl Into<Shape>) -> Result<Tensor> {
+pub(super) fn alloc_bf16(dev: &CudaDevice, shape: impl Into<Shape>) -> Result<Tensor> {
     let shape = shape.into();
     // Every element is written by the kernel before it is read.
     let s = unsafe { dev.alloc::<bf16>(shape.elem_count())? };
@@ -60,7 +60,7 @@ fn alloc_bf16(dev: &CudaDevice, shape: impl Into<Shape>) -> Result<Tensor> {
     ))
 }
 
-fn alloc_f32(dev: &CudaDevice, n: usize) -> Result<Tensor> {
+pub(super) fn alloc_f32(dev: &CudaDevice, n: usize) -> Result<Tensor> {
     let s = unsafe { dev.alloc::<f32>(n)? };
     Ok(Tensor::from_storage(
         Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
@@ -70,7 +70,7 @@ fn alloc_f32(dev: &CudaDevice, n: usize) -> Result<Tensor> {
     ))
 }
 
-fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
+pub(super) fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: grid,
         block_dim: (block, 1, 1),
@@ -78,12 +78,12 @@ fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
     }
 }
 
-fn go(b: &mut LaunchArgs<'_>, cfg: LaunchConfig, name: &str) -> Result<()> {
+pub(super) fn go(b: &mut LaunchArgs<'_>, cfg: LaunchConfig, name: &str) -> Result<()> {
     unsafe { b.launch(cfg) }.map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
     Ok(())
 }
 
-fn check_bf16(name: &str, t: &Tensor) -> Result<()> {
+pub(super) fn check_bf16(name: &str, t: &Tensor) -> Result<()> {
     if t.dtype() != DType::BF16 || !t.is_contiguous() {
         bail!("{name} must be contiguous bf16, got {:?}", t.dtype())
     }
@@ -328,40 +328,10 @@ fn upload<T>(dst: &Tensor, dtype: DType, values: &[T]) -> Result<()> {
     .map_err(|e| candle_core::Error::Msg(format!("upload: {e}")))
 }
 
-/// `x @ wᵀ` for `x: [m, k]`, `w: [n, k]`: cuBLAS. Measured on the H200 (bench
-/// `kernel_checks.gate_up_gemm_m*_ms`), cuBLAS already streams the weights of skinny products
-/// at ~85% of the copy bandwidth and beats [`skinny`] at every m from 1 to 64, so the fused
-/// path keeps it; `skinny` stays as the measured alternative.
+/// `x @ wᵀ` for `x: [m, k]`, `w: [n, k]`: cuBLAS, for products wider than the skinny
+/// kernels of [`super::gemv`] take (prefill chunks, wide trees).
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.matmul(&w.t()?)
-}
-
-/// `x @ wᵀ` through tensor cores with the weights streamed once (mma.m16n8k16, 4-way split
-/// K); `x` contiguous bf16 `[m <= 64, k]`, `k % 32 == 0`, `n % 8 == 0`.
-pub fn skinny(x: &Tensor, w: &Tensor, m: usize, n: usize, k: usize) -> Result<Tensor> {
-    if m > 64 || k % 32 != 0 || n % 8 != 0 || x.dims2()? != (m, k) || w.dims2()? != (n, k) {
-        bail!(
-            "skinny: x {:?}, w {:?}: needs m <= 64, k % 32 == 0, n % 8 == 0",
-            x.shape(),
-            w.shape()
-        )
-    }
-    check_bf16("x", x)?;
-    check_bf16("w", w)?;
-    let dev = cuda(x)?;
-    let y = alloc_bf16(&dev, (m, n))?;
-    let name = match m {
-        0..=16 => "skinny_t1",
-        17..=32 => "skinny_t2",
-        _ => "skinny_t4",
-    };
-    let (xp, wp, yp) = (ptr(x)?, ptr(w)?, ptr(&y)?);
-    let (mi, ni, ki) = (m as i32, n as i32, k as i32);
-    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
-    let mut b = f.builder();
-    b.arg(&xp).arg(&wp).arg(&yp).arg(&mi).arg(&ni).arg(&ki);
-    go(&mut b, cfg(((n / 8) as u32, 1, 1), 128), name)?;
-    Ok(y)
 }
 
 /// How to split `live_keys` keys for `t` query tokens: `(splits, chunks per split)`. Few query

@@ -2,39 +2,7 @@
 // Compiled to PTX by models/build.rs with nvcc when the `cuda` feature is on.
 // bf16 values travel as raw 16-bit words so no CUDA header is needed.
 
-typedef unsigned short bf16_t;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-__device__ __forceinline__ float bf2f(bf16_t x) { return __uint_as_float(((u32)x) << 16); }
-
-// Round to nearest even, NaN kept quiet (matches __float2bfloat16_rn).
-__device__ __forceinline__ bf16_t f2bf(float f) {
-    u32 u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_t)(u >> 16);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// Sum over a block of blockDim.x (a multiple of 32, at most 1024) threads.
-__device__ float block_sum(float v, float* shared32) {
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) shared32[w] = v;
-    __syncthreads();
-    float t = lane < nw ? shared32[lane] : 0.f;
-    return warp_sum(t);
-}
+#include "common.cuh"
 
 // Per-head RMSNorm (q, k), RoPE (q, k; rotate-half layout) and the cache write (k, v) of one
 // GEMM output row block. qkv: [t, (nh + 2 nkv) * d]. Grid (nh + 2 nkv, t), block d threads.
@@ -275,75 +243,6 @@ extern "C" __global__ void add_rmsnorm(const bf16_t* __restrict__ x, const bf16_
         h_out[base + i] = f2bf(bf2f(s) * inv * bf2f(w[i]));
     }
 }
-
-// y[m, n] = sum_k x[m, k] * w[n, k] for M <= 16 * TILES rows: a skinny GEMM (decode, verify,
-// draft blocks) that streams the weights once through tensor cores. x [M, K], w [N, K]
-// (nn.Linear layout), y [M, N], bf16 in and out, f32 accumulation; K % 32 == 0, N % 8 == 0.
-// A block of 4 warps owns 8 output columns and splits K between its warps (chunks of 32).
-// Each lane loads 16 bytes of one weight row per chunk; the K order inside a chunk is
-// permuted identically for x and w so those loads feed mma.m16n8k16 fragments directly.
-__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-template <int TILES>
-__device__ void skinny_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
-                            bf16_t* __restrict__ y, int M, int N, int K) {
-    __shared__ float red[4][TILES * 16 * 8];
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int g = lane >> 2, tig = lane & 3;
-    int n0 = blockIdx.x * 8;
-    const uint4* wrow = (const uint4*)(w + (size_t)(n0 + g) * K);
-    int chunks = K / 32;
-    float c[TILES][4];
-#pragma unroll
-    for (int t = 0; t < TILES; ++t) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.f;
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int ch0 = warp; ch0 < chunks; ch0 += 4 * 4) {
-        uint4 wv[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            int ch = ch0 + 4 * u;
-            wv[u] = ch < chunks ? __ldg(wrow + ch * 4 + tig) : zero;
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            int ch = ch0 + 4 * u;
-            if (ch >= chunks) break;
-#pragma unroll
-            for (int t = 0; t < TILES; ++t) {
-                int r0 = t * 16 + g, r1 = r0 + 8;
-                uint4 x0 = r0 < M ? __ldg((const uint4*)(x + (size_t)r0 * K) + ch * 4 + tig) : zero;
-                uint4 x1 = r1 < M ? __ldg((const uint4*)(x + (size_t)r1 * K) + ch * 4 + tig) : zero;
-                mma_bf16(c[t], x0.x, x1.x, x0.y, x1.y, wv[u].x, wv[u].y);
-                mma_bf16(c[t], x0.z, x1.z, x0.w, x1.w, wv[u].z, wv[u].w);
-            }
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < TILES; ++t) {
-        float* r = red[warp] + t * 128;
-        r[g * 8 + tig * 2] = c[t][0];
-        r[g * 8 + tig * 2 + 1] = c[t][1];
-        r[(g + 8) * 8 + tig * 2] = c[t][2];
-        r[(g + 8) * 8 + tig * 2 + 1] = c[t][3];
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < TILES * 128; e += blockDim.x) {
-        int row = e / 8, col = e % 8;
-        if (row < M) {
-            float v = red[0][e] + red[1][e] + red[2][e] + red[3][e];
-            y[(size_t)row * N + n0 + col] = f2bf(v);
-        }
-    }
-}
-
-extern "C" __global__ void skinny_t1(const bf16_t* x, const bf16_t* w, bf16_t* y, int M, int N, int K) { skinny_impl<1>(x, w, y, M, N, K); }
-extern "C" __global__ void skinny_t2(const bf16_t* x, const bf16_t* w, bf16_t* y, int M, int N, int K) { skinny_impl<2>(x, w, y, M, N, K); }
-extern "C" __global__ void skinny_t4(const bf16_t* x, const bf16_t* w, bf16_t* y, int M, int N, int K) { skinny_impl<4>(x, w, y, M, N, K); }
 
 // Tensor-core version of attn_partial (same grid meaning and partial outputs, so
 // attn_combine merges it): one warp per (KV head, chunk of CH keys, tile of 16 query rows).

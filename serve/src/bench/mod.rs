@@ -80,7 +80,8 @@ pub struct BenchArgs {
     e2e_prompt: usize,
     #[arg(long, default_value_t = 192)]
     e2e_tokens: usize,
-    /// Which paths to measure: plain (candle ops), fast (fused CUDA kernels), or both
+    /// Which paths to measure: plain (candle ops), fast (fused CUDA kernels), fast_cublas (fused
+    /// kernels with every GEMM on cuBLAS)
     #[arg(long, value_delimiter = ',', default_value = "plain,fast")]
     variants: Vec<String>,
     /// Skip the end-to-end speculative runs
@@ -164,17 +165,24 @@ pub fn main(argv: Vec<String>) -> Result<()> {
     let mut plain_decode_1k = None;
     let mut variants = Map::new();
     for v in &args.variants {
-        let fast = match v.as_str() {
-            "plain" => false,
-            "fast" => true,
-            other => bail!("--variants {other}: use plain and/or fast"),
+        let (fast, gemv_rows) = match v.as_str() {
+            "plain" => (false, 0),
+            "fast" => (true, dflash_models::fast::GEMV_DEFAULT_ROWS),
+            "fast_cublas" => (true, 0),
+            other => bail!("--variants {other}: use plain, fast and/or fast_cublas"),
         };
         if fast && !base.fast_kernels_available() {
             variants.insert(v.clone(), json!({"skipped": "fused kernels need a CUDA device and bf16 (build with --features cuda)"}));
             continue;
         }
-        let m = base.clone().with_fast_kernels(fast);
-        let d = drafter.clone().with_fast_kernels(fast);
+        let m = base
+            .clone()
+            .with_fast_kernels(fast)
+            .with_gemv_rows(gemv_rows);
+        let d = drafter
+            .clone()
+            .with_fast_kernels(fast)
+            .with_gemv_rows(gemv_rows);
         let fig = figures(&args, &m, &d, bw, mm, bpe)?;
         if !fast {
             plain_decode_1k = fig["decode"]["ctx_1024"]["ms"].as_f64();
@@ -380,10 +388,11 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         out.insert(name, json!({"max_abs_err": err, "max_abs_plain": scale}));
     }
     #[cfg(feature = "cuda")]
-    for (m, cublas, skinny) in dflash_models::fast::check::skinny_timings(base.device())? {
+    for (name, cublas, gemv, gb) in dflash_models::fast::check::gemv_timings(base.device())? {
         out.insert(
-            format!("gate_up_gemm_m{m}_ms"),
-            json!({"cublas": cublas, "skinny": skinny, "weight_GB": 24576.0 * 4096.0 * 2.0 / 1e9}),
+            format!("gemm_{name}_ms"),
+            json!({"cublas": cublas, "gemv": gemv, "weight_GB": gb,
+                   "gemv_GBps": gb / gemv * 1e3, "cublas_GBps": gb / cublas * 1e3}),
         );
     }
     #[cfg(feature = "cuda")]

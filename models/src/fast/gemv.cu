@@ -1,0 +1,328 @@
+// Skinny GEMMs for decode, verification and draft blocks: y[m, n] = sum_k x[m, k] * w[n, k]
+// for M <= 16 rows (x [M, K], w nn.Linear layout [N, K], bf16 in and out, f32 accumulation).
+// Batch-1 steps are bound by streaming the weights, so the kernels are built around the loads:
+//   gemv_rows_*  M = 1 on CUDA cores: each warp instruction reads 512 contiguous bytes of one
+//                weight row (R rows per warp, U instructions per row in flight), x from L1;
+//   gemv_mma_*   M <= 16 on tensor cores (mma.m16n8k16): each warp owns 8 weight rows, reads
+//                them with the same row-contiguous loads and re-reads them from shared memory
+//                in the fragment layout; the K order inside each 32-wide chunk is permuted
+//                identically for x and w so one 16-byte read feeds two mma fragments; KS warps
+//                of a block split K when N is small.
+// Epilogues fused into both:
+//   STORE  y = bf16(acc);
+//   SILU   w holds gate rows [0, N) then up rows [N, 2N); y = bf16(silu(gate)) * bf16(up),
+//          rounded as silu_mul does;
+//   RESID  y = bf16(resid + bf16(acc)) (the residual stream) and ss[m] = sum_n y[m, n]^2 for
+//          the next RMSNorm: blocks leave per-row partial sums, the last block to finish adds
+//          them in a fixed order (deterministic) and re-arms the counter;
+// and before the M = 1 kernel, NORM: its input is RMSNorm(x) = bf16(x * rsqrt(ss / K + eps) * nw),
+// computed while x streams in (rounded as add_rmsnorm rounds it), so a decode layer needs no
+// separate norm launches; rms_apply does the same for the tensor-core kernel's inputs.
+
+#include "common.cuh"
+
+enum { EPI_STORE = 0, EPI_RESID = 1, EPI_SILU = 2 };
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+
+__device__ __forceinline__ float dot8(uint4 a, uint4 b) {
+    float s = lo(a.x) * lo(b.x);
+    s = fmaf(hi(a.x), hi(b.x), s);
+    s = fmaf(lo(a.y), lo(b.y), s);
+    s = fmaf(hi(a.y), hi(b.y), s);
+    s = fmaf(lo(a.z), lo(b.z), s);
+    s = fmaf(hi(a.z), hi(b.z), s);
+    s = fmaf(lo(a.w), lo(b.w), s);
+    s = fmaf(hi(a.w), hi(b.w), s);
+    return s;
+}
+
+// Two floats to bf16x2 (round to nearest even, as f2bf), low half first.
+__device__ __forceinline__ u32 pack2(float l, float h) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(h), "f"(l));
+    return r;
+}
+
+__device__ __forceinline__ u32 norm2(u32 y, u32 w, float inv) {
+    return pack2(lo(y) * inv * lo(w), hi(y) * inv * hi(w));
+}
+
+__device__ __forceinline__ uint4 norm8(uint4 y, uint4 w, float inv) {
+    return make_uint4(norm2(y.x, w.x, inv), norm2(y.y, w.y, inv), norm2(y.z, w.z, inv),
+                      norm2(y.w, w.w, inv));
+}
+
+// y, after the residual add, for one output pair; returns its sum of squares.
+__device__ __forceinline__ float store_pair(int epi, bf16_t* y, const bf16_t* resid, size_t at,
+                                            float v0, float v1, float u0, float u1) {
+    bf16_t o0, o1;
+    float sq = 0.f;
+    if (epi == EPI_STORE) {
+        o0 = f2bf(v0);
+        o1 = f2bf(v1);
+    } else if (epi == EPI_RESID) {
+        u32 rv = *(const u32*)(resid + at);
+        o0 = f2bf(lo(rv) + bf2f(f2bf(v0)));
+        o1 = f2bf(hi(rv) + bf2f(f2bf(v1)));
+        sq = bf2f(o0) * bf2f(o0) + bf2f(o1) * bf2f(o1);
+    } else {
+        float g0 = bf2f(f2bf(v0)), g1 = bf2f(f2bf(v1));
+        float b0 = bf2f(f2bf(u0)), b1 = bf2f(f2bf(u1));
+        o0 = f2bf(bf2f(f2bf(g0 / (1.f + __expf(-g0)))) * b0);
+        o1 = f2bf(bf2f(f2bf(g1 / (1.f + __expf(-g1)))) * b1);
+    }
+    *(u32*)(y + at) = (u32)o0 | ((u32)o1 << 16);
+    return sq;
+}
+
+// RESID tail, called by every thread of every block once `blocksum[r]` (shared) holds the
+// block's sum of y[r, :]^2 over its columns: partials per block, then the last block adds them
+// in block order into ss_out and re-arms the counter.
+__device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_out, u32* counter) {
+    __shared__ u32 is_last;
+    if ((int)threadIdx.x < M) {
+        part[(size_t)blockIdx.x * M + threadIdx.x] = blocksum[threadIdx.x];
+        __threadfence();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    for (int r = warp; r < M; r += nwarps) {
+        float s = 0.f;
+        for (int b = lane; b < (int)gridDim.x; b += 32) s += __ldcg(part + (size_t)b * M + r);
+        s = warp_sum(s);
+        if (lane == 0) ss_out[r] = s;
+    }
+    if (threadIdx.x == 0) *counter = 0u;
+}
+
+// ---- M = 1 on CUDA cores ----------------------------------------------------------------
+// Block of 4 warps, warp owns R consecutive output columns (SILU: R gate and R up rows).
+template <int R, int U, int EPI, bool NORM>
+__device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
+                          bf16_t* __restrict__ y, int N, int K, const bf16_t* __restrict__ resid,
+                          const bf16_t* __restrict__ nw, float eps, const float* ss_in,
+                          float* ss_out, float* part, u32* counter) {
+    constexpr int RW = EPI == EPI_SILU ? 2 * R : R;
+    __shared__ float wsum[4];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n0 = (blockIdx.x * 4 + warp) * R;
+    const bool active = n0 < N;
+    float acc[RW];
+#pragma unroll
+    for (int r = 0; r < RW; ++r) acc[r] = 0.f;
+    if (active) {
+        const uint4* wrow[RW];
+#pragma unroll
+        for (int r = 0; r < RW; ++r)
+            wrow[r] = (const uint4*)(w + (size_t)((r < R ? 0 : N) + n0 + (r % R)) * K) + lane;
+        const uint4* xv = (const uint4*)x + lane;
+        const uint4* nv = (const uint4*)nw + lane;
+        const float inv = NORM ? rsqrtf(ss_in[0] / (float)K + eps) : 0.f;
+        const int iters = K >> 8;  // 256 elements per warp instruction
+        for (int it = 0; it < iters; it += U) {
+            uint4 wv[U][RW];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int r = 0; r < RW; ++r)
+                    wv[u][r] = it + u < iters ? ld_stream(wrow[r] + (it + u) * 32) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (it + u >= iters) break;
+                uint4 xx = __ldg(xv + (it + u) * 32);
+                if (NORM) xx = norm8(xx, __ldg(nv + (it + u) * 32), inv);
+#pragma unroll
+                for (int r = 0; r < RW; ++r) acc[r] += dot8(wv[u][r], xx);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RW; ++r) acc[r] = warp_sum(acc[r]);
+    }
+    float sq = 0.f;
+    if (active && lane == 0) {
+#pragma unroll
+        for (int r = 0; r < R; r += 2)
+            sq += store_pair(EPI, y, resid, n0 + r, acc[r], acc[r + 1],
+                             EPI == EPI_SILU ? acc[R + r] : 0.f, EPI == EPI_SILU ? acc[R + r + 1] : 0.f);
+    }
+    if (EPI != EPI_RESID) return;
+    if (lane == 0) wsum[warp] = sq;
+    __syncthreads();
+    __shared__ float blocksum[1];
+    if (threadIdx.x == 0) blocksum[0] = wsum[0] + wsum[1] + wsum[2] + wsum[3];
+    __syncthreads();
+    resid_tail(blocksum, 1, part, ss_out, counter);
+}
+
+// ---- M <= 16 on tensor cores -------------------------------------------------------------
+// A warp owns 8 weight rows (SILU: 8 gate + 8 up) and walks its K range in 256-wide spans:
+// each span of a row is one row-contiguous 512-byte warp load (as the M = 1 kernel reads),
+// staged through the warp's own shared memory (row stride 576 bytes: conflict-free both ways)
+// and re-read in the mma fragment layout; U spans per row in flight.
+template <int U, int EPI>
+__device__ void mma_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
+                         bf16_t* __restrict__ y, int M, int N, int K, int ks,
+                         const bf16_t* __restrict__ resid, float* ss_out, float* part,
+                         u32* counter) {
+    constexpr int NTW = EPI == EPI_SILU ? 2 : 1;  // 8-row weight tiles per warp
+    constexpr int ROWS = 8 * NTW, STRIDE = 36;    // uint4 per staged row
+    __shared__ uint4 stage[4][ROWS * STRIDE];
+    __shared__ float red[4][NTW * 4 * 32];
+    __shared__ float rowsum[4][16];
+    __shared__ float blocksum[16];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+    const int groups = 4 / ks, grp = warp / ks, split = warp % ks;
+    const int n0 = (blockIdx.x * groups + grp) * 8;  // this warp's first output column
+    const bool active = n0 < N;
+    const int spans = K >> 8, per = (spans + ks - 1) / ks;
+    const int s_begin = split * per, s_end = min(spans, s_begin + per);
+    const uint4* wrow[ROWS];
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i)
+        wrow[i] = (const uint4*)(w + (size_t)((i < 8 ? 0 : N) + (active ? n0 : 0) + (i & 7)) * K) + lane;
+    float c[NTW][4];
+#pragma unroll
+    for (int j = 0; j < NTW; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    const bool lo_row = g < M, hi_row = g + 8 < M;
+    const uint4* x0 = (const uint4*)(x + (size_t)g * K) + tig;
+    const uint4* x1 = (const uint4*)(x + (size_t)(g + 8) * K) + tig;
+    uint4* st = stage[warp];
+    if (active) {
+        for (int sp0 = s_begin; sp0 < s_end; sp0 += U) {
+            uint4 wv[U][ROWS];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int i = 0; i < ROWS; ++i)
+                    wv[u][i] = sp0 + u < s_end ? ld_stream(wrow[i] + (sp0 + u) * 32) : zero;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (sp0 + u >= s_end) break;
+                __syncwarp();
+#pragma unroll
+                for (int i = 0; i < ROWS; ++i) st[i * STRIDE + lane] = wv[u][i];
+                __syncwarp();
+                // All x fragments of the span first, so their L1 latencies overlap.
+                uint4 xa[8], xb[8];
+#pragma unroll
+                for (int cc = 0; cc < 8; ++cc) {
+                    const int ch = (sp0 + u) * 8 + cc;
+                    xa[cc] = lo_row ? __ldg(x0 + ch * 4) : zero;
+                    xb[cc] = hi_row ? __ldg(x1 + ch * 4) : zero;
+                }
+#pragma unroll
+                for (int cc = 0; cc < 8; ++cc) {
+                    const uint4 a0 = xa[cc], a1 = xb[cc];
+#pragma unroll
+                    for (int j = 0; j < NTW; ++j) {
+                        uint4 b = st[(j * 8 + g) * STRIDE + cc * 4 + tig];
+                        mma_bf16(c[j], a0.x, a1.x, a0.y, a1.y, b.x, b.y);
+                        mma_bf16(c[j], a0.z, a1.z, a0.w, a1.w, b.z, b.w);
+                    }
+                }
+            }
+        }
+    }
+    // The K splits of one tile meet in shared memory; split 0 adds them in split order.
+    if (ks > 1) {
+#pragma unroll
+        for (int j = 0; j < NTW; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) red[warp][(j * 4 + e) * 32 + lane] = c[j][e];
+        __syncthreads();
+        if (split == 0) {
+            for (int s = 1; s < ks; ++s)
+#pragma unroll
+                for (int j = 0; j < NTW; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) c[j][e] += red[warp + s][(j * 4 + e) * 32 + lane];
+        }
+    }
+    const bool writer = active && split == 0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        int row = g + 8 * half;
+        float sq = 0.f;
+        if (writer && row < M)
+            sq = store_pair(EPI, y, resid, (size_t)row * N + n0 + tig * 2, c[0][2 * half],
+                            c[0][2 * half + 1], c[NTW - 1][2 * half], c[NTW - 1][2 * half + 1]);
+        if (EPI == EPI_RESID) {
+            sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+            sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+            if (split == 0 && tig == 0) rowsum[grp][row] = sq;
+        }
+    }
+    if (EPI != EPI_RESID) return;
+    __syncthreads();
+    if ((int)threadIdx.x < M) {
+        float s = 0.f;
+        for (int q = 0; q < groups; ++q) s += rowsum[q][threadIdx.x];
+        blocksum[threadIdx.x] = s;
+    }
+    __syncthreads();
+    resid_tail(blocksum, M, part, ss_out, counter);
+}
+
+#define GEMV_ARGS                                                                             \
+    const bf16_t *x, const bf16_t *w, bf16_t *y, int M, int N, int K, int ks,                 \
+        const bf16_t *resid, const bf16_t *nw, float eps, const float *ss_in, float *ss_out,  \
+        float *part, u32 *counter
+#define ROWS_KERNEL(name, R, U, EPI, NORM)                                                    \
+    extern "C" __global__ void __launch_bounds__(128) name(GEMV_ARGS) {                       \
+        rows_impl<R, U, EPI, NORM>(x, w, y, N, K, resid, nw, eps, ss_in, ss_out, part, counter); \
+    }
+#define MMA_KERNEL(name, U, EPI)                                                              \
+    extern "C" __global__ void __launch_bounds__(128) name(GEMV_ARGS) {                       \
+        mma_impl<U, EPI>(x, w, y, M, N, K, ks, resid, ss_out, part, counter);                 \
+    }
+
+// Measured (H200): 2 rows per warp with 4 loads in flight per row beat 4 rows x 2 on every
+// projection; 1 span in flight per tensor-core warp beat 2.
+ROWS_KERNEL(gemv_rows2_store, 2, 4, EPI_STORE, false)
+ROWS_KERNEL(gemv_rows2_store_norm, 2, 4, EPI_STORE, true)
+ROWS_KERNEL(gemv_rows2_resid, 2, 4, EPI_RESID, false)
+ROWS_KERNEL(gemv_rows2_silu, 2, 2, EPI_SILU, false)
+ROWS_KERNEL(gemv_rows2_silu_norm, 2, 2, EPI_SILU, true)
+MMA_KERNEL(gemv_mma_store, 1, EPI_STORE)
+MMA_KERNEL(gemv_mma_resid, 1, EPI_RESID)
+MMA_KERNEL(gemv_mma_silu, 1, EPI_SILU)
+
+// ss[m] = sum_k x[m, k]^2 (the first norm of a forward). One block per row.
+extern "C" __global__ void row_sumsq(const bf16_t* __restrict__ x, float* __restrict__ ss, int K) {
+    __shared__ float red[32];
+    const bf16_t* row = x + (size_t)blockIdx.x * K;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+        float v = bf2f(row[i]);
+        s += v * v;
+    }
+    s = block_sum(s, red);
+    if (threadIdx.x == 0) ss[blockIdx.x] = s;
+}
+
+// h = RMSNorm(x) * nw from precomputed row sums of squares; grid (ceil(K / 1024), M), 128
+// threads, 8 elements each.
+extern "C" __global__ void rms_apply(const bf16_t* __restrict__ x, const float* __restrict__ ss,
+                                     const bf16_t* __restrict__ nw, bf16_t* __restrict__ h, int K,
+                                     float eps) {
+    const int r = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= K / 8) return;
+    const float inv = rsqrtf(ss[r] / (float)K + eps);
+    const uint4 xv = ((const uint4*)(x + (size_t)r * K))[c];
+    ((uint4*)(h + (size_t)r * K))[c] = norm8(xv, ((const uint4*)nw)[c], inv);
+}

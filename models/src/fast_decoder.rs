@@ -1,0 +1,191 @@
+//! The decoder-layer stack through the fused kernels, shared by the target's forward
+//! (`qwen3_fast.rs`) and the drafter's block (`dflash_fast.rs`). Two forms of one layer:
+//!
+//! - up to [`fast::GEMV_MAX_ROWS`] rows (decode, verification, draft blocks): four skinny
+//!   GEMMs with everything else fused around them — input norm + q/k/v, o-projection +
+//!   residual add (+ the sums of squares the next norm needs), post-attention norm + gate/up +
+//!   the SiLU product, down + residual add — plus q/k norm + RoPE + cache write and the
+//!   split-K attention: 7 launches per layer for one row (the norms are applied as the input
+//!   streams in), 9 for 2 to 16 rows (the norms as their own launches);
+//! - wider (prefill chunks, wide trees): cuBLAS GEMMs, the SiLU product and residual add +
+//!   RMSNorm kernels around the same attention: 10 launches per layer.
+//!
+//! Both make no host-device copies, so a CUDA graph can capture them.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor};
+
+use crate::error::{ModelError, ModelResult};
+use crate::fast::{self, RowNorm};
+use crate::kv_cache::SequenceCache;
+use crate::layer::DecoderLayer;
+use crate::ops::{rms_norm, OpsMode};
+use crate::rope::RotaryEmbedding;
+
+/// One sequence's rows in a fused layer pass.
+pub(crate) struct AttnSeq<'a> {
+    pub cache: &'a SequenceCache,
+    /// First row of this sequence in the stacked rows.
+    pub offset: usize,
+    pub tokens: usize,
+    /// `[1]` u32: committed cache rows before these tokens.
+    pub cache_len: &'a Tensor,
+    /// Attention splits and key chunks per split (see [`fast::split_plan`]).
+    pub split: (usize, usize),
+    /// Ancestor bit rows (tree or full-block patterns); None: causal.
+    pub tree: Option<&'a Tensor>,
+}
+
+/// The weights a fused stack reads.
+pub(crate) struct Stack<'a> {
+    pub layers: &'a [DecoderLayer],
+    pub final_norm: &'a Tensor,
+    pub rope: &'a RotaryEmbedding,
+    pub eps: f64,
+    pub mode: OpsMode,
+    /// Most rows that take the skinny GEMMs.
+    pub gemv_rows: usize,
+}
+
+impl Stack<'_> {
+    /// Runs every layer over the embedded rows `x`, writing K/V into each sequence's cache at
+    /// its `cache_len` (caches are not advanced). Returns the final-normed rows and the
+    /// outputs of the layers in `taps`.
+    pub fn run(
+        &self,
+        x: Tensor,
+        positions: &Tensor,
+        seqs: &[AttnSeq<'_>],
+        taps: &[usize],
+    ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
+        if x.dim(0)? <= self.gemv_rows {
+            self.run_skinny(x, positions, seqs, taps)
+        } else {
+            self.run_wide(x, positions, seqs, taps)
+        }
+    }
+
+    fn run_skinny(
+        &self,
+        mut x: Tensor,
+        positions: &Tensor,
+        seqs: &[AttnSeq<'_>],
+        taps: &[usize],
+    ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
+        let eps = self.eps;
+        let mut ss = fast::row_sumsq(&x)?;
+        let counter = Tensor::zeros(1, DType::U32, x.device())?;
+        let mut tapped = HashMap::new();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let fused = fused(layer)?;
+            let (in_norm, post_norm, _, _) = layer.norm_weights();
+            let norm = RowNorm {
+                ss: &ss,
+                weight: in_norm,
+                eps,
+            };
+            let qkv = fast::gemv(&x, &fused.qkv, Some(norm))?;
+            let attn = self.attention(li, layer, &qkv, positions, seqs)?;
+            let (x1, ss1) = fast::gemv_resid(&attn, layer.o_proj(), &x, &counter)?;
+            let norm = RowNorm {
+                ss: &ss1,
+                weight: post_norm,
+                eps,
+            };
+            let act = fast::gemv_silu(&x1, &fused.gate_up, Some(norm))?;
+            let (x2, ss2) = fast::gemv_resid(&act, layer.down_proj(), &x1, &counter)?;
+            x = x2;
+            ss = ss2;
+            if taps.contains(&li) {
+                tapped.insert(li, x.clone());
+            }
+        }
+        let h = fast::rms_apply(
+            &x,
+            RowNorm {
+                ss: &ss,
+                weight: self.final_norm,
+                eps,
+            },
+        )?;
+        Ok((h, tapped))
+    }
+
+    fn run_wide(
+        &self,
+        mut x: Tensor,
+        positions: &Tensor,
+        seqs: &[AttnSeq<'_>],
+        taps: &[usize],
+    ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
+        let eps = self.eps;
+        let mut h = rms_norm(&x, self.layers[0].norm_weights().0, eps, self.mode)?;
+        let mut tapped = HashMap::new();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let fused = fused(layer)?;
+            let post_norm = layer.norm_weights().1;
+            let qkv = fast::linear(&h, &fused.qkv)?;
+            let attn = self.attention(li, layer, &qkv, positions, seqs)?;
+            let o = fast::linear(&attn, layer.o_proj())?;
+            let (x1, h1) = fast::add_rmsnorm(&x, &o, post_norm, eps)?;
+            let act = fast::silu_mul(&fast::linear(&h1, &fused.gate_up)?)?;
+            let down = fast::linear(&act, layer.down_proj())?;
+            // The next layer's input norm, or the final norm after the last layer.
+            let next_norm = match self.layers.get(li + 1) {
+                Some(next) => next.norm_weights().0,
+                None => self.final_norm,
+            };
+            let (x2, h2) = fast::add_rmsnorm(&x1, &down, next_norm, eps)?;
+            x = x2;
+            h = h2;
+            if taps.contains(&li) {
+                tapped.insert(li, x.clone());
+            }
+        }
+        Ok((h, tapped))
+    }
+
+    /// q/k norm + RoPE + cache write, then attention, per sequence; `[rows, heads * d]`.
+    fn attention(
+        &self,
+        li: usize,
+        layer: &DecoderLayer,
+        qkv: &Tensor,
+        positions: &Tensor,
+        seqs: &[AttnSeq<'_>],
+    ) -> ModelResult<Tensor> {
+        let (cos, sin) = self.rope.tables();
+        let (nh, nkv, d) = layer.heads();
+        let (_, _, q_norm, k_norm) = layer.norm_weights();
+        let mut outs = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            let kv = s.cache.layer(li).attention()?;
+            let (kc, vc) = kv.buffers();
+            let q = fast::qk_norm_rope_cache(
+                &qkv.narrow(0, s.offset, s.tokens)?,
+                q_norm,
+                k_norm,
+                cos,
+                sin,
+                &positions.narrow(0, s.offset, s.tokens)?,
+                s.cache_len,
+                kc,
+                vc,
+                (nh, nkv, d),
+                self.eps,
+            )?;
+            outs.push(fast::attention(&q, kc, vc, s.cache_len, s.tree, s.split)?);
+        }
+        Ok(match outs.len() {
+            1 => outs.swap_remove(0),
+            _ => Tensor::cat(&outs, 0)?,
+        })
+    }
+}
+
+fn fused(layer: &DecoderLayer) -> ModelResult<&crate::layer::FusedWeights> {
+    layer
+        .fused()
+        .ok_or_else(|| ModelError::BadInput("fused forward on unfused weights".into()))
+}
