@@ -220,3 +220,38 @@ fn nextn_needs_a_checkpoint_with_an_mtp_head() {
         "{stderr}"
     );
 }
+
+/// A config.json whose layer_types disagree with the weights stops loading with the directory
+/// and the layer named (the check itself is the models crate's; this is what serving says).
+#[test]
+fn an_inconsistent_hybrid_checkpoint_is_refused_naming_the_directory_and_layer() {
+    let fx = hybrid_fixture("inconsistent");
+    let dir = fx.target_no_mtp.with_file_name("inconsistent");
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::copy(
+        fx.target_no_mtp.join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .expect("copy weights");
+    let path = fx.target_no_mtp.join("config.json");
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("read")).expect("json");
+    let text = &mut cfg["text_config"];
+    text["layer_types"][0] = json!("full_attention");
+    text.as_object_mut()
+        .expect("object")
+        .remove("full_attention_interval");
+    std::fs::write(dir.join("config.json"), cfg.to_string()).expect("write");
+    let d = dir.display().to_string();
+    let c = config(&["--model-path", &d, "--speculative-algorithm", "NONE"]);
+    let e = RealEngine::load(&c, &dir, 64, vec![])
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        e.starts_with(&format!("loading the target model from {d}: "))
+            && e.contains("layer 0 is full_attention")
+            && e.contains("layer_types does not match the weights"),
+        "{e}"
+    );
+}
