@@ -4,18 +4,17 @@
 //! recurrent layers (DDTree and chain) equals plain greedy (`--speculative-algorithm NONE`)
 //! token for token; /server_info, /model_info and /metrics report the algorithm and acceptance;
 //! NEXTN on a checkpoint without `mtp.*` weights stops startup with a message naming the flag.
+//! (A module of the binary_api test binary, so CI links no extra test executable.)
 
-mod support;
-
+use crate::support::binary::{metric, ServerProcess};
+use crate::support::hybrid::hybrid_fixture;
+use crate::support::{self, TestServer};
 use clap::Parser;
 use dflash_common::tokenizer::Tokenizer;
 use dflash_serve::cli::Args;
 use dflash_serve::config::ServeConfig;
 use dflash_serve::engine::real::RealEngine;
 use serde_json::{json, Value};
-use support::binary::{metric, ServerProcess};
-use support::hybrid::hybrid_fixture;
-use support::TestServer;
 
 const PROMPTS: [&str; 3] = [
     "def fibonacci(n):",
