@@ -96,6 +96,9 @@ impl RealEngine {
                 }
             }
         };
+        if let Target::Hybrid(m) = &target {
+            log_recurrent_memory(m.config(), dtype, algorithm, proposer.as_deref(), config);
+        }
         let engine = Engine::new(
             target,
             proposer,
@@ -108,6 +111,35 @@ impl RealEngine {
         );
         Ok(Self { engine, algorithm })
     }
+}
+
+/// Tells the operator what hybrid verification costs beyond the K/V cache: every verified row
+/// keeps its own recurrent state until the commit (147 MiB a row at the Qwen3.6-27B shape), and
+/// `--max-total-tokens` admission does not count it.
+fn log_recurrent_memory(
+    cfg: &dflash_common::HybridConfig,
+    dtype: CandleDType,
+    algorithm: Algorithm,
+    proposer: Option<&dyn Proposer>,
+    config: &ServeConfig,
+) {
+    let per_row =
+        cfg.num_linear_layers() * cfg.recurrent_state_bytes_per_layer(dtype.size_in_bytes());
+    let rows = 1 + match algorithm {
+        Algorithm::Plain => 0,
+        Algorithm::Chain => proposer.map_or(0, |p| p.max_depth()),
+        Algorithm::DDTree { budget } => budget,
+    };
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    tracing::info!(
+        "hybrid target: {} of {} layers are Gated DeltaNet; a verify keeps {rows} recurrent-state rows of {:.1} MiB per sequence ({:.2} GiB; {:.1} GiB at --max-running-requests {})",
+        cfg.num_linear_layers(),
+        cfg.num_hidden_layers,
+        per_row as f64 / (1u64 << 20) as f64,
+        gib(rows * per_row),
+        gib(rows * per_row * config.max_running_requests),
+        config.max_running_requests,
+    );
 }
 
 /// The DFlash drafter for either target family; its taps may sit on any target layer,

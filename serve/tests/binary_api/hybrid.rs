@@ -147,6 +147,12 @@ async fn hybrid_greedy_with_nextn_and_dflash_equals_plain_greedy_over_http() {
                 "{flags:?}: greedy output differs from plain greedy"
             );
         }
+        assert!(
+            p.log()
+                .contains("hybrid target: 4 of 6 layers are Gated DeltaNet; a verify keeps"),
+            "{}",
+            p.log()
+        );
         let info = s.get("/server_info").await.json();
         assert_eq!(info["speculative_algorithm"], algorithm, "{flags:?}");
         assert_eq!(info["speculative_num_steps"], steps, "{flags:?}");
