@@ -17,6 +17,7 @@ mod fast_decoder;
 pub mod kv_cache;
 pub mod layer;
 pub mod ops;
+pub mod probe;
 pub mod qwen3;
 pub mod qwen3_5;
 #[cfg(feature = "cuda")]

@@ -38,8 +38,8 @@ pub enum DrafterArg {
     name = "dflash-serve",
     version,
     infer_long_args = true,
-    about = "SGLang- and OpenAI-compatible server for Qwen3 targets with DFlash speculative decoding.",
-    long_about = "SGLang- and OpenAI-compatible server for Qwen3 targets with DFlash speculative decoding.\n\nWith no arguments it serves the bundled tiny-coder-demo model on CPU at http://127.0.0.1:30000.\nFlags use SGLang's spelling, so `python -m sglang.launch_server` lines work unchanged; flags SGLang has\nthat dflash-serve cannot honour are refused by name."
+    about = "SGLang- and OpenAI-compatible server for Qwen3, Qwen3.5 and Qwen3.6 targets with DFlash (or built-in MTP) speculative decoding.",
+    long_about = "SGLang- and OpenAI-compatible server for Qwen3, Qwen3.5 and Qwen3.6 targets with DFlash (or built-in MTP) speculative decoding.\n\nWith no arguments it serves the bundled tiny-coder-demo model on CPU at http://127.0.0.1:30000.\nFlags use SGLang's spelling, so `python -m sglang.launch_server` lines work unchanged; flags SGLang has\nthat dflash-serve cannot honour are refused by name."
 )]
 pub struct Args {
     /// Model directory or Hugging Face repo id [default: the bundled tiny-coder-demo]
@@ -106,7 +106,8 @@ pub struct Args {
     #[arg(long, default_value = "info", help_heading = "Scheduling")]
     pub log_level: String,
 
-    /// DFLASH or NONE (case-insensitive)
+    /// DFLASH, NEXTN (alias MTP: the target's built-in MTP head, Qwen3.5 / Qwen3.6 /
+    /// Qwen3-Next) or NONE (case-insensitive)
     #[arg(long, help_heading = "Speculative decoding")]
     pub speculative_algorithm: Option<String>,
     /// DFlash drafter directory or Hugging Face repo id
@@ -119,27 +120,25 @@ pub struct Args {
     /// Use a published drafter instead of a path
     #[arg(long, value_enum, help_heading = "Speculative decoding")]
     pub drafter: Option<DrafterArg>,
-    /// DFlash block size [default: the drafter's block_size]
+    /// DFLASH: block size [default: the drafter's block_size]. NEXTN: verify width
+    /// (steps + 1 for a chain; tree nodes + 1 with --speculative-eagle-topk above 1)
     #[arg(long, help_heading = "Speculative decoding")]
     pub speculative_num_draft_tokens: Option<usize>,
     /// DFLASH alias of --speculative-num-draft-tokens (must agree with it when both are given)
     #[arg(long, help_heading = "Speculative decoding")]
     pub speculative_dflash_block_size: Option<usize>,
-    /// How drafts are verified
-    #[arg(
-        long,
-        value_enum,
-        default_value = "ddtree",
-        help_heading = "Speculative decoding"
-    )]
-    pub speculative_verify: VerifyArg,
-    /// Tree nodes verified per round with --speculative-verify ddtree
+    /// How drafts are verified [default: ddtree for DFLASH; for NEXTN chain, or ddtree with
+    /// --speculative-eagle-topk above 1]
+    #[arg(long, value_enum, help_heading = "Speculative decoding")]
+    pub speculative_verify: Option<VerifyArg>,
+    /// Tree nodes verified per round with --speculative-verify ddtree (NEXTN trees take
+    /// --speculative-num-draft-tokens - 1 when it is given)
     #[arg(long, default_value_t = 32, help_heading = "Speculative decoding")]
     pub speculative_ddtree_budget: usize,
-    /// Forced to 1 for DFLASH, as in SGLang
+    /// NEXTN drafts per round [default: 3]; forced to 1 for DFLASH, as in SGLang
     #[arg(long, help_heading = "Speculative decoding")]
     pub speculative_num_steps: Option<usize>,
-    /// Forced to 1 for DFLASH, as in SGLang
+    /// NEXTN: 1 verifies a chain, more a DDTree [default: 1]; forced to 1 for DFLASH
     #[arg(long, help_heading = "Speculative decoding")]
     pub speculative_eagle_topk: Option<usize>,
 

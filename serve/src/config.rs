@@ -6,8 +6,14 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use crate::cli::{Args, DTypeArg, DrafterArg, VerifyArg};
+use crate::cli::{Args, DTypeArg};
 use crate::generation::ReasoningParserKind;
+
+mod speculative;
+
+pub use speculative::{
+    DraftSource, SpecAlgorithm, SpeculativeConfig, VerifyMode, NEXTN_DEFAULT_STEPS,
+};
 
 /// `--max-running-requests` when speculating and not given (SGLang resets it to 48).
 pub const SPEC_DEFAULT_MAX_RUNNING: usize = 48;
@@ -44,28 +50,6 @@ pub enum DType {
 pub enum DeviceSpec {
     Cpu,
     Cuda(usize),
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DraftSource {
-    /// A directory or repo id given with --speculative-draft-model-path.
-    Path(String),
-    /// `--drafter z-lab`: the repo derived from the target's repo id.
-    ZLab { repo: String },
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum VerifyMode {
-    Chain,
-    DDTree { budget: usize },
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SpeculativeConfig {
-    pub draft: DraftSource,
-    /// Block size; `None` means the drafter's `block_size`.
-    pub num_draft_tokens: Option<usize>,
-    pub verify: VerifyMode,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -200,111 +184,6 @@ fn warn_no_effect(args: &Args) {
     }
 }
 
-fn speculative(
-    args: &Args,
-    model_path: &str,
-    demo_drafter: Option<&Path>,
-) -> Result<Option<SpeculativeConfig>, ConfigError> {
-    let algo = args
-        .speculative_algorithm
-        .as_deref()
-        .map(str::to_ascii_uppercase);
-    let enabled = match algo.as_deref() {
-        None => {
-            args.speculative_draft_model_path.is_some()
-                || args.drafter.is_some()
-                || demo_drafter.is_some()
-        }
-        Some("DFLASH") => true,
-        Some("NONE") => false,
-        Some(other) => {
-            return Err(ConfigError::BadValue {
-                flag: "--speculative-algorithm",
-                value: other.to_string(),
-                reason: "dflash-serve implements DFLASH (and NONE for plain decoding); EAGLE, EAGLE3, NEXTN, STANDALONE, NGRAM and DSPARK are SGLang-only".into(),
-            })
-        }
-    };
-    if !enabled {
-        return Ok(None);
-    }
-    let draft = match (&args.speculative_draft_model_path, args.drafter) {
-        (Some(_), Some(_)) => {
-            return Err(ConfigError::BadValue {
-                flag: "--drafter",
-                value: "z-lab".into(),
-                reason: "give either --drafter or --speculative-draft-model-path, not both".into(),
-            })
-        }
-        (Some(p), None) => DraftSource::Path(p.clone()),
-        (None, Some(DrafterArg::ZLab)) => DraftSource::ZLab {
-            repo: zlab_drafter_repo(model_path).ok_or_else(|| ConfigError::BadValue {
-                flag: "--drafter",
-                value: "z-lab".into(),
-                reason: format!("needs --model-path to be a Hugging Face repo id like Qwen/Qwen3-8B (given `{model_path}`); pass --speculative-draft-model-path DIR instead"),
-            })?,
-        },
-        (None, None) if demo_drafter.is_some() => {
-            DraftSource::Path(demo_drafter.map(|d| d.display().to_string()).unwrap_or_default())
-        }
-        (None, None) => {
-            return Err(ConfigError::BadValue {
-                flag: "--speculative-algorithm",
-                value: "DFLASH".into(),
-                reason: "needs a drafter: pass --speculative-draft-model-path DIR_OR_REPO or --drafter z-lab".into(),
-            })
-        }
-    };
-    let num_draft_tokens = match (
-        args.speculative_num_draft_tokens,
-        args.speculative_dflash_block_size,
-    ) {
-        (Some(a), Some(b)) if a != b => {
-            return Err(ConfigError::BadValue {
-                flag: "--speculative-dflash-block-size",
-                value: b.to_string(),
-                reason: format!(
-                    "must equal --speculative-num-draft-tokens ({a}) when both are given"
-                ),
-            })
-        }
-        (Some(n), _) | (None, Some(n)) if n < 2 => {
-            return Err(ConfigError::BadValue {
-                flag: "--speculative-num-draft-tokens",
-                value: n.to_string(),
-                reason: "a DFlash block needs at least 2 tokens".into(),
-            })
-        }
-        (a, b) => a.or(b),
-    };
-    for (flag, v) in [
-        ("--speculative-num-steps", args.speculative_num_steps),
-        ("--speculative-eagle-topk", args.speculative_eagle_topk),
-    ] {
-        if matches!(v, Some(n) if n != 1) {
-            tracing::warn!("{flag} is forced to 1 for DFLASH (as SGLang does)");
-        }
-    }
-    let verify = match args.speculative_verify {
-        VerifyArg::Chain => VerifyMode::Chain,
-        VerifyArg::Ddtree if args.speculative_ddtree_budget == 0 => {
-            return Err(ConfigError::BadValue {
-                flag: "--speculative-ddtree-budget",
-                value: "0".into(),
-                reason: "the tree needs at least 1 node; use --speculative-verify chain for a single path".into(),
-            })
-        }
-        VerifyArg::Ddtree => VerifyMode::DDTree {
-            budget: args.speculative_ddtree_budget,
-        },
-    };
-    Ok(Some(SpeculativeConfig {
-        draft,
-        num_draft_tokens,
-        verify,
-    }))
-}
-
 impl ServeConfig {
     pub fn from_args(args: &Args) -> Result<Self, ConfigError> {
         only_one("--tp-size", args.tp_size)?;
@@ -350,7 +229,7 @@ impl ServeConfig {
             .is_none()
             .then(|| Path::new(&model_path).with_file_name(DEMO_DRAFTER_DIR))
             .filter(|d| d.join("config.json").is_file());
-        let speculative = speculative(args, &model_path, demo_drafter.as_deref())?;
+        let speculative = speculative::from_args(args, &model_path, demo_drafter.as_deref())?;
         let device = parse_device(&args.device)?;
         if let Some(0) = args.context_length {
             return Err(ConfigError::BadValue {

@@ -18,7 +18,8 @@ fn init_tracing(level: &str) {
     tracing_subscriber::fmt().with_env_filter(filter).init();
 }
 
-/// The decoding engine for `config`: the Qwen3 target, plus the DFlash drafter when speculating.
+/// The decoding engine for `config`: the target (Qwen3 or a Qwen3.5 / Qwen3.6 hybrid), plus the
+/// DFlash drafter or the built-in MTP head when speculating.
 fn load_engine(
     config: &ServeConfig,
     model_dir: &std::path::Path,

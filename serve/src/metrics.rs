@@ -90,14 +90,21 @@ impl ServerMetrics {
         self.recorder.handle().render()
     }
 
-    pub fn set_static(&self, context_len: usize, max_total_num_tokens: usize, draft_tokens: usize) {
+    /// `draft_tokens` drafts per verify round from `num_steps` drafter calls (DFLASH drafts a
+    /// block in 1 step, NEXTN one token per step); both 0 without speculation.
+    pub fn set_static(
+        &self,
+        context_len: usize,
+        max_total_num_tokens: usize,
+        draft_tokens: usize,
+        num_steps: usize,
+    ) {
         self.gauge("sglang:context_len").set(context_len as f64);
         self.gauge("sglang:max_total_num_tokens")
             .set(max_total_num_tokens as f64);
         self.gauge("sglang:spec_num_draft_tokens")
             .set(draft_tokens as f64);
-        self.gauge("sglang:spec_num_steps")
-            .set(if draft_tokens > 0 { 1.0 } else { 0.0 });
+        self.gauge("sglang:spec_num_steps").set(num_steps as f64);
     }
 
     pub fn request_received(&self, prompt_tokens: usize) {

@@ -26,6 +26,7 @@ pub fn build_state<E: StepEngine>(
         model.lower.context_length,
         max_total_tokens,
         info.drafts_per_round,
+        config.speculative.as_ref().map_or(0, |s| s.num_steps),
     );
     let limits = SchedulerLimits {
         max_running_requests: config.max_running_requests,

@@ -44,6 +44,15 @@ struct ModelConfigHead {
     architectures: Vec<String>,
     #[serde(default)]
     max_position_embeddings: Option<usize>,
+    /// Qwen3.5 / Qwen3.6 checkpoints (multimodal layout) keep the text model's settings here.
+    #[serde(default)]
+    text_config: Option<TextConfigHead>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct TextConfigHead {
+    #[serde(default)]
+    max_position_embeddings: Option<usize>,
 }
 
 impl ModelAssets {
@@ -72,6 +81,7 @@ impl ModelAssets {
         let context_length = config
             .context_length
             .or(head.max_position_embeddings)
+            .or(head.text_config.and_then(|t| t.max_position_embeddings))
             .unwrap_or(4096);
         let lower = LowerContext {
             context_length,

@@ -6,6 +6,10 @@
 
 mod support;
 
+/// The same routes on a tiny Qwen3.5 hybrid target, with NEXTN and DFLASH.
+#[path = "binary_api/hybrid.rs"]
+mod hybrid;
+
 use std::path::PathBuf;
 
 use candle_core::{DType, Device};

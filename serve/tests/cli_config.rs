@@ -3,7 +3,9 @@
 
 use clap::Parser;
 use dflash_serve::cli::Args;
-use dflash_serve::config::{ConfigError, DType, DeviceSpec, DraftSource, ServeConfig, VerifyMode};
+use dflash_serve::config::{
+    ConfigError, DType, DeviceSpec, DraftSource, ServeConfig, SpecAlgorithm, VerifyMode,
+};
 
 fn config(argv: &[&str]) -> Result<ServeConfig, ConfigError> {
     let mut full = vec!["dflash-serve"];
@@ -120,6 +122,113 @@ fn other_speculative_algorithms_are_refused_by_name() {
             .starts_with("--speculative-algorithm EAGLE3: dflash-serve implements DFLASH"),
         "{err}"
     );
+}
+
+#[test]
+fn nextn_and_mtp_use_the_target_head_chain_verified_unless_topk_asks_for_a_tree() {
+    const Q: [&str; 2] = ["--model-path", "Qwen/Qwen3.6-27B"];
+    let c = config(&[&Q[..], &["--speculative-algorithm", "NEXTN"]].concat()).expect("ok");
+    let spec = c.speculative.expect("speculative");
+    assert_eq!(spec.algorithm, SpecAlgorithm::NextN);
+    assert_eq!(spec.draft, DraftSource::TargetMtp);
+    assert_eq!(
+        (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens),
+        (3, 1, Some(4))
+    );
+    assert_eq!(spec.verify, VerifyMode::Chain);
+    assert_eq!(c.max_running_requests, 48);
+    // SGLang's launch line; a num-draft-tokens that disagrees with a chain is adjusted (warned).
+    for extra in [&["--speculative-num-draft-tokens", "5"][..], &[][..]] {
+        let argv = [
+            &Q[..],
+            &[
+                "--speculative-algorithm",
+                "mtp",
+                "--speculative-num-steps",
+                "4",
+            ],
+            extra,
+        ]
+        .concat();
+        let spec = config(&argv).expect("ok").speculative.expect("spec");
+        assert_eq!((spec.num_steps, spec.num_draft_tokens), (4, Some(5)));
+        assert_eq!(spec.verify, VerifyMode::Chain);
+    }
+    // topk > 1: a tree of num-draft-tokens - 1 nodes, or --speculative-ddtree-budget nodes.
+    let tree = |extra: &[&str]| {
+        let argv = [
+            &Q[..],
+            &[
+                "--speculative-algorithm",
+                "NEXTN",
+                "--speculative-eagle-topk",
+                "4",
+            ],
+            extra,
+        ]
+        .concat();
+        config(&argv).expect("ok").speculative.expect("spec")
+    };
+    let t = tree(&["--speculative-num-draft-tokens", "8"]);
+    assert_eq!(t.verify, VerifyMode::DDTree { budget: 7 });
+    assert_eq!(t.num_draft_tokens, Some(8));
+    assert_eq!(tree(&[]).verify, VerifyMode::DDTree { budget: 32 });
+    // --speculative-verify ddtree with topk 1 asks for a tree too.
+    let argv = [
+        &Q[..],
+        &[
+            "--speculative-algorithm",
+            "NEXTN",
+            "--speculative-verify",
+            "ddtree",
+        ],
+        &["--speculative-ddtree-budget", "16"],
+    ]
+    .concat();
+    let spec = config(&argv).expect("ok").speculative.expect("spec");
+    assert_eq!(spec.verify, VerifyMode::DDTree { budget: 16 });
+    // DFLASH still defaults to DDTree.
+    let d = config(&["--speculative-draft-model-path", "d"]).expect("ok");
+    let d = d.speculative.expect("spec");
+    assert_eq!(d.algorithm, SpecAlgorithm::DFlash);
+    assert_eq!(d.verify, VerifyMode::DDTree { budget: 32 });
+}
+
+#[test]
+fn nextn_flag_combinations_that_cannot_work_are_refused_by_flag() {
+    let cases: [(&[&str], &str); 7] = [
+        (&["--drafter", "z-lab"], "--drafter z-lab: NEXTN drafts with the MTP head inside the target checkpoint"),
+        (&["--speculative-draft-model-path", "z-lab/Qwen3.6-27B-DFlash"], "--speculative-draft-model-path z-lab/Qwen3.6-27B-DFlash: NEXTN drafts with the MTP head"),
+        (&["--speculative-dflash-block-size", "16"], "--speculative-dflash-block-size 16: is for DFLASH only"),
+        (&["--speculative-num-steps", "0"], "--speculative-num-steps 0: NEXTN needs at least 1 draft step"),
+        (&["--speculative-eagle-topk", "0"], "--speculative-eagle-topk 0: must be at least 1"),
+        (&["--speculative-eagle-topk", "2", "--speculative-verify", "chain"], "--speculative-verify chain: verifies a single path, but --speculative-eagle-topk 2 asks for a tree"),
+        (&["--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "1"], "--speculative-num-draft-tokens 1: a NEXTN tree needs at least 2 tokens"),
+    ];
+    for (extra, want) in cases {
+        let argv = [
+            &[
+                "--model-path",
+                "Qwen/Qwen3.6-27B",
+                "--speculative-algorithm",
+                "NEXTN",
+            ][..],
+            extra,
+        ]
+        .concat();
+        let err = config(&argv).expect_err("refused").to_string();
+        assert!(err.starts_with(want), "{extra:?}: {err}");
+    }
+    // Naming the target itself as the draft model is SGLang's NEXTN spelling and is fine.
+    config(&[
+        "--model-path",
+        "Qwen/Qwen3.6-27B",
+        "--speculative-algorithm",
+        "NEXTN",
+        "--speculative-draft-model-path",
+        "Qwen/Qwen3.6-27B",
+    ])
+    .expect("ok");
 }
 
 #[test]

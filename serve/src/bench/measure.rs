@@ -10,37 +10,15 @@ use dflash_models::{
     AttnPattern, DFlashDrafter, DraftInput, Qwen3Model, SeqForward, SequenceCache,
 };
 
-/// Median wall time of `reps` runs of `f` (after one warm-up), device synchronised.
-pub fn time_ms(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?;
-    dev.synchronize()?;
-    let mut v = Vec::with_capacity(reps);
-    for _ in 0..reps.max(1) {
-        let t = Instant::now();
-        f()?;
-        dev.synchronize()?;
-        v.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    Ok(v[v.len() / 2])
+/// Median wall time of `reps` runs of `f` (the shared probe, with anyhow errors).
+pub fn time_ms(dev: &Device, reps: usize, f: impl FnMut() -> Result<()>) -> Result<f64> {
+    dflash_models::probe::time_ms(dev, reps, f)
 }
 
-/// Device copy bandwidth (bytes read + written per second) of one device-to-device copy into
-/// a preallocated buffer (candle's `slice_set` goes through a generic copy kernel that reaches
-/// about a quarter of it, so the CUDA probe calls the driver's memcpy directly).
+/// Device copy bandwidth in bytes per second: the driver memcpy on CUDA (see
+/// `dflash_models::probe::copy_bandwidth`).
 pub fn copy_bandwidth(dev: &Device, bytes: usize) -> Result<f64> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(cd) = dev {
-        let src = cd.alloc_zeros::<u8>(bytes)?;
-        let mut dst = cd.alloc_zeros::<u8>(bytes)?;
-        let ms = time_ms(dev, 5, || Ok(cd.memcpy_dtod(&src, &mut dst)?))?;
-        return Ok(2.0 * bytes as f64 / (ms / 1e3));
-    }
-    let n = bytes / 2;
-    let src = Tensor::zeros(n, DType::BF16, dev)?;
-    let dst = Tensor::zeros(n, DType::BF16, dev)?;
-    let ms = time_ms(dev, 5, || Ok(dst.slice_set(&src, 0, 0)?))?;
-    Ok(2.0 * (2 * n) as f64 / (ms / 1e3))
+    Ok(dflash_models::probe::copy_bandwidth(dev, bytes)?)
 }
 
 /// Dense matmul rate (FLOP/s) of an `n x n x n` product in `dtype`.

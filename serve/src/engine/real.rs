@@ -1,19 +1,23 @@
-//! The real engine behind the boundary: `dflash_models::spec::Engine` with the Qwen3 target and,
-//! when speculating, the DFlash drafter as its proposer. Only this file knows both sides' types.
+//! The real engine behind the boundary: `dflash_models::spec::Engine` with the target (Qwen3,
+//! or a Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid, picked by its config.json) and, when speculating,
+//! a DFlash drafter or the target's built-in MTP head as its proposer. Only this file knows both
+//! sides' types.
 
 use std::path::Path;
 
 use candle_core::{DType as CandleDType, Device};
+use dflash_common::WeightFiles;
+use dflash_models::qwen3_5::MtpHead;
 use dflash_models::spec::{
-    Algorithm, DFlashProposer, Engine, EngineConfig, FinishReason, GenerationRequest, Proposer,
-    SamplingParams,
+    Algorithm, DFlashProposer, Engine, EngineConfig, FinishReason, GenerationRequest, MtpProposer,
+    Proposer, SamplingParams,
 };
-use dflash_models::{DFlashDrafter, OpsMode, Qwen3Model};
+use dflash_models::{DFlashDrafter, OpsMode, Target};
 
 use super::{
     AdmitError, EngineFinish, EngineInfo, EngineRequest, SeqId, StepEngine, StepError, StepEvent,
 };
-use crate::config::{DType, DeviceSpec, DraftSource, ServeConfig, VerifyMode};
+use crate::config::{DType, DeviceSpec, DraftSource, ServeConfig, SpeculativeConfig, VerifyMode};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -29,6 +33,8 @@ pub enum LoadError {
     },
     #[error("--speculative-num-draft-tokens {given} does not match the drafter's block_size {block_size}; drop the flag or pass {block_size}")]
     BlockSize { given: usize, block_size: usize },
+    #[error("--speculative-algorithm NEXTN: {message}")]
+    Mtp { message: String },
 }
 
 pub struct RealEngine {
@@ -58,8 +64,8 @@ fn dtype(d: DType, device: &Device) -> CandleDType {
 }
 
 impl RealEngine {
-    /// Loads the target from `model_dir` (and the drafter, when `--speculative-algorithm
-    /// DFLASH`) for sequences of up to `context_length` tokens.
+    /// Loads the target from `model_dir` (and the drafter: a DFlash model for `DFLASH`, the
+    /// checkpoint's `mtp.*` head for `NEXTN`) for sequences of up to `context_length` tokens.
     pub fn load(
         config: &ServeConfig,
         model_dir: &Path,
@@ -68,7 +74,7 @@ impl RealEngine {
     ) -> Result<Self, LoadError> {
         let device = device(config.device)?;
         let dtype = dtype(config.dtype, &device);
-        let target = Qwen3Model::load(model_dir, dtype, &device, context_length, OpsMode::Fused)
+        let target = Target::load(model_dir, dtype, &device, context_length, OpsMode::Fused)
             .map_err(|e| LoadError::Target {
                 dir: model_dir.display().to_string(),
                 message: e.to_string(),
@@ -76,28 +82,12 @@ impl RealEngine {
         let (proposer, algorithm, budget) = match &config.speculative {
             None => (None, Algorithm::Plain, 0),
             Some(spec) => {
-                let (flag, name) = match &spec.draft {
-                    DraftSource::Path(p) => ("--speculative-draft-model-path", p.clone()),
-                    DraftSource::ZLab { repo } => ("--drafter z-lab", repo.clone()),
-                };
-                let err = |message: String| LoadError::Drafter {
-                    flag,
-                    spec: name.clone(),
-                    message,
-                };
-                let location =
-                    dflash_common::resolve_model(&name).map_err(|e| err(e.to_string()))?;
-                let drafter = DFlashDrafter::load(&location.dir, &target, OpsMode::Fused)
-                    .map_err(|e| err(e.to_string()))?;
-                if let Some(given) = spec.num_draft_tokens {
-                    if given != drafter.block_size() {
-                        return Err(LoadError::BlockSize {
-                            given,
-                            block_size: drafter.block_size(),
-                        });
+                let proposer = match &spec.draft {
+                    DraftSource::TargetMtp => mtp_proposer(&target, model_dir, spec)?,
+                    DraftSource::Path(_) | DraftSource::ZLab { .. } => {
+                        dflash_proposer(&target, spec)?
                     }
-                }
-                let proposer: Box<dyn Proposer> = Box::new(DFlashProposer::new(drafter));
+                };
                 match spec.verify {
                     VerifyMode::Chain => (Some(proposer), Algorithm::Chain, 0),
                     VerifyMode::DDTree { budget } => {
@@ -106,6 +96,9 @@ impl RealEngine {
                 }
             }
         };
+        if let Target::Hybrid(m) = &target {
+            log_recurrent_memory(m.config(), dtype, algorithm, proposer.as_deref(), config);
+        }
         let engine = Engine::new(
             target,
             proposer,
@@ -118,6 +111,94 @@ impl RealEngine {
         );
         Ok(Self { engine, algorithm })
     }
+}
+
+/// Tells the operator what hybrid verification costs beyond the K/V cache: every verified row
+/// keeps its own recurrent state until the commit (147 MiB a row at the Qwen3.6-27B shape), and
+/// `--max-total-tokens` admission does not count it.
+fn log_recurrent_memory(
+    cfg: &dflash_common::HybridConfig,
+    dtype: CandleDType,
+    algorithm: Algorithm,
+    proposer: Option<&dyn Proposer>,
+    config: &ServeConfig,
+) {
+    let per_row =
+        cfg.num_linear_layers() * cfg.recurrent_state_bytes_per_layer(dtype.size_in_bytes());
+    let rows = 1 + match algorithm {
+        Algorithm::Plain => 0,
+        Algorithm::Chain => proposer.map_or(0, |p| p.max_depth()),
+        Algorithm::DDTree { budget } => budget,
+    };
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    tracing::info!(
+        "hybrid target: {} of {} layers are Gated DeltaNet; a verify keeps {rows} recurrent-state rows of {:.1} MiB per sequence ({:.2} GiB; {:.1} GiB at --max-running-requests {})",
+        cfg.num_linear_layers(),
+        cfg.num_hidden_layers,
+        per_row as f64 / (1u64 << 20) as f64,
+        gib(rows * per_row),
+        gib(rows * per_row * config.max_running_requests),
+        config.max_running_requests,
+    );
+}
+
+/// The DFlash drafter for either target family; its taps may sit on any target layer,
+/// recurrent ones included.
+fn dflash_proposer(
+    target: &Target,
+    spec: &SpeculativeConfig,
+) -> Result<Box<dyn Proposer>, LoadError> {
+    let (flag, name) = match &spec.draft {
+        DraftSource::ZLab { repo } => ("--drafter z-lab", repo.clone()),
+        DraftSource::Path(p) => ("--speculative-draft-model-path", p.clone()),
+        DraftSource::TargetMtp => ("--speculative-algorithm", "NEXTN".to_string()),
+    };
+    let err = |message: String| LoadError::Drafter {
+        flag,
+        spec: name.clone(),
+        message,
+    };
+    let location = dflash_common::resolve_model(&name).map_err(|e| err(e.to_string()))?;
+    let drafter = DFlashDrafter::load(&location.dir, target, OpsMode::Fused)
+        .map_err(|e| err(e.to_string()))?;
+    if let Some(given) = spec.num_draft_tokens {
+        if given != drafter.block_size() {
+            return Err(LoadError::BlockSize {
+                given,
+                block_size: drafter.block_size(),
+            });
+        }
+    }
+    Ok(Box::new(DFlashProposer::new(drafter)))
+}
+
+/// The target checkpoint's own MTP head (`mtp.*`), drafting `num_steps` tokens per round.
+fn mtp_proposer(
+    target: &Target,
+    model_dir: &Path,
+    spec: &SpeculativeConfig,
+) -> Result<Box<dyn Proposer>, LoadError> {
+    let err = |message: String| LoadError::Mtp { message };
+    let Target::Hybrid(model) = target else {
+        return Err(err(format!(
+            "{} is a Qwen3 (dense) checkpoint, which has no built-in MTP head (only Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoints carry mtp.* weights); use --speculative-algorithm DFLASH with a drafter, or NONE",
+            model_dir.display()
+        )));
+    };
+    let weights = WeightFiles::open_dir(model_dir).map_err(|e| err(e.to_string()))?;
+    let head = MtpHead::load(
+        &weights,
+        model.config(),
+        model.dtype(),
+        model.device(),
+        OpsMode::Fused,
+    )
+    .map_err(|e| err(e.to_string()))?;
+    Ok(Box::new(MtpProposer::new(
+        model.clone(),
+        head,
+        spec.num_steps,
+    )))
 }
 
 impl StepEngine for RealEngine {

@@ -75,6 +75,7 @@ pub async fn model_info(State(state): State<AppState>) -> Json<Value> {
         "reasoning_parser": c.reasoning_parser.map(|k| k.name()),
         "tool_call_parser": null,
         "disaggregation_mode": "null",
+        "speculative_algorithm": c.speculative.as_ref().map(|s| s.algorithm.name()),
     }))
 }
 
@@ -85,6 +86,8 @@ fn server_args(state: &AppState) -> serde_json::Map<String, Value> {
     let draft = spec.map(|s| match &s.draft {
         DraftSource::Path(p) => p.clone(),
         DraftSource::ZLab { repo } => repo.clone(),
+        // SGLang reports the target itself as NEXTN's draft model.
+        DraftSource::TargetMtp => c.model_path.clone(),
     });
     let (verify, budget) = match spec.map(|s| s.verify) {
         Some(VerifyMode::Chain) => (Some("chain"), None),
@@ -92,6 +95,8 @@ fn server_args(state: &AppState) -> serde_json::Map<String, Value> {
         None => (None, None),
     };
     let ctx = state.model.lower.context_length;
+    // A chain verifies the drafter's depth plus the bonus token (DFLASH: its block size).
+    let drafts = state.engine.info().drafts_per_round;
     let v = json!({
         "model_path": c.model_path,
         "tokenizer_path": c.tokenizer_path.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| c.model_path.clone()),
@@ -108,11 +113,11 @@ fn server_args(state: &AppState) -> serde_json::Map<String, Value> {
         "kv_cache_dtype": "auto",
         "enable_metrics": c.enable_metrics,
         "decode_log_interval": c.decode_log_interval,
-        "speculative_algorithm": spec.map(|_| "DFLASH"),
+        "speculative_algorithm": spec.map(|s| s.algorithm.name()),
         "speculative_draft_model_path": draft,
-        "speculative_num_steps": spec.map(|_| 1),
-        "speculative_eagle_topk": spec.map(|_| 1),
-        "speculative_num_draft_tokens": spec.and_then(|s| s.num_draft_tokens),
+        "speculative_num_steps": spec.map(|s| s.num_steps),
+        "speculative_eagle_topk": spec.map(|s| s.eagle_topk),
+        "speculative_num_draft_tokens": spec.map(|s| s.num_draft_tokens.unwrap_or(drafts + 1)),
         "speculative_verify": verify,
         "speculative_ddtree_budget": budget,
         "api_key": null,

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod binary;
+pub mod hybrid;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

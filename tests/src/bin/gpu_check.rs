@@ -14,9 +14,8 @@
 mod hybrid;
 
 use anyhow::{Context, Result};
-use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use dflash_models::spec::{
     Algorithm, Engine, EngineConfig, GenerationRequest, OracleProposer, SamplingParams,
 };
@@ -120,30 +119,15 @@ fn greedy(dev: &Device, dtype: DType) -> Result<Value> {
     )
 }
 
-pub(crate) fn time_ms(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?;
-    dev.synchronize()?;
-    let mut v = Vec::new();
-    for _ in 0..reps {
-        let t = Instant::now();
-        f()?;
-        dev.synchronize()?;
-        v.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    Ok(v[v.len() / 2])
+/// Median wall time of `reps` runs of `f` (the probe `dflash-serve bench` uses too).
+pub(crate) fn time_ms(dev: &Device, reps: usize, f: impl FnMut() -> Result<()>) -> Result<f64> {
+    dflash_models::probe::time_ms(dev, reps, f)
 }
 
-/// Copy bandwidth: read + write of a 4 GiB buffer into a preallocated one (no allocation
-/// inside the timed region), in bytes per second.
+/// Copy bandwidth, read + write bytes per second, of a 4 GiB device-to-device copy: the driver
+/// memcpy probe `dflash-serve bench` reports (candle's `slice_set` undercounts it about 4x).
 fn copy_bandwidth(dev: &Device) -> Result<f64> {
-    let buf = Tensor::zeros(2usize << 30, DType::BF16, dev)?;
-    let dst = Tensor::zeros(2usize << 30, DType::BF16, dev)?;
-    let copy_ms = time_ms(dev, 5, || {
-        dst.slice_set(&buf, 0, 0)?;
-        Ok(())
-    })?;
-    Ok(2.0 * (4u64 << 30) as f64 / (copy_ms / 1e3))
+    Ok(dflash_models::probe::copy_bandwidth(dev, 4 << 30)?)
 }
 
 fn main() -> Result<()> {

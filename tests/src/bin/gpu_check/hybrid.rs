@@ -247,5 +247,9 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
         json!(state_per_layer / (1u64 << 20) as f64),
     );
     res.insert("copy_bandwidth_GBps".into(), json!(copy_bw / 1e9));
+    res.insert(
+        "copy_bandwidth_probe".into(),
+        json!("driver memcpy of 4 GiB, read + write (dflash_models::probe, as dflash-serve bench)"),
+    );
     Ok(Value::Object(res))
 }
