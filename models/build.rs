@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
-    for f in ["kernels.cu", "gemv.cu", "common.cuh"] {
+    for f in ["kernels.cu", "gemv.cu", "topk.cu", "common.cuh"] {
         println!("cargo:rerun-if-changed=src/fast/{f}");
     }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
@@ -24,7 +24,11 @@ fn main() {
         })
         .unwrap_or_else(|| "nvcc".into());
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
-    for (src, ptx) in [("kernels.cu", "fast.ptx"), ("gemv.cu", "gemv.ptx")] {
+    for (src, ptx) in [
+        ("kernels.cu", "fast.ptx"),
+        ("gemv.cu", "gemv.ptx"),
+        ("topk.cu", "topk.ptx"),
+    ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])
             .arg(format!("-arch=sm_{cap}"))

@@ -167,6 +167,33 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         }
     }
 
+    // Device top-k against the host selection (ties by lower token), on rows with many ties.
+    for k in [1usize, 16, 256] {
+        let (rows, cols) = (15usize, 151936usize);
+        let x = (Tensor::randn(0f32, 4.0, (rows, cols), dev)? * 4.0)?
+            .round()?
+            .affine(0.25, 0.0)?;
+        let (idx, val) = super::topk_rows(&x, k)?;
+        let idx = idx.to_vec2::<u32>()?;
+        let val = val.to_vec2::<f32>()?;
+        let host = x.to_vec2::<f32>()?;
+        let mut wrong = 0usize;
+        for r in 0..rows {
+            let want = crate::spec::tree::topk_from_logprobs(&host[r], cols, k);
+            let mut got: Vec<(u32, f32)> =
+                idx[r].iter().copied().zip(val[r].iter().copied()).collect();
+            got.sort_unstable_by_key(|&(t, v)| crate::spec::tree::rank_key(v, t));
+            if got.as_slice() != want.row(0) {
+                wrong += 1;
+            }
+        }
+        out.push((
+            format!("topk_rows:k{k}:rows_differing_from_host"),
+            wrong as f32,
+            rows as f32,
+        ));
+    }
+
     // SiLU product and residual add + RMSNorm.
     let gu = bf(Tensor::randn(0f32, 2.0, (3, 2 * 1000), dev)?)?;
     let plain = (gu.narrow(1, 0, 1000)?.silu()? * gu.narrow(1, 1000, 1000)?)?;

@@ -25,7 +25,11 @@ pub use cuda::{
 #[cfg(feature = "cuda")]
 mod gemv;
 #[cfg(feature = "cuda")]
+mod topk;
+#[cfg(feature = "cuda")]
 pub use gemv::{gemv, gemv_resid, gemv_silu, gemv_variant, project, rms_apply, row_sumsq, RowNorm};
+#[cfg(feature = "cuda")]
+pub use topk::topk_rows;
 
 /// Most rows the skinny GEMMs (`gemv*`) take; wider products go to cuBLAS.
 pub const GEMV_MAX_ROWS: usize = 16;

@@ -144,8 +144,9 @@ impl Proposer for DFlashProposer {
 }
 
 /// On an accelerator, keeps the vocabulary-wide work there: log-softmax on the device, then
-/// either the argmax alone (chain, `top_k == 1`: a few bytes come back) or the rows copied once
-/// and their top-k selected on host threads, one row each. The 15 x 151,936 host log-sum-exp
+/// either the argmax alone (chain, `top_k == 1`: a few bytes come back), the top-k selected on
+/// the device (CUDA: k pairs per depth come back), or the rows copied once and their top-k
+/// selected on host threads, one row each. The 15 x 151,936 host log-sum-exp
 /// of [`topk_logprobs`] would cost ~15 ms per round. Tokens and order are the same; the
 /// log-probs differ from the host's f64 log-sum-exp only by f32 rounding.
 fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> ModelResult<Vec<TopK>> {
@@ -162,6 +163,37 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
                         .map(|d| vec![(arg[s * depth + d], val[s * depth + d])])
                         .collect(),
                 )
+            })
+            .collect());
+    }
+    #[cfg(feature = "cuda")]
+    if logp.device().is_cuda() && logp.dtype() == candle_core::DType::F32 {
+        // Select on the device: k pairs per depth come back instead of the vocabulary.
+        let k_max = batch
+            .iter()
+            .map(|i| i.top_k)
+            .max()
+            .unwrap_or(1)
+            .clamp(1, vocab);
+        let (idx, val) = crate::fast::topk_rows(&logp.contiguous()?, k_max)?;
+        let idx = idx.flatten_all()?.to_vec1::<u32>()?;
+        let val = val.flatten_all()?.to_vec1::<f32>()?;
+        return Ok(batch
+            .iter()
+            .enumerate()
+            .map(|(s, item)| {
+                let k = item.top_k.clamp(1, vocab);
+                let rows = (0..depth).map(|d| {
+                    let r = s * depth + d;
+                    let mut row: Vec<(u32, f32)> = (r * k_max..(r + 1) * k_max)
+                        .map(|j| (idx[j], val[j]))
+                        .collect();
+                    // The k_max best in canonical order; an item asking fewer keeps its best k.
+                    row.sort_unstable_by_key(|&(t, lp)| crate::spec::tree::rank_key(lp, t));
+                    row.truncate(k);
+                    row
+                });
+                TopK::new(rows.collect())
             })
             .collect());
     }

@@ -261,7 +261,7 @@ fn logsumexp(row: &[f32]) -> f64 {
 /// Packs (logit, token) into one integer whose ascending order is "higher logit first, then
 /// lower token id": the f32 bits mapped to `total_cmp` order (with -0.0 folded into +0.0),
 /// inverted, above the token id. Integer keys keep the selection loop branch-light.
-fn rank_key(x: f32, token: u32) -> u64 {
+pub(crate) fn rank_key(x: f32, token: u32) -> u64 {
     let bits = (x + 0.0).to_bits();
     let ascending = if bits >> 31 == 1 {
         !bits
