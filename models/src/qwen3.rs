@@ -59,6 +59,8 @@ pub struct Qwen3Model {
     fast: bool,
     /// Most rows a fused forward runs through the skinny GEMMs (see `fast_decoder.rs`).
     gemv_rows: usize,
+    /// Piece length of a fused prefill.
+    prefill_chunk: usize,
 }
 
 impl Qwen3Model {
@@ -114,6 +116,7 @@ impl Qwen3Model {
             mode,
             fast: false,
             gemv_rows: crate::fast::GEMV_DEFAULT_ROWS,
+            prefill_chunk: crate::fast::PREFILL_CHUNK,
         }
         .prepare_fast()
     }
@@ -170,6 +173,7 @@ impl Qwen3Model {
             mode,
             fast: false,
             gemv_rows: crate::fast::GEMV_DEFAULT_ROWS,
+            prefill_chunk: crate::fast::PREFILL_CHUNK,
         }
         .prepare_fast()
     }
@@ -204,6 +208,18 @@ impl Qwen3Model {
     pub fn with_gemv_rows(mut self, rows: usize) -> Self {
         self.gemv_rows = rows.min(crate::fast::GEMV_MAX_ROWS);
         self
+    }
+
+    /// Sets the piece length of fused prefills (1 ..= `fast::MAX_FAST_TOKENS`): longer
+    /// pieces give cuBLAS larger products, shorter ones smaller temporaries.
+    pub fn with_prefill_chunk(mut self, tokens: usize) -> Self {
+        self.prefill_chunk = tokens.clamp(1, crate::fast::MAX_FAST_TOKENS);
+        self
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
     }
 
     #[cfg(feature = "cuda")]
@@ -286,11 +302,7 @@ impl Qwen3Model {
     ) -> ModelResult<ForwardOutput> {
         self.check(batch, taps)?;
         #[cfg(feature = "cuda")]
-        if self.fast
-            && batch
-                .iter()
-                .all(|s| s.tokens.len() <= crate::fast::MAX_FAST_TOKENS)
-        {
+        if self.fast && batch.iter().all(|s| s.tokens.len() <= self.prefill_chunk) {
             return self.forward_fast(batch, taps);
         }
         #[cfg(feature = "cuda")]

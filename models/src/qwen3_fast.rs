@@ -105,7 +105,7 @@ impl Qwen3Model {
     }
 
     /// A long causal forward of one sequence (a prefill) as consecutive fused forwards of at
-    /// most [`fast::MAX_FAST_TOKENS`] tokens: each chunk attends to the cache the previous
+    /// most [`Qwen3Model::with_prefill_chunk`] tokens: each chunk attends to the cache the previous
     /// ones filled, which is the causal pattern. Logits and taps are stitched back in order.
     pub(crate) fn forward_chunked(
         &self,
@@ -113,7 +113,7 @@ impl Qwen3Model {
         taps: &[usize],
     ) -> ModelResult<ForwardOutput> {
         let t = seq.tokens.len();
-        let chunk = fast::MAX_FAST_TOKENS;
+        let chunk = self.prefill_chunk();
         let start_len = seq.cache.len();
         let mut logits = Vec::new();
         let mut tap_parts = Vec::new();

@@ -362,6 +362,22 @@ fn figures(
                "fraction_of_matmul_rate": flops / s / mm, "note": "FLOPs: 2*params*tokens (LM head on the last row only) + causal attention"}),
     );
 
+    // The same prefill in pieces of each length (the fused path's default is
+    // fast::PREFILL_CHUNK).
+    #[cfg(feature = "cuda")]
+    if m.fast_kernels() {
+        let mut by_chunk = Map::new();
+        for chunk in [512usize, 1024, 2048, 4096] {
+            let mc = m.clone().with_prefill_chunk(chunk);
+            let s = measure::prefill_s(&mc, n, args.reps.min(3))?;
+            by_chunk.insert(
+                chunk.to_string(),
+                json!({"s": s, "tok_per_s": n as f64 / s, "fraction_of_matmul_rate": flops / s / mm}),
+            );
+        }
+        out.insert(format!("prefill_{n}_by_chunk"), Value::Object(by_chunk));
+    }
+
     if !args.no_e2e {
         let setup = e2e::E2eSetup {
             target: m,
@@ -454,7 +470,8 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
             );
         }
     }
-    // A 600-token prefill: plain (one forward) against fused (chunks of MAX_FAST_TOKENS), rows out of order.
+    // A 600-token prefill: plain (one forward) against fused in pieces of 256 (the logit rows
+    // out of order and across pieces).
     {
         let toks = measure::tokens(600, 9, base.config().vocab_size);
         let pos: Vec<u32> = (0..600).collect();
@@ -474,7 +491,7 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
             out.logits.context("no logits")
         };
         let a = run(&plain)?;
-        let b = run(&fast)?;
+        let b = run(&fast.clone().with_prefill_chunk(256))?;
         out.insert("chunked_prefill_600".into(), compare(&a, &b)?);
     }
     for (name, n, tree) in [
