@@ -59,11 +59,26 @@ impl Stack<'_> {
         seqs: &[AttnSeq<'_>],
         taps: &[usize],
     ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
-        if x.dim(0)? <= self.gemv_rows {
+        if x.dim(0)? <= self.gemv_rows && self.skinny_shapes()? {
             self.run_skinny(x, positions, seqs, taps)
         } else {
             self.run_wide(x, positions, seqs, taps)
         }
+    }
+
+    /// Whether every projection fits the skinny kernels (`k % 256 == 0`, `n % 16 == 0`); true
+    /// for every published Qwen3 shape. Other shapes take the cuBLAS form.
+    fn skinny_shapes(&self) -> ModelResult<bool> {
+        for layer in self.layers {
+            let f = fused(layer)?;
+            for w in [&f.qkv, &f.gate_up, layer.o_proj(), layer.down_proj()] {
+                let (n, k) = w.dims2()?;
+                if k % 256 != 0 || n % 32 != 0 {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
     }
 
     fn run_skinny(
