@@ -263,7 +263,40 @@ fn name_the_key(err: impl Into<ModelError>, what: &str) -> ModelError {
 
 #[cfg(test)]
 mod tests {
-    use super::route;
+    use super::{route, SparseMoe};
+    use crate::random::WeightRng;
+    use candle_core::{DType, Device};
+    use dflash_common::MoeConfig;
+
+    /// Verify forwards batch a tree's rows; each must come out as if run alone.
+    #[test]
+    fn a_batch_of_rows_gives_each_row_its_own_routing() {
+        let moe = MoeConfig {
+            num_experts: 6,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 8,
+            shared_expert_intermediate_size: 8,
+            norm_topk_prob: false,
+        };
+        let mut rng = WeightRng::new(3);
+        let m = SparseMoe::random(&mut rng, &moe, 16, DType::F32, &Device::Cpu).unwrap();
+        let x = rng
+            .normal(&[10, 16], 0.0, 1.0, DType::F32, &Device::Cpu)
+            .unwrap();
+        let all = m.forward(&x).unwrap();
+        for t in 0..10 {
+            let one = m.forward(&x.narrow(0, t, 1).unwrap()).unwrap();
+            let d = (one - all.narrow(0, t, 1).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(d < 1e-6, "row {t} differs by {d} when batched");
+        }
+    }
 
     #[test]
     fn routing_takes_the_top_k_with_ties_to_the_lower_index_and_renormalises() {
