@@ -459,8 +459,8 @@ fn mtp_drafts_depend_only_on_the_committed_prefix() {
 }
 
 /// The MoE fixture (every layer sparse: the router picks experts per verified row, tree nodes
-/// included) decodes losslessly too: oracle chain and noisy DDTree emit the plain greedy tokens
-/// and keep the committed state equal to a recomputation.
+/// included) decodes losslessly too: oracle chain, noisy DDTree and a (sparse) MTP head chain
+/// emit the plain greedy tokens and keep the committed state equal to a recomputation.
 #[test]
 fn chain_and_ddtree_greedy_on_a_moe_hybrid_target_match_plain() {
     single_threaded_tensor_ops();
@@ -490,6 +490,23 @@ fn chain_and_ddtree_greedy_on_a_moe_hybrid_target_match_plain() {
             "noisy ddtree-8",
             noisy(&m, 5),
             Algorithm::DDTree { budget: 8 },
+        ),
+        // A random MTP head whose layer is sparse too (as MoE checkpoints ship it).
+        (
+            "mtp chain",
+            Box::new(dflash_models::spec::MtpProposer::new(
+                m.clone(),
+                dflash_models::qwen3_5::MtpHead::random(
+                    &mut dflash_models::random::WeightRng::new(17),
+                    m.config(),
+                    m.dtype(),
+                    m.device(),
+                    dflash_models::OpsMode::Fused,
+                )
+                .unwrap(),
+                3,
+            )),
+            Algorithm::Chain,
         ),
     ];
     for (name, proposer, algorithm) in runs {
