@@ -55,6 +55,24 @@ pub struct HybridConfig {
     pub linear_num_value_heads: usize,
     /// Built-in MTP layers shipped under `mtp.` (0 when the checkpoint has none).
     pub mtp_num_hidden_layers: usize,
+    /// The sparse-MoE block's shape when any layer is sparse (Qwen3.5/3.6-MoE, Qwen3-Next).
+    pub moe: Option<MoeConfig>,
+    /// Per layer: true where the MLP is the sparse-MoE block (all false for dense models).
+    pub sparse_layers: Vec<bool>,
+}
+
+/// The sparse-MoE MLP (HF `Qwen3_5MoeSparseMoeBlock` / `Qwen3NextSparseMoeBlock`): a router over
+/// `num_experts` SwiGLU experts, top-`num_experts_per_tok` per token, plus one shared expert
+/// scaled by `sigmoid(shared_expert_gate(x))`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    pub shared_expert_intermediate_size: usize,
+    /// Renormalise the top-k probabilities to sum to 1 (always on for qwen3_5_moe, whose
+    /// router has no such switch; `norm_topk_prob` for Qwen3-Next).
+    pub norm_topk_prob: bool,
 }
 
 #[derive(Deserialize)]
@@ -96,8 +114,12 @@ struct RawHybrid {
     attn_output_gate: Option<bool>,
     #[serde(default)]
     mtp_num_hidden_layers: usize,
-    // MoE keys (Qwen3-Next, qwen3_5_moe): refused below unless every layer is dense.
+    // MoE keys (Qwen3-Next, qwen3_5_moe); absent ones take HF's per-type defaults.
     num_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    shared_expert_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
     mlp_only_layers: Option<Vec<usize>>,
     decoder_sparse_step: Option<usize>,
 }
@@ -121,8 +143,9 @@ fn default_linear_v_heads() -> usize {
     32
 }
 
-const TEXT_TYPES: [&str; 2] = ["qwen3_5_text", "qwen3_next"];
-const MOE_TYPES: [&str; 2] = ["qwen3_5_moe", "qwen3_5_moe_text"];
+const TEXT_TYPES: [&str; 3] = ["qwen3_5_text", "qwen3_next", "qwen3_5_moe_text"];
+/// Multimodal wrappers whose `text_config` holds the text model (`model.language_model.`).
+const WRAPPER_TYPES: [&str; 2] = ["qwen3_5", "qwen3_5_moe"];
 
 impl HybridConfig {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
@@ -148,18 +171,11 @@ impl HybridConfig {
             return false;
         };
         let ty = v.get("model_type").and_then(Value::as_str).unwrap_or("");
-        ty == "qwen3_5" || TEXT_TYPES.contains(&ty) || MOE_TYPES.contains(&ty)
+        WRAPPER_TYPES.contains(&ty) || TEXT_TYPES.contains(&ty)
     }
 
     pub fn from_value(path: &Path, value: &Value) -> Result<Self, ConfigError> {
         let outer_type = value.get("model_type").and_then(Value::as_str);
-        if let Some(t) = outer_type.filter(|t| MOE_TYPES.contains(t)) {
-            return Err(field_err(
-                path,
-                "model_type",
-                format!("`{t}` (hybrid MoE: Qwen3.5/3.6-A3B and larger) is not supported yet; the dense hybrids (qwen3_5 / qwen3_5_text: Qwen3.5-4B/9B/27B, Qwen3.6-27B) are"),
-            ));
-        }
         // The multimodal wrapper nests the text model; its top-level tie flag wins (HF reads
         // `tie_word_embeddings` from the outer config for the LM head).
         let (text, nested, prefix) = match value.get("text_config") {
@@ -183,22 +199,23 @@ impl HybridConfig {
         })?;
         let model_type = match raw.model_type.as_deref() {
             Some(t) if TEXT_TYPES.contains(&t) => t.to_string(),
-            Some(t) if MOE_TYPES.contains(&t) => {
-                return Err(field_err(
-                    path,
-                    &format!("{prefix}model_type"),
-                    format!("`{t}` (hybrid MoE) is not supported yet"),
-                ))
-            }
+            None if outer_type == Some("qwen3_5_moe") => "qwen3_5_moe_text".to_string(),
             None if nested || outer_type == Some("qwen3_5") => "qwen3_5_text".to_string(),
             other => {
                 return Err(field_err(
                     path,
                     &format!("{prefix}model_type"),
-                    format!("{other:?} is not a hybrid text model; expected qwen3_5 (with text_config), qwen3_5_text or qwen3_next"),
+                    format!("{other:?} is not a hybrid text model; expected qwen3_5 / qwen3_5_moe (with text_config), qwen3_5_text, qwen3_5_moe_text or qwen3_next"),
                 ))
             }
         };
+        if outer_type == Some("qwen3_5_moe") && model_type != "qwen3_5_moe_text" {
+            return Err(field_err(
+                path,
+                "text_config.model_type",
+                format!("`{model_type}` inside a qwen3_5_moe wrapper; expected qwen3_5_moe_text"),
+            ));
+        }
         let tie = value
             .get("tie_word_embeddings")
             .and_then(Value::as_bool)
@@ -233,9 +250,13 @@ impl HybridConfig {
                 return Err(err(name, "must be positive".into()));
             }
         }
-        let intermediate_size = raw
-            .intermediate_size
-            .ok_or_else(|| err("intermediate_size", "required field is missing".into()))?;
+        let (moe, sparse_layers) = parse_moe(path, prefix, &raw, &model_type)?;
+        // qwen3_5_moe has no dense MLP, so no intermediate_size; elsewhere a dense layer needs it.
+        let intermediate_size = match raw.intermediate_size {
+            Some(i) => i,
+            None if sparse_layers.iter().all(|&s| s) => 0,
+            None => return Err(err("intermediate_size", "required field is missing".into())),
+        };
         let num_kv = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
         if num_kv == 0 || raw.num_attention_heads % num_kv != 0 {
             return Err(err(
@@ -281,19 +302,6 @@ impl HybridConfig {
                 "attn_output_gate",
                 "false is not supported: every released hybrid checkpoint gates its attention output".into(),
             ));
-        }
-        if let Some(e) = raw.num_experts.filter(|&e| e > 0) {
-            let dense = raw
-                .mlp_only_layers
-                .as_ref()
-                .is_some_and(|l| (0..raw.num_hidden_layers).all(|i| l.contains(&i)))
-                || raw.decoder_sparse_step == Some(0);
-            if !dense {
-                return Err(err(
-                    "num_experts",
-                    format!("{e} experts: hybrid MoE layers are not supported yet (only configs whose mlp_only_layers lists every layer)"),
-                ));
-            }
         }
         let (rope_theta, rope_scaling) = parse_rope(
             path,
@@ -344,6 +352,8 @@ impl HybridConfig {
             linear_num_key_heads: raw.linear_num_key_heads,
             linear_num_value_heads: raw.linear_num_value_heads,
             mtp_num_hidden_layers: raw.mtp_num_hidden_layers,
+            moe,
+            sparse_layers,
         })
     }
 
@@ -370,6 +380,92 @@ impl HybridConfig {
         self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
             + (self.linear_conv_kernel_dim - 1) * self.conv_dim() * conv_bytes
     }
+}
+
+/// Which layers are sparse and the MoE block's shape, as HF decides: every layer of
+/// `qwen3_5_moe_text` (its decoder layer always builds the sparse block and always renormalises
+/// the top-k, ignoring `mlp_only_layers` / `decoder_sparse_step` / `norm_topk_prob`); for
+/// `qwen3_next`, layer i unless it is in `mlp_only_layers` or `(i + 1) % decoder_sparse_step != 0`
+/// (none when `num_experts` is 0). Absent keys take HF's defaults for the type.
+fn parse_moe(
+    path: &Path,
+    prefix: &str,
+    raw: &RawHybrid,
+    model_type: &str,
+) -> Result<(Option<MoeConfig>, Vec<bool>), ConfigError> {
+    let n = raw.num_hidden_layers;
+    let err = |name: &str, msg: String| field_err(path, &format!("{prefix}{name}"), msg);
+    let (sparse, defaults) = match model_type {
+        "qwen3_5_moe_text" => (vec![true; n], (256, 8)),
+        "qwen3_next" => {
+            let experts = raw.num_experts.unwrap_or(512);
+            let step = raw.decoder_sparse_step.unwrap_or(1);
+            if experts > 0 && step == 0 {
+                return Err(err(
+                    "decoder_sparse_step",
+                    "must be positive (HF computes (layer + 1) % decoder_sparse_step)".into(),
+                ));
+            }
+            let only = raw.mlp_only_layers.clone().unwrap_or_default();
+            if let Some(&bad) = only.iter().find(|&&l| l >= n) {
+                return Err(err(
+                    "mlp_only_layers",
+                    format!("lists layer {bad} but num_hidden_layers is {n}"),
+                ));
+            }
+            let sparse = (0..n)
+                .map(|i| experts > 0 && !only.contains(&i) && (i + 1) % step == 0)
+                .collect();
+            (sparse, (512, 10))
+        }
+        _ => {
+            if raw.num_experts.is_some_and(|e| e > 0) {
+                return Err(err(
+                    "num_experts",
+                    format!("is set, but model_type `{model_type}` has no MoE layers; a Qwen3.5/3.6 MoE checkpoint is model_type qwen3_5_moe / qwen3_5_moe_text"),
+                ));
+            }
+            return Ok((None, vec![false; n]));
+        }
+    };
+    if !sparse.contains(&true) {
+        return Ok((None, sparse));
+    }
+    let num_experts = raw.num_experts.unwrap_or(defaults.0);
+    let top_k = raw.num_experts_per_tok.unwrap_or(defaults.1);
+    if num_experts == 0 {
+        return Err(err("num_experts", "must be positive".into()));
+    }
+    if top_k == 0 || top_k > num_experts {
+        return Err(err(
+            "num_experts_per_tok",
+            format!("{top_k} must be in 1..=num_experts ({num_experts})"),
+        ));
+    }
+    let moe_intermediate_size = raw.moe_intermediate_size.unwrap_or(512);
+    let shared_expert_intermediate_size = raw.shared_expert_intermediate_size.unwrap_or(512);
+    for (name, v) in [
+        ("moe_intermediate_size", moe_intermediate_size),
+        (
+            "shared_expert_intermediate_size",
+            shared_expert_intermediate_size,
+        ),
+    ] {
+        if v == 0 {
+            return Err(err(name, "must be positive".into()));
+        }
+    }
+    let norm_topk_prob = model_type == "qwen3_5_moe_text" || raw.norm_topk_prob.unwrap_or(true);
+    Ok((
+        Some(MoeConfig {
+            num_experts,
+            num_experts_per_tok: top_k,
+            moe_intermediate_size,
+            shared_expert_intermediate_size,
+            norm_topk_prob,
+        }),
+        sparse,
+    ))
 }
 
 fn parse_hybrid_layer_types(

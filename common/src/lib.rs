@@ -15,7 +15,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use config::{DFlashConfig, LayerType, Qwen3Config, RopeScaling};
-pub use config_hybrid::{HybridConfig, HybridLayerType};
+pub use config_hybrid::{HybridConfig, HybridLayerType, MoeConfig};
 pub use error::{ConfigError, HubError, WeightError};
 pub use hub::{resolve_model, ModelLocation};
 pub use weights::WeightFiles;

@@ -136,7 +136,8 @@ impl DraftTarget for Target {
 
 impl Target {
     /// Loads a checkpoint directory of either family, chosen by its `config.json`
-    /// (`qwen3_5`, `qwen3_5_text` or `qwen3_next` load as hybrids, anything else as Qwen3).
+    /// (`qwen3_5`, `qwen3_5_text`, `qwen3_5_moe`, `qwen3_5_moe_text` or `qwen3_next` load as
+    /// hybrids, anything else as Qwen3).
     pub fn load(
         dir: &Path,
         dtype: DType,

@@ -457,3 +457,65 @@ fn mtp_drafts_depend_only_on_the_committed_prefix() {
         n += step;
     }
 }
+
+/// The MoE fixture (every layer sparse: the router picks experts per verified row, tree nodes
+/// included) decodes losslessly too: oracle chain, noisy DDTree and a (sparse) MTP head chain
+/// emit the plain greedy tokens and keep the committed state equal to a recomputation.
+#[test]
+fn chain_and_ddtree_greedy_on_a_moe_hybrid_target_match_plain() {
+    single_threaded_tensor_ops();
+    let m = Qwen35Model::load(
+        &dflash_tests::fixture("qwen3_5_moe-tiny-random"),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+        160,
+        dflash_models::OpsMode::Fused,
+    )
+    .unwrap();
+    let prompt = PROMPTS[0];
+    let mut plain = Engine::new(m.clone(), None, config());
+    let want = generate_checked(
+        &mut plain,
+        &m,
+        request(prompt, Algorithm::Plain, 24),
+        "plain",
+    );
+    let runs: Vec<(&str, Box<dyn Proposer>, Algorithm)> = vec![
+        (
+            "oracle chain",
+            Box::new(OracleProposer::new(m.clone(), 7, None)),
+            Algorithm::Chain,
+        ),
+        (
+            "noisy ddtree-8",
+            noisy(&m, 5),
+            Algorithm::DDTree { budget: 8 },
+        ),
+        // A random MTP head whose layer is sparse too (as MoE checkpoints ship it).
+        (
+            "mtp chain",
+            Box::new(dflash_models::spec::MtpProposer::new(
+                m.clone(),
+                dflash_models::qwen3_5::MtpHead::random(
+                    &mut dflash_models::random::WeightRng::new(17),
+                    m.config(),
+                    m.dtype(),
+                    m.device(),
+                    dflash_models::OpsMode::Fused,
+                )
+                .unwrap(),
+                3,
+            )),
+            Algorithm::Chain,
+        ),
+    ];
+    for (name, proposer, algorithm) in runs {
+        let mut e = Engine::new(m.clone(), Some(proposer), config());
+        let what = format!("moe {name}");
+        let got = generate_checked(&mut e, &m, request(prompt, algorithm, 24), &what);
+        assert_eq!(
+            got, want,
+            "{what}: speculative output differs from plain greedy"
+        );
+    }
+}

@@ -3,6 +3,13 @@
 //! `tests/fixtures/qwen3_5-tiny-random` (layers: GDN, GDN, gated attention, twice), stored in the
 //! released multimodal layout (`qwen3_5` + `text_config`, weights under `model.language_model.`),
 //! and `Qwen3NextForCausalLM` on `qwen3_next-tiny-random` (three GDN layers, one attention).
+//! The MoE fixtures (`make_qwen3_5_moe_parity.py`): `Qwen3_5MoeForCausalLM` on
+//! `qwen3_5_moe-tiny-random` (every layer sparse: 8 experts, top-2 renormalised, shared expert;
+//! 3D fused expert tensors) and `Qwen3NextForCausalLM` on `qwen3_next-moe-tiny-random` (4 experts,
+//! top-2 not renormalised, layer 1 dense via `mlp_only_layers`; one tensor per expert). Their
+//! router gaps between the 2nd and 3rd expert are > 1e-4, so f32 noise cannot change a choice,
+//! while a wrong routing (softmax before/after top-k, renormalisation, shared gate) moves the
+//! outputs by far more than the tolerance.
 //!
 //! Tolerance 1e-4 max abs on logits of std ~1 and taps of std ~1.8: transformers' own prefill,
 //! decode and two-chunk paths agree with each other to 1.6e-5, while a wrong op (a missing
@@ -17,7 +24,12 @@ const TOL: f32 = 1e-4;
 /// The Qwen3.5 fixture (split projections, nested config, `model.language_model.`) and the
 /// Qwen3-Next one (fused group-interleaved `in_proj_qkvz`/`in_proj_ba`, flat config, three value
 /// heads per key head, value dim 8 != key dim 16; dense MLPs via `mlp_only_layers`).
-const FIXTURES: [&str; 2] = ["qwen3_5-tiny-random", "qwen3_next-tiny-random"];
+const FIXTURES: [&str; 4] = [
+    "qwen3_5-tiny-random",
+    "qwen3_next-tiny-random",
+    "qwen3_5_moe-tiny-random",
+    "qwen3_next-moe-tiny-random",
+];
 
 fn model(name: &str, form: DeltaForm) -> Qwen35Model {
     Qwen35Model::load(

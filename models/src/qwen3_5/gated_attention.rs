@@ -164,6 +164,15 @@ pub struct Mlp {
 }
 
 impl Mlp {
+    /// From `gate_proj` / `up_proj` `[I, H]` and `down_proj` `[H, I]` (MoE experts).
+    pub fn from_parts(gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor) -> Self {
+        Self {
+            gate_proj,
+            up_proj,
+            down_proj,
+        }
+    }
+
     pub fn load(
         w: &WeightFiles,
         p: &str,

@@ -1,6 +1,6 @@
 //! Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid text model (HF `Qwen3_5ForCausalLM`,
-//! `Qwen3NextForCausalLM` with dense MLPs), built for speculative decoding like [`Qwen3Model`]:
-//! one forward over a batch of sequences with per-token positions, causal or tree patterns,
+//! `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`; sparse-MoE MLPs in [`moe`]), built for
+//! speculative decoding like [`Qwen3Model`]: one forward over a batch of sequences with per-token positions, causal or tree patterns,
 //! logits for the rows asked and taps (raw decoder-layer outputs) of any layer, recurrent ones
 //! included.
 //!
@@ -14,6 +14,7 @@
 pub mod delta_rule;
 pub mod gated_attention;
 pub mod gdn;
+pub mod moe;
 pub mod mtp;
 
 use std::collections::HashMap;
@@ -33,6 +34,7 @@ use crate::random::WeightRng;
 use crate::rope::RotaryEmbedding;
 pub use gated_attention::{one_plus, GatedAttention, Mlp};
 pub use gdn::{DeltaForm, GatedDeltaNet};
+pub use moe::{FeedForward, SparseMoe};
 pub use mtp::MtpHead;
 
 #[derive(Debug, Clone)]
@@ -47,7 +49,7 @@ pub struct HybridLayer {
     input_norm: Tensor,
     post_norm: Tensor,
     pub mixer: Mixer,
-    mlp: Mlp,
+    mlp: FeedForward,
 }
 
 #[derive(Debug, Clone)]
@@ -144,11 +146,11 @@ impl Qwen35Model {
                 input_norm: norm("input_layernorm")?,
                 post_norm: norm("post_attention_layernorm")?,
                 mixer,
-                mlp: Mlp::load(
+                mlp: FeedForward::load(
                     w,
                     &format!("{p}.mlp"),
-                    h,
-                    cfg.intermediate_size,
+                    &cfg,
+                    cfg.sparse_layers[i],
                     dtype,
                     device,
                 )?,
@@ -185,7 +187,7 @@ impl Qwen35Model {
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let embed_tokens = rng.normal(&[v, h], 0.0, 1.0, dtype, device)?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for kind in &cfg.layer_types {
+        for (i, kind) in cfg.layer_types.iter().enumerate() {
             let mixer = match kind {
                 HybridLayerType::LinearAttention => {
                     Mixer::Linear(GatedDeltaNet::random(rng, &cfg, dtype, device)?)
@@ -198,7 +200,7 @@ impl Qwen35Model {
                 input_norm: rng.norm(h, dtype, device)?,
                 post_norm: rng.norm(h, dtype, device)?,
                 mixer,
-                mlp: Mlp::random(rng, h, cfg.intermediate_size, dtype, device)?,
+                mlp: FeedForward::random(rng, &cfg, cfg.sparse_layers[i], dtype, device)?,
             });
         }
         let norm = rng.norm(h, dtype, device)?;

@@ -19,7 +19,8 @@ use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::SequenceCache;
 use crate::layer::linear;
 use crate::ops::{rms_norm, OpsMode};
-use crate::qwen3_5::gated_attention::{one_plus, GatedAttention, Mlp};
+use crate::qwen3_5::gated_attention::{one_plus, GatedAttention};
+use crate::qwen3_5::moe::FeedForward;
 use crate::qwen3_5::Qwen35Model;
 use crate::random::WeightRng;
 
@@ -31,7 +32,7 @@ pub struct MtpHead {
     input_norm: Tensor,
     post_norm: Tensor,
     attn: GatedAttention,
-    mlp: Mlp,
+    mlp: FeedForward,
     norm: Tensor,
     eps: f64,
     mode: OpsMode,
@@ -67,11 +68,12 @@ impl MtpHead {
             input_norm: norm("layers.0.input_layernorm.weight")?,
             post_norm: norm("layers.0.post_attention_layernorm.weight")?,
             attn: GatedAttention::load(w, "mtp.layers.0.self_attn", cfg, dtype, device, mode)?,
-            mlp: Mlp::load(
+            // MoE checkpoints ship a sparse MTP layer; follow the weights.
+            mlp: FeedForward::load(
                 w,
                 "mtp.layers.0.mlp",
-                h,
-                cfg.intermediate_size,
+                cfg,
+                w.contains("mtp.layers.0.mlp.gate.weight"),
                 dtype,
                 device,
             )?,
@@ -98,7 +100,7 @@ impl MtpHead {
             input_norm: rng.norm(h, dtype, device)?,
             post_norm: rng.norm(h, dtype, device)?,
             attn: GatedAttention::random(rng, cfg, dtype, device, mode)?,
-            mlp: Mlp::random(rng, h, cfg.intermediate_size, dtype, device)?,
+            mlp: FeedForward::random(rng, cfg, cfg.moe.is_some(), dtype, device)?,
             norm: rng.norm(h, dtype, device)?,
             eps: cfg.rms_norm_eps,
             mode,

@@ -1,0 +1,311 @@
+//! The sparse-MoE MLP of the hybrid MoE targets (HF `Qwen3_5MoeSparseMoeBlock`,
+//! `Qwen3NextSparseMoeBlock`), and [`FeedForward`], the per-layer choice between it and the
+//! dense [`Mlp`].
+//!
+//! Per token: `p = softmax_f32(gate(x))`, the top-k experts by `p` (ties to the lower index, as
+//! `torch.topk` on the CPU), weights `p_i` renormalised to sum 1 when `norm_topk_prob`, cast to
+//! the model dtype; the output is `sum_i w_i * expert_i(x) + sigmoid(shared_expert_gate(x)) *
+//! shared_expert(x)`. Routing runs on the host: it is a handful of floats per token, and the
+//! exact top-k order is what decides which experts run.
+//!
+//! Experts load from either on-disk form: the 3D tensors `experts.gate_up_proj` `[E, 2I, H]`
+//! (gate rows, then up rows) and `experts.down_proj` `[E, H, I]` that the Qwen3.5-MoE releases
+//! and transformers 5 use, or one 2D tensor per expert (`experts.{e}.gate_proj.weight`, ...) as
+//! in the Qwen3-Next releases.
+
+use candle_core::{DType, Device, Result, Tensor};
+use dflash_common::{HybridConfig, MoeConfig, WeightError, WeightFiles};
+
+use crate::error::{ModelError, ModelResult};
+use crate::layer::linear;
+use crate::qwen3_5::gated_attention::Mlp;
+use crate::random::WeightRng;
+
+/// A decoder layer's MLP: dense, or the sparse-MoE block where the config makes the layer sparse.
+#[derive(Debug, Clone)]
+pub enum FeedForward {
+    Dense(Mlp),
+    Sparse(SparseMoe),
+}
+
+impl FeedForward {
+    /// Loads the MLP under `p` (`...layers.{i}.mlp`), sparse when `sparse`.
+    pub fn load(
+        w: &WeightFiles,
+        p: &str,
+        cfg: &HybridConfig,
+        sparse: bool,
+        dtype: DType,
+        device: &Device,
+    ) -> ModelResult<Self> {
+        match (&cfg.moe, sparse) {
+            (Some(moe), true) => Ok(Self::Sparse(SparseMoe::load(
+                w,
+                p,
+                moe,
+                cfg.hidden_size,
+                dtype,
+                device,
+            )?)),
+            _ => {
+                if w.contains(&format!("{p}.gate.weight")) {
+                    return Err(ModelError::Inconsistent(format!(
+                        "{}: config.json makes `{p}` a dense MLP, but the checkpoint has a MoE router (`{p}.gate.weight`) there: check num_experts, mlp_only_layers and decoder_sparse_step",
+                        w.dir().display()
+                    )));
+                }
+                Ok(Self::Dense(Mlp::load(
+                    w,
+                    p,
+                    cfg.hidden_size,
+                    cfg.intermediate_size,
+                    dtype,
+                    device,
+                )?))
+            }
+        }
+    }
+
+    pub fn random(
+        rng: &mut WeightRng,
+        cfg: &HybridConfig,
+        sparse: bool,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let h = cfg.hidden_size;
+        Ok(match (&cfg.moe, sparse) {
+            (Some(moe), true) => Self::Sparse(SparseMoe::random(rng, moe, h, dtype, device)?),
+            _ => Self::Dense(Mlp::random(rng, h, cfg.intermediate_size, dtype, device)?),
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense(m) => m.forward(x),
+            Self::Sparse(m) => m.forward(x),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SparseMoe {
+    /// Router `[E, H]`.
+    gate: Tensor,
+    experts: Vec<Mlp>,
+    shared_expert: Mlp,
+    /// `[1, H]`: the shared expert's scalar gate per token.
+    shared_expert_gate: Tensor,
+    top_k: usize,
+    norm_topk_prob: bool,
+}
+
+impl SparseMoe {
+    pub fn load(
+        w: &WeightFiles,
+        p: &str,
+        moe: &MoeConfig,
+        h: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> ModelResult<Self> {
+        let (e, i) = (moe.num_experts, moe.moe_intermediate_size);
+        let t = |name: &str, shape: &[usize]| -> ModelResult<Tensor> {
+            w.tensor(&format!("{p}.{name}"), shape, dtype, device)
+                .map_err(|err| name_the_key(err, name))
+        };
+        let gate = t("gate.weight", &[e, h])?;
+        let experts = if w.contains(&format!("{p}.experts.gate_up_proj")) {
+            let gate_up = t("experts.gate_up_proj", &[e, 2 * i, h])?;
+            let down = t("experts.down_proj", &[e, h, i])?;
+            (0..e)
+                .map(|x| {
+                    let gu = gate_up.get(x)?;
+                    Ok(Mlp::from_parts(
+                        gu.narrow(0, 0, i)?,
+                        gu.narrow(0, i, i)?,
+                        down.get(x)?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            if w.contains(&format!("{p}.experts.{e}.gate_proj.weight")) {
+                return Err(ModelError::Inconsistent(format!(
+                    "{}: `{p}.experts.{e}.*` exists but config.json num_experts is {e} (experts 0..{e}): the config and the weights disagree on the expert count",
+                    w.dir().display()
+                )));
+            }
+            (0..e)
+                .map(|x| {
+                    Mlp::load(w, &format!("{p}.experts.{x}"), h, i, dtype, device)
+                        .map_err(|err| name_the_key(err, "experts"))
+                })
+                .collect::<ModelResult<Vec<_>>>()?
+        };
+        let shared_expert = Mlp::load(
+            w,
+            &format!("{p}.shared_expert"),
+            h,
+            moe.shared_expert_intermediate_size,
+            dtype,
+            device,
+        )
+        .map_err(|err| name_the_key(err, "shared_expert"))?;
+        Ok(Self {
+            gate,
+            experts,
+            shared_expert,
+            shared_expert_gate: t("shared_expert_gate.weight", &[1, h])?,
+            top_k: moe.num_experts_per_tok,
+            norm_topk_prob: moe.norm_topk_prob,
+        })
+    }
+
+    pub fn random(
+        rng: &mut WeightRng,
+        moe: &MoeConfig,
+        h: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let i = moe.moe_intermediate_size;
+        Ok(Self {
+            gate: rng.linear(moe.num_experts, h, dtype, device)?,
+            experts: (0..moe.num_experts)
+                .map(|_| Mlp::random(rng, h, i, dtype, device))
+                .collect::<Result<_>>()?,
+            shared_expert: Mlp::random(rng, h, moe.shared_expert_intermediate_size, dtype, device)?,
+            shared_expert_gate: rng.linear(1, h, dtype, device)?,
+            top_k: moe.num_experts_per_tok,
+            norm_topk_prob: moe.norm_topk_prob,
+        })
+    }
+
+    /// `[T, H] -> [T, H]`; every row is routed on its own, so any batch of rows (prefill,
+    /// decode, verify trees) gives each token exactly what a one-token forward would.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let logits = linear(x, &self.gate)?
+            .to_dtype(DType::F32)?
+            .to_vec2::<f32>()?;
+        // Per expert: the rows routed to it and their weights.
+        let mut rows: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
+        let mut weights: Vec<Vec<f32>> = vec![Vec::new(); self.experts.len()];
+        for (t, row) in logits.iter().enumerate() {
+            for (e, wgt) in route(row, self.top_k, self.norm_topk_prob) {
+                rows[e].push(t as u32);
+                weights[e].push(wgt);
+            }
+        }
+        let mut out = x.zeros_like()?;
+        // Ascending expert order, as transformers accumulates (index_add_ per expert).
+        for (e, expert) in self.experts.iter().enumerate() {
+            if rows[e].is_empty() {
+                continue;
+            }
+            let idx = Tensor::new(rows[e].as_slice(), x.device())?;
+            let w = Tensor::new(weights[e].as_slice(), x.device())?
+                .to_dtype(dtype)?
+                .unsqueeze(1)?;
+            let y = expert
+                .forward(&x.index_select(&idx, 0)?)?
+                .broadcast_mul(&w)?;
+            out = out.index_add(&idx, &y, 0)?;
+        }
+        let shared_gate = candle_nn::ops::sigmoid(&linear(x, &self.shared_expert_gate)?)?;
+        let shared = self.shared_expert.forward(x)?.broadcast_mul(&shared_gate)?;
+        out + shared
+    }
+}
+
+/// One token's routing: `(expert, weight)` for the top `k` of `softmax(logits)` computed in
+/// f32, highest first, ties to the lower index; weights renormalised over the k when `norm`.
+pub fn route(logits: &[f32], k: usize, norm: bool) -> Vec<(usize, f32)> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exp: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+    let sum: f32 = exp.iter().sum();
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    // Stable sort: equal probabilities keep ascending expert order.
+    order.sort_by(|&a, &b| exp[b].total_cmp(&exp[a]));
+    let mut top: Vec<(usize, f32)> = order[..k].iter().map(|&e| (e, exp[e] / sum)).collect();
+    if norm {
+        let s: f32 = top.iter().map(|&(_, p)| p).sum();
+        for (_, p) in &mut top {
+            *p /= s;
+        }
+    }
+    top
+}
+
+/// A shape mismatch on an MoE tensor names the config key that sets that shape.
+fn name_the_key(err: impl Into<ModelError>, what: &str) -> ModelError {
+    match err.into() {
+        ModelError::Weights(WeightError::ShapeMismatch {
+            file,
+            name,
+            expected,
+            found,
+        }) => {
+            let key = match what {
+                w if w.starts_with("gate") => "num_experts / hidden_size",
+                w if w.starts_with("shared_expert_gate") => "hidden_size",
+                w if w.starts_with("shared_expert") => "shared_expert_intermediate_size",
+                _ => "num_experts / moe_intermediate_size",
+            };
+            ModelError::Inconsistent(format!(
+                "{}: `{name}` has shape {found:?} but config.json ({key}) makes it {expected:?}",
+                file.display()
+            ))
+        }
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{route, SparseMoe};
+    use crate::random::WeightRng;
+    use candle_core::{DType, Device};
+    use dflash_common::MoeConfig;
+
+    /// Verify forwards batch a tree's rows; each must come out as if run alone.
+    #[test]
+    fn a_batch_of_rows_gives_each_row_its_own_routing() {
+        let moe = MoeConfig {
+            num_experts: 6,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 8,
+            shared_expert_intermediate_size: 8,
+            norm_topk_prob: false,
+        };
+        let mut rng = WeightRng::new(3);
+        let m = SparseMoe::random(&mut rng, &moe, 16, DType::F32, &Device::Cpu).unwrap();
+        let x = rng
+            .normal(&[10, 16], 0.0, 1.0, DType::F32, &Device::Cpu)
+            .unwrap();
+        let all = m.forward(&x).unwrap();
+        for t in 0..10 {
+            let one = m.forward(&x.narrow(0, t, 1).unwrap()).unwrap();
+            let d = (one - all.narrow(0, t, 1).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(d < 1e-6, "row {t} differs by {d} when batched");
+        }
+    }
+
+    #[test]
+    fn routing_takes_the_top_k_with_ties_to_the_lower_index_and_renormalises() {
+        let r = route(&[0.0, 2.0, 1.0, 2.0], 2, true);
+        assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3]);
+        assert!((r[0].1 - 0.5).abs() < 1e-7 && (r[1].1 - 0.5).abs() < 1e-7);
+        let r = route(&[0.0, 1.0, 3.0], 1, false);
+        let p = 3f32.exp() / (1.0 + 1f32.exp() + 3f32.exp());
+        assert_eq!(r[0].0, 2);
+        assert!((r[0].1 - p).abs() < 1e-6, "{} vs {p}", r[0].1);
+    }
+}
