@@ -54,6 +54,7 @@ struct OracleSeq {
 /// request of this proposer that reaches a known prefix reuses it: a rollout of `max_depth`
 /// tokens then costs target forwards only for the tokens not seen before, instead of
 /// `max_depth` sequential forwards every round (the drafts are the same either way).
+#[derive(Clone)]
 struct GreedyMemo {
     children: HashMap<(u32, u32), u32>,
     next: Vec<Option<u32>>,
@@ -100,6 +101,16 @@ impl OracleProposer {
             seqs: HashMap::new(),
             memo: GreedyMemo::new(),
             target_forwards: 0,
+        }
+    }
+
+    /// A new proposer for the same target, depth and noise (restarted from its seed, with no
+    /// open sequences) that keeps this one's memo: it proposes exactly what a new one would,
+    /// without recomputing continuations this one already knows.
+    pub fn restarted(&self) -> Self {
+        Self {
+            memo: self.memo.clone(),
+            ..Self::new(self.target.clone(), self.max_depth, self.noise)
         }
     }
 

@@ -181,6 +181,23 @@ fn memo_matches_fresh(t: Target) -> (usize, usize) {
             })
             .collect();
         assert_eq!(got, want, "round {round}");
+        if round == 4 {
+            // A restarted copy keeps the memo and proposes what a new oracle would.
+            let mut copy = memo.restarted();
+            let mut new = OracleProposer::new(copy.target.clone(), depth, noise);
+            for p in [&mut copy, &mut new] {
+                p.open(0, 64).unwrap();
+            }
+            assert_eq!(
+                propose(&mut copy, 0, items[0].tokens, 3),
+                propose(&mut new, 0, items[0].tokens, 3)
+            );
+            assert_eq!(
+                copy.target_forwards(),
+                0,
+                "known prefixes run no target forward"
+            );
+        }
         for (i, c) in committed.iter_mut().enumerate() {
             assert_rolled_back(&memo, i as SeqId, c.len());
             // Accept some greedy drafts, then a bonus: greedy on even rounds, another token on
