@@ -12,7 +12,7 @@
 mod eval_support;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use dflash_common::DFlashConfig;
 use dflash_models::spec::{
@@ -139,37 +139,43 @@ fn accepted(rounds: &[Vec<(usize, usize)>]) -> Vec<Vec<usize>> {
         .collect()
 }
 
-fn setup() -> (Qwen3Model, EvalCache) {
-    let dir = scratch("exact");
-    let prompts = write_prompts(&dir, PROMPTS);
-    let target = target();
-    let cache = EvalCache::build(&target, &spec(&prompts, MAX_NEW, vec![1, 2]), CONTEXT).unwrap();
-    for e in &cache.manifest.entries {
-        assert_eq!(
-            e.teacher_forced_mismatches, 0,
-            "{}: f32 teacher forcing reproduces greedy decoding",
-            e.id
-        );
-    }
-    (target, cache)
+/// The target and its greedy cache, built once and shared by the tests (they run in parallel;
+/// the first one builds it).
+fn setup() -> &'static (Qwen3Model, EvalCache) {
+    static SETUP: OnceLock<(Qwen3Model, EvalCache)> = OnceLock::new();
+    SETUP.get_or_init(|| {
+        let dir = scratch("exact");
+        let prompts = write_prompts(&dir, PROMPTS);
+        let target = target();
+        let cache =
+            EvalCache::build(&target, &spec(&prompts, MAX_NEW, vec![1, 2]), CONTEXT).unwrap();
+        for e in &cache.manifest.entries {
+            assert_eq!(
+                e.teacher_forced_mismatches, 0,
+                "{}: f32 teacher forcing reproduces greedy decoding",
+                e.id
+            );
+        }
+        (target, cache)
+    })
 }
 
 #[test]
 fn random_drafter_replay_matches_engine_rounds_and_proposals() {
     let (target, cache) = setup();
     let cfg = DFlashConfig::for_target(target.config(), 2, 16, 8191, Some(vec![1, 2]));
-    let drafter = DFlashDrafter::random(cfg, &target, 7, OpsMode::Fused).unwrap();
+    let drafter = DFlashDrafter::random(cfg, target, 7, OpsMode::Fused).unwrap();
     let verifies = Verify::chain_and_budgets(&BUDGETS);
 
     // The library entry point (prompts batched), and the same replay through a recording
     // proposer: sequence i is prompt i, as in the engine runs below.
-    let summary = offline_eval(&target, &drafter, &cache, &verifies).unwrap();
+    let summary = offline_eval(target, &drafter, cache, &verifies).unwrap();
     let offline: Log = Arc::default();
     let mut recording = Recording {
         inner: Box::new(DFlashProposer::new(drafter.clone())),
         log: offline.clone(),
     };
-    let recorded = replay_cache(&mut recording, &cache, &verifies, 16, |i| {
+    let recorded = replay_cache(&mut recording, cache, &verifies, 16, |i| {
         cache.features_for(i, &[1, 2], target.device()).map(Some)
     })
     .unwrap();
@@ -182,7 +188,7 @@ fn random_drafter_replay_matches_engine_rounds_and_proposals() {
             inner: Box::new(DFlashProposer::new(drafter.clone())),
             log: log.clone(),
         };
-        let rounds = engine_rounds(&target, Box::new(proposer), &cache, *verify);
+        let rounds = engine_rounds(target, Box::new(proposer), cache, *verify);
         assert_eq!(
             accepted(&rounds),
             replayed(&summary, *verify),
@@ -224,12 +230,15 @@ fn random_drafter_replay_matches_engine_rounds_and_proposals() {
 fn oracle_matches_engine(noise: Option<Noise>, budgets: &[usize]) -> Vec<f64> {
     let (target, cache) = setup();
     let mut taus = Vec::new();
+    let mut warm = OracleProposer::new(target.clone(), 15, noise);
     for verify in Verify::chain_and_budgets(budgets) {
         // A fresh oracle per mode on both sides: its seeded noise follows the call sequence.
-        let mut oracle = OracleProposer::new(target.clone(), 15, noise);
-        let summary = replay_cache(&mut oracle, &cache, &[verify], 1, |_| Ok(None)).unwrap();
-        let engine = Box::new(OracleProposer::new(target.clone(), 15, noise));
-        let rounds = engine_rounds(&target, engine, &cache, verify);
+        // Restarted copies keep the greedy continuations already computed (same proposals).
+        let mut oracle = warm.restarted();
+        let summary = replay_cache(&mut oracle, cache, &[verify], 1, |_| Ok(None)).unwrap();
+        let engine = Box::new(oracle.restarted());
+        let rounds = engine_rounds(target, engine, cache, verify);
+        warm = oracle;
         assert_eq!(
             accepted(&rounds),
             replayed(&summary, verify),
