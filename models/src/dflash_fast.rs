@@ -8,7 +8,7 @@ use candle_core::Tensor;
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
 use crate::fast;
-use crate::fast_decoder::{AttnSeq, Stack};
+use crate::fast_decoder::{cache_key, capture_graph, AttnSeq, Stack};
 use crate::kv_cache::SequenceCache;
 
 impl DFlashDrafter {
@@ -155,22 +155,11 @@ pub struct DraftGraph {
     cache_key: u64,
 }
 
-fn cache_key(cache: &SequenceCache) -> ModelResult<u64> {
-    let kv = cache.layer(0).attention()?;
-    Ok(fast::device_address(kv.buffers().0)?)
-}
-
 impl DFlashDrafter {
     /// Captures the block forward for `cache`. The graph drafts over whatever context the
     /// cache holds at replay time; new context is appended outside it (a
     /// [`DFlashDrafter::forward`] with `context`, which also drafts).
     pub fn capture_block(&self, cache: &SequenceCache) -> ModelResult<DraftGraph> {
-        use candle_core::cuda_backend::cudarc::driver::sys;
-        let candle_core::Device::Cuda(cd) = self.device() else {
-            return Err(ModelError::Unsupported(
-                "CUDA graphs need a CUDA device".into(),
-            ));
-        };
         if !self.fast_kernels() {
             return Err(ModelError::Unsupported(
                 "draft graphs need the fused kernels (CUDA, bf16, head_dim 128)".into(),
@@ -195,19 +184,7 @@ impl DFlashDrafter {
             hidden.slice_set(&h, 0, 0)?;
             Ok(())
         };
-        let _cache_guard = cd.enable_cuda_graph_htod_cache();
-        body()?;
-        dev.synchronize()?;
-        let stream = cd.cuda_stream();
-        stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| ModelError::Unsupported(format!("begin graph capture: {e}")))?;
-        let captured = body();
-        let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-        captured?;
-        let graph = ended
-            .map_err(|e| ModelError::Unsupported(format!("end graph capture: {e}")))?
-            .ok_or_else(|| ModelError::Unsupported("graph capture produced no graph".into()))?;
+        let graph = capture_graph(self.device(), body)?;
         Ok(DraftGraph {
             graph,
             _drafter: self.clone(),

@@ -204,3 +204,37 @@ fn fused(layer: &DecoderLayer) -> ModelResult<&crate::layer::FusedWeights> {
         .fused()
         .ok_or_else(|| ModelError::BadInput("fused forward on unfused weights".into()))
 }
+
+/// Runs `body` once uncaptured — loading modules, letting cuBLAS pick and allocate its
+/// workspaces and filling candle's parameter cache for anything it would upload — then
+/// captures a second run as a CUDA graph on the device's stream.
+pub(crate) fn capture_graph(
+    device: &candle_core::Device,
+    body: impl Fn() -> ModelResult<()>,
+) -> ModelResult<candle_core::cuda_backend::cudarc::driver::CudaGraph> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let candle_core::Device::Cuda(cd) = device else {
+        return Err(ModelError::Unsupported(
+            "CUDA graphs need a CUDA device".into(),
+        ));
+    };
+    let _cache_guard = cd.enable_cuda_graph_htod_cache();
+    body()?;
+    device.synchronize()?;
+    let stream = cd.cuda_stream();
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| ModelError::Unsupported(format!("begin graph capture: {e}")))?;
+    let captured = body();
+    let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    captured?;
+    ended
+        .map_err(|e| ModelError::Unsupported(format!("end graph capture: {e}")))?
+        .ok_or_else(|| ModelError::Unsupported("graph capture produced no graph".into()))
+}
+
+/// Address of a cache's first K buffer: a captured graph is only valid for that cache.
+pub(crate) fn cache_key(cache: &SequenceCache) -> ModelResult<u64> {
+    let kv = cache.layer(0).attention()?;
+    Ok(fast::device_address(kv.buffers().0)?)
+}

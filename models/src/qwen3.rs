@@ -44,6 +44,40 @@ pub struct ForwardOutput {
     pub logit_offsets: Vec<usize>,
 }
 
+/// A batch's sequences laid end to end: the stacked tokens, positions and logit rows, and
+/// where each sequence starts (`token_offsets`, `logit_offsets`, one entry more than
+/// sequences), as every forward (plain, fused, hybrid) needs them.
+pub(crate) struct StackedBatch {
+    pub tokens: Vec<u32>,
+    pub positions: Vec<u32>,
+    /// Logit rows as indices into the stacked tokens.
+    pub logit_rows: Vec<u32>,
+    pub token_offsets: Vec<usize>,
+    pub logit_offsets: Vec<usize>,
+}
+
+impl StackedBatch {
+    pub(crate) fn new(batch: &[SeqForward<'_>]) -> Self {
+        let mut st = StackedBatch {
+            tokens: Vec::new(),
+            positions: Vec::new(),
+            logit_rows: Vec::new(),
+            token_offsets: vec![0],
+            logit_offsets: vec![0],
+        };
+        for seq in batch {
+            let off = st.tokens.len();
+            st.tokens.extend_from_slice(seq.tokens);
+            st.positions.extend_from_slice(seq.positions);
+            st.logit_rows
+                .extend(seq.logit_rows.iter().map(|&r| (off + r) as u32));
+            st.token_offsets.push(st.tokens.len());
+            st.logit_offsets.push(st.logit_rows.len());
+        }
+        st
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Qwen3Model {
     pub(crate) cfg: Qwen3Config,
@@ -309,19 +343,13 @@ impl Qwen3Model {
         if self.fast && batch.len() == 1 && *batch[0].pattern == AttnPattern::Causal {
             return self.forward_chunked(&mut batch[0], taps);
         }
-        let mut token_offsets = vec![0];
-        let mut logit_offsets = vec![0];
-        let mut all_tokens = Vec::new();
-        let mut all_positions = Vec::new();
-        let mut logit_rows = Vec::new();
-        for seq in batch.iter() {
-            let off = all_tokens.len();
-            all_tokens.extend_from_slice(seq.tokens);
-            all_positions.extend_from_slice(seq.positions);
-            logit_rows.extend(seq.logit_rows.iter().map(|&r| (off + r) as u32));
-            token_offsets.push(all_tokens.len());
-            logit_offsets.push(logit_rows.len());
-        }
+        let StackedBatch {
+            tokens: all_tokens,
+            positions: all_positions,
+            logit_rows,
+            token_offsets,
+            logit_offsets,
+        } = StackedBatch::new(batch);
         let masks = batch
             .iter()
             .map(|s| s.pattern.mask(s.cache.len(), s.tokens.len(), &self.device))

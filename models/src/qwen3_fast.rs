@@ -10,9 +10,9 @@ use candle_core::Tensor;
 use crate::attention::AttnPattern;
 use crate::error::{ModelError, ModelResult};
 use crate::fast;
-use crate::fast_decoder::{AttnSeq, Stack};
+use crate::fast_decoder::{cache_key, capture_graph, AttnSeq, Stack};
 use crate::kv_cache::SequenceCache;
-use crate::qwen3::{ForwardOutput, Qwen3Model, SeqForward};
+use crate::qwen3::{ForwardOutput, Qwen3Model, SeqForward, StackedBatch};
 
 /// Per-sequence device inputs of one fused forward.
 struct SeqInputs {
@@ -32,20 +32,16 @@ impl Qwen3Model {
         taps: &[usize],
     ) -> ModelResult<ForwardOutput> {
         let dev = self.device().clone();
-        let mut token_offsets = vec![0];
-        let mut logit_offsets = vec![0];
-        let mut all_tokens = Vec::new();
-        let mut all_positions = Vec::new();
-        let mut logit_rows = Vec::new();
+        let StackedBatch {
+            tokens: all_tokens,
+            positions: all_positions,
+            logit_rows,
+            token_offsets,
+            logit_offsets,
+        } = StackedBatch::new(batch);
         let mut inputs = Vec::with_capacity(batch.len());
-        for seq in batch.iter() {
-            let off = all_tokens.len();
+        for (seq, &off) in batch.iter().zip(&token_offsets) {
             let t = seq.tokens.len();
-            all_tokens.extend_from_slice(seq.tokens);
-            all_positions.extend_from_slice(seq.positions);
-            logit_rows.extend(seq.logit_rows.iter().map(|&r| (off + r) as u32));
-            token_offsets.push(all_tokens.len());
-            logit_offsets.push(logit_rows.len());
             let len = seq.cache.len();
             let tree = match seq.pattern {
                 AttnPattern::Causal => None,
@@ -255,12 +251,6 @@ impl Qwen3Model {
         t: usize,
         tree: bool,
     ) -> ModelResult<StepGraph> {
-        use candle_core::cuda_backend::cudarc::driver::sys;
-        let candle_core::Device::Cuda(cd) = self.device() else {
-            return Err(ModelError::Unsupported(
-                "CUDA graphs need a CUDA device".into(),
-            ));
-        };
         if !self.fast_kernels() || t == 0 || t > fast::MAX_FAST_TOKENS {
             return Err(ModelError::Unsupported(format!(
                 "step graphs need the fused kernels (CUDA, bf16, head_dim 128) and 1..={} tokens",
@@ -301,21 +291,7 @@ impl Qwen3Model {
             logits.slice_set(&out, 0, 0)?;
             Ok(())
         };
-        // Uncaptured warm-up: loads modules, lets cuBLAS pick and allocate its workspaces, and
-        // fills candle's parameter cache for anything it would upload.
-        let _cache_guard = cd.enable_cuda_graph_htod_cache();
-        body()?;
-        dev.synchronize()?;
-        let stream = cd.cuda_stream();
-        stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| ModelError::Unsupported(format!("begin graph capture: {e}")))?;
-        let captured = body();
-        let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-        captured?;
-        let graph = ended
-            .map_err(|e| ModelError::Unsupported(format!("end graph capture: {e}")))?
-            .ok_or_else(|| ModelError::Unsupported("graph capture produced no graph".into()))?;
+        let graph = capture_graph(self.device(), body)?;
         Ok(StepGraph {
             graph,
             _model: self.clone(),
@@ -326,11 +302,6 @@ impl Qwen3Model {
             cache_key: cache_key(cache)?,
         })
     }
-}
-
-fn cache_key(cache: &SequenceCache) -> ModelResult<u64> {
-    let kv = cache.layer(0).attention()?;
-    Ok(fast::device_address(kv.buffers().0)?)
 }
 
 impl StepGraph {

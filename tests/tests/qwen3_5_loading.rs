@@ -195,25 +195,7 @@ fn the_builtin_mtp_head_loads_from_mtp_tensors_and_its_absence_is_explained() {
         "{e}"
     );
     // The 15 tensors of a dense checkpoint's head: layer 2 (gated attention) serves as its layer.
-    let layer: Vec<(String, Tensor)> = w
-        .iter()
-        .filter_map(|(k, v)| {
-            k.strip_prefix("model.language_model.layers.2.")
-                .map(|rest| (format!("mtp.layers.0.{rest}"), v.clone()))
-        })
-        .collect();
-    let h = hc.hidden_size;
-    let norm = w["model.language_model.norm.weight"].clone();
-    w.extend(layer);
-    for n in [
-        "mtp.pre_fc_norm_embedding.weight",
-        "mtp.pre_fc_norm_hidden.weight",
-        "mtp.norm.weight",
-    ] {
-        w.insert(n.into(), norm.clone());
-    }
-    let fc = Tensor::zeros((h, 2 * h), DType::BF16, &Device::Cpu).unwrap();
-    w.insert("mtp.fc.weight".into(), fc);
+    add_mtp_head(&mut w, 2, hc.hidden_size);
     assert_eq!(w.keys().filter(|k| k.starts_with("mtp.")).count(), 15);
     let dir = write("mtp", &cfg, &w);
     let files = WeightFiles::open_dir(&dir).unwrap();
@@ -363,31 +345,14 @@ fn a_moe_checkpoints_mtp_head_loads_its_sparse_layer() {
     let (cfg, mut w) = moe_original();
     let hc = HybridConfig::from_file(fixture(MOE).join("config.json")).unwrap();
     // Layer 1 (gated attention, sparse MLP) serves as the head's layer.
-    let layer: Vec<(String, Tensor)> = w
-        .iter()
-        .filter_map(|(k, v)| {
-            k.strip_prefix("model.language_model.layers.1.")
-                .map(|rest| (format!("mtp.layers.0.{rest}"), v.clone()))
-        })
-        .collect();
-    let h = hc.hidden_size;
-    let norm = w["model.language_model.norm.weight"].clone();
-    w.extend(layer);
-    for n in [
-        "mtp.pre_fc_norm_embedding.weight",
-        "mtp.pre_fc_norm_hidden.weight",
-        "mtp.norm.weight",
-    ] {
-        w.insert(n.into(), norm.clone());
-    }
-    let fc = Tensor::zeros((h, 2 * h), DType::BF16, &Device::Cpu).unwrap();
-    w.insert("mtp.fc.weight".into(), fc);
+    add_mtp_head(&mut w, 1, hc.hidden_size);
     assert!(w.contains_key("mtp.layers.0.mlp.experts.gate_up_proj"));
     let dir = write("moe-mtp", &cfg, &w);
     let files = WeightFiles::open_dir(&dir).unwrap();
     let m = Qwen35Model::load(&dir, DType::F32, &Device::Cpu, 64, OpsMode::Fused).unwrap();
     let head = MtpHead::load(&files, &hc, DType::F32, &Device::Cpu, OpsMode::Fused).unwrap();
     let mut cache = head.new_cache(8, DType::F32, &Device::Cpu).unwrap();
+    let h = hc.hidden_size;
     let hidden = Tensor::ones((2, h), DType::F32, &Device::Cpu).unwrap();
     let (out, logits) = head
         .forward(&m, &mut cache, &[3, 4], &hidden, &[0, 1])
@@ -428,4 +393,28 @@ fn the_moe_fixture_runs_in_bf16_and_f16() {
             "{dtype:?}: logits differ from the f32 reference by {d}"
         );
     }
+}
+
+/// Adds the tensors of a built-in MTP head to `w`, its layer a copy of text layer `layer`,
+/// its norms the final norm's, and a zero `fc` (`[hidden, 2 hidden]`).
+fn add_mtp_head(w: &mut HashMap<String, Tensor>, layer: usize, hidden: usize) {
+    let prefix = format!("model.language_model.layers.{layer}.");
+    let copied: Vec<(String, Tensor)> = w
+        .iter()
+        .filter_map(|(k, v)| {
+            k.strip_prefix(prefix.as_str())
+                .map(|rest| (format!("mtp.layers.0.{rest}"), v.clone()))
+        })
+        .collect();
+    let norm = w["model.language_model.norm.weight"].clone();
+    w.extend(copied);
+    for n in [
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "mtp.norm.weight",
+    ] {
+        w.insert(n.into(), norm.clone());
+    }
+    let fc = Tensor::zeros((hidden, 2 * hidden), DType::BF16, &Device::Cpu).unwrap();
+    w.insert("mtp.fc.weight".into(), fc);
 }

@@ -28,7 +28,7 @@ use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::{KvBuffer, LayerCache, SequenceCache, StagedState};
 use crate::layer::linear;
 use crate::ops::{rms_norm, OpsMode};
-use crate::qwen3::{check_batch, ForwardOutput, SeqForward};
+use crate::qwen3::{check_batch, ForwardOutput, SeqForward, StackedBatch};
 use crate::qwen3_5::delta_rule::Forest;
 use crate::random::WeightRng;
 use crate::rope::RotaryEmbedding;
@@ -340,21 +340,17 @@ impl Qwen35Model {
             self.cfg.vocab_size,
             self.rope.max_positions(),
         )?;
-        let mut token_offsets = vec![0];
-        let mut logit_offsets = vec![0];
-        let mut all_tokens = Vec::new();
-        let mut all_positions = Vec::new();
-        let mut logit_rows = Vec::new();
+        let StackedBatch {
+            tokens: all_tokens,
+            positions: all_positions,
+            logit_rows,
+            token_offsets,
+            logit_offsets,
+        } = StackedBatch::new(batch);
         let mut forests: Vec<Vec<Option<usize>>> = Vec::with_capacity(batch.len());
         let mut keep_rows = Vec::with_capacity(batch.len());
         for seq in batch.iter() {
-            let off = all_tokens.len();
             let t = seq.tokens.len();
-            all_tokens.extend_from_slice(seq.tokens);
-            all_positions.extend_from_slice(seq.positions);
-            logit_rows.extend(seq.logit_rows.iter().map(|&r| (off + r) as u32));
-            token_offsets.push(all_tokens.len());
-            logit_offsets.push(logit_rows.len());
             let tracker = seq.cache.row_tracker().ok_or_else(|| {
                 ModelError::BadInput(
                     "a hybrid model needs a cache from Qwen35Model::new_cache".into(),

@@ -48,23 +48,29 @@ pub fn binary_tree(n: usize) -> Vec<Option<usize>> {
 
 /// Fills `cache` with `ctx` committed positions, in prefill chunks of at most 2048 tokens.
 pub fn fill_context(m: &Qwen3Model, cache: &mut SequenceCache, ctx: usize) -> Result<()> {
-    let vocab = m.config().vocab_size;
     while cache.len() < ctx {
         let start = cache.len();
-        let n = (ctx - start).min(2048);
-        let toks = tokens(n, start as u32, vocab);
-        let pos: Vec<u32> = (start as u32..(start + n) as u32).collect();
-        m.forward(
-            &mut [SeqForward {
-                cache,
-                tokens: &toks,
-                positions: &pos,
-                pattern: &AttnPattern::Causal,
-                logit_rows: &[n - 1],
-            }],
-            &[],
-        )?;
+        append_causal(m, cache, (ctx - start).min(2048), start as u32)?;
     }
+    Ok(())
+}
+
+/// One causal forward of `n` tokens (made from `seed`) appended to `cache`, the last row's
+/// logits computed as a prefill does.
+fn append_causal(m: &Qwen3Model, cache: &mut SequenceCache, n: usize, seed: u32) -> Result<()> {
+    let start = cache.len() as u32;
+    let toks = tokens(n, seed, m.config().vocab_size);
+    let pos: Vec<u32> = (start..start + n as u32).collect();
+    m.forward(
+        &mut [SeqForward {
+            cache,
+            tokens: &toks,
+            positions: &pos,
+            pattern: &AttnPattern::Causal,
+            logit_rows: &[n - 1],
+        }],
+        &[],
+    )?;
     Ok(())
 }
 
@@ -192,25 +198,9 @@ pub fn prefill_s(m: &Qwen3Model, n: usize, reps: usize) -> Result<f64> {
     let dev = m.device().clone();
     let ms = time_ms(&dev, reps, || {
         cache.truncate(0)?;
-        fill_context_one(m, &mut cache, n)
+        append_causal(m, &mut cache, n, 3)
     })?;
     Ok(ms / 1e3)
-}
-
-fn fill_context_one(m: &Qwen3Model, cache: &mut SequenceCache, n: usize) -> Result<()> {
-    let toks = tokens(n, 3, m.config().vocab_size);
-    let pos: Vec<u32> = (0..n as u32).collect();
-    m.forward(
-        &mut [SeqForward {
-            cache,
-            tokens: &toks,
-            positions: &pos,
-            pattern: &AttnPattern::Causal,
-            logit_rows: &[n - 1],
-        }],
-        &[],
-    )?;
-    Ok(())
 }
 
 /// As [`decode_ms`], with each step replayed from a CUDA graph captured once for the cache.
