@@ -161,7 +161,8 @@ impl Stack<'_> {
         Ok((h, tapped))
     }
 
-    /// q/k norm + RoPE + cache write, then attention, per sequence; `[rows, heads * d]`.
+    /// q/k norm + RoPE + cache write, then attention, per sequence; `[rows, heads * d]`: one
+    /// fused launch for up to [`fast::FUSED_ATTN_MAX_TOKENS`] tokens, two for longer pieces.
     fn attention(
         &self,
         li: usize,
@@ -177,13 +178,34 @@ impl Stack<'_> {
         for s in seqs {
             let kv = s.cache.layer(li).attention()?;
             let (kc, vc) = kv.buffers();
+            let rows = qkv.narrow(0, s.offset, s.tokens)?;
+            let pos = positions.narrow(0, s.offset, s.tokens)?;
+            if s.tokens <= fast::FUSED_ATTN_MAX_TOKENS {
+                // Few rows: norm, RoPE, cache write, attention and merge in one launch.
+                outs.push(fast::fused_attention(
+                    &rows,
+                    q_norm,
+                    k_norm,
+                    cos,
+                    sin,
+                    &pos,
+                    s.cache_len,
+                    kc,
+                    vc,
+                    (nh, nkv, d),
+                    self.eps,
+                    s.tree,
+                    s.split,
+                )?);
+                continue;
+            }
             let q = fast::qk_norm_rope_cache(
-                &qkv.narrow(0, s.offset, s.tokens)?,
+                &rows,
                 q_norm,
                 k_norm,
                 cos,
                 sin,
-                &positions.narrow(0, s.offset, s.tokens)?,
+                &pos,
                 s.cache_len,
                 kc,
                 vc,

@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use crate::attention::{attend, AttnPattern};
 use crate::ops::{rms_norm, rope, OpsMode};
 
-use super::{cuda, gemv};
+use super::{attn_decode, cuda, gemv};
 
 /// (kernel, max |fast - plain|, max |plain|) per kernel.
 pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
@@ -122,6 +122,8 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         }
     }
 
+    fused_attention_errors(dev, &mut out)?;
+
     // Skinny GEMMs against cuBLAS and the candle ops they fuse.
     let (n, k) = (1008usize, 4096usize);
     let w = bf(Tensor::randn(0f32, 0.05, (n, k), dev)?)?;
@@ -209,6 +211,142 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     let (e, s) = err(&ho, &rms_norm(&xs, &w, eps, OpsMode::Fused)?)?;
     out.push(("add_rmsnorm:norm".into(), e, s));
     Ok(out)
+}
+
+fn max_err(a: &Tensor, b: &Tensor) -> Result<(f32, f32)> {
+    let a = a.to_dtype(DType::F32)?;
+    let b = b.to_dtype(DType::F32)?;
+    let d = (&a - &b)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
+    let s = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    Ok((d, s))
+}
+
+/// The one-launch attention (`fused_attention`) against `qk_norm_rope_cache` + `attention`
+/// and against the plain ops (rms_norm + rope + attend over the cache with the new rows
+/// appended): the output, the whole K/V caches it leaves (new rows written, nothing else
+/// touched) and a second launch (bit-identical: fixed merge order, counters re-armed).
+fn fused_attention_errors(dev: &Device, out: &mut Vec<(String, f32, f32)>) -> Result<()> {
+    let bf = |t: Tensor| t.to_dtype(DType::BF16);
+    let (nh, nkv, d, eps) = (8usize, 2usize, 128usize, 1e-6);
+    let chain = |t: usize| -> Vec<Option<usize>> { (0..t).map(|i| i.checked_sub(1)).collect() };
+    let bushy = |t: usize| -> Vec<Option<usize>> {
+        (0..t)
+            .map(|i| if i == 0 { None } else { Some((i * 7 + 3) % i) })
+            .collect()
+    };
+    // (name, context, tokens, tree parents, split plan: None = split_plan, Some(cps) = that
+    // many chunks per split, 0 = one split per chunk of the whole capacity as graphs do).
+    let cases: [(&str, usize, usize, Option<Vec<Option<usize>>>, Option<usize>); 7] = [
+        ("t1_ctx1k", 1023, 1, None, None),
+        ("t1_ctx1k_graph_split", 1023, 1, None, Some(0)),
+        ("t1_ctx8k", 8191, 1, None, None),
+        ("t5_ctx7", 7, 5, None, None),
+        ("t16_causal_ctx1k", 1000, 16, None, None),
+        ("t64_tree_ctx1k", 1000, 64, Some(bushy(64)), None),
+        ("t64_chain_tree_ctx1k_3_chunks_per_split", 1000, 64, Some(chain(64)), Some(3)),
+    ];
+    for (name, c, t, parents, plan) in cases {
+        let cap = c + t + 100;
+        let qkv = bf(Tensor::randn(0f32, 2.0, (t, (nh + 2 * nkv) * d), dev)?)?;
+        let qn = bf(Tensor::randn(1f32, 0.2, d, dev)?)?;
+        let kn = bf(Tensor::randn(1f32, 0.2, d, dev)?)?;
+        let ang = Tensor::randn(0f32, 3.0, (cap, d / 2), dev)?;
+        let (cos, sin) = (ang.cos()?, ang.sin()?);
+        let pos_v: Vec<u32> = (c as u32..(c + t) as u32).collect();
+        let pos = Tensor::new(pos_v.as_slice(), dev)?;
+        let kc0 = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
+        let vc0 = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
+        let len = Tensor::new(&[c as u32], dev)?;
+        let bits = match &parents {
+            Some(p) => Some(Tensor::from_vec(
+                super::tree_bits(p),
+                (t, t.div_ceil(64)),
+                dev,
+            )?),
+            None => None,
+        };
+        let split = match plan {
+            None => cuda::split_plan(c + t, t, nh, nkv),
+            Some(0) => (cap.div_ceil(cuda::CHUNK), 1),
+            Some(cps) => ((c + t).div_ceil(cuda::CHUNK * cps), cps),
+        };
+        // Two launches: qk_norm_rope_cache + attention.
+        let (kc2, vc2) = (kc0.copy()?, vc0.copy()?);
+        let q = cuda::qk_norm_rope_cache(
+            &qkv,
+            &qn,
+            &kn,
+            &cos,
+            &sin,
+            &pos,
+            &len,
+            &kc2,
+            &vc2,
+            (nh, nkv, d),
+            eps,
+        )?;
+        let two = cuda::attention(&q, &kc2, &vc2, &len, bits.as_ref(), split)?;
+        // One launch, twice on fresh copies of the cache.
+        let mut fused = Vec::new();
+        for _ in 0..2 {
+            let (kc1, vc1) = (kc0.copy()?, vc0.copy()?);
+            let o = attn_decode::fused_attention(
+                &qkv,
+                &qn,
+                &kn,
+                &cos,
+                &sin,
+                &pos,
+                &len,
+                &kc1,
+                &vc1,
+                (nh, nkv, d),
+                eps,
+                bits.as_ref(),
+                split,
+            )?;
+            fused.push((o, kc1, vc1));
+        }
+        let (o, kc1, vc1) = &fused[0];
+        // Plain ops: norm + RoPE, the new rows appended to the committed ones, attend.
+        let (cr, sr) = (cos.index_select(&pos, 0)?, sin.index_select(&pos, 0)?);
+        let head = |start: usize, heads: usize, w: &Tensor| -> Result<Tensor> {
+            let y = qkv.narrow(1, start * d, heads * d)?.reshape((t, heads, d))?;
+            rope(&rms_norm(&y, w, eps, OpsMode::Fused)?, &cr, &sr, OpsMode::Fused)
+        };
+        let qp = head(0, nh, &qn)?.transpose(0, 1)?.contiguous()?;
+        let kp = head(nh, nkv, &kn)?.transpose(0, 1)?;
+        let vp = qkv
+            .narrow(1, (nh + nkv) * d, nkv * d)?
+            .reshape((t, nkv, d))?
+            .transpose(0, 1)?;
+        let kall = Tensor::cat(&[&kc0.narrow(1, 0, c)?, &kp], 1)?;
+        let vall = Tensor::cat(&[&vc0.narrow(1, 0, c)?, &vp], 1)?;
+        let pattern = match &parents {
+            Some(p) => AttnPattern::Tree { parents: p.clone() },
+            None => AttnPattern::Causal,
+        };
+        let mask = pattern.mask(c, t, dev)?;
+        let plain = attend(&qp, &kall, &vall, mask.as_ref(), OpsMode::Fused)?;
+        let tag = format!("fused_attention:{name}:splits{}x{}", split.0, split.1);
+        for (what, a, b) in [
+            ("vs_two_launch", o, &two),
+            ("vs_plain", o, &plain),
+            ("second_launch_vs_first", &fused[1].0, o),
+            ("k_cache_vs_two_launch", kc1, &kc2),
+            ("v_cache_vs_two_launch", vc1, &vc2),
+            ("new_k_rows_vs_plain", &kc1.narrow(1, c, t)?, &kp),
+            ("new_v_rows_vs_plain", &vc1.narrow(1, c, t)?, &vp),
+        ] {
+            let (e, s) = max_err(a, b)?;
+            out.push((format!("{tag}:{what}"), e, s));
+        }
+    }
+    Ok(())
 }
 
 /// Milliseconds of cuBLAS and of the skinny kernels on Qwen3-8B's projections (the SiLU

@@ -14,6 +14,10 @@ use candle_core::{DType, Device};
 use crate::ops::OpsMode;
 
 #[cfg(feature = "cuda")]
+mod attn_decode;
+#[cfg(feature = "cuda")]
+pub use attn_decode::{fused_attention, FUSED_ATTN_MAX_TOKENS};
+#[cfg(feature = "cuda")]
 pub mod check;
 #[cfg(feature = "cuda")]
 mod cuda;

@@ -1,0 +1,404 @@
+// One attention kernel per layer for forwards of few rows (decode, small verifies, trees):
+// q/k RMSNorm + RoPE straight from the raw qkv GEMM output, the new tokens' K/V into the cache,
+// split-K flash-decoding over the cache on tensor cores, and the merge of the splits by the
+// last block to finish — what qk_norm_rope_cache + attn_partial_mma + attn_combine
+// (kernels.cu) do in three launches. Compiled to PTX by models/build.rs.
+//
+// Grid (KV head, key split, row tile), 4 warps per block. A block owns TR = 16 RT query rows
+// (row = token * groups + g) and `cps` chunks of CH keys from key split * cps * CH; its warps
+// split the rows into RT tiles of 16 and each chunk's keys into KS = 4 / RT parts, so a
+// decode block (one tile) has four warps on 16 keys each. Chunks stream through shared memory
+// with cp.async, double buffered when a block has several; the key rows of the new tokens
+// (>= cache_len) are computed from qkv instead of read from the cache, which the z = 0 block
+// of each split writes in the same launch (no block reads those cache rows).
+
+#include "common.cuh"
+
+#define CH 64     // keys per chunk (fast::CHUNK)
+#define D 128     // head dim
+#define KPAD 136  // bf16 per shared K/V/q row: 128 + 8, so fragment reads avoid bank conflicts
+#define NW 4      // warps per block
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    u32 s = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// RMSNorm + RoPE of one head held by a warp, lane owning dims lane + 32 i: the same roundings
+// as qk_norm_rope_cache (normed value to bf16 before RoPE, cos/sin to bf16), and the same
+// summation order as its block_sum (warp i sums dims 32i.., then (s0 + s2) + (s1 + s3)), so
+// the values agree bit for bit. RoPE pairs dim i with i + 64: the same lane.
+__device__ __forceinline__ void norm_rope(const float x[4], const bf16_t* __restrict__ w,
+                                          const float* __restrict__ cos_t,
+                                          const float* __restrict__ sin_t, int p, float eps,
+                                          int lane, bf16_t out[4]) {
+    float s[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] = warp_sum(x[i] * x[i]);
+    float ss = (s[0] + s[2]) + (s[1] + s[3]);
+    float inv = rsqrtf(ss / (float)D + eps);
+    float n[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) n[i] = bf2f(f2bf(x[i] * inv * bf2f(w[lane + 32 * i])));
+    const int half = D / 2;
+    float c0 = bf2f(f2bf(cos_t[(size_t)p * half + lane]));
+    float s0 = bf2f(f2bf(sin_t[(size_t)p * half + lane]));
+    float c1 = bf2f(f2bf(cos_t[(size_t)p * half + lane + 32]));
+    float s1 = bf2f(f2bf(sin_t[(size_t)p * half + lane + 32]));
+    out[0] = f2bf(n[0] * c0 - n[2] * s0);
+    out[1] = f2bf(n[1] * c1 - n[3] * s1);
+    out[2] = f2bf(n[2] * c0 + n[0] * s0);
+    out[3] = f2bf(n[3] * c1 + n[1] * s1);
+}
+
+__device__ __forceinline__ void load_head(const bf16_t* __restrict__ src, int lane, float x[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = bf2f(src[lane + 32 * i]);
+}
+
+struct Args {
+    const bf16_t* qkv;
+    const bf16_t* qw;
+    const bf16_t* kw;
+    const float* cos_t;
+    const float* sin_t;
+    const u32* positions;
+    const u32* cache_len;
+    bf16_t* kc;
+    bf16_t* vc;
+    const u64* tree_mask;
+    float* acc;
+    float* ml;
+    u32* counter;
+    bf16_t* out;
+    int words, t, nh, nkv, cap, cps;
+    float scale, eps;
+};
+
+// Chunk sc of this block's split into shared buffer kb/vb: committed keys by cp.async, new
+// keys computed from qkv (k-norm + RoPE, v copied), keys past the live ones zeroed (their
+// probabilities are 0, and 0 * garbage could be NaN).
+__device__ __forceinline__ void load_chunk(const Args& a, int kvh, int k0, int c, int L,
+                                           bf16_t* kb, bf16_t* vb) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int e = tid; e < CH * (D / 8); e += NW * 32) {
+        int j = e >> 4, p = e & 15, key = k0 + j;
+        if (key < c) {
+            size_t off = ((size_t)kvh * a.cap + key) * D + 8 * p;
+            cp_async16(kb + j * KPAD + 8 * p, a.kc + off);
+            cp_async16(vb + j * KPAD + 8 * p, a.vc + off);
+        } else if (key >= L) {
+            *(uint4*)(kb + j * KPAD + 8 * p) = make_uint4(0, 0, 0, 0);
+            *(uint4*)(vb + j * KPAD + 8 * p) = make_uint4(0, 0, 0, 0);
+        }
+    }
+    const int width = (a.nh + 2 * a.nkv) * D;
+    int kend = min(k0 + CH, L);
+    for (int key = max(k0, c) + warp; key < kend; key += NW) {
+        int tok = key - c, j = key - k0;
+        const bf16_t* row = a.qkv + (size_t)tok * width;
+        float x[4];
+        bf16_t kk[4];
+        load_head(row + (size_t)(a.nh + kvh) * D, lane, x);
+        norm_rope(x, a.kw, a.cos_t, a.sin_t, (int)a.positions[tok], a.eps, lane, kk);
+        const bf16_t* vrow = row + (size_t)(a.nh + a.nkv + kvh) * D;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            kb[j * KPAD + lane + 32 * i] = kk[i];
+            vb[j * KPAD + lane + 32 * i] = vrow[lane + 32 * i];
+        }
+    }
+}
+
+template <int RT>
+__device__ __forceinline__ void attn_decode_impl(const Args& a) {
+    constexpr int KS = NW / RT;  // warps sharing a row tile
+    constexpr int KW = CH / KS;  // keys of a chunk per warp
+    constexpr int NT = KW / 8;   // 8-key tiles per warp
+    constexpr int TR = 16 * RT;  // query rows per block
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ u32 is_last;
+    __shared__ float rowM[TR], rowD[TR];
+    const int stages = a.cps > 1 ? 2 : 1;
+    bf16_t* kvbuf = (bf16_t*)smem;  // stages x {K, V} x CH x KPAD
+    bf16_t* qs = kvbuf + stages * 2 * CH * KPAD;  // TR x KPAD
+    const int kvh = blockIdx.x, split = blockIdx.y, z = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
+    const int groups = a.nh / a.nkv;
+    const int width = (a.nh + 2 * a.nkv) * D;
+    const int c = (int)(*a.cache_len);
+    const int L = c + a.t;
+    const int kbeg = split * a.cps * CH;
+    const int rows_total = a.t * groups;
+    const int r0 = z * TR;
+    const size_t nrows = (size_t)a.t * a.nh;
+    u32* cnt = a.counter + (size_t)kvh * gridDim.z + z;
+
+    if (kbeg < L) {
+        // The new tokens' K/V of this split into the cache (once per split: the z = 0 block).
+        if (z == 0) {
+            int kend = min(kbeg + a.cps * CH, L);
+            for (int key = max(kbeg, c) + warp; key < kend; key += NW) {
+                int tok = key - c;
+                const bf16_t* row = a.qkv + (size_t)tok * width;
+                float x[4];
+                bf16_t kk[4];
+                load_head(row + (size_t)(a.nh + kvh) * D, lane, x);
+                norm_rope(x, a.kw, a.cos_t, a.sin_t, (int)a.positions[tok], a.eps, lane, kk);
+                const bf16_t* vrow = row + (size_t)(a.nh + a.nkv + kvh) * D;
+                size_t off = ((size_t)kvh * a.cap + key) * D;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    a.kc[off + lane + 32 * i] = kk[i];
+                    a.vc[off + lane + 32 * i] = vrow[lane + 32 * i];
+                }
+            }
+        }
+        // Chunks with a visible key for some row of the block (causal/tree: none past the
+        // block's last token).
+        const int last_tok = (min(r0 + TR, rows_total) - 1) / groups;
+        int nch = 0;
+        while (nch < a.cps && kbeg + nch * CH < L && kbeg + nch * CH <= c + last_tok) ++nch;
+        if (nch > 0) load_chunk(a, kvh, kbeg, c, L, kvbuf, kvbuf + CH * KPAD);
+        cp_async_commit();
+        // q rows of the block: norm + RoPE while the first chunk is in flight.
+        for (int r = warp; r < TR; r += NW) {
+            int row = r0 + r;
+            bf16_t qb[4] = {0, 0, 0, 0};
+            if (row < rows_total) {
+                int tok = row / groups, gq = row % groups;
+                float x[4];
+                load_head(a.qkv + (size_t)tok * width + (size_t)(kvh * groups + gq) * D, lane, x);
+                norm_rope(x, a.qw, a.cos_t, a.sin_t, (int)a.positions[tok], a.eps, lane, qb);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) qs[r * KPAD + lane + 32 * i] = qb[i];
+        }
+        __syncthreads();
+        const int tr = warp % RT, kofs = (warp / RT) * KW;
+        const int t0 = r0 + tr * 16;  // first row of this warp's tile
+        const int rowA = t0 + g, rowB = t0 + g + 8;
+        const bool liveA = rowA < rows_total, liveB = rowB < rows_total;
+        const bool dead = t0 >= rows_total;
+        const int tokA = liveA ? rowA / groups : 0, tokB = liveB ? rowB / groups : 0;
+        const int wlast = dead ? -1 : (min(t0 + 16, rows_total) - 1) / groups;
+        u32 qf[8][4];
+        {
+            const u32* qa = (const u32*)(qs + (tr * 16 + g) * KPAD);
+            const u32* qb = (const u32*)(qs + (tr * 16 + g + 8) * KPAD);
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                qf[kk][0] = qa[kk * 8 + tig];
+                qf[kk][1] = qb[kk * 8 + tig];
+                qf[kk][2] = qa[kk * 8 + tig + 4];
+                qf[kk][3] = qb[kk * 8 + tig + 4];
+            }
+        }
+        float o[16][4];
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+        float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
+        for (int sc = 0; sc < nch; ++sc) {
+            if (sc + 1 < nch) {
+                bf16_t* nb = kvbuf + ((sc + 1) & 1) * 2 * CH * KPAD;
+                load_chunk(a, kvh, kbeg + (sc + 1) * CH, c, L, nb, nb + CH * KPAD);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+            const int k0 = kbeg + sc * CH + kofs;  // this warp's first key
+            if (!dead && k0 < L && k0 <= c + wlast) {
+                const bf16_t* kb = kvbuf + (sc & 1) * 2 * CH * KPAD + kofs * KPAD;
+                const bf16_t* vb = kb + CH * KPAD;
+                float s[NT][4];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+                    const u32* krow = (const u32*)(kb + (nt * 8 + g) * KPAD);
+#pragma unroll
+                    for (int kk = 0; kk < 8; ++kk)
+                        mma_bf16(s[nt], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3],
+                                 krow[kk * 8 + tig], krow[kk * 8 + tig + 4]);
+                }
+                float mxA = -INFINITY, mxB = -INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        int key = k0 + nt * 8 + tig * 2 + e;
+                        bool vA = liveA && key < L, vB = liveB && key < L;
+                        if (key >= c) {
+                            int nj = key - c;
+                            if (a.tree_mask) {
+                                vA = vA && ((a.tree_mask[(size_t)tokA * a.words + (nj >> 6)] >> (nj & 63)) & 1ull);
+                                vB = vB && ((a.tree_mask[(size_t)tokB * a.words + (nj >> 6)] >> (nj & 63)) & 1ull);
+                            } else {
+                                vA = vA && nj <= tokA;
+                                vB = vB && nj <= tokB;
+                            }
+                        }
+                        s[nt][e] = vA ? s[nt][e] * a.scale : -INFINITY;
+                        s[nt][2 + e] = vB ? s[nt][2 + e] * a.scale : -INFINITY;
+                        mxA = fmaxf(mxA, s[nt][e]);
+                        mxB = fmaxf(mxB, s[nt][2 + e]);
+                    }
+                }
+                mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
+                mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
+                mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
+                mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
+                float nA = fmaxf(mA, mxA), nB = fmaxf(mB, mxB);
+                float cA = nA == -INFINITY ? 1.f : __expf(mA - nA);
+                float cB = nB == -INFINITY ? 1.f : __expf(mB - nB);
+#pragma unroll
+                for (int nt = 0; nt < 16; ++nt) {
+                    o[nt][0] *= cA; o[nt][1] *= cA; o[nt][2] *= cB; o[nt][3] *= cB;
+                }
+                mA = nA;
+                mB = nB;
+                // P = exp(S - m) as bf16 A fragments of P V (k-step j = key tiles 2j, 2j + 1).
+                u32 pf[NT / 2][4];
+                float sumA = 0.f, sumB = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    float p0 = mA == -INFINITY ? 0.f : __expf(s[nt][0] - mA);
+                    float p1 = mA == -INFINITY ? 0.f : __expf(s[nt][1] - mA);
+                    float p2 = mB == -INFINITY ? 0.f : __expf(s[nt][2] - mB);
+                    float p3 = mB == -INFINITY ? 0.f : __expf(s[nt][3] - mB);
+                    bf16_t b0 = f2bf(p0), b1 = f2bf(p1), b2 = f2bf(p2), b3 = f2bf(p3);
+                    // The sums use the rounded probabilities the P V product sees.
+                    sumA += bf2f(b0) + bf2f(b1);
+                    sumB += bf2f(b2) + bf2f(b3);
+                    u32 lo = (u32)b0 | ((u32)b1 << 16), hi = (u32)b2 | ((u32)b3 << 16);
+                    int j = nt >> 1;
+                    if ((nt & 1) == 0) { pf[j][0] = lo; pf[j][1] = hi; }
+                    else { pf[j][2] = lo; pf[j][3] = hi; }
+                }
+                sumA += __shfl_xor_sync(0xffffffffu, sumA, 1);
+                sumA += __shfl_xor_sync(0xffffffffu, sumA, 2);
+                sumB += __shfl_xor_sync(0xffffffffu, sumB, 1);
+                sumB += __shfl_xor_sync(0xffffffffu, sumB, 2);
+                lA = lA * cA + sumA;
+                lB = lB * cB + sumB;
+#pragma unroll
+                for (int nt = 0; nt < 16; ++nt) {
+                    int dim = nt * 8 + g;
+#pragma unroll
+                    for (int j = 0; j < NT / 2; ++j) {
+                        int key = j * 16 + tig * 2;
+                        u32 b0 = (u32)vb[key * KPAD + dim] | ((u32)vb[(key + 1) * KPAD + dim] << 16);
+                        u32 b1 = (u32)vb[(key + 8) * KPAD + dim] | ((u32)vb[(key + 9) * KPAD + dim] << 16);
+                        mma_bf16(o[nt], pf[j][0], pf[j][1], pf[j][2], pf[j][3], b0, b1);
+                    }
+                }
+            }
+            __syncthreads();  // the next load overwrites this buffer
+        }
+        // The block's partial: the KS warps of each row tile merged in a fixed order through
+        // shared memory (the K/V buffers are free now), then one row of acc/ml per query row.
+        float* ob = (float*)smem;          // [NW][16][D]
+        float* mlb = ob + NW * 16 * D;     // [NW][16][2]
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+            int dim = nt * 8 + tig * 2;
+            ob[(warp * 16 + g) * D + dim] = o[nt][0];
+            ob[(warp * 16 + g) * D + dim + 1] = o[nt][1];
+            ob[(warp * 16 + g + 8) * D + dim] = o[nt][2];
+            ob[(warp * 16 + g + 8) * D + dim + 1] = o[nt][3];
+        }
+        if (tig == 0) {
+            mlb[(warp * 16 + g) * 2] = mA;
+            mlb[(warp * 16 + g) * 2 + 1] = lA;
+            mlb[(warp * 16 + g + 8) * 2] = mB;
+            mlb[(warp * 16 + g + 8) * 2 + 1] = lB;
+        }
+        __syncthreads();
+        for (int e = tid; e < TR * D; e += NW * 32) {
+            int r = e / D, dim = e % D, rt = r / 16, rr = r % 16;
+            int row = r0 + r;
+            if (row >= rows_total) continue;
+            float M = -INFINITY;
+#pragma unroll
+            for (int k = 0; k < KS; ++k) M = fmaxf(M, mlb[((k * RT + rt) * 16 + rr) * 2]);
+            float num = 0.f, den = 0.f;
+#pragma unroll
+            for (int k = 0; k < KS; ++k) {
+                int wr = (k * RT + rt) * 16 + rr;
+                float m = mlb[wr * 2];
+                if (m == -INFINITY) continue;
+                float w = __expf(m - M);
+                den += w * mlb[wr * 2 + 1];
+                num += w * ob[wr * D + dim];
+            }
+            int tok = row / groups, gq = row % groups;
+            size_t orow = (size_t)tok * a.nh + kvh * groups + gq;
+            a.acc[((size_t)split * nrows + orow) * D + dim] = num;
+            if (dim == 0) {
+                a.ml[((size_t)split * nrows + orow) * 2] = M;
+                a.ml[((size_t)split * nrows + orow) * 2 + 1] = den;
+            }
+        }
+    }
+    // Every block of the (KV head, row tile) counts itself; the last one merges the splits.
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) is_last = atomicAdd(cnt, 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    const int span = CH * a.cps;
+    const int used = min((int)gridDim.y, (L + span - 1) / span);
+    for (int r = warp; r < TR; r += NW) {
+        int row = r0 + r;
+        if (row >= rows_total) continue;
+        size_t orow = (size_t)(row / groups) * a.nh + kvh * groups + row % groups;
+        float M = -INFINITY;
+        for (int s = lane; s < used; s += 32) M = fmaxf(M, __ldcg(a.ml + ((size_t)s * nrows + orow) * 2));
+        M = warp_max(M);
+        float den = 0.f;
+        for (int s = lane; s < used; s += 32) {
+            float m = __ldcg(a.ml + ((size_t)s * nrows + orow) * 2);
+            if (m != -INFINITY) den += __expf(m - M) * __ldcg(a.ml + ((size_t)s * nrows + orow) * 2 + 1);
+        }
+        den = warp_sum(den);
+        if (lane == 0) {
+            rowM[r] = M;
+            rowD[r] = den;
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < TR * (D / 4); e += NW * 32) {
+        int r = e / (D / 4), q4 = e % (D / 4);
+        int row = r0 + r;
+        if (row >= rows_total) continue;
+        size_t orow = (size_t)(row / groups) * a.nh + kvh * groups + row % groups;
+        float M = rowM[r];
+        float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int s = 0; s < used; ++s) {
+            float m = __ldcg(a.ml + ((size_t)s * nrows + orow) * 2);
+            if (m == -INFINITY) continue;
+            float w = __expf(m - M);
+            float4 v = __ldcg((const float4*)(a.acc + ((size_t)s * nrows + orow) * D) + q4);
+            num.x += w * v.x; num.y += w * v.y; num.z += w * v.z; num.w += w * v.w;
+        }
+        float den = rowD[r];
+        uint2 packed;
+        packed.x = (u32)f2bf(num.x / den) | ((u32)f2bf(num.y / den) << 16);
+        packed.y = (u32)f2bf(num.z / den) | ((u32)f2bf(num.w / den) << 16);
+        *(uint2*)(a.out + orow * D + 4 * q4) = packed;
+    }
+    if (tid == 0) *cnt = 0u;  // re-armed for the next launch
+}
+
+#define ATTN_DECODE(RT)                                                                          \
+    extern "C" __global__ void __launch_bounds__(NW * 32) attn_decode_rt##RT(Args a) {           \
+        attn_decode_impl<RT>(a);                                                                 \
+    }
+ATTN_DECODE(1)
+ATTN_DECODE(2)
+ATTN_DECODE(4)
