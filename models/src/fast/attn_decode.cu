@@ -121,7 +121,7 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     constexpr int TR = 16 * RT;  // query rows per block
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ u32 is_last;
-    __shared__ float rowM[TR], rowD[TR];
+    __shared__ float rowD[TR];
     const int stages = a.cps > 1 ? 2 : 1;
     bf16_t* kvbuf = (bf16_t*)smem;  // stages x {K, V} x CH x KPAD
     bf16_t* qs = kvbuf + stages * 2 * CH * KPAD;  // TR x KPAD
@@ -353,37 +353,50 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     __threadfence();
     const int span = CH * a.cps;
     const int used = min((int)gridDim.y, (L + span - 1) / span);
+    // Split maxima into shared memory (the host keeps used * TR floats within the K/V
+    // buffers), then per row the global max, the weights exp(m - M) in place and the sum.
+    float* wts = (float*)smem;  // [used][TR]
+    for (int e = tid; e < used * TR; e += NW * 32) {
+        int s = e / TR, row = r0 + e % TR;
+        float m = -INFINITY;
+        if (row < rows_total) {
+            size_t orow = (size_t)(row / groups) * a.nh + kvh * groups + row % groups;
+            m = __ldcg(a.ml + ((size_t)s * nrows + orow) * 2);
+        }
+        wts[e] = m;
+    }
+    __syncthreads();
     for (int r = warp; r < TR; r += NW) {
         int row = r0 + r;
         if (row >= rows_total) continue;
         size_t orow = (size_t)(row / groups) * a.nh + kvh * groups + row % groups;
         float M = -INFINITY;
-        for (int s = lane; s < used; s += 32) M = fmaxf(M, __ldcg(a.ml + ((size_t)s * nrows + orow) * 2));
+        for (int s = lane; s < used; s += 32) M = fmaxf(M, wts[s * TR + r]);
         M = warp_max(M);
         float den = 0.f;
         for (int s = lane; s < used; s += 32) {
-            float m = __ldcg(a.ml + ((size_t)s * nrows + orow) * 2);
-            if (m != -INFINITY) den += __expf(m - M) * __ldcg(a.ml + ((size_t)s * nrows + orow) * 2 + 1);
+            float m = wts[s * TR + r];
+            float w = m == -INFINITY ? 0.f : __expf(m - M);
+            if (w != 0.f) den += w * __ldcg(a.ml + ((size_t)s * nrows + orow) * 2 + 1);
+            wts[s * TR + r] = w;
         }
         den = warp_sum(den);
-        if (lane == 0) {
-            rowM[r] = M;
-            rowD[r] = den;
-        }
+        if (lane == 0) rowD[r] = den;
     }
     __syncthreads();
+    // Weighted sum of the partials, splits in order; independent loads, several in flight.
     for (int e = tid; e < TR * (D / 4); e += NW * 32) {
         int r = e / (D / 4), q4 = e % (D / 4);
         int row = r0 + r;
         if (row >= rows_total) continue;
         size_t orow = (size_t)(row / groups) * a.nh + kvh * groups + row % groups;
-        float M = rowM[r];
+        const float4* src = (const float4*)(a.acc + orow * D) + q4;
+        const size_t stride = nrows * (D / 4);  // float4 per split
         float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
         for (int s = 0; s < used; ++s) {
-            float m = __ldcg(a.ml + ((size_t)s * nrows + orow) * 2);
-            if (m == -INFINITY) continue;
-            float w = __expf(m - M);
-            float4 v = __ldcg((const float4*)(a.acc + ((size_t)s * nrows + orow) * D) + q4);
+            float w = wts[s * TR + r];
+            float4 v = __ldcg(src + (size_t)s * stride);
             num.x += w * v.x; num.y += w * v.y; num.z += w * v.z; num.w += w * v.w;
         }
         float den = rowD[r];

@@ -122,6 +122,16 @@ pub fn fused_attention(
         _ => 4,
     };
     let tiles = rows.div_ceil(16 * rt);
+    // Few splits of several chunks each: the last block reads every split's partial of its
+    // rows, so their number bounds the merge's tail (a block streams its chunks double
+    // buffered). The plan's coverage of the keys is kept.
+    let max_splits = match rt {
+        1 => 32,
+        2 => 16,
+        _ => 8,
+    };
+    let per = nsplit.div_ceil(max_splits);
+    let (nsplit, cps) = ((nsplit * cps).div_ceil(cps * per), cps * per);
     let stages = if cps > 1 { 2 } else { 1 };
     let smem = stages * 2 * CHUNK * ROW_BYTES + 16 * rt * ROW_BYTES;
     let acc = alloc_f32(&dev, nsplit * t * nh * d)?;

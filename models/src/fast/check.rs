@@ -324,8 +324,8 @@ fn fused_attention_errors(dev: &Device, out: &mut Vec<(String, f32, f32)>) -> Re
             .narrow(1, (nh + nkv) * d, nkv * d)?
             .reshape((t, nkv, d))?
             .transpose(0, 1)?;
-        let kall = Tensor::cat(&[&kc0.narrow(1, 0, c)?, &kp], 1)?;
-        let vall = Tensor::cat(&[&vc0.narrow(1, 0, c)?, &vp], 1)?;
+        let kall = Tensor::cat(&[&kc0.narrow(1, 0, c)?, &kp], 1)?.contiguous()?;
+        let vall = Tensor::cat(&[&vc0.narrow(1, 0, c)?, &vp], 1)?.contiguous()?;
         let pattern = match &parents {
             Some(p) => AttnPattern::Tree { parents: p.clone() },
             None => AttnPattern::Causal,
@@ -347,6 +347,111 @@ fn fused_attention_errors(dev: &Device, out: &mut Vec<(String, f32, f32)>) -> Re
         }
     }
     Ok(())
+}
+
+/// Microseconds per layer of the attention step, Qwen3-8B heads (32 / 8, d 128), inside a
+/// CUDA graph of 20 repetitions: `(case, two_launch_us, fused_us)` for decode at 1K and 8K
+/// and 16 / 64 new tokens over 1K, with the split plans the eager forward and the step graphs
+/// use.
+pub fn attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
+    let (nh, nkv, d, eps) = (32usize, 8usize, 128usize, 1e-6);
+    let bf = |t: Tensor| t.to_dtype(DType::BF16);
+    let mut out = Vec::new();
+    for (c, t, tree, graph_split) in [
+        (1023usize, 1usize, false, false),
+        (1023, 1, false, true),
+        (8191, 1, false, false),
+        (8191, 1, false, true),
+        (1008, 16, false, false),
+        (1008, 16, false, true),
+        (960, 64, true, false),
+        (960, 64, true, true),
+    ] {
+        let cap = c + t + 64;
+        let qkv = bf(Tensor::randn(0f32, 2.0, (t, (nh + 2 * nkv) * d), dev)?)?;
+        let qn = bf(Tensor::randn(1f32, 0.2, d, dev)?)?;
+        let ang = Tensor::randn(0f32, 3.0, (cap, d / 2), dev)?;
+        let (cos, sin) = (ang.cos()?, ang.sin()?);
+        let pos_v: Vec<u32> = (c as u32..(c + t) as u32).collect();
+        let pos = Tensor::new(pos_v.as_slice(), dev)?;
+        let kc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
+        let vc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
+        let len = Tensor::new(&[c as u32], dev)?;
+        let bits = if tree {
+            let chain: Vec<Option<usize>> = (0..t).map(|i| i.checked_sub(1)).collect();
+            Some(Tensor::from_vec(super::tree_bits(&chain), (t, 1), dev)?)
+        } else {
+            None
+        };
+        let split = if graph_split {
+            (cap.div_ceil(cuda::CHUNK), 1)
+        } else {
+            cuda::split_plan(c + t, t, nh, nkv)
+        };
+        let two = || -> crate::error::ModelResult<()> {
+            for _ in 0..20 {
+                let q = cuda::qk_norm_rope_cache(
+                    &qkv,
+                    &qn,
+                    &qn,
+                    &cos,
+                    &sin,
+                    &pos,
+                    &len,
+                    &kc,
+                    &vc,
+                    (nh, nkv, d),
+                    eps,
+                )?;
+                cuda::attention(&q, &kc, &vc, &len, bits.as_ref(), split)?;
+            }
+            Ok(())
+        };
+        let one = || -> crate::error::ModelResult<()> {
+            for _ in 0..20 {
+                attn_decode::fused_attention(
+                    &qkv,
+                    &qn,
+                    &qn,
+                    &cos,
+                    &sin,
+                    &pos,
+                    &len,
+                    &kc,
+                    &vc,
+                    (nh, nkv, d),
+                    eps,
+                    bits.as_ref(),
+                    split,
+                )?;
+            }
+            Ok(())
+        };
+        let mut us = [0f64; 2];
+        for (i, body) in [&two as &dyn Fn() -> crate::error::ModelResult<()>, &one]
+            .into_iter()
+            .enumerate()
+        {
+            let graph = crate::fast_decoder::capture_graph(dev, body)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            let launch = || -> Result<()> {
+                graph
+                    .launch()
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))
+            };
+            launch()?;
+            dev.synchronize()?;
+            let start = std::time::Instant::now();
+            for _ in 0..10 {
+                launch()?;
+            }
+            dev.synchronize()?;
+            us[i] = start.elapsed().as_secs_f64() * 1e6 / 200.0;
+        }
+        let kind = if graph_split { "graph_split" } else { "eager_split" };
+        out.push((format!("t{t}_ctx{c}_{kind}"), us[0], us[1]));
+    }
+    Ok(out)
 }
 
 /// Milliseconds of cuBLAS and of the skinny kernels on Qwen3-8B's projections (the SiLU

@@ -404,6 +404,13 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         out.insert(name, json!({"max_abs_err": err, "max_abs_plain": scale}));
     }
     #[cfg(feature = "cuda")]
+    for (name, two, fused) in dflash_models::fast::check::attention_timings(base.device())? {
+        out.insert(
+            format!("attention_us_{name}"),
+            json!({"two_launch": two, "fused": fused}),
+        );
+    }
+    #[cfg(feature = "cuda")]
     for (name, cublas, gemv, gb) in dflash_models::fast::check::gemv_timings(base.device())? {
         out.insert(
             format!("gemm_{name}_ms"),
