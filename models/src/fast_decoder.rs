@@ -162,7 +162,7 @@ impl Stack<'_> {
     }
 
     /// q/k norm + RoPE + cache write, then attention, per sequence; `[rows, heads * d]`: one
-    /// fused launch for up to [`fast::FUSED_ATTN_MAX_TOKENS`] tokens, two for longer pieces.
+    /// fused launch for few rows (see [`fast::fused_attention_fits`]), two for wider forwards.
     fn attention(
         &self,
         li: usize,
@@ -180,7 +180,7 @@ impl Stack<'_> {
             let (kc, vc) = kv.buffers();
             let rows = qkv.narrow(0, s.offset, s.tokens)?;
             let pos = positions.narrow(0, s.offset, s.tokens)?;
-            if s.tokens <= fast::FUSED_ATTN_MAX_TOKENS {
+            if fast::fused_attention_fits(s.tokens, nh, nkv) {
                 // Few rows: norm, RoPE, cache write, attention and merge in one launch.
                 outs.push(fast::fused_attention(
                     &rows,

@@ -27,36 +27,70 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// RMSNorm + RoPE of one head held by a warp, lane owning dims lane + 32 i: the same roundings
-// as qk_norm_rope_cache (normed value to bf16 before RoPE, cos/sin to bf16), and the same
-// summation order as its block_sum (warp i sums dims 32i.., then (s0 + s2) + (s1 + s3)), so
-// the values agree bit for bit. RoPE pairs dim i with i + 64: the same lane.
-__device__ __forceinline__ void norm_rope(const float x[4], const bf16_t* __restrict__ w,
-                                          const float* __restrict__ cos_t,
-                                          const float* __restrict__ sin_t, int p, float eps,
-                                          int lane, bf16_t out[4]) {
-    float s[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s[i] = warp_sum(x[i] * x[i]);
-    float ss = (s[0] + s[2]) + (s[1] + s[3]);
-    float inv = rsqrtf(ss / (float)D + eps);
-    float n[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) n[i] = bf2f(f2bf(x[i] * inv * bf2f(w[lane + 32 * i])));
-    const int half = D / 2;
-    float c0 = bf2f(f2bf(cos_t[(size_t)p * half + lane]));
-    float s0 = bf2f(f2bf(sin_t[(size_t)p * half + lane]));
-    float c1 = bf2f(f2bf(cos_t[(size_t)p * half + lane + 32]));
-    float s1 = bf2f(f2bf(sin_t[(size_t)p * half + lane + 32]));
-    out[0] = f2bf(n[0] * c0 - n[2] * s0);
-    out[1] = f2bf(n[1] * c1 - n[3] * s1);
-    out[2] = f2bf(n[2] * c0 + n[0] * s0);
-    out[3] = f2bf(n[3] * c1 + n[1] * s1);
-}
+// Up to 4 heads a warp normalises in one batch: head b is the row src[b] (null: none) of
+// token tok[b], RMSNorm weights w[b]; vsrc[b] (null: none) is a V row loaded along with it.
+struct Batch {
+    const bf16_t* src[4];
+    const bf16_t* w[4];
+    const bf16_t* vsrc[4];
+    int tok[4];
+};
 
-__device__ __forceinline__ void load_head(const bf16_t* __restrict__ src, int lane, float x[4]) {
+// RMSNorm + RoPE of a batch, lane owning dims lane + 32 i: the same roundings as
+// qk_norm_rope_cache (normed value to bf16 before RoPE, cos/sin to bf16), and the same
+// summation order as its block_sum (warp i sums dims 32i.., then (s0 + s2) + (s1 + s3)), so
+// the values agree bit for bit. RoPE pairs dim i with i + 64: the same lane. Every load of
+// the batch is issued before any arithmetic, so their latencies overlap.
+__device__ __forceinline__ void norm_rope4(const Batch& h, const u32* __restrict__ positions,
+                                           const float* __restrict__ cos_t,
+                                           const float* __restrict__ sin_t, float eps, int lane,
+                                           bf16_t out[4][4], bf16_t vout[4][4]) {
+    const int half = D / 2;
+    float x[4][4], wv[4][4], cs[4][4];
+    int p[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) x[i] = bf2f(src[lane + 32 * i]);
+    for (int b = 0; b < 4; ++b) {
+        p[b] = 0;
+        if (h.src[b]) {
+            p[b] = (int)positions[h.tok[b]];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                x[b][i] = bf2f(h.src[b][lane + 32 * i]);
+                wv[b][i] = bf2f(h.w[b][lane + 32 * i]);
+            }
+        }
+        if (h.vsrc[b]) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) vout[b][i] = h.vsrc[b][lane + 32 * i];
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+        if (h.src[b]) {
+            size_t o = (size_t)p[b] * half + lane;
+            cs[b][0] = bf2f(f2bf(cos_t[o]));
+            cs[b][1] = bf2f(f2bf(sin_t[o]));
+            cs[b][2] = bf2f(f2bf(cos_t[o + 32]));
+            cs[b][3] = bf2f(f2bf(sin_t[o + 32]));
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+        if (!h.src[b]) continue;
+        float sq[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sq[i] = warp_sum(x[b][i] * x[b][i]);
+        float ss = (sq[0] + sq[2]) + (sq[1] + sq[3]);
+        float inv = rsqrtf(ss / (float)D + eps);
+        float n[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) n[i] = bf2f(f2bf(x[b][i] * inv * wv[b][i]));
+        float c0 = cs[b][0], s0 = cs[b][1], c1 = cs[b][2], s1 = cs[b][3];
+        out[b][0] = f2bf(n[0] * c0 - n[2] * s0);
+        out[b][1] = f2bf(n[1] * c1 - n[3] * s1);
+        out[b][2] = f2bf(n[2] * c0 + n[0] * s0);
+        out[b][3] = f2bf(n[3] * c1 + n[1] * s1);
+    }
 }
 
 struct Args {
@@ -78,13 +112,77 @@ struct Args {
     float scale, eps;
 };
 
-// Chunk sc of this block's split into shared buffer kb/vb: committed keys by cp.async, new
-// keys computed from qkv (k-norm + RoPE, v copied), keys past the live ones zeroed (their
-// probabilities are 0, and 0 * garbage could be NaN).
-__device__ __forceinline__ void load_chunk(const Args& a, int kvh, int k0, int c, int L,
-                                           bf16_t* kb, bf16_t* vb) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    for (int e = tid; e < CH * (D / 8); e += NW * 32) {
+// The block's first batches: q rows [0, nq) of the block (norm + RoPE into qs) and the new
+// keys [kfirst, kfirst + nk) of its first chunk (k-norm + RoPE and V into kb/vb at row
+// key - k0, and into the cache when to_cache), each warp taking every NW-th job, four per
+// batch, q rows first. The same routine writes the keys of later chunks (nq = 0) and, with
+// kb null, the cache rows of chunks the block does not load.
+__device__ __forceinline__ void heads(const Args& a, int kvh, int r0, int nq, bf16_t* qs,
+                                      int kfirst, int nk, int c, int k0, bf16_t* kb, bf16_t* vb,
+                                      bool to_cache) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int width = (a.nh + 2 * a.nkv) * D;
+    const int groups = a.nh / a.nkv;
+    const int myq = nq > warp ? (nq - warp + NW - 1) / NW : 0;
+    const int myk = nk > warp ? (nk - warp + NW - 1) / NW : 0;
+    for (int j0 = 0; j0 < myq + myk; j0 += 4) {
+        Batch h;
+        int dst[4];  // q row of the block, or key
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            int j = j0 + b;
+            h.src[b] = nullptr;
+            h.vsrc[b] = nullptr;
+            h.w[b] = a.qw;
+            h.tok[b] = 0;
+            dst[b] = 0;
+            if (j < myq) {
+                int r = warp + NW * j, row = r0 + r;
+                h.tok[b] = row / groups;
+                h.src[b] = a.qkv + (size_t)h.tok[b] * width + (size_t)(kvh * groups + row % groups) * D;
+                dst[b] = r;
+            } else if (j < myq + myk) {
+                int key = kfirst + warp + NW * (j - myq);
+                h.tok[b] = key - c;
+                h.src[b] = a.qkv + (size_t)h.tok[b] * width + (size_t)(a.nh + kvh) * D;
+                h.vsrc[b] = h.src[b] + (size_t)a.nkv * D;  // V head kvh: nkv heads after K head kvh
+                h.w[b] = a.kw;
+                dst[b] = key;
+            }
+        }
+        bf16_t out[4][4], vout[4][4];
+        norm_rope4(h, a.positions, a.cos_t, a.sin_t, a.eps, lane, out, vout);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            if (!h.src[b]) continue;
+            if (!h.vsrc[b]) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) qs[dst[b] * KPAD + lane + 32 * i] = out[b][i];
+                continue;
+            }
+            int key = dst[b];
+            size_t off = ((size_t)kvh * a.cap + key) * D;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                if (kb) {
+                    kb[(key - k0) * KPAD + lane + 32 * i] = out[b][i];
+                    vb[(key - k0) * KPAD + lane + 32 * i] = vout[b][i];
+                }
+                if (to_cache) {
+                    a.kc[off + lane + 32 * i] = out[b][i];
+                    a.vc[off + lane + 32 * i] = vout[b][i];
+                }
+            }
+        }
+    }
+}
+
+// Committed keys of the chunk from key k0 into shared buffers kb/vb by cp.async; keys past
+// the live ones zeroed (their probabilities are 0, and 0 * garbage could be NaN). The new
+// keys' rows are left to heads().
+__device__ __forceinline__ void load_committed(const Args& a, int kvh, int k0, int c, int L,
+                                               bf16_t* kb, bf16_t* vb) {
+    for (int e = threadIdx.x; e < CH * (D / 8); e += NW * 32) {
         int j = e >> 4, p = e & 15, key = k0 + j;
         if (key < c) {
             size_t off = ((size_t)kvh * a.cap + key) * D + 8 * p;
@@ -93,22 +191,6 @@ __device__ __forceinline__ void load_chunk(const Args& a, int kvh, int k0, int c
         } else if (key >= L) {
             *(uint4*)(kb + j * KPAD + 8 * p) = make_uint4(0, 0, 0, 0);
             *(uint4*)(vb + j * KPAD + 8 * p) = make_uint4(0, 0, 0, 0);
-        }
-    }
-    const int width = (a.nh + 2 * a.nkv) * D;
-    int kend = min(k0 + CH, L);
-    for (int key = max(k0, c) + warp; key < kend; key += NW) {
-        int tok = key - c, j = key - k0;
-        const bf16_t* row = a.qkv + (size_t)tok * width;
-        float x[4];
-        bf16_t kk[4];
-        load_head(row + (size_t)(a.nh + kvh) * D, lane, x);
-        norm_rope(x, a.kw, a.cos_t, a.sin_t, (int)a.positions[tok], a.eps, lane, kk);
-        const bf16_t* vrow = row + (size_t)(a.nh + a.nkv + kvh) * D;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            kb[j * KPAD + lane + 32 * i] = kk[i];
-            vb[j * KPAD + lane + 32 * i] = vrow[lane + 32 * i];
         }
     }
 }
@@ -128,7 +210,6 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     const int kvh = blockIdx.x, split = blockIdx.y, z = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
     const int groups = a.nh / a.nkv;
-    const int width = (a.nh + 2 * a.nkv) * D;
     const int c = (int)(*a.cache_len);
     const int L = c + a.t;
     const int kbeg = split * a.cps * CH;
@@ -138,45 +219,27 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     u32* cnt = a.counter + (size_t)kvh * gridDim.z + z;
 
     if (kbeg < L) {
-        // The new tokens' K/V of this split into the cache (once per split: the z = 0 block).
-        if (z == 0) {
-            int kend = min(kbeg + a.cps * CH, L);
-            for (int key = max(kbeg, c) + warp; key < kend; key += NW) {
-                int tok = key - c;
-                const bf16_t* row = a.qkv + (size_t)tok * width;
-                float x[4];
-                bf16_t kk[4];
-                load_head(row + (size_t)(a.nh + kvh) * D, lane, x);
-                norm_rope(x, a.kw, a.cos_t, a.sin_t, (int)a.positions[tok], a.eps, lane, kk);
-                const bf16_t* vrow = row + (size_t)(a.nh + a.nkv + kvh) * D;
-                size_t off = ((size_t)kvh * a.cap + key) * D;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    a.kc[off + lane + 32 * i] = kk[i];
-                    a.vc[off + lane + 32 * i] = vrow[lane + 32 * i];
-                }
-            }
-        }
         // Chunks with a visible key for some row of the block (causal/tree: none past the
         // block's last token).
         const int last_tok = (min(r0 + TR, rows_total) - 1) / groups;
         int nch = 0;
         while (nch < a.cps && kbeg + nch * CH < L && kbeg + nch * CH <= c + last_tok) ++nch;
-        if (nch > 0) load_chunk(a, kvh, kbeg, c, L, kvbuf, kvbuf + CH * KPAD);
+        // Committed keys of the first chunk in flight, then the q rows and the chunk's new
+        // keys in the same batches, dead q rows zeroed. The z = 0 block of each split writes
+        // the new keys into the cache: those of the chunks it loads as it loads them, the
+        // rest (past its rows' last token) separately.
+        const bool to_cache = z == 0;
+        if (nch > 0) load_committed(a, kvh, kbeg, c, L, kvbuf, kvbuf + CH * KPAD);
         cp_async_commit();
-        // q rows of the block: norm + RoPE while the first chunk is in flight.
-        for (int r = warp; r < TR; r += NW) {
-            int row = r0 + r;
-            bf16_t qb[4] = {0, 0, 0, 0};
-            if (row < rows_total) {
-                int tok = row / groups, gq = row % groups;
-                float x[4];
-                load_head(a.qkv + (size_t)tok * width + (size_t)(kvh * groups + gq) * D, lane, x);
-                norm_rope(x, a.qw, a.cos_t, a.sin_t, (int)a.positions[tok], a.eps, lane, qb);
-            }
-#pragma unroll
-            for (int i = 0; i < 4; ++i) qs[r * KPAD + lane + 32 * i] = qb[i];
+        const int nq = min(TR, rows_total - r0);
+        const int kfirst = max(kbeg, c);
+        const int nk0 = nch > 0 ? max(0, min(kbeg + CH, L) - kfirst) : 0;
+        heads(a, kvh, r0, nq, qs, kfirst, nk0, c, kbeg, kvbuf, kvbuf + CH * KPAD, to_cache);
+        if (to_cache) {
+            int from = max(kbeg + nch * CH, c), to = min(kbeg + a.cps * CH, L);
+            heads(a, kvh, 0, 0, nullptr, from, max(0, to - from), c, 0, nullptr, nullptr, true);
         }
+        for (int e = nq * D + tid; e < TR * D; e += NW * 32) qs[(e / D) * KPAD + e % D] = 0;
         __syncthreads();
         const int tr = warp % RT, kofs = (warp / RT) * KW;
         const int t0 = r0 + tr * 16;  // first row of this warp's tile
@@ -204,7 +267,10 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
         for (int sc = 0; sc < nch; ++sc) {
             if (sc + 1 < nch) {
                 bf16_t* nb = kvbuf + ((sc + 1) & 1) * 2 * CH * KPAD;
-                load_chunk(a, kvh, kbeg + (sc + 1) * CH, c, L, nb, nb + CH * KPAD);
+                int k1 = kbeg + (sc + 1) * CH, kf = max(k1, c);
+                load_committed(a, kvh, k1, c, L, nb, nb + CH * KPAD);
+                heads(a, kvh, 0, 0, nullptr, kf, max(0, min(k1 + CH, L) - kf), c, k1, nb,
+                      nb + CH * KPAD, to_cache);
                 cp_async_commit();
                 cp_async_wait<1>();
             } else {
@@ -353,23 +419,24 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     __threadfence();
     const int span = CH * a.cps;
     const int used = min((int)gridDim.y, (L + span - 1) / span);
-    // Split maxima into shared memory (the host keeps used * TR floats within the K/V
-    // buffers), then per row the global max, the weights exp(m - M) in place and the sum.
-    float* wts = (float*)smem;  // [used][TR]
+    // Every split's (max, sum) of the block's rows into shared memory (the host keeps
+    // 2 used TR floats within the K/V buffers), then per row the global max, the weights
+    // exp(m - M) in place and the denominator.
+    float* wts = (float*)smem;         // [used][TR]
+    float* sums = wts + used * TR;     // [used][TR]
     for (int e = tid; e < used * TR; e += NW * 32) {
         int s = e / TR, row = r0 + e % TR;
-        float m = -INFINITY;
+        float2 v = make_float2(-INFINITY, 0.f);
         if (row < rows_total) {
             size_t orow = (size_t)(row / groups) * a.nh + kvh * groups + row % groups;
-            m = __ldcg(a.ml + ((size_t)s * nrows + orow) * 2);
+            v = __ldcg((const float2*)(a.ml + ((size_t)s * nrows + orow) * 2));
         }
-        wts[e] = m;
+        wts[e] = v.x;
+        sums[e] = v.y;
     }
     __syncthreads();
     for (int r = warp; r < TR; r += NW) {
-        int row = r0 + r;
-        if (row >= rows_total) continue;
-        size_t orow = (size_t)(row / groups) * a.nh + kvh * groups + row % groups;
+        if (r0 + r >= rows_total) continue;
         float M = -INFINITY;
         for (int s = lane; s < used; s += 32) M = fmaxf(M, wts[s * TR + r]);
         M = warp_max(M);
@@ -377,7 +444,7 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
         for (int s = lane; s < used; s += 32) {
             float m = wts[s * TR + r];
             float w = m == -INFINITY ? 0.f : __expf(m - M);
-            if (w != 0.f) den += w * __ldcg(a.ml + ((size_t)s * nrows + orow) * 2 + 1);
+            den += w * sums[s * TR + r];
             wts[s * TR + r] = w;
         }
         den = warp_sum(den);

@@ -4,8 +4,13 @@
 //! by [`super::attention`] (three launches). Same results up to the f32 summation order of the
 //! attention partials (the q/k rows themselves are bit-identical).
 
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
+use std::sync::Mutex;
+
+use candle_core::cuda_backend::cudarc::driver::sys::{
+    CUfunction_attribute_enum, CUstreamCaptureStatus,
+};
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::cuda::{alloc_bf16, alloc_f32, check_bf16, cuda, go, ptr, CHUNK};
@@ -13,9 +18,69 @@ use super::cuda::{alloc_bf16, alloc_f32, check_bf16, cuda, go, ptr, CHUNK};
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_decode.ptx"));
 const MODULE: &str = "dflash_attn_decode";
 
-/// Most new tokens of one sequence the fused kernel takes; longer forwards (prefill pieces,
-/// wide trees) take `qk_norm_rope_cache` + [`super::attention`].
+/// Most new tokens of one sequence the fused kernel takes.
 pub const FUSED_ATTN_MAX_TOKENS: usize = 64;
+
+/// Most query rows per KV head (`tokens * heads / kv_heads`) for which the layer stack uses
+/// the fused kernel; wider forwards (verifies, trees, prefill pieces) take
+/// `qk_norm_rope_cache` + [`super::attention`]. Measured on the H200 (Qwen3-8B heads, one
+/// layer's attention in a CUDA graph, `kernel_checks.attention_us_*` of the bench).
+pub const FUSED_ATTN_MAX_ROWS: usize = 16;
+
+/// Whether [`fused_attention`] is the faster choice for `t` new tokens (see
+/// [`FUSED_ATTN_MAX_ROWS`]).
+pub fn fused_attention_fits(t: usize, nh: usize, nkv: usize) -> bool {
+    t <= FUSED_ATTN_MAX_TOKENS && t * (nh / nkv.max(1)) <= FUSED_ATTN_MAX_ROWS
+}
+
+/// Merge counters per device (each launch uses `kv_heads * row tiles` of them).
+const COUNTERS: usize = 1024;
+
+/// A device's split partials and merge counters, kept for the process's lifetime so that a
+/// launch adds no allocation or memset to a CUDA graph: launches on one device's stream run
+/// one after another, and the kernel re-arms every counter it uses. A larger partials buffer
+/// replaces a smaller one (shapes only, so the uncaptured first run of a graph body grows
+/// it); the old one stays allocated because captured graphs may still point at it.
+struct Scratch {
+    device: DeviceId,
+    partials: Tensor,
+    counters: Tensor,
+    retired: Vec<Tensor>,
+}
+
+static SCRATCH: Mutex<Vec<Scratch>> = Mutex::new(Vec::new());
+
+/// Device addresses of at least `floats` f32 partials and [`COUNTERS`] zeroed counters.
+fn scratch(dev: &CudaDevice, like: &Tensor, floats: usize) -> Result<(u64, u64)> {
+    let mut all = SCRATCH
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("fused_attention: scratch lock poisoned".into()))?;
+    let idx = match all.iter().position(|s| s.device == dev.id()) {
+        Some(i) => i,
+        None => {
+            all.push(Scratch {
+                device: dev.id(),
+                partials: alloc_f32(dev, floats.next_power_of_two())?,
+                counters: Tensor::zeros(COUNTERS, DType::U32, like.device())?,
+                retired: Vec::new(),
+            });
+            all.len() - 1
+        }
+    };
+    let s = &mut all[idx];
+    if s.partials.elem_count() < floats {
+        let status = dev
+            .cuda_stream()
+            .capture_status()
+            .map_err(|e| candle_core::Error::Msg(format!("fused_attention: {e}")))?;
+        if status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            bail!("fused_attention: scratch would grow during graph capture; run the body once uncaptured first")
+        }
+        let bigger = alloc_f32(dev, floats.next_power_of_two())?;
+        s.retired.push(std::mem::replace(&mut s.partials, bigger));
+    }
+    Ok((ptr(&s.partials)?, ptr(&s.counters)?))
+}
 
 /// Bytes per shared K/V/q row (KPAD bf16 in attn_decode.cu).
 const ROW_BYTES: usize = 136 * 2;
@@ -67,6 +132,30 @@ pub fn fused_attention(
     cache_len: &Tensor,
     kc: &Tensor,
     vc: &Tensor,
+    heads: (usize, usize, usize),
+    eps: f64,
+    tree: Option<&Tensor>,
+    split: (usize, usize),
+) -> Result<Tensor> {
+    fused_attention_rt(
+        None, qkv, q_norm, k_norm, cos, sin, positions, cache_len, kc, vc, heads, eps, tree, split,
+    )
+}
+
+/// [`fused_attention`] with the 16-row tiles per block forced to `rt` (1, 2 or 4; None: by
+/// the row count), for the checks and timings.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fused_attention_rt(
+    rt: Option<usize>,
+    qkv: &Tensor,
+    q_norm: &Tensor,
+    k_norm: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    positions: &Tensor,
+    cache_len: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
     (nh, nkv, d): (usize, usize, usize),
     eps: f64,
     tree: Option<&Tensor>,
@@ -90,13 +179,19 @@ pub fn fused_attention(
         bail!("fused_attention: {t} tokens, takes 1 to {FUSED_ATTN_MAX_TOKENS}")
     }
     if vc.dims3()? != (nkv, cap, d) || q_norm.dims1()? != d || k_norm.dims1()? != d {
-        bail!("fused_attention: v cache {:?} or norm weights differ", vc.shape())
+        bail!(
+            "fused_attention: v cache {:?} or norm weights differ",
+            vc.shape()
+        )
     }
     if positions.dims1()? != t || positions.dtype() != DType::U32 {
         bail!("fused_attention: positions must be u32 [{t}]")
     }
     if cos.dtype() != DType::F32 || sin.dtype() != DType::F32 || cos.dim(1)? != d / 2 {
-        bail!("fused_attention: RoPE tables must be f32 [max_pos, {}]", d / 2)
+        bail!(
+            "fused_attention: RoPE tables must be f32 [max_pos, {}]",
+            d / 2
+        )
     }
     if nsplit == 0 || cps == 0 {
         bail!("fused_attention: split plan ({nsplit}, {cps}) is empty")
@@ -116,10 +211,12 @@ pub fn fused_attention(
     };
     let rows = t * (nh / nkv);
     // Row tiles of 16 per block: 1, 2 or 4 (the kernel's RT), the rest over grid.z.
-    let rt = match rows {
-        0..=16 => 1,
-        17..=32 => 2,
-        _ => 4,
+    let rt = match (rt, rows) {
+        (Some(rt @ (1 | 2 | 4)), _) => rt,
+        (Some(rt), _) => bail!("fused_attention: {rt} row tiles per block (1, 2 or 4)"),
+        (None, 0..=16) => 1,
+        (None, 17..=32) => 2,
+        (None, _) => 4,
     };
     let tiles = rows.div_ceil(16 * rt);
     // Few splits of several chunks each: the last block reads every split's partial of its
@@ -134,11 +231,17 @@ pub fn fused_attention(
     let (nsplit, cps) = ((nsplit * cps).div_ceil(cps * per), cps * per);
     let stages = if cps > 1 { 2 } else { 1 };
     let smem = stages * 2 * CHUNK * ROW_BYTES + 16 * rt * ROW_BYTES;
-    let acc = alloc_f32(&dev, nsplit * t * nh * d)?;
-    let ml = alloc_f32(&dev, nsplit * t * nh * 2)?;
+    // The merge stages two floats per (split, row) in the K/V buffers.
+    if 2 * 4 * nsplit * 16 * rt > stages * 2 * CHUNK * ROW_BYTES {
+        bail!("fused_attention: {nsplit} splits of {rt} row tiles exceed the merge's shared memory")
+    }
+    if nkv * tiles > COUNTERS {
+        bail!("fused_attention: {nkv} KV heads x {tiles} row tiles exceed {COUNTERS} counters")
+    }
+    let acc_floats = nsplit * t * nh * d;
+    let (acc, counter) = scratch(&dev, qkv, acc_floats + nsplit * t * nh * 2)?;
+    let ml = acc + (acc_floats * 4) as u64;
     let out = alloc_bf16(&dev, (t, nh * d))?;
-    // The last block of each (KV head, row tile) re-arms its counter.
-    let counter = Tensor::zeros(nkv * tiles, DType::U32, qkv.device())?;
     let args = Args {
         qkv: ptr(qkv)?,
         qw: ptr(q_norm)?,
@@ -150,9 +253,9 @@ pub fn fused_attention(
         kc: ptr(kc)?,
         vc: ptr(vc)?,
         tree_mask,
-        acc: ptr(&acc)?,
-        ml: ptr(&ml)?,
-        counter: ptr(&counter)?,
+        acc,
+        ml,
+        counter,
         out: ptr(&out)?,
         words: words as i32,
         t: t as i32,
@@ -165,11 +268,14 @@ pub fn fused_attention(
     };
     let name = format!("attn_decode_rt{rt}");
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    // The largest any launch asks for (two stages, four row tiles), always the same value:
+    // graphs captured earlier keep launching with theirs.
+    let most = 2 * 2 * CHUNK * ROW_BYTES + 64 * ROW_BYTES;
     f.set_attribute(
         CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
+        most as i32,
     )
-    .map_err(|e| candle_core::Error::Msg(format!("{name}: shared memory {smem}: {e}")))?;
+    .map_err(|e| candle_core::Error::Msg(format!("{name}: shared memory {most}: {e}")))?;
     let mut b = f.builder();
     b.arg(&args);
     let cfg = LaunchConfig {
@@ -178,7 +284,5 @@ pub fn fused_attention(
         shared_mem_bytes: smem as u32,
     };
     go(&mut b, cfg, &name)?;
-    // acc/ml/counter are freed stream-ordered after the kernel.
-    drop((acc, ml, counter));
     Ok(out)
 }

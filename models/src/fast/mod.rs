@@ -16,9 +16,13 @@ use crate::ops::OpsMode;
 #[cfg(feature = "cuda")]
 mod attn_decode;
 #[cfg(feature = "cuda")]
-pub use attn_decode::{fused_attention, FUSED_ATTN_MAX_TOKENS};
+pub use attn_decode::{
+    fused_attention, fused_attention_fits, FUSED_ATTN_MAX_ROWS, FUSED_ATTN_MAX_TOKENS,
+};
 #[cfg(feature = "cuda")]
 pub mod check;
+#[cfg(feature = "cuda")]
+mod check_attn;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]

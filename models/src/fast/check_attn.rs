@@ -1,0 +1,289 @@
+//! The one-launch attention (`attn_decode.rs`) against the two-launch path and the plain
+//! ops, and the two against each other in time, on the GPU (CI has none): `dflash-serve
+//! bench` runs these through `check::kernel_errors` and reports them in `kernel_checks`.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use crate::attention::{attend, AttnPattern};
+use crate::ops::{rms_norm, rope, OpsMode};
+
+use super::{attn_decode, cuda};
+
+fn max_err(a: &Tensor, b: &Tensor) -> Result<(f32, f32)> {
+    let a = a.to_dtype(DType::F32)?;
+    let b = b.to_dtype(DType::F32)?;
+    let d = (&a - &b)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
+    let s = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    Ok((d, s))
+}
+
+/// The one-launch attention (`fused_attention`) against `qk_norm_rope_cache` + `attention`
+/// and against the plain ops (rms_norm + rope + attend over the cache with the new rows
+/// appended): the output, the whole K/V caches it leaves (new rows written, nothing else
+/// touched) and a second launch (bit-identical: fixed merge order, counters re-armed).
+pub(super) fn fused_attention_errors(
+    dev: &Device,
+    out: &mut Vec<(String, f32, f32)>,
+) -> Result<()> {
+    let bf = |t: Tensor| t.to_dtype(DType::BF16);
+    let (nh, nkv, d, eps) = (8usize, 2usize, 128usize, 1e-6);
+    let chain = |t: usize| -> Vec<Option<usize>> { (0..t).map(|i| i.checked_sub(1)).collect() };
+    let bushy = |t: usize| -> Vec<Option<usize>> {
+        (0..t)
+            .map(|i| if i == 0 { None } else { Some((i * 7 + 3) % i) })
+            .collect()
+    };
+    // (name, context, tokens, tree parents, split plan: None = split_plan, Some(cps) = that
+    // many chunks per split, 0 = one split per chunk of the whole capacity as graphs do,
+    // 16-row tiles per block: None = by the row count).
+    type Case = (
+        &'static str,
+        usize,
+        usize,
+        Option<Vec<Option<usize>>>,
+        Option<usize>,
+        Option<usize>,
+    );
+    let cases: [Case; 10] = [
+        ("t1_ctx1k", 1023, 1, None, None, None),
+        ("t1_ctx1k_graph_split", 1023, 1, None, Some(0), None),
+        ("t1_ctx8k", 8191, 1, None, None, None),
+        ("t1_ctx8k_graph_split", 8191, 1, None, Some(0), None),
+        ("t4_ctx1k_graph_split", 1020, 4, None, Some(0), None),
+        ("t5_ctx7", 7, 5, None, None, None),
+        ("t16_causal_ctx1k", 1000, 16, None, None, None),
+        ("t16_causal_ctx1k_rt1", 1000, 16, None, None, Some(1)),
+        ("t64_tree_ctx1k", 1000, 64, Some(bushy(64)), None, None),
+        (
+            "t64_chain_tree_ctx1k_3_chunks_per_split_rt1",
+            1000,
+            64,
+            Some(chain(64)),
+            Some(3),
+            Some(1),
+        ),
+    ];
+    for (name, c, t, parents, plan, rt) in cases {
+        let cap = c + t + 100;
+        let qkv = bf(Tensor::randn(0f32, 2.0, (t, (nh + 2 * nkv) * d), dev)?)?;
+        let qn = bf(Tensor::randn(1f32, 0.2, d, dev)?)?;
+        let kn = bf(Tensor::randn(1f32, 0.2, d, dev)?)?;
+        let ang = Tensor::randn(0f32, 3.0, (cap, d / 2), dev)?;
+        let (cos, sin) = (ang.cos()?, ang.sin()?);
+        let pos_v: Vec<u32> = (c as u32..(c + t) as u32).collect();
+        let pos = Tensor::new(pos_v.as_slice(), dev)?;
+        let kc0 = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
+        let vc0 = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
+        let len = Tensor::new(&[c as u32], dev)?;
+        let bits = match &parents {
+            Some(p) => Some(Tensor::from_vec(
+                super::tree_bits(p),
+                (t, t.div_ceil(64)),
+                dev,
+            )?),
+            None => None,
+        };
+        let split = match plan {
+            None => cuda::split_plan(c + t, t, nh, nkv),
+            Some(0) => (cap.div_ceil(cuda::CHUNK), 1),
+            Some(cps) => ((c + t).div_ceil(cuda::CHUNK * cps), cps),
+        };
+        // Two launches: qk_norm_rope_cache + attention.
+        let (kc2, vc2) = (kc0.copy()?, vc0.copy()?);
+        let q = cuda::qk_norm_rope_cache(
+            &qkv,
+            &qn,
+            &kn,
+            &cos,
+            &sin,
+            &pos,
+            &len,
+            &kc2,
+            &vc2,
+            (nh, nkv, d),
+            eps,
+        )?;
+        let two = cuda::attention(&q, &kc2, &vc2, &len, bits.as_ref(), split)?;
+        // One launch, twice on fresh copies of the cache.
+        let mut fused = Vec::new();
+        for _ in 0..2 {
+            let (kc1, vc1) = (kc0.copy()?, vc0.copy()?);
+            let o = attn_decode::fused_attention_rt(
+                rt,
+                &qkv,
+                &qn,
+                &kn,
+                &cos,
+                &sin,
+                &pos,
+                &len,
+                &kc1,
+                &vc1,
+                (nh, nkv, d),
+                eps,
+                bits.as_ref(),
+                split,
+            )?;
+            fused.push((o, kc1, vc1));
+        }
+        let (o, kc1, vc1) = &fused[0];
+        // Plain ops: norm + RoPE, the new rows appended to the committed ones, attend.
+        let (cr, sr) = (cos.index_select(&pos, 0)?, sin.index_select(&pos, 0)?);
+        let head = |start: usize, heads: usize, w: &Tensor| -> Result<Tensor> {
+            let y = qkv
+                .narrow(1, start * d, heads * d)?
+                .reshape((t, heads, d))?;
+            rope(
+                &rms_norm(&y, w, eps, OpsMode::Fused)?,
+                &cr,
+                &sr,
+                OpsMode::Fused,
+            )
+        };
+        let qp = head(0, nh, &qn)?.transpose(0, 1)?.contiguous()?;
+        let kp = head(nh, nkv, &kn)?.transpose(0, 1)?;
+        let vp = qkv
+            .narrow(1, (nh + nkv) * d, nkv * d)?
+            .reshape((t, nkv, d))?
+            .transpose(0, 1)?;
+        let kall = Tensor::cat(&[&kc0.narrow(1, 0, c)?, &kp], 1)?.contiguous()?;
+        let vall = Tensor::cat(&[&vc0.narrow(1, 0, c)?, &vp], 1)?.contiguous()?;
+        let pattern = match &parents {
+            Some(p) => AttnPattern::Tree { parents: p.clone() },
+            None => AttnPattern::Causal,
+        };
+        let mask = pattern.mask(c, t, dev)?;
+        let plain = attend(&qp, &kall, &vall, mask.as_ref(), OpsMode::Fused)?;
+        let tag = format!("fused_attention:{name}:plan{}x{}", split.0, split.1);
+        for (what, a, b) in [
+            ("vs_two_launch", o, &two),
+            ("vs_plain", o, &plain),
+            ("second_launch_vs_first", &fused[1].0, o),
+            ("k_cache_vs_two_launch", kc1, &kc2),
+            ("v_cache_vs_two_launch", vc1, &vc2),
+            ("new_k_rows_vs_plain", &kc1.narrow(1, c, t)?, &kp),
+            ("new_v_rows_vs_plain", &vc1.narrow(1, c, t)?, &vp),
+        ] {
+            let (e, s) = max_err(a, b)?;
+            out.push((format!("{tag}:{what}"), e, s));
+        }
+    }
+    Ok(())
+}
+
+/// Microseconds per layer of the attention step, Qwen3-8B heads (32 / 8, d 128), inside a
+/// CUDA graph of 20 repetitions: `(case, two_launch_us, fused_us)` for decode at 1K and 8K
+/// and 16 / 64 new tokens over 1K, with the split plans the eager forward and the step graphs
+/// use.
+pub fn attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
+    let (nh, nkv, d, eps) = (32usize, 8usize, 128usize, 1e-6);
+    let bf = |t: Tensor| t.to_dtype(DType::BF16);
+    let mut out = Vec::new();
+    for (c, t, tree, graph_split, rt) in [
+        (1023usize, 1usize, false, false, None),
+        (1023, 1, false, true, None),
+        (8191, 1, false, false, None),
+        (8191, 1, false, true, None),
+        (1020, 4, false, true, None),
+        (1008, 16, false, true, None),
+        (1008, 16, false, true, Some(1)),
+        (1008, 16, false, true, Some(2)),
+        (960, 64, true, true, None),
+        (960, 64, true, true, Some(1)),
+    ] {
+        let cap = c + t + 64;
+        let qkv = bf(Tensor::randn(0f32, 2.0, (t, (nh + 2 * nkv) * d), dev)?)?;
+        let qn = bf(Tensor::randn(1f32, 0.2, d, dev)?)?;
+        let ang = Tensor::randn(0f32, 3.0, (cap, d / 2), dev)?;
+        let (cos, sin) = (ang.cos()?, ang.sin()?);
+        let pos_v: Vec<u32> = (c as u32..(c + t) as u32).collect();
+        let pos = Tensor::new(pos_v.as_slice(), dev)?;
+        let kc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
+        let vc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
+        let len = Tensor::new(&[c as u32], dev)?;
+        let bits = if tree {
+            let chain: Vec<Option<usize>> = (0..t).map(|i| i.checked_sub(1)).collect();
+            Some(Tensor::from_vec(super::tree_bits(&chain), (t, 1), dev)?)
+        } else {
+            None
+        };
+        let split = if graph_split {
+            (cap.div_ceil(cuda::CHUNK), 1)
+        } else {
+            cuda::split_plan(c + t, t, nh, nkv)
+        };
+        let two = || -> crate::error::ModelResult<()> {
+            for _ in 0..20 {
+                let q = cuda::qk_norm_rope_cache(
+                    &qkv,
+                    &qn,
+                    &qn,
+                    &cos,
+                    &sin,
+                    &pos,
+                    &len,
+                    &kc,
+                    &vc,
+                    (nh, nkv, d),
+                    eps,
+                )?;
+                cuda::attention(&q, &kc, &vc, &len, bits.as_ref(), split)?;
+            }
+            Ok(())
+        };
+        let one = || -> crate::error::ModelResult<()> {
+            for _ in 0..20 {
+                attn_decode::fused_attention_rt(
+                    rt,
+                    &qkv,
+                    &qn,
+                    &qn,
+                    &cos,
+                    &sin,
+                    &pos,
+                    &len,
+                    &kc,
+                    &vc,
+                    (nh, nkv, d),
+                    eps,
+                    bits.as_ref(),
+                    split,
+                )?;
+            }
+            Ok(())
+        };
+        let mut us = [0f64; 2];
+        for (i, body) in [&two as &dyn Fn() -> crate::error::ModelResult<()>, &one]
+            .into_iter()
+            .enumerate()
+        {
+            let graph = crate::fast_decoder::capture_graph(dev, body)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            let launch = || -> Result<()> {
+                graph
+                    .launch()
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))
+            };
+            launch()?;
+            dev.synchronize()?;
+            let start = std::time::Instant::now();
+            for _ in 0..10 {
+                launch()?;
+            }
+            dev.synchronize()?;
+            us[i] = start.elapsed().as_secs_f64() * 1e6 / 200.0;
+        }
+        let kind = if graph_split {
+            "graph_split"
+        } else {
+            "eager_split"
+        };
+        let tiles = rt.map(|r| format!("_rt{r}")).unwrap_or_default();
+        out.push((format!("t{t}_ctx{c}_{kind}{tiles}"), us[0], us[1]));
+    }
+    Ok(out)
+}
