@@ -5,7 +5,8 @@
 //!   GEMMs with everything else fused around them — input norm + q/k/v, o-projection +
 //!   residual add (+ the sums of squares the next norm needs), post-attention norm + gate/up +
 //!   the SiLU product, down + residual add — plus q/k norm + RoPE + cache write and the
-//!   split-K attention: 7 launches per layer for one row (the norms are applied as the input
+//!   split-K attention (one launch for a decode step, [`fast::fused_attention`]; three for
+//!   more tokens): 5 launches per layer for one row (the norms are applied as the input
 //!   streams in), 9 for 2 to 16 rows (the norms as their own launches);
 //! - wider (prefill chunks, wide trees): cuBLAS GEMMs, the SiLU product and residual add +
 //!   RMSNorm kernels around the same attention: 10 launches per layer.
@@ -162,7 +163,7 @@ impl Stack<'_> {
     }
 
     /// q/k norm + RoPE + cache write, then attention, per sequence; `[rows, heads * d]`: one
-    /// fused launch for few rows (see [`fast::fused_attention_fits`]), two for wider forwards.
+    /// fused launch for a decode step (see [`fast::fused_attention_fits`]), two otherwise.
     fn attention(
         &self,
         li: usize,

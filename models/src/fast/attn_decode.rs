@@ -21,16 +21,15 @@ const MODULE: &str = "dflash_attn_decode";
 /// Most new tokens of one sequence the fused kernel takes.
 pub const FUSED_ATTN_MAX_TOKENS: usize = 64;
 
-/// Most query rows per KV head (`tokens * heads / kv_heads`) for which the layer stack uses
-/// the fused kernel; wider forwards (verifies, trees, prefill pieces) take
-/// `qk_norm_rope_cache` + [`super::attention`]. Measured on the H200 (Qwen3-8B heads, one
-/// layer's attention in a CUDA graph, `kernel_checks.attention_us_*` of the bench).
-pub const FUSED_ATTN_MAX_ROWS: usize = 16;
-
-/// Whether [`fused_attention`] is the faster choice for `t` new tokens (see
-/// [`FUSED_ATTN_MAX_ROWS`]).
+/// Whether the layer stack runs the attention of `t` new tokens through [`fused_attention`]:
+/// decode steps (one token; up to 16 query heads per KV head, one row tile). Measured on the
+/// H200, Qwen3-8B heads, one layer's attention in a CUDA graph (`kernel_checks.attention_us_*`
+/// of `dflash-serve bench`): one token over 1K / 8K keys 12.6 / 23.0 us fused against 14.2 /
+/// 50.1 us for `qk_norm_rope_cache` + [`super::attention`]; but 4 tokens 24.2 against 15.0 us,
+/// 16 tokens 41-80 against 18.4 us, 64 tokens 96-175 against 44.7 us (the merging block
+/// walks its rows' partials one row at a time), so wider forwards keep the two launches.
 pub fn fused_attention_fits(t: usize, nh: usize, nkv: usize) -> bool {
-    t <= FUSED_ATTN_MAX_TOKENS && t * (nh / nkv.max(1)) <= FUSED_ATTN_MAX_ROWS
+    t == 1 && nkv > 0 && nh / nkv <= 16
 }
 
 /// Merge counters per device (each launch uses `kv_heads * row tiles` of them).
