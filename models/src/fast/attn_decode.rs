@@ -13,7 +13,10 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{bail, DType, Result, Tensor};
 
+use super::attn_plan::{attn_plan, CHUNK_KEYS, MAX_SHARED_BYTES};
 use super::cuda::{alloc_bf16, alloc_f32, check_bf16, cuda, go, ptr, CHUNK};
+
+const _: () = assert!(CHUNK_KEYS == CHUNK);
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_decode.ptx"));
 const MODULE: &str = "dflash_attn_decode";
@@ -80,9 +83,6 @@ fn scratch(dev: &CudaDevice, like: &Tensor, floats: usize) -> Result<(u64, u64)>
     }
     Ok((ptr(&s.partials)?, ptr(&s.counters)?))
 }
-
-/// Bytes per shared K/V/q row (KPAD bf16 in attn_decode.cu).
-const ROW_BYTES: usize = 136 * 2;
 
 /// The kernel's parameter block (`Args` in attn_decode.cu, same field order).
 #[repr(C)]
@@ -209,31 +209,9 @@ pub(crate) fn fused_attention_rt(
         None => 0u64,
     };
     let rows = t * (nh / nkv);
-    // Row tiles of 16 per block: 1, 2 or 4 (the kernel's RT), the rest over grid.z.
-    let rt = match (rt, rows) {
-        (Some(rt @ (1 | 2 | 4)), _) => rt,
-        (Some(rt), _) => bail!("fused_attention: {rt} row tiles per block (1, 2 or 4)"),
-        (None, 0..=16) => 1,
-        (None, 17..=32) => 2,
-        (None, _) => 4,
-    };
-    let tiles = rows.div_ceil(16 * rt);
-    // Few splits of several chunks each: the last block reads every split's partial of its
-    // rows, so their number bounds the merge's tail (a block streams its chunks double
-    // buffered). The plan's coverage of the keys is kept.
-    let max_splits = match rt {
-        1 => 32,
-        2 => 16,
-        _ => 8,
-    };
-    let per = nsplit.div_ceil(max_splits);
-    let (nsplit, cps) = ((nsplit * cps).div_ceil(cps * per), cps * per);
-    let stages = if cps > 1 { 2 } else { 1 };
-    let smem = stages * 2 * CHUNK * ROW_BYTES + 16 * rt * ROW_BYTES;
-    // The merge stages two floats per (split, row) in the K/V buffers.
-    if 2 * 4 * nsplit * 16 * rt > stages * 2 * CHUNK * ROW_BYTES {
-        bail!("fused_attention: {nsplit} splits of {rt} row tiles exceed the merge's shared memory")
-    }
+    let plan = attn_plan(rows, (nsplit, cps), rt)
+        .map_err(|e| candle_core::Error::Msg(format!("fused_attention: {e}")))?;
+    let (rt, tiles, nsplit, cps) = (plan.rt, plan.tiles, plan.nsplit, plan.cps);
     if nkv * tiles > COUNTERS {
         bail!("fused_attention: {nkv} KV heads x {tiles} row tiles exceed {COUNTERS} counters")
     }
@@ -267,20 +245,20 @@ pub(crate) fn fused_attention_rt(
     };
     let name = format!("attn_decode_rt{rt}");
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-    // The largest any launch asks for (two stages, four row tiles), always the same value:
-    // graphs captured earlier keep launching with theirs.
-    let most = 2 * 2 * CHUNK * ROW_BYTES + 64 * ROW_BYTES;
+    // Always the same value, so graphs captured earlier keep launching with theirs.
     f.set_attribute(
         CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        most as i32,
+        MAX_SHARED_BYTES as i32,
     )
-    .map_err(|e| candle_core::Error::Msg(format!("{name}: shared memory {most}: {e}")))?;
+    .map_err(|e| {
+        candle_core::Error::Msg(format!("{name}: shared memory {MAX_SHARED_BYTES}: {e}"))
+    })?;
     let mut b = f.builder();
     b.arg(&args);
     let cfg = LaunchConfig {
         grid_dim: (nkv as u32, nsplit as u32, tiles as u32),
         block_dim: (128, 1, 1),
-        shared_mem_bytes: smem as u32,
+        shared_mem_bytes: plan.shared_bytes as u32,
     };
     go(&mut b, cfg, &name)?;
     Ok(out)

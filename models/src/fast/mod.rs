@@ -16,6 +16,7 @@ use crate::ops::OpsMode;
 
 #[cfg(feature = "cuda")]
 mod attn_decode;
+mod attn_plan;
 #[cfg(feature = "cuda")]
 pub use attn_decode::{fused_attention, fused_attention_fits, FUSED_ATTN_MAX_TOKENS};
 #[cfg(feature = "cuda")]
