@@ -182,7 +182,7 @@ impl Stack<'_> {
             let rows = qkv.narrow(0, s.offset, s.tokens)?;
             let pos = positions.narrow(0, s.offset, s.tokens)?;
             if fast::fused_attention_fits(s.tokens, nh, nkv) {
-                // Few rows: norm, RoPE, cache write, attention and merge in one launch.
+                // A decode step: norm, RoPE, cache write, attention and merge in one launch.
                 outs.push(fast::fused_attention(
                     &rows,
                     q_norm,
