@@ -27,6 +27,25 @@ pub struct E2eSetup<'a> {
 /// Decodes one request after its prefill and returns (tokens/s of the decode phase, the
 /// engine's stats as JSON).
 fn run_one(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value)> {
+    let (tps, stats, _) = decode(s, s.target, algorithm)?;
+    Ok((tps, stats))
+}
+
+/// Plain greedy decoding of the e2e request with the target's step graphs (`s.target`) and
+/// with `uncaptured` (the same model without them): the tokens must be the same.
+pub fn graph_check(s: &E2eSetup<'_>, uncaptured: &Qwen3Model) -> Result<Value> {
+    let (_, _, with) = decode(s, s.target, Algorithm::Plain)?;
+    let (_, _, without) = decode(s, uncaptured, Algorithm::Plain)?;
+    let same = with.iter().zip(&without).take_while(|(a, b)| a == b).count();
+    Ok(json!({"tokens": with.len(), "equal_prefix": same, "identical": with == without}))
+}
+
+/// (tokens/s after the first step, engine stats, every emitted token).
+fn decode(
+    s: &E2eSetup<'_>,
+    target: &Qwen3Model,
+    algorithm: Algorithm,
+) -> Result<(f64, Value, Vec<u32>)> {
     let config = EngineConfig {
         max_context: s.prompt_len + s.new_tokens + 512,
         max_ddtree_budget: 256,
@@ -39,7 +58,7 @@ fn run_one(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value)> {
             0.8,
         )) as Box<dyn dflash_models::spec::Proposer>
     });
-    let mut engine = Engine::new(s.target.clone(), proposer, config);
+    let mut engine = Engine::new(target.clone(), proposer, config);
     engine.simulate_acceptance(SimulatedAcceptance::new(s.tau - 1.0, 7));
     let id = engine
         .add(GenerationRequest {
@@ -53,6 +72,7 @@ fn run_one(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value)> {
         .map_err(|e| anyhow!("{e}"))?;
     // The first step prefills and runs one round; time from the second step on.
     let mut generated = 0;
+    let mut emitted = Vec::new();
     let mut finished = false;
     let mut stats = None;
     let mut first = true;
@@ -64,6 +84,7 @@ fn run_one(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value)> {
                 continue;
             }
             generated += e.tokens.len();
+            emitted.extend_from_slice(&e.tokens);
             if !first {
                 timed_tokens += e.tokens.len();
             }
@@ -89,6 +110,7 @@ fn run_one(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value)> {
             "verify_ms_per_round": per_round(st.verify_time),
             "commit_ms_per_round": per_round(st.commit_time),
         }),
+        emitted,
     ))
 }
 

@@ -175,10 +175,13 @@ pub fn main(argv: Vec<String>) -> Result<()> {
             variants.insert(v.clone(), json!({"skipped": "fused kernels need a CUDA device and bf16 (build with --features cuda)"}));
             continue;
         }
+        // Step graphs off for the per-forward figures ("plain launches"; the graph figures
+        // capture their own), on for the end-to-end runs, as the engine and server use them.
         let m = base
             .clone()
             .with_fast_kernels(fast)
-            .with_gemv_rows(gemv_rows);
+            .with_gemv_rows(gemv_rows)
+            .with_step_graphs(false);
         let d = drafter
             .clone()
             .with_fast_kernels(fast)
@@ -379,14 +382,18 @@ fn figures(
     }
 
     if !args.no_e2e {
+        let target = m.clone().with_step_graphs(true);
         let setup = e2e::E2eSetup {
-            target: m,
+            target: &target,
             drafter,
             prompt_len: args.e2e_prompt,
             new_tokens: args.e2e_tokens,
             tau: args.tau,
         };
         out.insert("e2e".into(), e2e::run(&setup, &args.budgets)?);
+        if m.fast_kernels() {
+            out.insert("e2e_step_graph_check".into(), e2e::graph_check(&setup, m)?);
+        }
     }
     Ok(Value::Object(out))
 }
