@@ -22,11 +22,11 @@ pub mod qwen3;
 pub mod qwen3_5;
 #[cfg(feature = "cuda")]
 mod qwen3_fast;
-#[cfg(feature = "cuda")]
-pub mod step_graphs;
 pub mod random;
 pub mod rope;
 pub mod spec;
+#[cfg(feature = "cuda")]
+pub mod step_graphs;
 pub mod target;
 
 pub use attention::AttnPattern;

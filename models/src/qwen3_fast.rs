@@ -317,9 +317,9 @@ impl Qwen3Model {
             logits.slice_set(&out, 0, 0)?;
             if let Some(dst) = &taps_out {
                 for (i, l) in taps.iter().enumerate() {
-                    let part = tapped.get(l).ok_or_else(|| {
-                        ModelError::BadInput(format!("layer {l} was not tapped"))
-                    })?;
+                    let part = tapped
+                        .get(l)
+                        .ok_or_else(|| ModelError::BadInput(format!("layer {l} was not tapped")))?;
                     dst.slice_set(part, 1, i * self.cfg.hidden_size)?;
                 }
             }

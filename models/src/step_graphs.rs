@@ -88,7 +88,8 @@ impl Qwen3Model {
             AttnPattern::Tree { parents } => Some(parents.as_slice()),
             _ => return Ok(None),
         };
-        if t == 0 || t > GRAPH_MAX_TOKENS || !all_rows || seq.cache.len() + t > seq.cache.capacity() {
+        if t == 0 || t > GRAPH_MAX_TOKENS || !all_rows || seq.cache.len() + t > seq.cache.capacity()
+        {
             return Ok(None);
         }
         let key = Key {
@@ -138,7 +139,9 @@ impl Qwen3Model {
             .graphs
             .remove(at)
             .ok_or_else(|| ModelError::Unsupported("step graph slot vanished".into()))?;
-        let result = entry.1.replay(seq.cache, seq.tokens, seq.positions, parents);
+        let result = entry
+            .1
+            .replay(seq.cache, seq.tokens, seq.positions, parents);
         slots.graphs.push_front(entry);
         let (logits, taps) = result?;
         Ok(Some(ForwardOutput {

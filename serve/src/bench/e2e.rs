@@ -36,7 +36,11 @@ fn run_one(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value)> {
 pub fn graph_check(s: &E2eSetup<'_>, uncaptured: &Qwen3Model) -> Result<Value> {
     let (_, _, with) = decode(s, s.target, Algorithm::Plain)?;
     let (_, _, without) = decode(s, uncaptured, Algorithm::Plain)?;
-    let same = with.iter().zip(&without).take_while(|(a, b)| a == b).count();
+    let same = with
+        .iter()
+        .zip(&without)
+        .take_while(|(a, b)| a == b)
+        .count();
     Ok(json!({"tokens": with.len(), "equal_prefix": same, "identical": with == without}))
 }
 
