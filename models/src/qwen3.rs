@@ -271,6 +271,14 @@ impl Qwen3Model {
         }
     }
 
+    /// Step graphs held (0 with graphs off).
+    pub fn step_graphs_held(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        return self.graphs.as_ref().map_or(0, |g| g.len());
+        #[cfg(not(feature = "cuda"))]
+        0
+    }
+
     /// Graphs captured under other settings must not be replayed: settings changes start an
     /// empty cache (when graphs are on).
     fn fresh_graphs(self) -> Self {

@@ -22,42 +22,64 @@ pub const GRAPH_MAX_TOKENS: usize = 128;
 /// Graphs kept per model (least recently used dropped first).
 pub const GRAPH_SLOTS: usize = 8;
 
+/// What a graph was captured for.
 #[derive(Clone, PartialEq, Eq, Hash)]
-struct Key {
-    cache: u64,
-    tokens: usize,
-    tree: bool,
-    taps: Vec<usize>,
+pub(crate) struct Key {
+    /// [`cache_key`] of the sequence cache.
+    pub cache: u64,
+    /// New tokens (drafter: new context rows).
+    pub tokens: usize,
+    pub tree: bool,
+    pub taps: Vec<usize>,
 }
 
-#[derive(Default)]
-struct Slots {
-    graphs: VecDeque<(Key, StepGraph)>,
+struct Slots<G> {
+    graphs: VecDeque<(Key, G)>,
     /// Forwards seen per key not yet captured.
     seen: HashMap<Key, u32>,
     /// Keys whose capture failed: never retried.
     failed: HashSet<Key>,
 }
 
-// SAFETY: the graphs are only used under the mutex of `StepGraphs`, which serialises every
-// driver call on them as the CUDA docs require of graph objects, and cudarc's launch and
-// drop bind the stream's context to the calling thread, so moving them between threads is
-// sound. (cudarc leaves `CudaGraph` !Send because it holds raw driver handles.)
-unsafe impl Send for Slots {}
+/// Marks the graph types a [`GraphSlots`] may move between threads.
+///
+/// # Safety
+/// Implementors hold CUDA graphs (and tensors) only: every use of them goes through the
+/// `GraphSlots` mutex, which serialises the driver calls on a graph object as the CUDA docs
+/// require, and cudarc's launch and drop bind the stream's context to the calling thread.
+pub(crate) unsafe trait GraphObject {}
 
-/// The model's graph cache (shared by clones of one model; a model built with other
-/// settings gets its own).
-#[derive(Clone, Default)]
-pub struct StepGraphs(Arc<Mutex<Slots>>);
+// SAFETY: see `GraphObject`; cudarc leaves `CudaGraph` !Send only because it holds raw driver
+// handles.
+unsafe impl<G: GraphObject> Send for Slots<G> {}
 
-impl std::fmt::Debug for StepGraphs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = self.0.lock().map(|s| s.graphs.len()).unwrap_or(0);
-        write!(f, "StepGraphs({n} graphs)")
+/// A model's graph cache, shared by its clones (a model built with other settings gets its
+/// own): the [`GRAPH_SLOTS`] most recently used graphs, captured on a key's second use.
+pub struct GraphSlots<G>(Arc<Mutex<Slots<G>>>);
+
+impl<G> Clone for GraphSlots<G> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
     }
 }
 
-impl StepGraphs {
+impl<G> Default for GraphSlots<G> {
+    fn default() -> Self {
+        Self(Arc::new(Mutex::new(Slots {
+            graphs: VecDeque::new(),
+            seen: HashMap::new(),
+            failed: HashSet::new(),
+        })))
+    }
+}
+
+impl<G> std::fmt::Debug for GraphSlots<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GraphSlots({} graphs)", self.len())
+    }
+}
+
+impl<G> GraphSlots<G> {
     /// Number of graphs held.
     pub fn len(&self) -> usize {
         self.0.lock().map(|s| s.graphs.len()).unwrap_or(0)
@@ -66,7 +88,67 @@ impl StepGraphs {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Runs `run` on the graph of `key` (with `state`, e.g. the cache it writes), capturing
+    /// it with `capture` on the key's second use; `None` (run uncaptured) on a first use or
+    /// after a failed capture.
+    pub(crate) fn with_graph<S: ?Sized, R>(
+        &self,
+        key: Key,
+        state: &mut S,
+        capture: impl FnOnce(&S) -> ModelResult<G>,
+        run: impl FnOnce(&G, &mut S) -> ModelResult<R>,
+    ) -> ModelResult<Option<R>> {
+        let mut slots = self
+            .0
+            .lock()
+            .map_err(|_| ModelError::Unsupported("graph cache poisoned".into()))?;
+        let at = match slots.graphs.iter().position(|(k, _)| *k == key) {
+            Some(i) => i,
+            None => {
+                if slots.failed.contains(&key) {
+                    return Ok(None);
+                }
+                let seen = slots.seen.entry(key.clone()).or_insert(0);
+                *seen += 1;
+                if *seen < 2 {
+                    if slots.seen.len() > 1024 {
+                        slots.seen.clear();
+                    }
+                    return Ok(None);
+                }
+                slots.seen.remove(&key);
+                match capture(state) {
+                    Ok(g) => {
+                        if slots.graphs.len() >= GRAPH_SLOTS {
+                            slots.graphs.pop_back();
+                        }
+                        slots.graphs.push_front((key, g));
+                        0
+                    }
+                    Err(e) => {
+                        tracing::warn!("graph capture failed, running uncaptured: {e}");
+                        slots.failed.insert(key);
+                        return Ok(None);
+                    }
+                }
+            }
+        };
+        let entry = slots
+            .graphs
+            .remove(at)
+            .ok_or_else(|| ModelError::Unsupported("graph slot vanished".into()))?;
+        let result = run(&entry.1, state);
+        slots.graphs.push_front(entry);
+        result.map(Some)
+    }
 }
+
+// SAFETY: a StepGraph holds a CUDA graph and tensors (see `GraphObject`).
+unsafe impl GraphObject for StepGraph {}
+
+/// The target's step graphs.
+pub type StepGraphs = GraphSlots<StepGraph>;
 
 impl Qwen3Model {
     /// Replays `batch` from a captured graph when it qualifies (see the module docs); `None`
@@ -92,58 +174,22 @@ impl Qwen3Model {
         {
             return Ok(None);
         }
+        let tree = parents.is_some();
         let key = Key {
             cache: cache_key(seq.cache)?,
             tokens: t,
-            tree: parents.is_some(),
+            tree,
             taps: taps.to_vec(),
         };
-        let mut slots = graphs
-            .0
-            .lock()
-            .map_err(|_| ModelError::Unsupported("step graph cache poisoned".into()))?;
-        let at = match slots.graphs.iter().position(|(k, _)| *k == key) {
-            Some(i) => i,
-            None => {
-                if slots.failed.contains(&key) {
-                    return Ok(None);
-                }
-                let seen = slots.seen.entry(key.clone()).or_insert(0);
-                *seen += 1;
-                if *seen < 2 {
-                    if slots.seen.len() > 1024 {
-                        slots.seen.clear();
-                    }
-                    return Ok(None);
-                }
-                slots.seen.remove(&key);
-                match self.capture_step_with(seq.cache, t, key.tree, taps, false) {
-                    Ok(g) => {
-                        if slots.graphs.len() >= GRAPH_SLOTS {
-                            slots.graphs.pop_back();
-                        }
-                        slots.graphs.push_front((key, g));
-                        0
-                    }
-                    Err(e) => {
-                        tracing::warn!(
-                            "step graph capture for {t} tokens failed, running uncaptured: {e}"
-                        );
-                        slots.failed.insert(key);
-                        return Ok(None);
-                    }
-                }
-            }
+        let result = graphs.with_graph(
+            key,
+            &mut *seq.cache,
+            |cache| self.capture_step_with(cache, t, tree, taps, false),
+            |g, cache| g.replay(cache, seq.tokens, seq.positions, parents),
+        )?;
+        let Some((logits, taps)) = result else {
+            return Ok(None);
         };
-        let entry = slots
-            .graphs
-            .remove(at)
-            .ok_or_else(|| ModelError::Unsupported("step graph slot vanished".into()))?;
-        let result = entry
-            .1
-            .replay(seq.cache, seq.tokens, seq.positions, parents);
-        slots.graphs.push_front(entry);
-        let (logits, taps) = result?;
         Ok(Some(ForwardOutput {
             logits: Some(logits),
             taps,
