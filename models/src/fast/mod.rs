@@ -14,6 +14,8 @@ use candle_core::{DType, Device};
 use crate::ops::OpsMode;
 
 #[cfg(feature = "cuda")]
+mod attn_prefill;
+#[cfg(feature = "cuda")]
 pub mod check;
 #[cfg(feature = "cuda")]
 mod cuda;
