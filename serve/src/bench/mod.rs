@@ -129,7 +129,9 @@ pub fn main(argv: Vec<String>) -> Result<()> {
         .copied()
         .max()
         .unwrap_or(1024)
-        .max(1024);
+        .max(1024)
+        // The prefill figure needs rotary positions for its whole prompt.
+        .max(args.prefill);
     let t0 = Instant::now();
     let rng = &mut if dev.is_cpu() {
         WeightRng::new(0)
