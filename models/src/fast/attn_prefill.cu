@@ -60,13 +60,27 @@ __device__ __forceinline__ void load_tile(bf16_t* dst, const bf16_t* __restrict_
 
 // q [t, nh, d], kc/vc [nkv, cap, d], out [t, nh * d]. Grid (nkv, ceil(t * groups / (16 NW))),
 // block 32 NW threads. Blocks run the last tiles (the most keys) first, for a short tail.
-template <int NW>
+// QS: Q staged in shared memory too (dynamic, 51 KB) and read by ldmatrix per k-step instead of
+// held in 32 registers per thread, so three blocks fit an SM without spills; P packed with the
+// cvt.rn.bf16x2 instruction (the same round-to-nearest-even as f2bf).
+template <int NW, bool QS>
 __device__ __forceinline__ void attn_prefill_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
     const u32* __restrict__ cache_len, bf16_t* __restrict__ out, int t, int nh, int nkv, int cap,
     float scale) {
-    __shared__ __align__(16) bf16_t ks[PCH * PPAD];
-    __shared__ __align__(16) bf16_t vs[PCH * PPAD];
+    bf16_t *ks, *vs, *qs;
+    if constexpr (QS) {
+        extern __shared__ __align__(16) bf16_t dyn_smem[];
+        ks = dyn_smem;
+        vs = dyn_smem + PCH * PPAD;
+        qs = dyn_smem + 2 * PCH * PPAD;
+    } else {
+        __shared__ __align__(16) bf16_t sk[PCH * PPAD];
+        __shared__ __align__(16) bf16_t sv[PCH * PPAD];
+        ks = sk;
+        vs = sv;
+        qs = nullptr;
+    }
     const int d = PD;
     int kvh = blockIdx.x;
     int tile = gridDim.y - 1 - blockIdx.y;
@@ -90,20 +104,30 @@ __device__ __forceinline__ void attn_prefill_body(
     const bf16_t* vbase = vc + (size_t)kvh * cap * d;
 
     load_tile<NW>(ks, kbase, 0, L);
-    cp_async_commit();
-
-    // Q fragments (rows A = g, B = g + 8 of the warp's 16), all 8 k-steps of 16 dims.
-    const u32* qa = (const u32*)(q + ((size_t)tokA * nh + kvh * groups + rowA % groups) * d);
-    const u32* qb = (const u32*)(q + ((size_t)tokB * nh + kvh * groups + rowB % groups) * d);
-    u32 qf[8][4];
+    u32 qf[QS ? 1 : 8][4];
+    if constexpr (QS) {
+        // The block's query rows (zeros past the last), in the same group as K[0].
+        for (int e = threadIdx.x; e < 16 * NW * (PD / 8); e += NW * 32) {
+            int r = e / (PD / 8), p = e % (PD / 8), row = rb + r;
+            bool live = row < rows_total;
+            const bf16_t* src =
+                q + (live ? ((size_t)(row / groups) * nh + kvh * groups + row % groups) * d + 8 * p : 0);
+            cp_async16(smem_addr(qs + r * PPAD + 8 * p), src, live ? 16 : 0);
+        }
+    } else {
+        // Q fragments (rows A = g, B = g + 8 of the warp's 16), all 8 k-steps of 16 dims.
+        const u32* qa = (const u32*)(q + ((size_t)tokA * nh + kvh * groups + rowA % groups) * d);
+        const u32* qb = (const u32*)(q + ((size_t)tokB * nh + kvh * groups + rowB % groups) * d);
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-        int w0 = kk * 8 + tig;
-        qf[kk][0] = liveA ? qa[w0] : 0u;
-        qf[kk][1] = liveB ? qb[w0] : 0u;
-        qf[kk][2] = liveA ? qa[w0 + 4] : 0u;
-        qf[kk][3] = liveB ? qb[w0 + 4] : 0u;
+        for (int kk = 0; kk < 8; ++kk) {
+            int w0 = kk * 8 + tig;
+            qf[kk][0] = liveA ? qa[w0] : 0u;
+            qf[kk][1] = liveB ? qb[w0] : 0u;
+            qf[kk][2] = liveA ? qa[w0 + 4] : 0u;
+            qf[kk][3] = liveB ? qb[w0 + 4] : 0u;
+        }
     }
+    cp_async_commit();
     float o[16][4];
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
@@ -115,6 +139,8 @@ __device__ __forceinline__ void attn_prefill_body(
     int lm = lane >> 3, lr = lane & 7;
     u32 k_lane = smem_addr(ks + ((lm >> 1) * 8 + lr) * PPAD + (lm & 1) * 8);
     u32 v_lane = smem_addr(vs + ((lm & 1) * 8 + lr) * PPAD + (lm >> 1) * 8);
+    // Q (no trans): matrix m covers rows +(m % 2) * 8, dims +(m / 2) * 8 -> a0..a3 of a k-step.
+    u32 q_lane = QS ? smem_addr(qs + (warp * 16 + (lm & 1) * 8 + lr) * PPAD + (lm >> 1) * 8) : 0u;
 
     for (int kt = 0; kt < ntiles; ++kt) {
         int k0 = kt * PCH;
@@ -129,12 +155,18 @@ __device__ __forceinline__ void attn_prefill_body(
             for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < 8; ++kk) {
+                u32 a0, a1, a2, a3;
+                if constexpr (QS) {
+                    ldsm_x4(q_lane + kk * 16 * 2, a0, a1, a2, a3);
+                } else {
+                    a0 = qf[kk][0]; a1 = qf[kk][1]; a2 = qf[kk][2]; a3 = qf[kk][3];
+                }
 #pragma unroll
                 for (int np = 0; np < 4; ++np) {
                     u32 b0, b1, b2, b3;
                     ldsm_x4(k_lane + (np * 16 * PPAD + kk * 16) * 2, b0, b1, b2, b3);
-                    mma_bf16(s[2 * np], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b0, b1);
-                    mma_bf16(s[2 * np + 1], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b2, b3);
+                    mma_bf16(s[2 * np], a0, a1, a2, a3, b0, b1);
+                    mma_bf16(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
                 }
             }
         }
@@ -186,10 +218,19 @@ __device__ __forceinline__ void attn_prefill_body(
             float p1 = mA == -INFINITY ? 0.f : __expf(s[nt][1] - mA);
             float p2 = mB == -INFINITY ? 0.f : __expf(s[nt][2] - mB);
             float p3 = mB == -INFINITY ? 0.f : __expf(s[nt][3] - mB);
-            bf16_t b0 = f2bf(p0), b1 = f2bf(p1), b2 = f2bf(p2), b3 = f2bf(p3);
-            sumA += bf2f(b0) + bf2f(b1);
-            sumB += bf2f(b2) + bf2f(b3);
-            u32 lo = (u32)b0 | ((u32)b1 << 16), hi = (u32)b2 | ((u32)b3 << 16);
+            u32 lo, hi;
+            if constexpr (QS) {
+                asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(lo) : "f"(p1), "f"(p0));
+                asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(hi) : "f"(p3), "f"(p2));
+                sumA += __uint_as_float(lo << 16) + __uint_as_float(lo & 0xffff0000u);
+                sumB += __uint_as_float(hi << 16) + __uint_as_float(hi & 0xffff0000u);
+            } else {
+                bf16_t b0 = f2bf(p0), b1 = f2bf(p1), b2 = f2bf(p2), b3 = f2bf(p3);
+                sumA += bf2f(b0) + bf2f(b1);
+                sumB += bf2f(b2) + bf2f(b3);
+                lo = (u32)b0 | ((u32)b1 << 16);
+                hi = (u32)b2 | ((u32)b3 << 16);
+            }
             int j = nt >> 1;
             if ((nt & 1) == 0) { pf[j][0] = lo; pf[j][1] = hi; }
             else { pf[j][2] = lo; pf[j][3] = hi; }
@@ -230,13 +271,14 @@ __device__ __forceinline__ void attn_prefill_body(
 }
 
 // Variants by warps per block and register budget (attention_timings measures them).
-#define PREFILL_ENTRY(name, nw, minb)                                                            \
+#define PREFILL_ENTRY(name, nw, minb, qs)                                                            \
     extern "C" __global__ void __launch_bounds__(nw * 32, minb) name(                           \
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,                            \
         const bf16_t* __restrict__ vc, const u32* __restrict__ cache_len,                       \
         bf16_t* __restrict__ out, int t, int nh, int nkv, int cap, float scale) {               \
-        attn_prefill_body<nw>(q, kc, vc, cache_len, out, t, nh, nkv, cap, scale);               \
+        attn_prefill_body<nw, qs>(q, kc, vc, cache_len, out, t, nh, nkv, cap, scale);           \
     }
-PREFILL_ENTRY(attn_prefill_w4, 4, 1)
-PREFILL_ENTRY(attn_prefill_w4_occ3, 4, 3)
-PREFILL_ENTRY(attn_prefill_w8, 8, 1)
+PREFILL_ENTRY(attn_prefill_w4, 4, 1, false)
+PREFILL_ENTRY(attn_prefill_w4_occ3, 4, 3, false)
+PREFILL_ENTRY(attn_prefill_w4_qs, 4, 3, true)
+PREFILL_ENTRY(attn_prefill_w4_qs4, 4, 4, true)

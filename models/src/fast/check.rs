@@ -143,7 +143,7 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
             let split = cuda::split_plan(c + t, t, nh, nkv);
             let old = cuda::attention_split(&q, &kc, &vc, &len, None, split)?;
             let tag = format!("attention_prefill:h{nh}_kv{nkv}:t{t}_c{c}");
-            for (name, _) in attn_prefill::VARIANTS {
+            for (name, _, _) in attn_prefill::VARIANTS {
                 let fast = attn_prefill::attention_prefill_variant(name, &q, &kc, &vc, &len)?;
                 let (e, s) = err(&fast, &plain)?;
                 out.push((format!("{tag}:{name}:vs_plain"), e, s));
@@ -280,7 +280,7 @@ pub fn attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
         let split = cuda::split_plan(c + t, t, nh, nkv);
         let ms = time(&|| cuda::attention_split(&q, &kc, &vc, &len, None, split))?;
         out.push((format!("t{t}_c{c}:split_kernel"), ms, tflops(ms)));
-        for (name, _) in attn_prefill::VARIANTS {
+        for (name, _, _) in attn_prefill::VARIANTS {
             let ms = time(&|| attn_prefill::attention_prefill_variant(name, &q, &kc, &vc, &len))?;
             out.push((format!("t{t}_c{c}:{name}"), ms, tflops(ms)));
         }
