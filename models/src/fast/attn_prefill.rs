@@ -13,11 +13,12 @@ const MODULE: &str = "dflash_attn_prefill";
 
 /// Kernel variants `(name, warps per block, Q staged in shared memory)`; the first is the one
 /// [`attention_prefill`] runs.
-pub const VARIANTS: [(&str, usize, bool); 4] = [
+pub const VARIANTS: [(&str, usize, bool); 5] = [
     ("attn_prefill_w4_qs", 4, true),
     ("attn_prefill_w4", 4, false),
     ("attn_prefill_w4_occ3", 4, false),
     ("attn_prefill_w4_qs4", 4, true),
+    ("attn_prefill_w6_qs", 6, true),
 ];
 
 /// bf16 per shared K/V/Q row (PPAD in attn_prefill.cu) and keys per tile (PCH).
