@@ -2,19 +2,25 @@
 // Compiled to PTX by models/build.rs with nvcc when the `cuda` feature is on.
 //
 // Query rows are token * groups + g (g the q-head within its KV head), as in attn_partial_mma,
-// so one block of NW warps x 16 rows holds consecutive tokens of every q-head of one KV head and
+// so one block of 4 warps x 16 rows holds consecutive tokens of every q-head of one KV head and
 // each K/V tile it stages in shared memory serves all of them (attn_partial_mma re-reads every
 // key chunk from L2 for each 16-row tile). K/V tiles of 64 keys arrive by cp.async, one tile
 // ahead of the math: V[j] loads while S = Q K[j]^T runs, K[j + 1] while softmax and P V[j] run
-// (the FlashAttention-2 schedule, 34 KB of static shared memory). Fragments come from shared
-// memory through ldmatrix (.trans for V) out of rows padded to 136 bf16, which keeps both the
-// 16-byte cp.async writes and the ldmatrix row reads free of bank conflicts.
+// (the FlashAttention-2 schedule). The block's Q rows are staged in shared memory too and read
+// per k-step rather than held in 32 registers per thread: that brings the kernel to 168
+// registers, so three blocks (12 warps) share an SM without spills, which measured 1.37x faster
+// than Q in registers at two blocks per SM (229 registers) on a 4096-token prefill. Fragments
+// come from shared memory through ldmatrix (.trans for V) out of rows padded to 136 bf16, which
+// keeps both the 16-byte cp.async writes and the ldmatrix row reads free of bank conflicts.
+// Shared memory: K, V and Q, 64 rows each = 52,224 bytes, dynamic (over the 48 KB static limit;
+// the launch raises the function's limit).
 //
 // One pass over the visible keys (no split, no combine launch): keys [0, c) are committed
 // context, visible to every token; key c + j is new token j, visible to token i when j <= i.
 // Key tiles past a block's last visible key are never loaded; warps whose rows see none of a
 // tile skip its math. Numerics as attn_partial_mma + attn_combine with one split: scores scaled
-// in f32, P rounded to bf16 before P V, row sums taken over the rounded P, out = bf16(O / l).
+// in f32, P rounded to bf16 (cvt.rn.bf16x2: round to nearest even, as f2bf) before P V, row
+// sums taken over the rounded P, out = bf16(O / l).
 
 #include "common.cuh"
 
@@ -60,27 +66,15 @@ __device__ __forceinline__ void load_tile(bf16_t* dst, const bf16_t* __restrict_
 
 // q [t, nh, d], kc/vc [nkv, cap, d], out [t, nh * d]. Grid (nkv, ceil(t * groups / (16 NW))),
 // block 32 NW threads. Blocks run the last tiles (the most keys) first, for a short tail.
-// QS: Q staged in shared memory too (dynamic, 51 KB) and read by ldmatrix per k-step instead of
-// held in 32 registers per thread, so three blocks fit an SM without spills; P packed with the
-// cvt.rn.bf16x2 instruction (the same round-to-nearest-even as f2bf).
-template <int NW, bool QS>
+template <int NW>
 __device__ __forceinline__ void attn_prefill_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
     const u32* __restrict__ cache_len, bf16_t* __restrict__ out, int t, int nh, int nkv, int cap,
     float scale) {
-    bf16_t *ks, *vs, *qs;
-    if constexpr (QS) {
-        extern __shared__ __align__(16) bf16_t dyn_smem[];
-        ks = dyn_smem;
-        vs = dyn_smem + PCH * PPAD;
-        qs = dyn_smem + 2 * PCH * PPAD;
-    } else {
-        __shared__ __align__(16) bf16_t sk[PCH * PPAD];
-        __shared__ __align__(16) bf16_t sv[PCH * PPAD];
-        ks = sk;
-        vs = sv;
-        qs = nullptr;
-    }
+    extern __shared__ __align__(16) bf16_t dyn_smem[];
+    bf16_t* ks = dyn_smem;
+    bf16_t* vs = dyn_smem + PCH * PPAD;
+    bf16_t* qs = dyn_smem + 2 * PCH * PPAD;
     const int d = PD;
     int kvh = blockIdx.x;
     int tile = gridDim.y - 1 - blockIdx.y;
@@ -104,28 +98,13 @@ __device__ __forceinline__ void attn_prefill_body(
     const bf16_t* vbase = vc + (size_t)kvh * cap * d;
 
     load_tile<NW>(ks, kbase, 0, L);
-    u32 qf[QS ? 1 : 8][4];
-    if constexpr (QS) {
-        // The block's query rows (zeros past the last), in the same group as K[0].
-        for (int e = threadIdx.x; e < 16 * NW * (PD / 8); e += NW * 32) {
-            int r = e / (PD / 8), p = e % (PD / 8), row = rb + r;
-            bool live = row < rows_total;
-            const bf16_t* src =
-                q + (live ? ((size_t)(row / groups) * nh + kvh * groups + row % groups) * d + 8 * p : 0);
-            cp_async16(smem_addr(qs + r * PPAD + 8 * p), src, live ? 16 : 0);
-        }
-    } else {
-        // Q fragments (rows A = g, B = g + 8 of the warp's 16), all 8 k-steps of 16 dims.
-        const u32* qa = (const u32*)(q + ((size_t)tokA * nh + kvh * groups + rowA % groups) * d);
-        const u32* qb = (const u32*)(q + ((size_t)tokB * nh + kvh * groups + rowB % groups) * d);
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-            int w0 = kk * 8 + tig;
-            qf[kk][0] = liveA ? qa[w0] : 0u;
-            qf[kk][1] = liveB ? qb[w0] : 0u;
-            qf[kk][2] = liveA ? qa[w0 + 4] : 0u;
-            qf[kk][3] = liveB ? qb[w0 + 4] : 0u;
-        }
+    // The block's query rows (zeros past the last), in the same group as K[0].
+    for (int e = threadIdx.x; e < 16 * NW * (PD / 8); e += NW * 32) {
+        int r = e / (PD / 8), p = e % (PD / 8), row = rb + r;
+        bool live = row < rows_total;
+        const bf16_t* src =
+            q + (live ? ((size_t)(row / groups) * nh + kvh * groups + row % groups) * d + 8 * p : 0);
+        cp_async16(smem_addr(qs + r * PPAD + 8 * p), src, live ? 16 : 0);
     }
     cp_async_commit();
     float o[16][4];
@@ -140,7 +119,7 @@ __device__ __forceinline__ void attn_prefill_body(
     u32 k_lane = smem_addr(ks + ((lm >> 1) * 8 + lr) * PPAD + (lm & 1) * 8);
     u32 v_lane = smem_addr(vs + ((lm & 1) * 8 + lr) * PPAD + (lm >> 1) * 8);
     // Q (no trans): matrix m covers rows +(m % 2) * 8, dims +(m / 2) * 8 -> a0..a3 of a k-step.
-    u32 q_lane = QS ? smem_addr(qs + (warp * 16 + (lm & 1) * 8 + lr) * PPAD + (lm >> 1) * 8) : 0u;
+    u32 q_lane = smem_addr(qs + (warp * 16 + (lm & 1) * 8 + lr) * PPAD + (lm >> 1) * 8);
 
     for (int kt = 0; kt < ntiles; ++kt) {
         int k0 = kt * PCH;
@@ -156,11 +135,7 @@ __device__ __forceinline__ void attn_prefill_body(
 #pragma unroll
             for (int kk = 0; kk < 8; ++kk) {
                 u32 a0, a1, a2, a3;
-                if constexpr (QS) {
-                    ldsm_x4(q_lane + kk * 16 * 2, a0, a1, a2, a3);
-                } else {
-                    a0 = qf[kk][0]; a1 = qf[kk][1]; a2 = qf[kk][2]; a3 = qf[kk][3];
-                }
+                ldsm_x4(q_lane + kk * 16 * 2, a0, a1, a2, a3);
 #pragma unroll
                 for (int np = 0; np < 4; ++np) {
                     u32 b0, b1, b2, b3;
@@ -218,19 +193,11 @@ __device__ __forceinline__ void attn_prefill_body(
             float p1 = mA == -INFINITY ? 0.f : __expf(s[nt][1] - mA);
             float p2 = mB == -INFINITY ? 0.f : __expf(s[nt][2] - mB);
             float p3 = mB == -INFINITY ? 0.f : __expf(s[nt][3] - mB);
-            u32 lo, hi;
-            if constexpr (QS) {
-                asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(lo) : "f"(p1), "f"(p0));
-                asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(hi) : "f"(p3), "f"(p2));
-                sumA += __uint_as_float(lo << 16) + __uint_as_float(lo & 0xffff0000u);
-                sumB += __uint_as_float(hi << 16) + __uint_as_float(hi & 0xffff0000u);
-            } else {
-                bf16_t b0 = f2bf(p0), b1 = f2bf(p1), b2 = f2bf(p2), b3 = f2bf(p3);
-                sumA += bf2f(b0) + bf2f(b1);
-                sumB += bf2f(b2) + bf2f(b3);
-                lo = (u32)b0 | ((u32)b1 << 16);
-                hi = (u32)b2 | ((u32)b3 << 16);
-            }
+            u32 lo, hi;  // {p1, p0} and {p3, p2} as bf16 pairs, the even key in the low half
+            asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(lo) : "f"(p1), "f"(p0));
+            asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(hi) : "f"(p3), "f"(p2));
+            sumA += __uint_as_float(lo << 16) + __uint_as_float(lo & 0xffff0000u);
+            sumB += __uint_as_float(hi << 16) + __uint_as_float(hi & 0xffff0000u);
             int j = nt >> 1;
             if ((nt & 1) == 0) { pf[j][0] = lo; pf[j][1] = hi; }
             else { pf[j][2] = lo; pf[j][3] = hi; }
@@ -270,16 +237,13 @@ __device__ __forceinline__ void attn_prefill_body(
     }
 }
 
-// Variants by warps per block and register budget (attention_timings measures them).
-#define PREFILL_ENTRY(name, nw, minb, qs)                                                            \
-    extern "C" __global__ void __launch_bounds__(nw * 32, minb) name(                           \
-        const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,                            \
-        const bf16_t* __restrict__ vc, const u32* __restrict__ cache_len,                       \
-        bf16_t* __restrict__ out, int t, int nh, int nkv, int cap, float scale) {               \
-        attn_prefill_body<nw, qs>(q, kc, vc, cache_len, out, t, nh, nkv, cap, scale);           \
-    }
-PREFILL_ENTRY(attn_prefill_w4, 4, 1, false)
-PREFILL_ENTRY(attn_prefill_w4_occ3, 4, 3, false)
-PREFILL_ENTRY(attn_prefill_w4_qs, 4, 3, true)
-PREFILL_ENTRY(attn_prefill_w4_qs4, 4, 4, true)
-PREFILL_ENTRY(attn_prefill_w6_qs, 6, 2, true)
+// Four warps (64 query rows) per block, at most 168 registers so three blocks fit an SM. On the
+// H200 (check::attention_timings) this was the fastest or within 10% of the fastest in every
+// case against 8 warps at one block per SM, 6 warps (96 rows) at two, and four blocks of 4 warps
+// (128 registers, spilling).
+extern "C" __global__ void __launch_bounds__(128, 3) attn_prefill(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
+    const u32* __restrict__ cache_len, bf16_t* __restrict__ out, int t, int nh, int nkv, int cap,
+    float scale) {
+    attn_prefill_body<4>(q, kc, vc, cache_len, out, t, nh, nkv, cap, scale);
+}

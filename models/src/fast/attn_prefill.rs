@@ -11,30 +11,23 @@ use super::cuda::{alloc_bf16, check_bf16, cuda, go, ptr};
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_prefill.ptx"));
 const MODULE: &str = "dflash_attn_prefill";
 
-/// Kernel variants `(name, warps per block, Q staged in shared memory)`; the first is the one
-/// [`attention_prefill`] runs.
-pub const VARIANTS: [(&str, usize, bool); 5] = [
-    ("attn_prefill_w4_qs", 4, true),
-    ("attn_prefill_w4", 4, false),
-    ("attn_prefill_w4_occ3", 4, false),
-    ("attn_prefill_w4_qs4", 4, true),
-    ("attn_prefill_w6_qs", 6, true),
-];
-
-/// bf16 per shared K/V/Q row (PPAD in attn_prefill.cu) and keys per tile (PCH).
+/// Kernel name, warps per block (16 query rows each), bf16 per shared K/V/Q row and keys per
+/// tile (PPAD and PCH in attn_prefill.cu).
+const KERNEL: &str = "attn_prefill";
+const WARPS: usize = 4;
 const PPAD: usize = 136;
 const PCH: usize = 64;
 
 /// Fewest blocks (query tiles x KV heads) for which the one-pass kernel beats the split-K path.
-/// Measured on the H200 (Qwen3-8B heads, 64-row blocks): 128 new tokens over 4096 cached ones
-/// (64 blocks) ran 0.218 ms against 0.192 ms split; 256 over 4096 (128 blocks) 0.225 against
-/// 0.341 ms, and every wider or context-free case favoured the one-pass kernel by 1.6-2.9x.
+/// Measured on the H200 (Qwen3-8B heads, `check::attention_timings`): 128 new tokens over 4096
+/// cached ones (64 blocks) ran 0.204 ms against 0.194 ms split; 256 over 4096 (128 blocks)
+/// 0.212 against 0.346 ms; every wider or shorter-context case favoured it by 1.5-3.5x.
 pub const MIN_BLOCKS: usize = 128;
 
 /// Whether a causal forward of `t` new tokens should take [`attention_prefill`].
 pub fn worth_it(t: usize, nh: usize, nkv: usize) -> bool {
     let rows = t * (nh / nkv.max(1));
-    rows.div_ceil(16 * 4) * nkv >= MIN_BLOCKS
+    rows.div_ceil(16 * WARPS) * nkv >= MIN_BLOCKS
 }
 
 /// Causal attention of q `[t, nh, d]` (d = 128) over cache rows `[0, cache_len[0] + t)` of
@@ -46,20 +39,6 @@ pub fn attention_prefill(
     vc: &Tensor,
     cache_len: &Tensor,
 ) -> Result<Tensor> {
-    attention_prefill_variant(VARIANTS[0].0, q, kc, vc, cache_len)
-}
-
-/// [`attention_prefill`] through one of [`VARIANTS`] (for the timings in `check`).
-pub fn attention_prefill_variant(
-    name: &str,
-    q: &Tensor,
-    kc: &Tensor,
-    vc: &Tensor,
-    cache_len: &Tensor,
-) -> Result<Tensor> {
-    let Some(&(_, warps, q_shared)) = VARIANTS.iter().find(|(n, _, _)| *n == name) else {
-        bail!("attention_prefill: unknown variant {name}")
-    };
     let dev = cuda(q)?;
     check_bf16("q", q)?;
     check_bf16("k cache", kc)?;
@@ -84,32 +63,26 @@ pub fn attention_prefill_variant(
     let args = [ptr(q)?, ptr(kc)?, ptr(vc)?, ptr(cache_len)?, ptr(&out)?];
     let (ti, nhi, nkvi, capi) = (t as i32, nh as i32, nkv as i32, cap as i32);
     let scale = 1.0f32 / (d as f32).sqrt();
-    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
-    // K and V tiles, plus the block's Q rows where staged (over the 48 KB static limit, so the
-    // function must be allowed that much dynamic shared memory).
-    let smem = if q_shared {
-        (2 * PCH + 16 * warps) * PPAD * 2
-    } else {
-        0
-    };
-    if smem > 0 {
-        f.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(|e| candle_core::Error::Msg(format!("{name}: shared memory {smem} B: {e}")))?;
-    }
+    let f = dev.get_or_load_custom_func(KERNEL, MODULE, PTX)?;
+    // K and V tiles and the block's Q rows: over the 48 KB static limit, so the function must be
+    // allowed that much dynamic shared memory (a per-function setting, cheap to repeat).
+    let smem = (2 * PCH + 16 * WARPS) * PPAD * 2;
+    f.set_attribute(
+        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .map_err(|e| candle_core::Error::Msg(format!("{KERNEL}: shared memory {smem} B: {e}")))?;
     let mut b = f.builder();
     for a in &args {
         b.arg(a);
     }
     b.arg(&ti).arg(&nhi).arg(&nkvi).arg(&capi).arg(&scale);
-    let tiles = (t * (nh / nkv)).div_ceil(16 * warps);
+    let tiles = (t * (nh / nkv)).div_ceil(16 * WARPS);
     let cfg = LaunchConfig {
         grid_dim: (nkv as u32, tiles as u32, 1),
-        block_dim: ((32 * warps) as u32, 1, 1),
+        block_dim: ((32 * WARPS) as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
-    go(&mut b, cfg, name)?;
+    go(&mut b, cfg, KERNEL)?;
     Ok(out)
 }

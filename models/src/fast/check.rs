@@ -123,8 +123,8 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         }
     }
 
-    // One-pass prefill attention (every variant) against attend() and the split-K kernel, for a
-    // 300-token causal piece with and without committed context.
+    // One-pass prefill attention against attend() and the split-K kernel, for a 300-token causal
+    // piece with and without committed context (a partial last block of query rows in each).
     for (nh, nkv) in [(8usize, 2usize), (32, 8)] {
         let t = 300usize;
         let kc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
@@ -143,13 +143,11 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
             let split = cuda::split_plan(c + t, t, nh, nkv);
             let old = cuda::attention_split(&q, &kc, &vc, &len, None, split)?;
             let tag = format!("attention_prefill:h{nh}_kv{nkv}:t{t}_c{c}");
-            for (name, _, _) in attn_prefill::VARIANTS {
-                let fast = attn_prefill::attention_prefill_variant(name, &q, &kc, &vc, &len)?;
-                let (e, s) = err(&fast, &plain)?;
-                out.push((format!("{tag}:{name}:vs_plain"), e, s));
-                let (e, s) = err(&fast, &old)?;
-                out.push((format!("{tag}:{name}:vs_split_kernel"), e, s));
-            }
+            let fast = attn_prefill::attention_prefill(&q, &kc, &vc, &len)?;
+            let (e, s) = err(&fast, &plain)?;
+            out.push((format!("{tag}:vs_plain"), e, s));
+            let (e, s) = err(&fast, &old)?;
+            out.push((format!("{tag}:vs_split_kernel"), e, s));
             let (e, s) = err(&old, &plain)?;
             out.push((format!("{tag}:split_kernel:vs_plain"), e, s));
         }
@@ -245,8 +243,9 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
 }
 
 /// Milliseconds of causal attention on Qwen3-8B's heads (32 q / 8 KV, d 128) for `t` new tokens
-/// over `c` committed ones: the split-K kernel as `attention` plans it, and each one-pass
-/// prefill variant: `(name, ms, TFLOP/s)` with FLOPs `4 d nh` per visible (query, key) pair.
+/// over `c` committed ones: the split-K kernel as `attention` plans it and the one-pass prefill
+/// kernel (`(name, ms, TFLOP/s)`, FLOPs `4 d nh` per visible (query, key) pair); `attention`
+/// picks between them by `attn_prefill::MIN_BLOCKS`.
 pub fn attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
     let time = |f: &dyn Fn() -> Result<Tensor>| -> Result<f64> {
         f()?;
@@ -280,10 +279,8 @@ pub fn attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
         let split = cuda::split_plan(c + t, t, nh, nkv);
         let ms = time(&|| cuda::attention_split(&q, &kc, &vc, &len, None, split))?;
         out.push((format!("t{t}_c{c}:split_kernel"), ms, tflops(ms)));
-        for (name, _, _) in attn_prefill::VARIANTS {
-            let ms = time(&|| attn_prefill::attention_prefill_variant(name, &q, &kc, &vc, &len))?;
-            out.push((format!("t{t}_c{c}:{name}"), ms, tflops(ms)));
-        }
+        let ms = time(&|| attn_prefill::attention_prefill(&q, &kc, &vc, &len))?;
+        out.push((format!("t{t}_c{c}:prefill_kernel"), ms, tflops(ms)));
     }
     Ok(out)
 }

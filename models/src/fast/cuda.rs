@@ -153,7 +153,7 @@ pub fn qk_norm_rope_cache(
 /// `(nsplit, cps)`: splits of `cps` key chunks of [`CHUNK`] each, covering the live keys
 /// (see [`split_plan`]; more splits are allowed, and idle). Returns `[t, nh * d]`.
 /// Causal forwards with enough query rows (prefill pieces) take the one-pass kernel of
-/// [`super::attn_prefill`] instead, which ignores the split plan.
+/// `attn_prefill.cu` instead, which ignores the split plan.
 pub fn attention(
     q: &Tensor,
     kc: &Tensor,

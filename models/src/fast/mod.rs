@@ -1,7 +1,8 @@
 //! Fused CUDA kernels for decode, speculative verification, drafting and prefill (`cuda`
 //! feature, bf16, head_dim 128): per-head q/k RMSNorm + RoPE + cache write in one kernel,
 //! split-K attention on tensor cores straight over the preallocated cache with the tree given
-//! as ancestor bit rows (no dense mask), SiLU-gate product, residual add + RMSNorm, and skinny
+//! as ancestor bit rows (no dense mask), a one-pass FlashAttention-2-style causal attention for
+//! prefill pieces (`attn_prefill.cu`), SiLU-gate product, residual add + RMSNorm, and skinny
 //! GEMMs for up to [`GEMV_MAX_ROWS`] rows with the input norm, the residual add or the SiLU
 //! product fused around them (wider products stay on cuBLAS). [`crate::Qwen3Model`] and [`crate::DFlashDrafter`] use them when
 //! [`available`] (on by default there; `with_fast_kernels(false)` turns them off); causal
