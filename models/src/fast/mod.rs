@@ -47,8 +47,9 @@ pub const GEMV_DEFAULT_ROWS: usize = 8;
 pub const MAX_FAST_TOKENS: usize = 4096;
 
 /// Default piece length of a fused prefill (see `Qwen3Model::with_prefill_chunk`). Measured on
-/// the H200 (Qwen3-8B shape, 4096-token prompt): pieces of 512 / 1024 / 2048 / 4096 tokens gave
-/// 20.0K / 21.6K / 22.1K / 23.1K tok/s.
+/// the H200 (Qwen3-8B shape, 4096-token prompt, one-pass prefill attention): pieces of 512 /
+/// 1024 / 2048 / 4096 tokens gave 28.1K / 30.6K / 31.7K / 32.3K tok/s (20.0K / 21.6K / 22.1K /
+/// 23.1K with the split-K attention).
 pub const PREFILL_CHUNK: usize = 4096;
 
 /// Whether the fused kernels can run a model of this device, dtype, head size and mode.
