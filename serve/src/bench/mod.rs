@@ -415,10 +415,7 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
     }
     #[cfg(feature = "cuda")]
     for (name, ms, tflops) in dflash_models::fast::check::attention_timings(base.device())? {
-        out.insert(
-            format!("attn_{name}"),
-            json!({"ms": ms, "TFLOPs": tflops}),
-        );
+        out.insert(format!("attn_{name}"), json!({"ms": ms, "TFLOPs": tflops}));
     }
     #[cfg(feature = "cuda")]
     for (name, n, tree) in [("graph_chain_16", 16, false), ("graph_tree_64", 64, true)] {
