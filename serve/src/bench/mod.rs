@@ -477,7 +477,8 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         }
     }
     // A 600-token prefill: plain (one forward) against fused in pieces of 256 (the logit rows
-    // out of order and across pieces) and in one piece.
+    // out of order and across pieces; the pieces of 256 run the one-pass prefill attention over
+    // committed context, the last 88 rows the split-K kernel) and in one piece.
     {
         let toks = measure::tokens(600, 9, base.config().vocab_size);
         let pos: Vec<u32> = (0..600).collect();
@@ -499,7 +500,6 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         let a = run(&plain)?;
         let b = run(&fast.clone().with_prefill_chunk(256))?;
         out.insert("chunked_prefill_600".into(), compare(&a, &b)?);
-        // One piece: the one-pass prefill attention kernel (pieces of 256 take the split one).
         let b = run(&fast.clone().with_prefill_chunk(600))?;
         out.insert("prefill_600_one_piece".into(), compare(&a, &b)?);
     }
