@@ -6,7 +6,13 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
-    for f in ["kernels.cu", "gemv.cu", "topk.cu", "common.cuh"] {
+    for f in [
+        "kernels.cu",
+        "gemv.cu",
+        "topk.cu",
+        "attn_prefill.cu",
+        "common.cuh",
+    ] {
         println!("cargo:rerun-if-changed=src/fast/{f}");
     }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
@@ -28,6 +34,7 @@ fn main() {
         ("kernels.cu", "fast.ptx"),
         ("gemv.cu", "gemv.ptx"),
         ("topk.cu", "topk.ptx"),
+        ("attn_prefill.cu", "attn_prefill.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])

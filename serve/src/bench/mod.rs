@@ -129,7 +129,9 @@ pub fn main(argv: Vec<String>) -> Result<()> {
         .copied()
         .max()
         .unwrap_or(1024)
-        .max(1024);
+        .max(1024)
+        // The prefill figure needs rotary positions for its whole prompt.
+        .max(args.prefill);
     let t0 = Instant::now();
     let rng = &mut if dev.is_cpu() {
         WeightRng::new(0)
@@ -419,6 +421,10 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         );
     }
     #[cfg(feature = "cuda")]
+    for (name, ms, tflops) in dflash_models::fast::check::attention_timings(base.device())? {
+        out.insert(format!("attn_{name}"), json!({"ms": ms, "TFLOPs": tflops}));
+    }
+    #[cfg(feature = "cuda")]
     for (name, n, tree) in [("graph_chain_16", 16, false), ("graph_tree_64", 64, true)] {
         let a = forward_n(&plain, &mut cache, n, tree)?;
         let (_, b) = measure::forward_graph_ms(&fast, &mut cache, n, tree, 1)?;
@@ -478,7 +484,8 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         }
     }
     // A 600-token prefill: plain (one forward) against fused in pieces of 256 (the logit rows
-    // out of order and across pieces).
+    // out of order and across pieces; the pieces of 256 run the one-pass prefill attention over
+    // committed context, the last 88 rows the split-K kernel) and in one piece.
     {
         let toks = measure::tokens(600, 9, base.config().vocab_size);
         let pos: Vec<u32> = (0..600).collect();
@@ -500,6 +507,8 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         let a = run(&plain)?;
         let b = run(&fast.clone().with_prefill_chunk(256))?;
         out.insert("chunked_prefill_600".into(), compare(&a, &b)?);
+        let b = run(&fast.clone().with_prefill_chunk(600))?;
+        out.insert("prefill_600_one_piece".into(), compare(&a, &b)?);
     }
     for (name, n, tree) in [
         ("decode_1", 1, false),
