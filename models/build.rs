@@ -11,6 +11,7 @@ fn main() {
         "gemv.cu",
         "topk.cu",
         "attn_decode.cu",
+        "attn_prefill.cu",
         "common.cuh",
     ] {
         println!("cargo:rerun-if-changed=src/fast/{f}");
@@ -35,6 +36,7 @@ fn main() {
         ("gemv.cu", "gemv.ptx"),
         ("topk.cu", "topk.ptx"),
         ("attn_decode.cu", "attn_decode.ptx"),
+        ("attn_prefill.cu", "attn_prefill.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])

@@ -71,6 +71,9 @@ pub struct DFlashDrafter {
     fast: bool,
     /// Most rows a fused forward runs through the skinny GEMMs (see `fast_decoder.rs`).
     gemv_rows: usize,
+    /// CUDA graphs of batch-1 draft rounds (`dflash_fast.rs`); None: off.
+    #[cfg(feature = "cuda")]
+    graphs: Option<crate::step_graphs::GraphSlots<crate::dflash_fast::RoundGraph>>,
 }
 
 impl DFlashDrafter {
@@ -249,12 +252,18 @@ impl DFlashDrafter {
             mode,
             fast: false,
             gemv_rows: crate::fast::GEMV_DEFAULT_ROWS,
+            #[cfg(feature = "cuda")]
+            graphs: None,
         };
         if drafter.fast_kernels_available() {
             for l in &mut drafter.layers {
                 l.fuse_projections()?;
             }
             drafter.fast = true;
+            #[cfg(feature = "cuda")]
+            {
+                drafter.graphs = Some(Default::default());
+            }
         }
         Ok(drafter)
     }
@@ -284,14 +293,57 @@ impl DFlashDrafter {
     pub fn with_fast_kernels(mut self, on: bool) -> Self {
         self.fast =
             on && self.fast_kernels_available() && self.layers.iter().all(|l| l.fused().is_some());
-        self
+        self.fresh_graphs()
     }
 
     /// Caps the rows a fused forward sends through the skinny GEMMs (wider ones use cuBLAS);
     /// 0 keeps every forward on cuBLAS. For comparisons; the default is the measured best.
     pub fn with_gemv_rows(mut self, rows: usize) -> Self {
         self.gemv_rows = rows.min(crate::fast::GEMV_MAX_ROWS);
+        self.fresh_graphs()
+    }
+
+    /// Turns the replay of batch-1 draft rounds ([`DFlashDrafter::draft_logits`] with new
+    /// context) from CUDA graphs on or off (on by default with the fused kernels; a round
+    /// shape is captured on its second use). No effect without the fused kernels.
+    pub fn with_step_graphs(self, on: bool) -> Self {
+        #[cfg(feature = "cuda")]
+        {
+            let mut s = self;
+            s.graphs = (on && s.fast).then(Default::default);
+            s
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = on;
+            self
+        }
+    }
+
+    /// Draft-round graphs held (0 with graphs off).
+    pub fn step_graphs_held(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        return self.graphs.as_ref().map_or(0, |g| g.len());
+        #[cfg(not(feature = "cuda"))]
+        0
+    }
+
+    /// Graphs captured under other settings must not be replayed.
+    fn fresh_graphs(self) -> Self {
+        #[cfg(feature = "cuda")]
+        {
+            let on = self.graphs.is_some();
+            return self.with_step_graphs(on);
+        }
+        #[cfg(not(feature = "cuda"))]
         self
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn round_graphs(
+        &self,
+    ) -> Option<&crate::step_graphs::GraphSlots<crate::dflash_fast::RoundGraph>> {
+        self.graphs.as_ref()
     }
 
     #[cfg(feature = "cuda")]
@@ -480,6 +532,13 @@ impl DFlashDrafter {
     /// Draft logits for block slots `1..block_size` of every sequence:
     /// `[batch * (block_size - 1), vocab]`, f32.
     pub fn draft_logits(&self, batch: &mut [DraftInput<'_>]) -> ModelResult<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.fast {
+            self.check(batch)?;
+            if let Some(logits) = self.draft_logits_graph(batch)? {
+                return Ok(logits);
+            }
+        }
         let n = batch.len();
         let b = self.cfg.block_size;
         let hidden = self.forward(batch)?;
@@ -488,6 +547,12 @@ impl DFlashDrafter {
             .collect();
         let rows = Tensor::new(rows.as_slice(), &self.device)?;
         self.lm_head(&hidden.index_select(&rows, 0)?)
+    }
+
+    /// Rows of the (target's) LM head: the vocabulary the drafter scores.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn lm_head_rows(&self) -> usize {
+        self.lm_head.dims().first().copied().unwrap_or(0)
     }
 
     /// The target's `lm_head` on drafter hidden states, in f32.

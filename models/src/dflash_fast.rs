@@ -10,6 +10,7 @@ use crate::error::{ModelError, ModelResult};
 use crate::fast;
 use crate::fast_decoder::{cache_key, capture_graph, AttnSeq, Stack};
 use crate::kv_cache::SequenceCache;
+use crate::step_graphs::Key;
 
 impl DFlashDrafter {
     /// Final-normed hidden states of every block slot, `[batch * block_size, hidden]`, for
@@ -94,10 +95,6 @@ impl DFlashDrafter {
         pos: &Tensor,
     ) -> ModelResult<()> {
         let dev = self.device().clone();
-        let eps = self.config().layers.rms_norm_eps;
-        let layers = self.layers();
-        let (nh, nkv, d) = layers[0].heads();
-        let (cos, sin) = self.rotary().tables();
         let mut spans = Vec::with_capacity(batch.len());
         let mut off = 0;
         for item in batch.iter() {
@@ -106,17 +103,38 @@ impl DFlashDrafter {
             spans.push((off, n, len));
             off += n;
         }
+        let caches: Vec<&SequenceCache> = batch.iter().map(|i| &*i.cache).collect();
+        self.context_layers(ctx, pos, &caches, &spans)?;
+        for (item, (_, n, _)) in batch.iter_mut().zip(&spans) {
+            item.cache.advance(*n);
+        }
+        Ok(())
+    }
+
+    /// The context path's device work (no host-device copies, so a graph can capture it):
+    /// cache s takes rows `spans[s] = (offset, rows, committed length as a [1] u32)` of `ctx`.
+    fn context_layers(
+        &self,
+        ctx: &Tensor,
+        pos: &Tensor,
+        caches: &[&SequenceCache],
+        spans: &[(usize, usize, Tensor)],
+    ) -> ModelResult<()> {
+        let eps = self.config().layers.rms_norm_eps;
+        let layers = self.layers();
+        let (nh, nkv, d) = layers[0].heads();
+        let (cos, sin) = self.rotary().tables();
         for (li, layer) in layers.iter().enumerate() {
             let fused = layer
                 .fused()
                 .ok_or_else(|| ModelError::BadInput("fused draft on unfused weights".into()))?;
             let (_, _, q_norm, k_norm) = layer.norm_weights();
             let qkv = fast::linear(ctx, &fused.qkv)?;
-            for (item, (off, n, len)) in batch.iter().zip(&spans) {
+            for (cache, (off, n, len)) in caches.iter().zip(spans) {
                 if *n == 0 {
                     continue;
                 }
-                let kv = item.cache.layer(li).attention()?;
+                let kv = cache.layer(li).attention()?;
                 let (kc, vc) = kv.buffers();
                 fast::qk_norm_rope_cache(
                     &qkv.narrow(0, *off, *n)?,
@@ -133,10 +151,148 @@ impl DFlashDrafter {
                 )?;
             }
         }
-        for (item, (_, n, _)) in batch.iter_mut().zip(&spans) {
-            item.cache.advance(*n);
-        }
         Ok(())
+    }
+
+    /// [`DFlashDrafter::draft_logits`] of one sequence replayed from a [`RoundGraph`] when
+    /// the drafter's graphs are on and the round qualifies (new context of 1 to
+    /// [`crate::step_graphs::GRAPH_MAX_TOKENS`] rows); `None`: run it uncaptured.
+    pub(crate) fn draft_logits_graph(
+        &self,
+        batch: &mut [DraftInput<'_>],
+    ) -> ModelResult<Option<Tensor>> {
+        let Some(graphs) = self.round_graphs() else {
+            return Ok(None);
+        };
+        let [item] = batch else { return Ok(None) };
+        let Some(features) = item.context else {
+            return Ok(None);
+        };
+        let n = features.dim(0)?;
+        let b = self.config().block_size;
+        if n == 0
+            || n > crate::step_graphs::GRAPH_MAX_TOKENS
+            || item.cache.len() + n + b > item.cache.capacity()
+            || item.cache.len() + n + b > self.rotary().max_positions()
+        {
+            return Ok(None);
+        }
+        let key = Key {
+            cache: cache_key(item.cache)?,
+            tokens: n,
+            tree: false,
+            taps: Vec::new(),
+        };
+        graphs.with_graph(
+            key,
+            &mut *item.cache,
+            |cache| self.capture_round(cache, n),
+            |g, cache| g.replay(cache, features, item.block),
+        )
+    }
+
+    /// Captures a draft round for `cache`: `n` new context rows, then the block after them
+    /// and the LM head of its draft slots.
+    fn capture_round(&self, cache: &SequenceCache, n: usize) -> ModelResult<RoundGraph> {
+        let b = self.config().block_size;
+        cache.check_room(n + b)?;
+        let dev = self.device().clone();
+        let cfg = self.config();
+        let width = cfg.target_layer_ids.len() * cfg.layers.hidden_size;
+        let features = Tensor::zeros((n, width), self.dtype(), &dev)?;
+        let len = cache.len() as u32;
+        let inputs = Tensor::new(
+            round_inputs(self.mask_token_id(), b, n, len).as_slice(),
+            &dev,
+        )?;
+        let vocab = self.lm_head_rows();
+        let logits = Tensor::zeros((b - 1, vocab), candle_core::DType::F32, &dev)?;
+        let full = self.full_block_bits()?;
+        let ids = inputs.narrow(0, 0, b)?;
+        let pos = inputs.narrow(0, b, b)?;
+        let ctx_pos = inputs.narrow(0, 2 * b, n)?;
+        let spans = [(0, n, inputs.narrow(0, 2 * b + n, 1)?)];
+        let block_len = [inputs.narrow(0, 2 * b + n + 1, 1)?];
+        let splits = [(cache.capacity().div_ceil(fast::CHUNK), 1)];
+        let body = || -> ModelResult<()> {
+            let ctx = self.context_features(&features)?;
+            self.context_layers(&ctx, &ctx_pos, &[cache], &spans)?;
+            let h = self.block_layers(&ids, &pos, &[cache], &block_len, &splits, &full)?;
+            let out = self.lm_head(&h.narrow(0, 1, b - 1)?)?;
+            logits.slice_set(&out, 0, 0)?;
+            Ok(())
+        };
+        let graph = capture_graph(self.device(), body)?;
+        Ok(RoundGraph {
+            graph,
+            features,
+            inputs,
+            _full: full,
+            logits,
+            mask: self.mask_token_id(),
+            cache_key: cache_key(cache)?,
+        })
+    }
+}
+
+/// u32 inputs of a round graph: block tokens (b), block positions (b), context positions
+/// (n), committed length, committed length after the context.
+fn round_inputs(mask: u32, b: usize, n: usize, len: u32) -> Vec<u32> {
+    let start = len + n as u32;
+    let mut v = vec![mask; b];
+    v.extend((0..b as u32).map(|i| start + i));
+    v.extend((0..n as u32).map(|i| len + i));
+    v.push(len);
+    v.push(start);
+    v
+}
+
+/// One batch-1 draft round (append `n` context rows to the drafter cache, draft a block
+/// after them, the LM head of its draft slots) as a CUDA graph; the drafter keeps these in
+/// its own cache (`step_graphs.rs`), so it does not hold the drafter.
+pub(crate) struct RoundGraph {
+    graph: candle_core::cuda_backend::cudarc::driver::CudaGraph,
+    /// `[n, taps * hidden]` context features, written before each replay.
+    features: Tensor,
+    /// u32, see [`round_inputs`].
+    inputs: Tensor,
+    _full: Tensor,
+    /// f32 `[b - 1, vocab]`, rewritten by every replay.
+    logits: Tensor,
+    mask: u32,
+    cache_key: u64,
+}
+
+// SAFETY: a RoundGraph holds a CUDA graph and tensors (see `GraphObject`).
+unsafe impl crate::step_graphs::GraphObject for RoundGraph {}
+
+impl RoundGraph {
+    /// Appends `features` to `cache` and drafts `block` after them: the logits of the draft
+    /// slots `[b - 1, vocab]` (a copy), as [`DFlashDrafter::draft_logits`] returns them.
+    fn replay(
+        &self,
+        cache: &mut SequenceCache,
+        features: &Tensor,
+        block: &[u32],
+    ) -> ModelResult<Tensor> {
+        let n = self.features.dim(0)?;
+        let b = self.logits.dim(0)? + 1;
+        if features.dim(0)? != n || block.len() != b || cache_key(cache)? != self.cache_key {
+            return Err(ModelError::BadInput(
+                "round graph replayed on another cache or shape".into(),
+            ));
+        }
+        cache.check_room(n + b)?;
+        self.features
+            .slice_set(&features.to_dtype(self.features.dtype())?, 0, 0)?;
+        let mut host = round_inputs(self.mask, b, n, cache.len() as u32);
+        host[..b].copy_from_slice(block);
+        fast::upload_u32(&self.inputs, &host)?;
+        self.graph
+            .launch()
+            .map_err(|e| ModelError::Unsupported(format!("graph launch: {e}")))?;
+        cache.advance(n);
+        Ok(self.logits.copy()?)
     }
 }
 

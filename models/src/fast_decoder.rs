@@ -256,8 +256,23 @@ pub(crate) fn capture_graph(
         .ok_or_else(|| ModelError::Unsupported("graph capture produced no graph".into()))
 }
 
-/// Address of a cache's first K buffer: a captured graph is only valid for that cache.
+/// A cache's identity for a captured graph, which bakes in the address of every layer's K
+/// and V buffer: a hash of all of them and the capacity (a new cache at the same addresses
+/// with the same layout is the same memory, so a graph stays valid for it).
 pub(crate) fn cache_key(cache: &SequenceCache) -> ModelResult<u64> {
-    let kv = cache.layer(0).attention()?;
-    Ok(fast::device_address(kv.buffers().0)?)
+    // FNV-1a over the addresses.
+    let mut h: u64 = 0xcbf29ce484222325;
+    let mut eat = |v: u64| {
+        for b in v.to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+    };
+    eat(cache.capacity() as u64);
+    for i in 0..cache.num_layers() {
+        let (k, v) = cache.layer(i).attention()?.buffers();
+        eat(fast::device_address(k)?);
+        eat(fast::device_address(v)?);
+    }
+    Ok(h)
 }

@@ -25,6 +25,8 @@ mod qwen3_fast;
 pub mod random;
 pub mod rope;
 pub mod spec;
+#[cfg(feature = "cuda")]
+pub mod step_graphs;
 pub mod target;
 
 pub use attention::AttnPattern;

@@ -95,6 +95,9 @@ pub struct Qwen3Model {
     gemv_rows: usize,
     /// Piece length of a fused prefill.
     prefill_chunk: usize,
+    /// CUDA graphs of small batch-1 forwards (`step_graphs.rs`); None: off.
+    #[cfg(feature = "cuda")]
+    graphs: Option<crate::step_graphs::StepGraphs>,
 }
 
 impl Qwen3Model {
@@ -151,6 +154,8 @@ impl Qwen3Model {
             fast: false,
             gemv_rows: crate::fast::GEMV_DEFAULT_ROWS,
             prefill_chunk: crate::fast::PREFILL_CHUNK,
+            #[cfg(feature = "cuda")]
+            graphs: None,
         }
         .prepare_fast()
     }
@@ -208,6 +213,8 @@ impl Qwen3Model {
             fast: false,
             gemv_rows: crate::fast::GEMV_DEFAULT_ROWS,
             prefill_chunk: crate::fast::PREFILL_CHUNK,
+            #[cfg(feature = "cuda")]
+            graphs: None,
         }
         .prepare_fast()
     }
@@ -220,6 +227,10 @@ impl Qwen3Model {
                 l.fuse_projections()?;
             }
             self.fast = true;
+            #[cfg(feature = "cuda")]
+            {
+                self.graphs = Some(Default::default());
+            }
         }
         Ok(self)
     }
@@ -234,21 +245,62 @@ impl Qwen3Model {
     pub fn with_fast_kernels(mut self, on: bool) -> Self {
         self.fast =
             on && self.fast_kernels_available() && self.layers.iter().all(|l| l.fused().is_some());
-        self
+        self.fresh_graphs()
     }
 
     /// Caps the rows a fused forward sends through the skinny GEMMs (wider ones use cuBLAS);
     /// 0 keeps every forward on cuBLAS. For comparisons; the default is the measured best.
     pub fn with_gemv_rows(mut self, rows: usize) -> Self {
         self.gemv_rows = rows.min(crate::fast::GEMV_MAX_ROWS);
+        self.fresh_graphs()
+    }
+
+    /// Turns the replay of small batch-1 forwards from CUDA graphs on or off (on by default
+    /// with the fused kernels; see `step_graphs.rs`). No effect without the fused kernels.
+    pub fn with_step_graphs(self, on: bool) -> Self {
+        #[cfg(feature = "cuda")]
+        {
+            let mut s = self;
+            s.graphs = (on && s.fast).then(Default::default);
+            s
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = on;
+            self
+        }
+    }
+
+    /// Step graphs held (0 with graphs off).
+    pub fn step_graphs_held(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        return self.graphs.as_ref().map_or(0, |g| g.len());
+        #[cfg(not(feature = "cuda"))]
+        0
+    }
+
+    /// Graphs captured under other settings must not be replayed: settings changes start an
+    /// empty cache (when graphs are on).
+    fn fresh_graphs(self) -> Self {
+        #[cfg(feature = "cuda")]
+        {
+            let on = self.graphs.is_some();
+            return self.with_step_graphs(on);
+        }
+        #[cfg(not(feature = "cuda"))]
         self
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn step_graphs(&self) -> Option<&crate::step_graphs::StepGraphs> {
+        self.graphs.as_ref()
     }
 
     /// Sets the piece length of fused prefills (1 ..= `fast::MAX_FAST_TOKENS`): longer
     /// pieces give cuBLAS larger products, shorter ones smaller temporaries.
     pub fn with_prefill_chunk(mut self, tokens: usize) -> Self {
         self.prefill_chunk = tokens.clamp(1, crate::fast::MAX_FAST_TOKENS);
-        self
+        self.fresh_graphs()
     }
 
     #[cfg(feature = "cuda")]
@@ -335,6 +387,12 @@ impl Qwen3Model {
         taps: &[usize],
     ) -> ModelResult<ForwardOutput> {
         self.check(batch, taps)?;
+        #[cfg(feature = "cuda")]
+        if self.fast {
+            if let Some(out) = self.forward_graph(batch, taps)? {
+                return Ok(out);
+            }
+        }
         #[cfg(feature = "cuda")]
         if self.fast && batch.iter().all(|s| s.tokens.len() <= self.prefill_chunk) {
             return self.forward_fast(batch, taps);

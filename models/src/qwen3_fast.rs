@@ -228,8 +228,8 @@ impl Qwen3Model {
 /// step of that cache (checked by address). Logits come back for all `t` rows.
 pub struct StepGraph {
     graph: candle_core::cuda_backend::cudarc::driver::CudaGraph,
-    /// Keeps the weights the graph reads alive.
-    _model: Qwen3Model,
+    /// Keeps the weights the graph reads alive (None for graphs the model itself holds).
+    _model: Option<Qwen3Model>,
     tokens: usize,
     /// u32 [tokens (t), positions (t), cache_len].
     inputs: Tensor,
@@ -237,7 +237,9 @@ pub struct StepGraph {
     tree: Option<Tensor>,
     /// f32 `[t, vocab]`, rewritten by every replay.
     logits: Tensor,
-    /// Address of the cache's first K buffer: the graph is only valid for that cache.
+    /// The tapped layer outputs `[t, taps * hidden]`, rewritten by every replay.
+    taps_out: Option<Tensor>,
+    /// [`cache_key`] of the cache the graph was captured for.
     cache_key: u64,
 }
 
@@ -250,6 +252,21 @@ impl Qwen3Model {
         cache: &SequenceCache,
         t: usize,
         tree: bool,
+    ) -> ModelResult<StepGraph> {
+        self.capture_step_with(cache, t, tree, &[], true)
+    }
+
+    /// [`Qwen3Model::capture_step`] that also keeps the outputs of the layers in `taps`
+    /// (concatenated, as [`Qwen3Model::forward`] returns them). `own` keeps a clone of the
+    /// model (and so its weights) alive in the graph; graphs the model caches itself
+    /// (`step_graphs.rs`) must not, or model and cache would hold each other.
+    pub(crate) fn capture_step_with(
+        &self,
+        cache: &SequenceCache,
+        t: usize,
+        tree: bool,
+        taps: &[usize],
+        own: bool,
     ) -> ModelResult<StepGraph> {
         if !self.fast_kernels() || t == 0 || t > fast::MAX_FAST_TOKENS {
             return Err(ModelError::Unsupported(format!(
@@ -275,6 +292,15 @@ impl Qwen3Model {
             None
         };
         let logits = Tensor::zeros((t, self.cfg.vocab_size), candle_core::DType::F32, &dev)?;
+        let taps_out = if taps.is_empty() {
+            None
+        } else {
+            Some(Tensor::zeros(
+                (t, taps.len() * self.cfg.hidden_size),
+                self.dtype(),
+                &dev,
+            )?)
+        };
         let seq = SeqInputs {
             offset: 0,
             tokens: t,
@@ -285,20 +311,29 @@ impl Qwen3Model {
         let ids = inputs.narrow(0, 0, t)?;
         let positions = inputs.narrow(0, t, t)?;
         let body = || -> ModelResult<()> {
-            let (h, _) =
-                self.run_layers(&ids, &positions, &[cache], std::slice::from_ref(&seq), &[])?;
+            let (h, tapped) =
+                self.run_layers(&ids, &positions, &[cache], std::slice::from_ref(&seq), taps)?;
             let out = self.lm_head(&h)?;
             logits.slice_set(&out, 0, 0)?;
+            if let Some(dst) = &taps_out {
+                for (i, l) in taps.iter().enumerate() {
+                    let part = tapped
+                        .get(l)
+                        .ok_or_else(|| ModelError::BadInput(format!("layer {l} was not tapped")))?;
+                    dst.slice_set(part, 1, i * self.cfg.hidden_size)?;
+                }
+            }
             Ok(())
         };
         let graph = capture_graph(self.device(), body)?;
         Ok(StepGraph {
             graph,
-            _model: self.clone(),
+            _model: own.then(|| self.clone()),
             tokens: t,
             inputs,
             tree: tree_bits,
             logits,
+            taps_out,
             cache_key: cache_key(cache)?,
         })
     }
@@ -325,6 +360,17 @@ impl StepGraph {
         positions: &[u32],
         parents: Option<&[Option<usize>]>,
     ) -> ModelResult<Tensor> {
+        Ok(self.replay(cache, tokens, positions, parents)?.0)
+    }
+
+    /// As [`StepGraph::step`], also returning the tapped layer outputs (copies).
+    pub(crate) fn replay(
+        &self,
+        cache: &mut SequenceCache,
+        tokens: &[u32],
+        positions: &[u32],
+        parents: Option<&[Option<usize>]>,
+    ) -> ModelResult<(Tensor, Option<Tensor>)> {
         let t = self.tokens;
         if tokens.len() != t || positions.len() != t {
             return Err(ModelError::BadInput(format!(
@@ -359,6 +405,7 @@ impl StepGraph {
             .launch()
             .map_err(|e| ModelError::Unsupported(format!("graph launch: {e}")))?;
         cache.advance(t);
-        Ok(self.logits.copy()?)
+        let taps = self.taps_out.as_ref().map(Tensor::copy).transpose()?;
+        Ok((self.logits.copy()?, taps))
     }
 }

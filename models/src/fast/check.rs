@@ -7,9 +7,9 @@ use candle_core::{DType, Device, Result, Tensor};
 use crate::attention::{attend, AttnPattern};
 use crate::ops::{rms_norm, rope, OpsMode};
 
-use super::{cuda, gemv};
+use super::{attn_prefill, cuda, gemv};
 
-pub use super::check_attn::attention_timings;
+pub use super::check_attn::decode_attention_timings;
 
 /// (kernel, max |fast - plain|, max |plain|) per kernel.
 pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
@@ -104,8 +104,9 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
                 _ => None,
             };
             let ns = (c + t).div_ceil(cuda::CHUNK);
-            let fast = cuda::attention(&q, &kc, &vc, &len, bits.as_ref(), (ns, 1))?;
-            let multi = cuda::attention(&q, &kc, &vc, &len, bits.as_ref(), (ns.div_ceil(3), 3))?;
+            let fast = cuda::attention_split(&q, &kc, &vc, &len, bits.as_ref(), (ns, 1))?;
+            let multi =
+                cuda::attention_split(&q, &kc, &vc, &len, bits.as_ref(), (ns.div_ceil(3), 3))?;
             let simt = cuda::attention_simt(&q, &kc, &vc, &len, bits.as_ref(), ns)?;
             let mask = pattern.mask(c, t, dev)?;
             let plain = attend(
@@ -121,6 +122,36 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
             out.push((format!("{name}:t{t}:tensor_cores_3_chunks_per_split"), e, s));
             let (e, s) = err(&simt, &plain)?;
             out.push((format!("{name}:t{t}:cuda_cores"), e, s));
+        }
+    }
+
+    // One-pass prefill attention against attend() and the split-K kernel, for a 300-token causal
+    // piece with and without committed context (a partial last block of query rows in each).
+    for (nh, nkv) in [(8usize, 2usize), (32, 8)] {
+        let t = 300usize;
+        let kc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
+        let vc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
+        let q = bf(Tensor::randn(0f32, 1.0, (t, nh, d), dev)?)?;
+        for c in [0usize, 77] {
+            let len = Tensor::new(&[c as u32], dev)?;
+            let mask = AttnPattern::Causal.mask(c, t, dev)?;
+            let plain = attend(
+                &q.transpose(0, 1)?.contiguous()?,
+                &kc.narrow(1, 0, c + t)?,
+                &vc.narrow(1, 0, c + t)?,
+                mask.as_ref(),
+                OpsMode::Fused,
+            )?;
+            let split = cuda::split_plan(c + t, t, nh, nkv);
+            let old = cuda::attention_split(&q, &kc, &vc, &len, None, split)?;
+            let tag = format!("attention_prefill:h{nh}_kv{nkv}:t{t}_c{c}");
+            let fast = attn_prefill::attention_prefill(&q, &kc, &vc, &len)?;
+            let (e, s) = err(&fast, &plain)?;
+            out.push((format!("{tag}:vs_plain"), e, s));
+            let (e, s) = err(&fast, &old)?;
+            out.push((format!("{tag}:vs_split_kernel"), e, s));
+            let (e, s) = err(&old, &plain)?;
+            out.push((format!("{tag}:split_kernel:vs_plain"), e, s));
         }
     }
 
@@ -212,6 +243,49 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     out.push(("add_rmsnorm:sum".into(), e, s));
     let (e, s) = err(&ho, &rms_norm(&xs, &w, eps, OpsMode::Fused)?)?;
     out.push(("add_rmsnorm:norm".into(), e, s));
+    Ok(out)
+}
+
+/// Milliseconds of causal attention on Qwen3-8B's heads (32 q / 8 KV, d 128) for `t` new tokens
+/// over `c` committed ones: the split-K kernel as `attention` plans it and the one-pass prefill
+/// kernel (`(name, ms, TFLOP/s)`, FLOPs `4 d nh` per visible (query, key) pair); `attention`
+/// picks between them by `attn_prefill::MIN_BLOCKS`.
+pub fn attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
+    let time = |f: &dyn Fn() -> Result<Tensor>| -> Result<f64> {
+        f()?;
+        dev.synchronize()?;
+        let t = std::time::Instant::now();
+        for _ in 0..20 {
+            f()?;
+        }
+        dev.synchronize()?;
+        Ok(t.elapsed().as_secs_f64() * 1e3 / 20.0)
+    };
+    let (nh, nkv, d, cap) = (32usize, 8usize, 128usize, 8192usize);
+    let kc = Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?.to_dtype(DType::BF16)?;
+    let vc = Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?.to_dtype(DType::BF16)?;
+    let mut out = Vec::new();
+    for (t, c) in [
+        (4096usize, 0usize),
+        (2048, 0),
+        (1024, 0),
+        (512, 0),
+        (256, 0),
+        (128, 0),
+        (1024, 3072),
+        (256, 4096),
+        (128, 4096),
+    ] {
+        let q = Tensor::randn(0f32, 1.0, (t, nh, d), dev)?.to_dtype(DType::BF16)?;
+        let len = Tensor::new(&[c as u32], dev)?;
+        let pairs = (t * c + t * (t + 1) / 2) as f64;
+        let tflops = |ms: f64| 4.0 * (d * nh) as f64 * pairs / ms / 1e9;
+        let split = cuda::split_plan(c + t, t, nh, nkv);
+        let ms = time(&|| cuda::attention_split(&q, &kc, &vc, &len, None, split))?;
+        out.push((format!("t{t}_c{c}:split_kernel"), ms, tflops(ms)));
+        let ms = time(&|| attn_prefill::attention_prefill(&q, &kc, &vc, &len))?;
+        out.push((format!("t{t}_c{c}:prefill_kernel"), ms, tflops(ms)));
+    }
     Ok(out)
 }
 

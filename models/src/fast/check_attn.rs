@@ -179,7 +179,7 @@ pub(super) fn fused_attention_errors(
 /// CUDA graph of 20 repetitions: `(case, two_launch_us, fused_us)` for decode at 1K and 8K
 /// (with the split plans of the eager forward and of the step graphs) and 4 / 16 / 64 new
 /// tokens over 1K (graph plans; `_rtN`: the fused kernel with N 16-row tiles per block).
-pub fn attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
+pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
     let (nh, nkv, d, eps) = (32usize, 8usize, 128usize, 1e-6);
     let bf = |t: Tensor| t.to_dtype(DType::BF16);
     let mut out = Vec::new();

@@ -152,7 +152,26 @@ pub fn qk_norm_rope_cache(
 /// or when bit j of `tree_mask[i * words + j / 64]` is set (`[t, words]` i64 bit rows).
 /// `(nsplit, cps)`: splits of `cps` key chunks of [`CHUNK`] each, covering the live keys
 /// (see [`split_plan`]; more splits are allowed, and idle). Returns `[t, nh * d]`.
+/// Causal forwards with enough query rows (prefill pieces) take the one-pass kernel of
+/// `attn_prefill.cu` instead, which ignores the split plan.
 pub fn attention(
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    cache_len: &Tensor,
+    tree_mask: Option<&Tensor>,
+    split: (usize, usize),
+) -> Result<Tensor> {
+    let (t, nh, _) = q.dims3()?;
+    let nkv = kc.dims3()?.0;
+    if tree_mask.is_none() && super::attn_prefill::worth_it(t, nh, nkv) {
+        return super::attn_prefill::attention_prefill(q, kc, vc, cache_len);
+    }
+    attention_split(q, kc, vc, cache_len, tree_mask, split)
+}
+
+/// [`attention`] always on the split-K tensor-core kernel (`attn_partial_mma` + combine).
+pub(super) fn attention_split(
     q: &Tensor,
     kc: &Tensor,
     vc: &Tensor,

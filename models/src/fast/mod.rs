@@ -2,7 +2,8 @@
 //! feature, bf16, head_dim 128): per-head q/k RMSNorm + RoPE + cache write in one kernel,
 //! split-K attention on tensor cores straight over the preallocated cache with the tree given
 //! as ancestor bit rows (no dense mask), for decode steps all of that in one launch
-//! (`fused_attention`), SiLU-gate product, residual add + RMSNorm, and skinny
+//! (`fused_attention`), a one-pass FlashAttention-2-style causal attention for prefill
+//! pieces (`attn_prefill.cu`), SiLU-gate product, residual add + RMSNorm, and skinny
 //! GEMMs for up to [`GEMV_MAX_ROWS`] rows with the input norm, the residual add or the SiLU
 //! product fused around them (wider products stay on cuBLAS). [`crate::Qwen3Model`] and [`crate::DFlashDrafter`] use them when
 //! [`available`] (on by default there; `with_fast_kernels(false)` turns them off); causal
@@ -19,6 +20,8 @@ mod attn_decode;
 mod attn_plan;
 #[cfg(feature = "cuda")]
 pub use attn_decode::{fused_attention, fused_attention_fits, FUSED_ATTN_MAX_TOKENS};
+#[cfg(feature = "cuda")]
+mod attn_prefill;
 #[cfg(feature = "cuda")]
 pub mod check;
 #[cfg(feature = "cuda")]
@@ -52,8 +55,9 @@ pub const GEMV_DEFAULT_ROWS: usize = 8;
 pub const MAX_FAST_TOKENS: usize = 4096;
 
 /// Default piece length of a fused prefill (see `Qwen3Model::with_prefill_chunk`). Measured on
-/// the H200 (Qwen3-8B shape, 4096-token prompt): pieces of 512 / 1024 / 2048 / 4096 tokens gave
-/// 20.0K / 21.6K / 22.1K / 23.1K tok/s.
+/// the H200 (Qwen3-8B shape, 4096-token prompt, one-pass prefill attention): pieces of 512 /
+/// 1024 / 2048 / 4096 tokens gave 28.1K / 30.6K / 31.7K / 32.3K tok/s (20.0K / 21.6K / 22.1K /
+/// 23.1K with the split-K attention).
 pub const PREFILL_CHUNK: usize = 4096;
 
 /// Whether the fused kernels can run a model of this device, dtype, head size and mode.

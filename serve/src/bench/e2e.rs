@@ -27,6 +27,42 @@ pub struct E2eSetup<'a> {
 /// Decodes one request after its prefill and returns (tokens/s of the decode phase, the
 /// engine's stats as JSON).
 fn run_one(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value)> {
+    let (tps, stats, _) = decode(s, algorithm)?;
+    Ok((tps, stats))
+}
+
+/// Decodes the e2e request with the step graphs of target and drafter (`s`) and without them
+/// (`uncaptured`, the same target with graphs off, and the drafter likewise): plain greedy
+/// decoding must give the same tokens; for the chain the drafts come from a drafter whose
+/// graph splits its attention differently (f32 summation order), so equality is reported.
+pub fn graph_check(s: &E2eSetup<'_>, uncaptured: &Qwen3Model) -> Result<Value> {
+    let drafter = s.drafter.clone().with_step_graphs(false);
+    let off = E2eSetup {
+        target: uncaptured,
+        drafter: &drafter,
+        prompt_len: s.prompt_len,
+        new_tokens: s.new_tokens,
+        tau: s.tau,
+    };
+    let mut out = serde_json::Map::new();
+    for (name, algorithm) in [("plain", Algorithm::Plain), ("chain", Algorithm::Chain)] {
+        let (_, _, with) = decode(s, algorithm)?;
+        let (_, _, without) = decode(&off, algorithm)?;
+        let same = with
+            .iter()
+            .zip(&without)
+            .take_while(|(a, b)| a == b)
+            .count();
+        out.insert(
+            name.into(),
+            json!({"tokens": with.len(), "equal_prefix": same, "identical": with == without}),
+        );
+    }
+    Ok(Value::Object(out))
+}
+
+/// (tokens/s after the first step, engine stats, every emitted token).
+fn decode(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value, Vec<u32>)> {
     let config = EngineConfig {
         max_context: s.prompt_len + s.new_tokens + 512,
         max_ddtree_budget: 256,
@@ -53,6 +89,7 @@ fn run_one(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value)> {
         .map_err(|e| anyhow!("{e}"))?;
     // The first step prefills and runs one round; time from the second step on.
     let mut generated = 0;
+    let mut emitted = Vec::new();
     let mut finished = false;
     let mut stats = None;
     let mut first = true;
@@ -64,6 +101,7 @@ fn run_one(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value)> {
                 continue;
             }
             generated += e.tokens.len();
+            emitted.extend_from_slice(&e.tokens);
             if !first {
                 timed_tokens += e.tokens.len();
             }
@@ -88,7 +126,10 @@ fn run_one(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value)> {
             "draft_ms_per_round": per_round(st.draft_time),
             "verify_ms_per_round": per_round(st.verify_time),
             "commit_ms_per_round": per_round(st.commit_time),
+            "target_graphs_held": s.target.step_graphs_held(),
+            "drafter_graphs_held": s.drafter.step_graphs_held(),
         }),
+        emitted,
     ))
 }
 

@@ -129,7 +129,9 @@ pub fn main(argv: Vec<String>) -> Result<()> {
         .copied()
         .max()
         .unwrap_or(1024)
-        .max(1024);
+        .max(1024)
+        // The prefill figure needs rotary positions for its whole prompt.
+        .max(args.prefill);
     let t0 = Instant::now();
     let rng = &mut if dev.is_cpu() {
         WeightRng::new(0)
@@ -175,10 +177,13 @@ pub fn main(argv: Vec<String>) -> Result<()> {
             variants.insert(v.clone(), json!({"skipped": "fused kernels need a CUDA device and bf16 (build with --features cuda)"}));
             continue;
         }
+        // Step graphs off for the per-forward figures ("plain launches"; the graph figures
+        // capture their own), on for the end-to-end runs, as the engine and server use them.
         let m = base
             .clone()
             .with_fast_kernels(fast)
-            .with_gemv_rows(gemv_rows);
+            .with_gemv_rows(gemv_rows)
+            .with_step_graphs(false);
         let d = drafter
             .clone()
             .with_fast_kernels(fast)
@@ -379,14 +384,18 @@ fn figures(
     }
 
     if !args.no_e2e {
+        let target = m.clone().with_step_graphs(true);
         let setup = e2e::E2eSetup {
-            target: m,
+            target: &target,
             drafter,
             prompt_len: args.e2e_prompt,
             new_tokens: args.e2e_tokens,
             tau: args.tau,
         };
         out.insert("e2e".into(), e2e::run(&setup, &args.budgets)?);
+        if m.fast_kernels() {
+            out.insert("e2e_step_graph_check".into(), e2e::graph_check(&setup, m)?);
+        }
     }
     Ok(Value::Object(out))
 }
@@ -404,7 +413,7 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         out.insert(name, json!({"max_abs_err": err, "max_abs_plain": scale}));
     }
     #[cfg(feature = "cuda")]
-    for (name, two, fused) in dflash_models::fast::check::attention_timings(base.device())? {
+    for (name, two, fused) in dflash_models::fast::check::decode_attention_timings(base.device())? {
         out.insert(
             format!("attention_us_{name}"),
             json!({"two_launch": two, "fused": fused}),
@@ -417,6 +426,10 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
             json!({"cublas": cublas, "gemv": gemv, "weight_GB": gb,
                    "gemv_GBps": gb / gemv * 1e3, "cublas_GBps": gb / cublas * 1e3}),
         );
+    }
+    #[cfg(feature = "cuda")]
+    for (name, ms, tflops) in dflash_models::fast::check::attention_timings(base.device())? {
+        out.insert(format!("attn_{name}"), json!({"ms": ms, "TFLOPs": tflops}));
     }
     #[cfg(feature = "cuda")]
     for (name, n, tree) in [("graph_chain_16", 16, false), ("graph_tree_64", 64, true)] {
@@ -478,7 +491,8 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         }
     }
     // A 600-token prefill: plain (one forward) against fused in pieces of 256 (the logit rows
-    // out of order and across pieces).
+    // out of order and across pieces; the pieces of 256 run the one-pass prefill attention over
+    // committed context, the last 88 rows the split-K kernel) and in one piece.
     {
         let toks = measure::tokens(600, 9, base.config().vocab_size);
         let pos: Vec<u32> = (0..600).collect();
@@ -500,6 +514,8 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         let a = run(&plain)?;
         let b = run(&fast.clone().with_prefill_chunk(256))?;
         out.insert("chunked_prefill_600".into(), compare(&a, &b)?);
+        let b = run(&fast.clone().with_prefill_chunk(600))?;
+        out.insert("prefill_600_one_piece".into(), compare(&a, &b)?);
     }
     for (name, n, tree) in [
         ("decode_1", 1, false),

@@ -1,0 +1,200 @@
+//! CUDA-graph replay of small batch-1 forwards inside [`Qwen3Model::forward`], so every
+//! caller (the speculative engine, the server) gets the single-launch decode and verify steps
+//! of [`crate::StepGraph`] without managing graphs. A forward of one sequence with at most
+//! [`GRAPH_MAX_TOKENS`] new tokens, causal or tree, asking for the logits of every row, is
+//! replayed from a graph keyed by (cache memory, tokens, chain or tree, taps); the graph is
+//! captured on the second forward of a key (a one-off shape never pays for a capture) and the
+//! [`GRAPH_SLOTS`] most recently used graphs are kept. A graph runs the fused forward's
+//! kernels, its attention split over the cache's whole capacity (the fused forward splits the
+//! live length), so the two agree to f32 summation order; a graph is deterministic.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use crate::attention::AttnPattern;
+use crate::error::{ModelError, ModelResult};
+use crate::fast_decoder::cache_key;
+use crate::qwen3::{ForwardOutput, Qwen3Model, SeqForward};
+use crate::qwen3_fast::StepGraph;
+
+/// Widest forward replayed from a graph (each graph keeps `[tokens, vocab]` f32 logits).
+pub const GRAPH_MAX_TOKENS: usize = 128;
+/// Graphs kept per model (least recently used dropped first).
+pub const GRAPH_SLOTS: usize = 8;
+
+/// What a graph was captured for.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Key {
+    /// [`cache_key`] of the sequence cache.
+    pub cache: u64,
+    /// New tokens (drafter: new context rows).
+    pub tokens: usize,
+    pub tree: bool,
+    pub taps: Vec<usize>,
+}
+
+struct Slots<G> {
+    graphs: VecDeque<(Key, G)>,
+    /// Forwards seen per key not yet captured.
+    seen: HashMap<Key, u32>,
+    /// Keys whose capture failed: never retried.
+    failed: HashSet<Key>,
+}
+
+/// Marks the graph types a [`GraphSlots`] may move between threads.
+///
+/// # Safety
+/// Implementors hold CUDA graphs (and tensors) only: every use of them goes through the
+/// `GraphSlots` mutex, which serialises the driver calls on a graph object as the CUDA docs
+/// require, and cudarc's launch and drop bind the stream's context to the calling thread.
+pub(crate) unsafe trait GraphObject {}
+
+// SAFETY: see `GraphObject`; cudarc leaves `CudaGraph` !Send only because it holds raw driver
+// handles.
+unsafe impl<G: GraphObject> Send for Slots<G> {}
+
+/// A model's graph cache, shared by its clones (a model built with other settings gets its
+/// own): the [`GRAPH_SLOTS`] most recently used graphs, captured on a key's second use.
+pub struct GraphSlots<G>(Arc<Mutex<Slots<G>>>);
+
+impl<G> Clone for GraphSlots<G> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<G> Default for GraphSlots<G> {
+    fn default() -> Self {
+        Self(Arc::new(Mutex::new(Slots {
+            graphs: VecDeque::new(),
+            seen: HashMap::new(),
+            failed: HashSet::new(),
+        })))
+    }
+}
+
+impl<G> std::fmt::Debug for GraphSlots<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GraphSlots({} graphs)", self.len())
+    }
+}
+
+impl<G> GraphSlots<G> {
+    /// Number of graphs held.
+    pub fn len(&self) -> usize {
+        self.0.lock().map(|s| s.graphs.len()).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Runs `run` on the graph of `key` (with `state`, e.g. the cache it writes), capturing
+    /// it with `capture` on the key's second use; `None` (run uncaptured) on a first use or
+    /// after a failed capture.
+    pub(crate) fn with_graph<S: ?Sized, R>(
+        &self,
+        key: Key,
+        state: &mut S,
+        capture: impl FnOnce(&S) -> ModelResult<G>,
+        run: impl FnOnce(&G, &mut S) -> ModelResult<R>,
+    ) -> ModelResult<Option<R>> {
+        let mut slots = self
+            .0
+            .lock()
+            .map_err(|_| ModelError::Unsupported("graph cache poisoned".into()))?;
+        let at = match slots.graphs.iter().position(|(k, _)| *k == key) {
+            Some(i) => i,
+            None => {
+                if slots.failed.contains(&key) {
+                    return Ok(None);
+                }
+                let seen = slots.seen.entry(key.clone()).or_insert(0);
+                *seen += 1;
+                if *seen < 2 {
+                    if slots.seen.len() > 1024 {
+                        slots.seen.clear();
+                    }
+                    return Ok(None);
+                }
+                slots.seen.remove(&key);
+                match capture(state) {
+                    Ok(g) => {
+                        if slots.graphs.len() >= GRAPH_SLOTS {
+                            slots.graphs.pop_back();
+                        }
+                        slots.graphs.push_front((key, g));
+                        0
+                    }
+                    Err(e) => {
+                        tracing::warn!("graph capture failed, running uncaptured: {e}");
+                        slots.failed.insert(key);
+                        return Ok(None);
+                    }
+                }
+            }
+        };
+        let entry = slots
+            .graphs
+            .remove(at)
+            .ok_or_else(|| ModelError::Unsupported("graph slot vanished".into()))?;
+        let result = run(&entry.1, state);
+        slots.graphs.push_front(entry);
+        result.map(Some)
+    }
+}
+
+// SAFETY: a StepGraph holds a CUDA graph and tensors (see `GraphObject`).
+unsafe impl GraphObject for StepGraph {}
+
+/// The target's step graphs.
+pub type StepGraphs = GraphSlots<StepGraph>;
+
+impl Qwen3Model {
+    /// Replays `batch` from a captured graph when it qualifies (see the module docs); `None`
+    /// means "run the fused forward".
+    pub(crate) fn forward_graph(
+        &self,
+        batch: &mut [SeqForward<'_>],
+        taps: &[usize],
+    ) -> ModelResult<Option<ForwardOutput>> {
+        let Some(graphs) = self.step_graphs() else {
+            return Ok(None);
+        };
+        let [seq] = batch else { return Ok(None) };
+        let t = seq.tokens.len();
+        let all_rows =
+            seq.logit_rows.len() == t && seq.logit_rows.iter().enumerate().all(|(i, &r)| r == i);
+        let parents = match seq.pattern {
+            AttnPattern::Causal => None,
+            AttnPattern::Tree { parents } => Some(parents.as_slice()),
+            _ => return Ok(None),
+        };
+        if t == 0 || t > GRAPH_MAX_TOKENS || !all_rows || seq.cache.len() + t > seq.cache.capacity()
+        {
+            return Ok(None);
+        }
+        let tree = parents.is_some();
+        let key = Key {
+            cache: cache_key(seq.cache)?,
+            tokens: t,
+            tree,
+            taps: taps.to_vec(),
+        };
+        let result = graphs.with_graph(
+            key,
+            &mut *seq.cache,
+            |cache| self.capture_step_with(cache, t, tree, taps, false),
+            |g, cache| g.replay(cache, seq.tokens, seq.positions, parents),
+        )?;
+        let Some((logits, taps)) = result else {
+            return Ok(None);
+        };
+        Ok(Some(ForwardOutput {
+            logits: Some(logits),
+            taps,
+            token_offsets: vec![0, t],
+            logit_offsets: vec![0, t],
+        }))
+    }
+}
