@@ -183,6 +183,11 @@ impl Stack<'_> {
             let pos = positions.narrow(0, s.offset, s.tokens)?;
             if fast::fused_attention_fits(s.tokens, nh, nkv) {
                 // A decode step: norm, RoPE, cache write, attention and merge in one launch.
+                // Its key splits are regrouped from the plan it is given, so it always gets
+                // the plan of the cache's whole capacity, the one a CUDA graph captures: a
+                // step then sums in the same order replayed or not (chunks past the live
+                // keys exit at once).
+                let whole = (s.cache.capacity().div_ceil(fast::CHUNK), 1);
                 outs.push(fast::fused_attention(
                     &rows,
                     q_norm,
@@ -196,7 +201,7 @@ impl Stack<'_> {
                     (nh, nkv, d),
                     self.eps,
                     s.tree,
-                    s.split,
+                    whole,
                 )?);
                 continue;
             }
