@@ -25,7 +25,6 @@ mod qwen3_fast;
 pub mod random;
 pub mod rope;
 pub mod spec;
-#[cfg(feature = "cuda")]
 pub mod step_graphs;
 pub mod target;
 

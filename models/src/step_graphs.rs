@@ -8,14 +8,21 @@
 //! kernels, its attention split over the cache's whole capacity (the fused forward splits the
 //! live length), so the two agree to f32 summation order; a graph is deterministic.
 
+// The cache policy (`GraphSlots`) is CUDA-free and tested on every machine; the graphs need
+// the `cuda` feature.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use crate::attention::AttnPattern;
 use crate::error::{ModelError, ModelResult};
-use crate::fast_decoder::cache_key;
-use crate::qwen3::{ForwardOutput, Qwen3Model, SeqForward};
-use crate::qwen3_fast::StepGraph;
+#[cfg(feature = "cuda")]
+use crate::{
+    attention::AttnPattern,
+    fast_decoder::cache_key,
+    qwen3::{ForwardOutput, Qwen3Model, SeqForward},
+    qwen3_fast::StepGraph,
+};
 
 /// Widest forward replayed from a graph (each graph keeps `[tokens, vocab]` f32 logits).
 pub const GRAPH_MAX_TOKENS: usize = 128;
@@ -145,11 +152,14 @@ impl<G> GraphSlots<G> {
 }
 
 // SAFETY: a StepGraph holds a CUDA graph and tensors (see `GraphObject`).
+#[cfg(feature = "cuda")]
 unsafe impl GraphObject for StepGraph {}
 
 /// The target's step graphs.
+#[cfg(feature = "cuda")]
 pub type StepGraphs = GraphSlots<StepGraph>;
 
+#[cfg(feature = "cuda")]
 impl Qwen3Model {
     /// Replays `batch` from a captured graph when it qualifies (see the module docs); `None`
     /// means "run the fused forward".
@@ -196,5 +206,120 @@ impl Qwen3Model {
             token_offsets: vec![0, t],
             logit_offsets: vec![0, t],
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+
+    /// Stands in for a graph: its capture number.
+    struct Fake(usize);
+    // SAFETY: plain data.
+    unsafe impl GraphObject for Fake {}
+
+    fn key(tokens: usize) -> Key {
+        Key {
+            cache: 7,
+            tokens,
+            tree: false,
+            taps: vec![1, 2],
+        }
+    }
+
+    /// Runs key `t` through `slots`: Some(capture number of the graph replayed), or None
+    /// (run uncaptured). `captures` counts capture calls.
+    fn use_key(slots: &GraphSlots<Fake>, t: usize, captures: &mut Cell<usize>) -> Option<usize> {
+        slots
+            .with_graph(
+                key(t),
+                captures,
+                |c| {
+                    c.set(c.get() + 1);
+                    Ok(Fake(c.get() - 1))
+                },
+                |g, _| Ok(g.0),
+            )
+            .unwrap()
+    }
+
+    #[test]
+    fn a_graph_is_captured_on_a_keys_second_use_and_replayed_after() {
+        let slots = GraphSlots::<Fake>::default();
+        let mut captures = Cell::new(0);
+        assert_eq!(
+            use_key(&slots, 16, &mut captures),
+            None,
+            "first use runs uncaptured"
+        );
+        assert!(slots.is_empty());
+        assert_eq!(
+            use_key(&slots, 16, &mut captures),
+            Some(0),
+            "second use captures"
+        );
+        assert_eq!(
+            use_key(&slots, 16, &mut captures),
+            Some(0),
+            "then replays that graph"
+        );
+        assert_eq!((slots.len(), captures.get()), (1, 1));
+        // Another shape of the same cache is another key.
+        assert_eq!(use_key(&slots, 1, &mut captures), None);
+        assert_eq!(use_key(&slots, 1, &mut captures), Some(1));
+        assert_eq!(use_key(&slots, 16, &mut captures), Some(0));
+    }
+
+    #[test]
+    fn the_least_recently_used_graph_is_dropped_past_the_slots() {
+        let slots = GraphSlots::<Fake>::default();
+        let mut captures = Cell::new(0);
+        for t in 0..=GRAPH_SLOTS {
+            assert_eq!(use_key(&slots, t, &mut captures), None);
+            assert!(use_key(&slots, t, &mut captures).is_some());
+            if t == GRAPH_SLOTS - 1 {
+                // Key 0 used again: key 1 is the oldest when key GRAPH_SLOTS arrives.
+                assert!(use_key(&slots, 0, &mut captures).is_some());
+            }
+        }
+        assert_eq!(slots.len(), GRAPH_SLOTS);
+        assert_eq!(
+            use_key(&slots, 0, &mut captures),
+            Some(0),
+            "recently used key 0 kept"
+        );
+        assert_eq!(
+            use_key(&slots, 1, &mut captures),
+            None,
+            "oldest key 1 dropped"
+        );
+    }
+
+    #[test]
+    fn a_failed_capture_is_not_retried_and_runs_uncaptured() {
+        let slots = GraphSlots::<Fake>::default();
+        let mut tries = Cell::new(0);
+        for _ in 0..4 {
+            let r = slots
+                .with_graph(
+                    key(3),
+                    &mut tries,
+                    |c| {
+                        c.set(c.get() + 1);
+                        Err(ModelError::Unsupported("no capture here".into()))
+                    },
+                    |g: &Fake, _| Ok(g.0),
+                )
+                .unwrap();
+            assert_eq!(r, None);
+        }
+        assert_eq!(
+            tries.get(),
+            1,
+            "captured once, on the second use, never again"
+        );
+        assert!(slots.is_empty());
     }
 }
