@@ -189,13 +189,49 @@ extern "C" __global__ void attn_partial(
 }
 
 // Merges the splits of attn_partial: out [t, nh * d] bf16. Grid (t * nh), block d threads.
+// The splits' (max, sum) pairs are read by all threads at once into shared memory (up to
+// COMBINE_SMEM splits; more take the same loop reading them one by one), so the merge costs
+// one round of loads instead of two dependent loads per split; the sums are added in split
+// order either way, so results do not depend on the path.
+#define COMBINE_SMEM 1024
 extern "C" __global__ void attn_combine(
     const float* __restrict__ acc, const float* __restrict__ ml, const u32* __restrict__ cache_len,
     bf16_t* __restrict__ out, int t, int nh, int d, int nsplit, int cps) {
+    __shared__ float wsh[COMBINE_SMEM];
+    __shared__ float lsh[COMBINE_SMEM];
+    __shared__ float red[32];
     size_t orow = blockIdx.x;
     size_t nrows = (size_t)t * nh;
     int L = (int)(*cache_len) + t;
     int used = min(nsplit, (L + CH * cps - 1) / (CH * cps));
+    if (used <= COMBINE_SMEM) {
+        float mx = -INFINITY;
+        for (int s = threadIdx.x; s < used; s += blockDim.x) {
+            float m = ml[(s * nrows + orow) * 2];
+            wsh[s] = m;
+            lsh[s] = ml[(s * nrows + orow) * 2 + 1];
+            mx = fmaxf(mx, m);
+        }
+        // Block max (order-free), then each split's weight; -inf marks a split with no keys.
+        mx = warp_max(mx);
+        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
+        __syncthreads();
+        float M = -INFINITY;
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) M = fmaxf(M, red[w]);
+        for (int s = threadIdx.x; s < used; s += blockDim.x)
+            wsh[s] = wsh[s] == -INFINITY ? -INFINITY : __expf(wsh[s] - M);
+        __syncthreads();
+        float num = 0.f, den = 0.f;
+#pragma unroll 4
+        for (int s = 0; s < used; ++s) {
+            float w = wsh[s];
+            if (w == -INFINITY) continue;
+            den += w * lsh[s];
+            num += w * acc[(s * nrows + orow) * d + threadIdx.x];
+        }
+        out[orow * d + threadIdx.x] = f2bf(num / den);
+        return;
+    }
     float M = -INFINITY;
     for (int s = 0; s < used; ++s) M = fmaxf(M, ml[(s * nrows + orow) * 2]);
     float num = 0.f, den = 0.f;
