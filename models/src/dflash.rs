@@ -323,20 +323,19 @@ impl DFlashDrafter {
     /// Draft-round graphs held (0 with graphs off).
     pub fn step_graphs_held(&self) -> usize {
         #[cfg(feature = "cuda")]
-        return self.graphs.as_ref().map_or(0, |g| g.len());
+        let held = self.graphs.as_ref().map_or(0, |g| g.len());
         #[cfg(not(feature = "cuda"))]
-        0
+        let held = 0;
+        held
     }
 
     /// Graphs captured under other settings must not be replayed.
     fn fresh_graphs(self) -> Self {
         #[cfg(feature = "cuda")]
-        {
-            let on = self.graphs.is_some();
-            return self.with_step_graphs(on);
-        }
+        let on = self.graphs.is_some();
         #[cfg(not(feature = "cuda"))]
-        self
+        let on = false;
+        self.with_step_graphs(on)
     }
 
     #[cfg(feature = "cuda")]
