@@ -21,6 +21,7 @@ use crate::layer::{linear, DecoderLayer};
 use crate::ops::{rms_norm, OpsMode};
 use crate::random::WeightRng;
 use crate::rope::RotaryEmbedding;
+use crate::step_graphs::{DraftRoundGraph, GraphCache};
 use crate::target::DraftTarget;
 
 /// One sequence's draft request.
@@ -71,9 +72,8 @@ pub struct DFlashDrafter {
     fast: bool,
     /// Most rows a fused forward runs through the skinny GEMMs (see `fast_decoder.rs`).
     gemv_rows: usize,
-    /// CUDA graphs of batch-1 draft rounds (`dflash_fast.rs`); None: off.
-    #[cfg(feature = "cuda")]
-    graphs: Option<crate::step_graphs::GraphSlots<crate::dflash_fast::RoundGraph>>,
+    /// CUDA graphs of batch-1 draft rounds (`dflash_fast.rs`).
+    graphs: GraphCache<DraftRoundGraph>,
 }
 
 impl DFlashDrafter {
@@ -252,18 +252,14 @@ impl DFlashDrafter {
             mode,
             fast: false,
             gemv_rows: crate::fast::GEMV_DEFAULT_ROWS,
-            #[cfg(feature = "cuda")]
-            graphs: None,
+            graphs: GraphCache::new(false),
         };
         if drafter.fast_kernels_available() {
             for l in &mut drafter.layers {
                 l.fuse_projections()?;
             }
             drafter.fast = true;
-            #[cfg(feature = "cuda")]
-            {
-                drafter.graphs = Some(Default::default());
-            }
+            drafter.graphs = GraphCache::new(true);
         }
         Ok(drafter)
     }
@@ -306,43 +302,25 @@ impl DFlashDrafter {
     /// Turns the replay of batch-1 draft rounds ([`DFlashDrafter::draft_logits`] with new
     /// context) from CUDA graphs on or off (on by default with the fused kernels; a round
     /// shape is captured on its second use). No effect without the fused kernels.
-    pub fn with_step_graphs(self, on: bool) -> Self {
-        #[cfg(feature = "cuda")]
-        {
-            let mut s = self;
-            s.graphs = (on && s.fast).then(Default::default);
-            s
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = on;
-            self
-        }
+    pub fn with_step_graphs(mut self, on: bool) -> Self {
+        self.graphs = GraphCache::new(on && self.fast);
+        self
     }
 
     /// Draft-round graphs held (0 with graphs off).
     pub fn step_graphs_held(&self) -> usize {
-        #[cfg(feature = "cuda")]
-        let held = self.graphs.as_ref().map_or(0, |g| g.len());
-        #[cfg(not(feature = "cuda"))]
-        let held = 0;
-        held
+        self.graphs.held()
     }
 
     /// Graphs captured under other settings must not be replayed.
-    fn fresh_graphs(self) -> Self {
-        #[cfg(feature = "cuda")]
-        let on = self.graphs.is_some();
-        #[cfg(not(feature = "cuda"))]
-        let on = false;
-        self.with_step_graphs(on)
+    fn fresh_graphs(mut self) -> Self {
+        self.graphs = self.graphs.fresh();
+        self
     }
 
     #[cfg(feature = "cuda")]
-    pub(crate) fn round_graphs(
-        &self,
-    ) -> Option<&crate::step_graphs::GraphSlots<crate::dflash_fast::RoundGraph>> {
-        self.graphs.as_ref()
+    pub(crate) fn round_graphs(&self) -> Option<&crate::step_graphs::GraphSlots<DraftRoundGraph>> {
+        self.graphs.slots()
     }
 
     #[cfg(feature = "cuda")]

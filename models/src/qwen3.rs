@@ -19,6 +19,7 @@ use crate::layer::{linear, DecoderLayer};
 use crate::ops::{rms_norm, OpsMode};
 use crate::random::WeightRng;
 use crate::rope::RotaryEmbedding;
+use crate::step_graphs::{GraphCache, TargetGraph};
 
 /// One sequence's part of a batched forward.
 pub struct SeqForward<'a> {
@@ -95,9 +96,8 @@ pub struct Qwen3Model {
     gemv_rows: usize,
     /// Piece length of a fused prefill.
     prefill_chunk: usize,
-    /// CUDA graphs of small batch-1 forwards (`step_graphs.rs`); None: off.
-    #[cfg(feature = "cuda")]
-    graphs: Option<crate::step_graphs::StepGraphs>,
+    /// CUDA graphs of small batch-1 forwards (`step_graphs.rs`).
+    graphs: GraphCache<TargetGraph>,
 }
 
 impl Qwen3Model {
@@ -154,8 +154,7 @@ impl Qwen3Model {
             fast: false,
             gemv_rows: crate::fast::GEMV_DEFAULT_ROWS,
             prefill_chunk: crate::fast::PREFILL_CHUNK,
-            #[cfg(feature = "cuda")]
-            graphs: None,
+            graphs: GraphCache::new(false),
         }
         .prepare_fast()
     }
@@ -213,8 +212,7 @@ impl Qwen3Model {
             fast: false,
             gemv_rows: crate::fast::GEMV_DEFAULT_ROWS,
             prefill_chunk: crate::fast::PREFILL_CHUNK,
-            #[cfg(feature = "cuda")]
-            graphs: None,
+            graphs: GraphCache::new(false),
         }
         .prepare_fast()
     }
@@ -227,10 +225,7 @@ impl Qwen3Model {
                 l.fuse_projections()?;
             }
             self.fast = true;
-            #[cfg(feature = "cuda")]
-            {
-                self.graphs = Some(Default::default());
-            }
+            self.graphs = GraphCache::new(true);
         }
         Ok(self)
     }
@@ -257,42 +252,25 @@ impl Qwen3Model {
 
     /// Turns the replay of small batch-1 forwards from CUDA graphs on or off (on by default
     /// with the fused kernels; see `step_graphs.rs`). No effect without the fused kernels.
-    pub fn with_step_graphs(self, on: bool) -> Self {
-        #[cfg(feature = "cuda")]
-        {
-            let mut s = self;
-            s.graphs = (on && s.fast).then(Default::default);
-            s
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = on;
-            self
-        }
+    pub fn with_step_graphs(mut self, on: bool) -> Self {
+        self.graphs = GraphCache::new(on && self.fast);
+        self
     }
 
     /// Step graphs held (0 with graphs off).
     pub fn step_graphs_held(&self) -> usize {
-        #[cfg(feature = "cuda")]
-        let held = self.graphs.as_ref().map_or(0, |g| g.len());
-        #[cfg(not(feature = "cuda"))]
-        let held = 0;
-        held
+        self.graphs.held()
     }
 
-    /// Graphs captured under other settings must not be replayed: settings changes start an
-    /// empty cache (when graphs are on).
-    fn fresh_graphs(self) -> Self {
-        #[cfg(feature = "cuda")]
-        let on = self.graphs.is_some();
-        #[cfg(not(feature = "cuda"))]
-        let on = false;
-        self.with_step_graphs(on)
+    /// Graphs captured under other settings must not be replayed.
+    fn fresh_graphs(mut self) -> Self {
+        self.graphs = self.graphs.fresh();
+        self
     }
 
     #[cfg(feature = "cuda")]
-    pub(crate) fn step_graphs(&self) -> Option<&crate::step_graphs::StepGraphs> {
-        self.graphs.as_ref()
+    pub(crate) fn step_graphs(&self) -> &GraphCache<TargetGraph> {
+        &self.graphs
     }
 
     /// Sets the piece length of fused prefills (1 ..= `fast::MAX_FAST_TOKENS`): longer

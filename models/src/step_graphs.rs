@@ -151,13 +151,69 @@ impl<G> GraphSlots<G> {
     }
 }
 
+/// A model's graph setting: off, or on with its own [`GraphSlots`]. Settings that change
+/// what a forward computes take [`GraphCache::fresh`], so graphs captured under other
+/// settings are never replayed.
+pub(crate) struct GraphCache<G>(Option<GraphSlots<G>>);
+
+impl<G> Clone for GraphCache<G> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<G> std::fmt::Debug for GraphCache<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Some(slots) => slots.fmt(f),
+            None => f.write_str("GraphCache(off)"),
+        }
+    }
+}
+
+impl<G> GraphCache<G> {
+    /// An empty cache when `on`, else off.
+    pub fn new(on: bool) -> Self {
+        Self(on.then(GraphSlots::default))
+    }
+
+    /// Empty again, on or off as before.
+    pub fn fresh(&self) -> Self {
+        Self::new(self.0.is_some())
+    }
+
+    /// Graphs held (0 when off).
+    pub fn held(&self) -> usize {
+        self.0.as_ref().map_or(0, GraphSlots::len)
+    }
+
+    /// The slots when on.
+    pub fn slots(&self) -> Option<&GraphSlots<G>> {
+        self.0.as_ref()
+    }
+}
+
+/// No graph: the graph type of builds without the `cuda` feature, where caches stay off.
+#[cfg(not(feature = "cuda"))]
+pub(crate) enum NoGraph {}
+// SAFETY: uninhabited, so no value is ever moved.
+#[cfg(not(feature = "cuda"))]
+unsafe impl GraphObject for NoGraph {}
+
+/// The target's graph type.
+#[cfg(feature = "cuda")]
+pub(crate) type TargetGraph = StepGraph;
+#[cfg(not(feature = "cuda"))]
+pub(crate) type TargetGraph = NoGraph;
+/// The drafter's graph type.
+#[cfg(feature = "cuda")]
+pub(crate) type DraftRoundGraph = crate::dflash_fast::RoundGraph;
+#[cfg(not(feature = "cuda"))]
+pub(crate) type DraftRoundGraph = NoGraph;
+
 // SAFETY: a StepGraph holds a CUDA graph and tensors (see `GraphObject`).
 #[cfg(feature = "cuda")]
 unsafe impl GraphObject for StepGraph {}
-
-/// The target's step graphs.
-#[cfg(feature = "cuda")]
-pub type StepGraphs = GraphSlots<StepGraph>;
 
 #[cfg(feature = "cuda")]
 impl Qwen3Model {
@@ -168,7 +224,7 @@ impl Qwen3Model {
         batch: &mut [SeqForward<'_>],
         taps: &[usize],
     ) -> ModelResult<Option<ForwardOutput>> {
-        let Some(graphs) = self.step_graphs() else {
+        let Some(graphs) = self.step_graphs().slots() else {
             return Ok(None);
         };
         let [seq] = batch else { return Ok(None) };
