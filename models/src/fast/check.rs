@@ -11,21 +11,56 @@ use super::{attn_prefill, cuda, gemv};
 
 pub use super::check_attn::decode_attention_timings;
 
+/// `(max |a - b|, max |b|)` in f32.
+pub(super) fn max_err(a: &Tensor, b: &Tensor) -> Result<(f32, f32)> {
+    let a = a.to_dtype(DType::F32)?;
+    let b = b.to_dtype(DType::F32)?;
+    let d = (&a - &b)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
+    let s = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    Ok((d, s))
+}
+
+/// The plain path's q or k heads `start .. start + heads` of `qkv` (`[t, (nh + 2 nkv) d]`):
+/// per-head RMSNorm with `w`, then RoPE with the gathered `cos`/`sin` rows; `[t, heads, d]`.
+pub(super) fn plain_norm_rope(
+    qkv: &Tensor,
+    (start, heads, d): (usize, usize, usize),
+    w: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    eps: f64,
+) -> Result<Tensor> {
+    let t = qkv.dim(0)?;
+    let y = qkv
+        .narrow(1, start * d, heads * d)?
+        .reshape((t, heads, d))?;
+    rope(
+        &rms_norm(&y, w, eps, OpsMode::Fused)?,
+        cos,
+        sin,
+        OpsMode::Fused,
+    )
+}
+
+/// Milliseconds per call of `f`, 20 back-to-back host launches after one warm-up.
+fn host_loop_ms(dev: &Device, f: &dyn Fn() -> Result<Tensor>) -> Result<f64> {
+    f()?;
+    dev.synchronize()?;
+    let t = std::time::Instant::now();
+    for _ in 0..20 {
+        f()?;
+    }
+    dev.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() * 1e3 / 20.0)
+}
+
 /// (kernel, max |fast - plain|, max |plain|) per kernel.
 pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     let mut out = Vec::new();
     let bf = |t: Tensor| t.to_dtype(DType::BF16);
-    let err = |a: &Tensor, b: &Tensor| -> Result<(f32, f32)> {
-        let a = a.to_dtype(DType::F32)?;
-        let b = b.to_dtype(DType::F32)?;
-        let d = (&a - &b)?
-            .abs()?
-            .flatten_all()?
-            .max(0)?
-            .to_scalar::<f32>()?;
-        let s = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-        Ok((d, s))
-    };
     let (nh, nkv, d, cap, eps) = (8usize, 2usize, 128usize, 512usize, 1e-6);
 
     // q/k norm + RoPE + cache write.
@@ -54,26 +89,18 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     )?;
     let (cr, sr) = (cos.index_select(&pos, 0)?, sin.index_select(&pos, 0)?);
     let head = |start: usize, heads: usize, w: &Tensor| -> Result<Tensor> {
-        let y = qkv
-            .narrow(1, start * d, heads * d)?
-            .reshape((t, heads, d))?;
-        rope(
-            &rms_norm(&y, w, eps, OpsMode::Fused)?,
-            &cr,
-            &sr,
-            OpsMode::Fused,
-        )
+        plain_norm_rope(&qkv, (start, heads, d), w, (&cr, &sr), eps)
     };
-    let (e, s) = err(&q, &head(0, nh, &qn)?)?;
+    let (e, s) = max_err(&q, &head(0, nh, &qn)?)?;
     out.push(("qk_norm_rope_cache:q".into(), e, s));
     let k_plain = head(nh, nkv, &kn)?.transpose(0, 1)?;
-    let (e, s) = err(&kc.narrow(1, c0, t)?, &k_plain)?;
+    let (e, s) = max_err(&kc.narrow(1, c0, t)?, &k_plain)?;
     out.push(("qk_norm_rope_cache:k_cache".into(), e, s));
     let v_plain = qkv
         .narrow(1, (nh + nkv) * d, nkv * d)?
         .reshape((t, nkv, d))?
         .transpose(0, 1)?;
-    let (e, s) = err(&vc.narrow(1, c0, t)?, &v_plain)?;
+    let (e, s) = max_err(&vc.narrow(1, c0, t)?, &v_plain)?;
     out.push(("qk_norm_rope_cache:v_cache".into(), e, s));
 
     // Attention, causal and tree, against attend() with the dense mask.
@@ -116,11 +143,11 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
                 mask.as_ref(),
                 OpsMode::Fused,
             )?;
-            let (e, s) = err(&fast, &plain)?;
+            let (e, s) = max_err(&fast, &plain)?;
             out.push((format!("{name}:t{t}:tensor_cores"), e, s));
-            let (e, s) = err(&multi, &plain)?;
+            let (e, s) = max_err(&multi, &plain)?;
             out.push((format!("{name}:t{t}:tensor_cores_3_chunks_per_split"), e, s));
-            let (e, s) = err(&simt, &plain)?;
+            let (e, s) = max_err(&simt, &plain)?;
             out.push((format!("{name}:t{t}:cuda_cores"), e, s));
         }
     }
@@ -146,11 +173,11 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
             let old = cuda::attention_split(&q, &kc, &vc, &len, None, split)?;
             let tag = format!("attention_prefill:h{nh}_kv{nkv}:t{t}_c{c}");
             let fast = attn_prefill::attention_prefill(&q, &kc, &vc, &len)?;
-            let (e, s) = err(&fast, &plain)?;
+            let (e, s) = max_err(&fast, &plain)?;
             out.push((format!("{tag}:vs_plain"), e, s));
-            let (e, s) = err(&fast, &old)?;
+            let (e, s) = max_err(&fast, &old)?;
             out.push((format!("{tag}:vs_split_kernel"), e, s));
-            let (e, s) = err(&old, &plain)?;
+            let (e, s) = max_err(&old, &plain)?;
             out.push((format!("{tag}:split_kernel:vs_plain"), e, s));
         }
     }
@@ -166,15 +193,15 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     let x16 = bf(Tensor::randn(0f32, 1.0, (16, k), dev)?)?;
     for variant in ["rows", "mma"] {
         let x = x16.narrow(0, 0, 1)?;
-        let (e, s) = err(&gemv::gemv_variant(&x, &w, variant)?, &x.matmul(&w.t()?)?)?;
+        let (e, s) = max_err(&gemv::gemv_variant(&x, &w, variant)?, &x.matmul(&w.t()?)?)?;
         out.push((format!("gemv:{variant}:m1"), e, s));
     }
     for m in [1usize, 2, 5, 16] {
         let x = x16.narrow(0, 0, m)?.contiguous()?;
-        let (e, s) = err(&gemv::gemv(&x, &w, None)?, &x.matmul(&w.t()?)?)?;
+        let (e, s) = max_err(&gemv::gemv(&x, &w, None)?, &x.matmul(&w.t()?)?)?;
         out.push((format!("gemv:m{m}"), e, s));
         let ss = gemv::row_sumsq(&x)?;
-        let (e, s) = err(&ss, &x.to_dtype(DType::F32)?.sqr()?.sum(1)?)?;
+        let (e, s) = max_err(&ss, &x.to_dtype(DType::F32)?.sqr()?.sum(1)?)?;
         out.push((format!("row_sumsq:m{m}"), e, s));
         let norm = gemv::RowNorm {
             ss: &ss,
@@ -182,22 +209,22 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
             eps,
         };
         let h = rms_norm(&x, &nw, eps, OpsMode::Fused)?;
-        let (e, s) = err(&gemv::rms_apply(&x, norm)?, &h)?;
+        let (e, s) = max_err(&gemv::rms_apply(&x, norm)?, &h)?;
         out.push((format!("rms_apply:m{m}"), e, s));
-        let (e, s) = err(&gemv::gemv(&x, &w, Some(norm))?, &h.matmul(&w.t()?)?)?;
+        let (e, s) = max_err(&gemv::gemv(&x, &w, Some(norm))?, &h.matmul(&w.t()?)?)?;
         out.push((format!("gemv_norm:m{m}"), e, s));
         let gu = h.matmul(&w2.t()?)?;
         let plain = (gu.narrow(1, 0, n)?.silu()? * gu.narrow(1, n, n)?)?;
-        let (e, s) = err(&gemv::gemv_silu(&x, &w2, Some(norm))?, &plain)?;
+        let (e, s) = max_err(&gemv::gemv_silu(&x, &w2, Some(norm))?, &plain)?;
         out.push((format!("gemv_silu_norm:m{m}"), e, s));
         let resid = bf(Tensor::randn(0f32, 3.0, (m, n), dev)?)?;
         // Twice on one counter: the kernel must leave it ready for the next launch.
         for pass in 0..2 {
             let (y, ss) = gemv::gemv_resid(&x, &w, &resid, &counter)?;
             let plain = (&resid + x.matmul(&w.t()?)?)?;
-            let (e, s) = err(&y, &plain)?;
+            let (e, s) = max_err(&y, &plain)?;
             out.push((format!("gemv_resid:m{m}:pass{pass}"), e, s));
-            let (e, s) = err(&ss, &y.to_dtype(DType::F32)?.sqr()?.sum(1)?)?;
+            let (e, s) = max_err(&ss, &y.to_dtype(DType::F32)?.sqr()?.sum(1)?)?;
             out.push((format!("gemv_resid_sumsq:m{m}:pass{pass}"), e, s));
         }
     }
@@ -232,16 +259,16 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     // SiLU product and residual add + RMSNorm.
     let gu = bf(Tensor::randn(0f32, 2.0, (3, 2 * 1000), dev)?)?;
     let plain = (gu.narrow(1, 0, 1000)?.silu()? * gu.narrow(1, 1000, 1000)?)?;
-    let (e, s) = err(&cuda::silu_mul(&gu)?, &plain)?;
+    let (e, s) = max_err(&cuda::silu_mul(&gu)?, &plain)?;
     out.push(("silu_mul".into(), e, s));
     let x = bf(Tensor::randn(0f32, 3.0, (3, 4096), dev)?)?;
     let dl = bf(Tensor::randn(0f32, 1.0, (3, 4096), dev)?)?;
     let w = bf(Tensor::randn(1f32, 0.2, 4096, dev)?)?;
     let (xo, ho) = cuda::add_rmsnorm(&x, &dl, &w, eps)?;
     let xs = (&x + &dl)?;
-    let (e, s) = err(&xo, &xs)?;
+    let (e, s) = max_err(&xo, &xs)?;
     out.push(("add_rmsnorm:sum".into(), e, s));
-    let (e, s) = err(&ho, &rms_norm(&xs, &w, eps, OpsMode::Fused)?)?;
+    let (e, s) = max_err(&ho, &rms_norm(&xs, &w, eps, OpsMode::Fused)?)?;
     out.push(("add_rmsnorm:norm".into(), e, s));
     Ok(out)
 }
@@ -251,16 +278,7 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
 /// kernel (`(name, ms, TFLOP/s)`, FLOPs `4 d nh` per visible (query, key) pair); `attention`
 /// picks between them by `attn_prefill::MIN_BLOCKS`.
 pub fn attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
-    let time = |f: &dyn Fn() -> Result<Tensor>| -> Result<f64> {
-        f()?;
-        dev.synchronize()?;
-        let t = std::time::Instant::now();
-        for _ in 0..20 {
-            f()?;
-        }
-        dev.synchronize()?;
-        Ok(t.elapsed().as_secs_f64() * 1e3 / 20.0)
-    };
+    let time = |f: &dyn Fn() -> Result<Tensor>| host_loop_ms(dev, f);
     let (nh, nkv, d, cap) = (32usize, 8usize, 128usize, 8192usize);
     let kc = Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?.to_dtype(DType::BF16)?;
     let vc = Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?.to_dtype(DType::BF16)?;
@@ -293,16 +311,7 @@ pub fn attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
 /// variant reads the stacked gate/up) for 1, 4 and 16 rows: `(name, cublas_ms, gemv_ms,
 /// weight_GB)`; for one row also every store variant.
 pub fn gemv_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f64)>> {
-    let time = |f: &dyn Fn() -> Result<Tensor>| -> Result<f64> {
-        f()?;
-        dev.synchronize()?;
-        let t = std::time::Instant::now();
-        for _ in 0..20 {
-            f()?;
-        }
-        dev.synchronize()?;
-        Ok(t.elapsed().as_secs_f64() * 1e3 / 20.0)
-    };
+    let time = |f: &dyn Fn() -> Result<Tensor>| host_loop_ms(dev, f);
     let counter = Tensor::zeros(1, DType::U32, dev)?;
     let mut out = Vec::new();
     for (name, n, k) in [

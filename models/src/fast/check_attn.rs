@@ -5,21 +5,10 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use crate::attention::{attend, AttnPattern};
-use crate::ops::{rms_norm, rope, OpsMode};
+use crate::ops::OpsMode;
 
+use super::check::{max_err, plain_norm_rope};
 use super::{attn_decode, cuda};
-
-fn max_err(a: &Tensor, b: &Tensor) -> Result<(f32, f32)> {
-    let a = a.to_dtype(DType::F32)?;
-    let b = b.to_dtype(DType::F32)?;
-    let d = (&a - &b)?
-        .abs()?
-        .flatten_all()?
-        .max(0)?
-        .to_scalar::<f32>()?;
-    let s = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-    Ok((d, s))
-}
 
 /// The one-launch attention (`fused_attention`) against `qk_norm_rope_cache` + `attention`
 /// and against the plain ops (rms_norm + rope + attend over the cache with the new rows
@@ -134,15 +123,7 @@ pub(super) fn fused_attention_errors(
         // Plain ops: norm + RoPE, the new rows appended to the committed ones, attend.
         let (cr, sr) = (cos.index_select(&pos, 0)?, sin.index_select(&pos, 0)?);
         let head = |start: usize, heads: usize, w: &Tensor| -> Result<Tensor> {
-            let y = qkv
-                .narrow(1, start * d, heads * d)?
-                .reshape((t, heads, d))?;
-            rope(
-                &rms_norm(&y, w, eps, OpsMode::Fused)?,
-                &cr,
-                &sr,
-                OpsMode::Fused,
-            )
+            plain_norm_rope(&qkv, (start, heads, d), w, (&cr, &sr), eps)
         };
         let qp = head(0, nh, &qn)?.transpose(0, 1)?.contiguous()?;
         let kp = head(nh, nkv, &kn)?.transpose(0, 1)?;
