@@ -136,19 +136,19 @@ impl DFlashDrafter {
                 }
                 let kv = cache.layer(li).attention()?;
                 let (kc, vc) = kv.buffers();
-                fast::qk_norm_rope_cache(
-                    &qkv.narrow(0, *off, *n)?,
+                fast::qk_norm_rope_cache(&fast::QkvRows {
+                    qkv: &qkv.narrow(0, *off, *n)?,
                     q_norm,
                     k_norm,
                     cos,
                     sin,
-                    &pos.narrow(0, *off, *n)?,
-                    len,
+                    positions: &pos.narrow(0, *off, *n)?,
+                    cache_len: len,
                     kc,
                     vc,
-                    (nh, nkv, d),
+                    heads: (nh, nkv, d),
                     eps,
-                )?;
+                })?;
             }
         }
         Ok(())

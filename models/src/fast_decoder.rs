@@ -181,6 +181,19 @@ impl Stack<'_> {
             let (kc, vc) = kv.buffers();
             let rows = qkv.narrow(0, s.offset, s.tokens)?;
             let pos = positions.narrow(0, s.offset, s.tokens)?;
+            let new = fast::QkvRows {
+                qkv: &rows,
+                q_norm,
+                k_norm,
+                cos,
+                sin,
+                positions: &pos,
+                cache_len: s.cache_len,
+                kc,
+                vc,
+                heads: (nh, nkv, d),
+                eps: self.eps,
+            };
             if fast::fused_attention_fits(s.tokens, nh, nkv) {
                 // A decode step: norm, RoPE, cache write, attention and merge in one launch.
                 // Its key splits are regrouped from the plan it is given, so it always gets
@@ -188,36 +201,10 @@ impl Stack<'_> {
                 // step then sums in the same order replayed or not (chunks past the live
                 // keys exit at once).
                 let whole = (s.cache.capacity().div_ceil(fast::CHUNK), 1);
-                outs.push(fast::fused_attention(
-                    &rows,
-                    q_norm,
-                    k_norm,
-                    cos,
-                    sin,
-                    &pos,
-                    s.cache_len,
-                    kc,
-                    vc,
-                    (nh, nkv, d),
-                    self.eps,
-                    s.tree,
-                    whole,
-                )?);
+                outs.push(fast::fused_attention(&new, s.tree, whole)?);
                 continue;
             }
-            let q = fast::qk_norm_rope_cache(
-                &rows,
-                q_norm,
-                k_norm,
-                cos,
-                sin,
-                &pos,
-                s.cache_len,
-                kc,
-                vc,
-                (nh, nkv, d),
-                self.eps,
-            )?;
+            let q = fast::qk_norm_rope_cache(&new)?;
             outs.push(fast::attention(&q, kc, vc, s.cache_len, s.tree, s.split)?);
         }
         Ok(match outs.len() {

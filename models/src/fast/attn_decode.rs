@@ -14,7 +14,7 @@ use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::attn_plan::{attn_plan, CHUNK_KEYS, MAX_SHARED_BYTES};
-use super::cuda::{alloc_bf16, alloc_f32, check_bf16, cuda, go, ptr, CHUNK};
+use super::cuda::{alloc_bf16, alloc_f32, check_bf16, cuda, go, ptr, QkvRows, CHUNK};
 
 const _: () = assert!(CHUNK_KEYS == CHUNK);
 
@@ -114,52 +114,40 @@ struct Args {
 // SAFETY: plain old data with the C layout the kernel declares.
 unsafe impl DeviceRepr for Args {}
 
-/// Attention of the `t` rows of `qkv` (`[t, (nh + 2 nkv) d]`, the raw GEMM output) over the
-/// cache `kc`/`vc` (`[nkv, cap, d]`): q/k RMSNorm (`q_norm`, `k_norm`) and RoPE (f32 tables
-/// `[max_pos, d/2]` at `positions`) as `qk_norm_rope_cache` rounds them, the new K/V written at
-/// cache rows `cache_len[0] ..`, committed rows visible to every token and new token j visible
+/// Attention of the `t` rows of `rows.qkv` (the raw GEMM output) over its cache: q/k RMSNorm
+/// and RoPE as `qk_norm_rope_cache` rounds them, the new K/V written at cache rows
+/// `cache_len[0] ..`, committed rows visible to every token and new token j visible
 /// to token i when `j <= i` (`tree` None) or bit j of `tree[i * words + j / 64]` is set.
 /// `split`: as for [`super::attention`] (see [`super::split_plan`]). Returns `[t, nh * d]`.
-#[allow(clippy::too_many_arguments)]
 pub fn fused_attention(
-    qkv: &Tensor,
-    q_norm: &Tensor,
-    k_norm: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    positions: &Tensor,
-    cache_len: &Tensor,
-    kc: &Tensor,
-    vc: &Tensor,
-    heads: (usize, usize, usize),
-    eps: f64,
+    rows: &QkvRows<'_>,
     tree: Option<&Tensor>,
     split: (usize, usize),
 ) -> Result<Tensor> {
-    fused_attention_rt(
-        None, qkv, q_norm, k_norm, cos, sin, positions, cache_len, kc, vc, heads, eps, tree, split,
-    )
+    fused_attention_rt(None, rows, tree, split)
 }
 
 /// [`fused_attention`] with the 16-row tiles per block forced to `rt` (1, 2 or 4; None: by
 /// the row count), for the checks and timings.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn fused_attention_rt(
     rt: Option<usize>,
-    qkv: &Tensor,
-    q_norm: &Tensor,
-    k_norm: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    positions: &Tensor,
-    cache_len: &Tensor,
-    kc: &Tensor,
-    vc: &Tensor,
-    (nh, nkv, d): (usize, usize, usize),
-    eps: f64,
+    rows: &QkvRows<'_>,
     tree: Option<&Tensor>,
     (nsplit, cps): (usize, usize),
 ) -> Result<Tensor> {
+    let QkvRows {
+        qkv,
+        q_norm,
+        k_norm,
+        cos,
+        sin,
+        positions,
+        cache_len,
+        kc,
+        vc,
+        heads: (nh, nkv, d),
+        eps,
+    } = *rows;
     let dev = cuda(qkv)?;
     check_bf16("qkv", qkv)?;
     check_bf16("q_norm", q_norm)?;

@@ -74,19 +74,19 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     let kc = bf(Tensor::zeros((nkv, cap, d), DType::F32, dev)?)?;
     let vc = kc.copy()?;
     let len = Tensor::new(&[c0 as u32], dev)?;
-    let q = cuda::qk_norm_rope_cache(
-        &qkv,
-        &qn,
-        &kn,
-        &cos,
-        &sin,
-        &pos,
-        &len,
-        &kc,
-        &vc,
-        (nh, nkv, d),
+    let q = cuda::qk_norm_rope_cache(&cuda::QkvRows {
+        qkv: &qkv,
+        q_norm: &qn,
+        k_norm: &kn,
+        cos: &cos,
+        sin: &sin,
+        positions: &pos,
+        cache_len: &len,
+        kc: &kc,
+        vc: &vc,
+        heads: (nh, nkv, d),
         eps,
-    )?;
+    })?;
     let (cr, sr) = (cos.index_select(&pos, 0)?, sin.index_select(&pos, 0)?);
     let head = |start: usize, heads: usize, w: &Tensor| -> Result<Tensor> {
         plain_norm_rope(&qkv, (start, heads, d), w, (&cr, &sr), eps)

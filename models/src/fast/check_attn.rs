@@ -83,19 +83,20 @@ pub(super) fn fused_attention_errors(
         };
         // Two launches: qk_norm_rope_cache + attention.
         let (kc2, vc2) = (kc0.copy()?, vc0.copy()?);
-        let q = cuda::qk_norm_rope_cache(
-            &qkv,
-            &qn,
-            &kn,
-            &cos,
-            &sin,
-            &pos,
-            &len,
-            &kc2,
-            &vc2,
-            (nh, nkv, d),
+        let rows = cuda::QkvRows {
+            qkv: &qkv,
+            q_norm: &qn,
+            k_norm: &kn,
+            cos: &cos,
+            sin: &sin,
+            positions: &pos,
+            cache_len: &len,
+            kc: &kc2,
+            vc: &vc2,
+            heads: (nh, nkv, d),
             eps,
-        )?;
+        };
+        let q = cuda::qk_norm_rope_cache(&rows)?;
         let two = cuda::attention(&q, &kc2, &vc2, &len, bits.as_ref(), split)?;
         // One launch, twice on fresh copies of the cache.
         let mut fused = Vec::new();
@@ -103,17 +104,11 @@ pub(super) fn fused_attention_errors(
             let (kc1, vc1) = (kc0.copy()?, vc0.copy()?);
             let o = attn_decode::fused_attention_rt(
                 rt,
-                &qkv,
-                &qn,
-                &kn,
-                &cos,
-                &sin,
-                &pos,
-                &len,
-                &kc1,
-                &vc1,
-                (nh, nkv, d),
-                eps,
+                &cuda::QkvRows {
+                    kc: &kc1,
+                    vc: &vc1,
+                    ..rows
+                },
                 bits.as_ref(),
                 split,
             )?;
@@ -197,43 +192,29 @@ pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>>
         } else {
             cuda::split_plan(c + t, t, nh, nkv)
         };
+        let rows = cuda::QkvRows {
+            qkv: &qkv,
+            q_norm: &qn,
+            k_norm: &qn,
+            cos: &cos,
+            sin: &sin,
+            positions: &pos,
+            cache_len: &len,
+            kc: &kc,
+            vc: &vc,
+            heads: (nh, nkv, d),
+            eps,
+        };
         let two = || -> crate::error::ModelResult<()> {
             for _ in 0..20 {
-                let q = cuda::qk_norm_rope_cache(
-                    &qkv,
-                    &qn,
-                    &qn,
-                    &cos,
-                    &sin,
-                    &pos,
-                    &len,
-                    &kc,
-                    &vc,
-                    (nh, nkv, d),
-                    eps,
-                )?;
+                let q = cuda::qk_norm_rope_cache(&rows)?;
                 cuda::attention(&q, &kc, &vc, &len, bits.as_ref(), split)?;
             }
             Ok(())
         };
         let one = || -> crate::error::ModelResult<()> {
             for _ in 0..20 {
-                attn_decode::fused_attention_rt(
-                    rt,
-                    &qkv,
-                    &qn,
-                    &qn,
-                    &cos,
-                    &sin,
-                    &pos,
-                    &len,
-                    &kc,
-                    &vc,
-                    (nh, nkv, d),
-                    eps,
-                    bits.as_ref(),
-                    split,
-                )?;
+                attn_decode::fused_attention_rt(rt, &rows, bits.as_ref(), split)?;
             }
             Ok(())
         };

@@ -90,22 +90,42 @@ pub(super) fn check_bf16(name: &str, t: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// Per-head q/k RMSNorm + RoPE of `qkv` (`[t, (nh + 2 nkv) d]`), K/V written into the cache
-/// buffers `kc`, `vc` (`[nkv, cap, d]`) at rows `cache_len[0] ..`; returns q `[t, nh, d]`.
-#[allow(clippy::too_many_arguments)]
-pub fn qk_norm_rope_cache(
-    qkv: &Tensor,
-    q_norm: &Tensor,
-    k_norm: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    positions: &Tensor,
-    cache_len: &Tensor,
-    kc: &Tensor,
-    vc: &Tensor,
-    (nh, nkv, d): (usize, usize, usize),
-    eps: f64,
-) -> Result<Tensor> {
+/// One forward's q/k/v GEMM output `qkv` (`[t, (nh + 2 nkv) d]`) with what its per-head q/k
+/// RMSNorm, RoPE and cache write read: the norm weights, the f32 RoPE tables
+/// (`[max_pos, d/2]`) and the positions (u32 `[t]`), the committed length (u32 `[1]`) and the
+/// cache buffers `kc`, `vc` (`[nkv, cap, d]`) the new K/V go into at rows `cache_len[0] ..`.
+#[derive(Clone, Copy)]
+pub struct QkvRows<'a> {
+    pub qkv: &'a Tensor,
+    pub q_norm: &'a Tensor,
+    pub k_norm: &'a Tensor,
+    pub cos: &'a Tensor,
+    pub sin: &'a Tensor,
+    pub positions: &'a Tensor,
+    pub cache_len: &'a Tensor,
+    pub kc: &'a Tensor,
+    pub vc: &'a Tensor,
+    /// (q heads, KV heads, head dim).
+    pub heads: (usize, usize, usize),
+    pub eps: f64,
+}
+
+/// Per-head q/k RMSNorm + RoPE of `rows.qkv`, K/V written into the cache buffers; returns q
+/// `[t, nh, d]`.
+pub fn qk_norm_rope_cache(rows: &QkvRows<'_>) -> Result<Tensor> {
+    let QkvRows {
+        qkv,
+        q_norm,
+        k_norm,
+        cos,
+        sin,
+        positions,
+        cache_len,
+        kc,
+        vc,
+        heads: (nh, nkv, d),
+        eps,
+    } = *rows;
     let dev = cuda(qkv)?;
     check_bf16("qkv", qkv)?;
     let (t, w) = qkv.dims2()?;
