@@ -33,6 +33,16 @@ fn write(name: &str, cfg: &Value, w: &HashMap<String, Tensor>) -> PathBuf {
     dir
 }
 
+/// Writes a checkpoint, loads it (it must be refused), removes it: the error's text.
+fn load_error(name: &str, cfg: &Value, w: &HashMap<String, Tensor>) -> String {
+    let dir = write(name, cfg, w);
+    let e = Qwen35Model::load(&dir, DType::F32, &Device::Cpu, 64, OpsMode::Fused)
+        .err()
+        .map(|e| e.to_string());
+    std::fs::remove_dir_all(dir).ok();
+    e.unwrap_or_else(|| panic!("{name}: the checkpoint loaded"))
+}
+
 /// Logits of the first 20 fixture tokens against transformers' prefill rows.
 fn check_logits(dir: &Path) {
     check_logits_of(dir, NAME)
@@ -149,17 +159,13 @@ fn layer_types_that_disagree_with_the_weights_are_refused_by_layer() {
         let mut t = text.clone();
         t.as_object_mut().unwrap().remove("full_attention_interval");
         t["layer_types"][layer] = kind.into();
-        let dir = write(&format!("mismatch{layer}"), &t, &w);
-        let e = Qwen35Model::load(&dir, DType::F32, &Device::Cpu, 64, OpsMode::Fused)
-            .unwrap_err()
-            .to_string();
+        let e = load_error(&format!("mismatch{layer}"), &t, &w);
         assert!(e.contains("layer_types does not match the weights"), "{e}");
         assert!(e.contains(says), "{e}");
         assert!(
             e.contains(&format!("layers.{layer}")) || e.contains(&format!("layer {layer}")),
             "{e}"
         );
-        std::fs::remove_dir_all(dir).ok();
     }
 }
 
@@ -169,15 +175,11 @@ fn a_checkpoint_mixing_split_and_fused_projections_is_refused() {
     let (text, mut w) = flat(&cfg, &w);
     let qkv = w["model.layers.0.linear_attn.in_proj_qkv.weight"].clone();
     w.insert("model.layers.0.linear_attn.in_proj_qkvz.weight".into(), qkv);
-    let dir = write("mixed", &text, &w);
-    let e = Qwen35Model::load(&dir, DType::F32, &Device::Cpu, 64, OpsMode::Fused)
-        .unwrap_err()
-        .to_string();
+    let e = load_error("mixed", &text, &w);
     assert!(
         e.contains("both the split") && e.contains("model.layers.0.linear_attn"),
         "{e}"
     );
-    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]
@@ -312,14 +314,10 @@ fn moe_checkpoints_disagreeing_with_the_config_are_refused_naming_the_key() {
     for (key, value, weights, says) in cases {
         let mut c = cfg.clone();
         c["text_config"][key] = value.into();
-        let dir = write(&format!("moe-{key}-{}", weights.len()), &c, weights);
-        let e = Qwen35Model::load(&dir, DType::F32, &Device::Cpu, 64, OpsMode::Fused)
-            .unwrap_err()
-            .to_string();
+        let e = load_error(&format!("moe-{key}-{}", weights.len()), &c, weights);
         for s in says {
             assert!(e.contains(s), "{key} = {value}: {e}");
         }
-        std::fs::remove_dir_all(dir).ok();
     }
     // A Qwen3-Next config that makes a sparse layer dense.
     let next = fixture("qwen3_next-moe-tiny-random");
@@ -327,15 +325,11 @@ fn moe_checkpoints_disagreeing_with_the_config_are_refused_naming_the_key() {
         serde_json::from_str(&std::fs::read_to_string(next.join("config.json")).unwrap()).unwrap();
     c["mlp_only_layers"] = serde_json::json!([0, 1]);
     let nw = candle_core::safetensors::load(next.join("model.safetensors"), &Device::Cpu).unwrap();
-    let dir = write("moe-dense0", &c, &nw);
-    let e = Qwen35Model::load(&dir, DType::F32, &Device::Cpu, 64, OpsMode::Fused)
-        .unwrap_err()
-        .to_string();
+    let e = load_error("moe-dense0", &c, &nw);
     assert!(
         e.contains("model.layers.0.mlp") && e.contains("MoE router"),
         "{e}"
     );
-    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]
