@@ -360,10 +360,16 @@ impl StepGraph {
         positions: &[u32],
         parents: Option<&[Option<usize>]>,
     ) -> ModelResult<Tensor> {
+        if cache_key(cache)? != self.cache_key {
+            return Err(ModelError::BadInput(
+                "step graph replayed on a cache it was not captured for".into(),
+            ));
+        }
         Ok(self.replay(cache, tokens, positions, parents)?.0)
     }
 
-    /// As [`StepGraph::step`], also returning the tapped layer outputs (copies).
+    /// As [`StepGraph::step`], also returning the tapped layer outputs (copies), for a
+    /// caller that has already matched the cache (the model's graph cache keys on it).
     pub(crate) fn replay(
         &self,
         cache: &mut SequenceCache,
@@ -378,11 +384,6 @@ impl StepGraph {
                 tokens.len(),
                 positions.len()
             )));
-        }
-        if cache_key(cache)? != self.cache_key {
-            return Err(ModelError::BadInput(
-                "step graph replayed on a cache it was not captured for".into(),
-            ));
         }
         cache.check_room(t)?;
         match (&self.tree, parents) {
