@@ -64,13 +64,22 @@ __device__ __forceinline__ void load_tile(bf16_t* dst, const bf16_t* __restrict_
     }
 }
 
-// q [t, nh, d], kc/vc [nkv, cap, d], out [t, nh * d]. Grid (nkv, ceil(t * groups / (16 NW))),
-// block 32 NW threads. Blocks run the last tiles (the most keys) first, for a short tail.
-template <int NW>
-__device__ __forceinline__ void attn_prefill_body(
+// q [t, nh, d], kc/vc [nkv, cap, d]. Grid (nkv, ceil(t * groups / (16 NW)), nsplit), block
+// 32 NW threads. Blocks run the last tiles (the most keys) first, for a short tail.
+// SPLIT = false: one pass over every visible key (blockIdx.z = 0), out [t, nh * d] = bf16(O / l).
+// SPLIT = true: split blockIdx.z walks key tiles [z cps, (z + 1) cps) and leaves unnormalised
+// partials for attn_combine (kernels.cu), as attn_partial_mma does: acc [nsplit, t nh, d],
+// ml [nsplit, t nh, 2] (max, sum; max -inf where a row saw no key of the split). Splits that
+// start past the live keys write nothing (the combine does not read them).
+// tree_mask (null: causal): key c + j is visible to token i when bit j of row i is set; a tree
+// may let a token see later ones (the drafter's block sees itself whole), so every live key
+// tile is walked.
+template <int NW, bool SPLIT>
+__device__ __forceinline__ void flash_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
-    const u32* __restrict__ cache_len, bf16_t* __restrict__ out, int t, int nh, int nkv, int cap,
-    float scale) {
+    const u32* __restrict__ cache_len, const u64* __restrict__ tree_mask, int words,
+    bf16_t* __restrict__ out, float* __restrict__ acc_out, float* __restrict__ ml_out, int t,
+    int nh, int nkv, int cap, float scale, int cps) {
     extern __shared__ __align__(16) bf16_t dyn_smem[];
     bf16_t* ks = dyn_smem;
     bf16_t* vs = dyn_smem + PCH * PPAD;
@@ -85,9 +94,12 @@ __device__ __forceinline__ void attn_prefill_body(
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
     int rb = tile * 16 * NW;                // block's first row
     int r0 = rb + warp * 16;                // warp's first row
-    // Keys the block needs: up to its last token's own key.
+    // Keys the block needs: up to its last token's own key (causal), every live key (tree).
     int last_blk_tok = (min(rb + 16 * NW, rows_total) - 1) / groups;
-    int ntiles = (c + last_blk_tok + 1 + PCH - 1) / PCH;
+    int ntiles = ((tree_mask ? L : c + last_blk_tok + 1) + PCH - 1) / PCH;
+    int kt_begin = SPLIT ? blockIdx.z * cps : 0;
+    int kt_end = SPLIT ? min(ntiles, kt_begin + cps) : ntiles;
+    if (SPLIT && kt_begin * PCH >= L) return;
     bool warp_live = r0 < rows_total;
     int first_tok = warp_live ? r0 / groups : 0;
     int last_tok = warp_live ? (min(r0 + 16, rows_total) - 1) / groups : -1;
@@ -97,9 +109,10 @@ __device__ __forceinline__ void attn_prefill_body(
     const bf16_t* kbase = kc + (size_t)kvh * cap * d;
     const bf16_t* vbase = vc + (size_t)kvh * cap * d;
 
-    load_tile<NW>(ks, kbase, 0, L);
-    // The block's query rows (zeros past the last), in the same group as K[0].
-    for (int e = threadIdx.x; e < 16 * NW * (PD / 8); e += NW * 32) {
+    // The first K tile and the block's query rows (zeros past the last) in one group; nothing
+    // when the split holds none of the block's visible keys (no copy may be left in flight).
+    if (kt_begin < kt_end) load_tile<NW>(ks, kbase, kt_begin * PCH, L);
+    for (int e = threadIdx.x; kt_begin < kt_end && e < 16 * NW * (PD / 8); e += NW * 32) {
         int r = e / (PD / 8), p = e % (PD / 8), row = rb + r;
         bool live = row < rows_total;
         const bf16_t* src =
@@ -121,13 +134,13 @@ __device__ __forceinline__ void attn_prefill_body(
     // Q (no trans): matrix m covers rows +(m % 2) * 8, dims +(m / 2) * 8 -> a0..a3 of a k-step.
     u32 q_lane = smem_addr(qs + (warp * 16 + (lm & 1) * 8 + lr) * PPAD + (lm >> 1) * 8);
 
-    for (int kt = 0; kt < ntiles; ++kt) {
+    for (int kt = kt_begin; kt < kt_end; ++kt) {
         int k0 = kt * PCH;
         cp_async_wait_all();
         __syncthreads();  // K[kt] landed; every warp is done with V[kt - 1]
         load_tile<NW>(vs, vbase, k0, L);
         cp_async_commit();
-        bool active = warp_live && k0 <= c + last_tok;
+        bool active = warp_live && (tree_mask || k0 <= c + last_tok);
         float s[8][4];
         if (active) {
 #pragma unroll
@@ -147,13 +160,14 @@ __device__ __forceinline__ void attn_prefill_body(
         }
         cp_async_wait_all();
         __syncthreads();  // V[kt] landed; every warp is done with K[kt]
-        if (kt + 1 < ntiles) {
+        if (kt + 1 < kt_end) {
             load_tile<NW>(ks, kbase, k0 + PCH, L);
             cp_async_commit();
         }
         if (!active) continue;
-        // Scale; mask only tiles that reach past the warp's first token's own key.
-        bool masked = k0 + PCH - 1 > c + first_tok;
+        // Scale; mask only tiles that reach past the warp's first token's own key (causal) or
+        // into the new keys (tree).
+        bool masked = k0 + PCH - 1 > c + (tree_mask ? -1 : first_tok);
         float mxA = -INFINITY, mxB = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
@@ -161,7 +175,15 @@ __device__ __forceinline__ void attn_prefill_body(
             for (int e = 0; e < 2; ++e) {
                 int key = k0 + nt * 8 + tig * 2 + e;
                 bool vA = liveA, vB = liveB;
-                if (masked) {
+                if (masked && tree_mask) {
+                    int nj = key - c;
+                    if (nj >= 0) {
+                        vA = vA && nj < t &&
+                             ((tree_mask[(size_t)tokA * words + (nj >> 6)] >> (nj & 63)) & 1ull);
+                        vB = vB && nj < t &&
+                             ((tree_mask[(size_t)tokB * words + (nj >> 6)] >> (nj & 63)) & 1ull);
+                    }
+                } else if (masked) {
                     vA = vA && key <= c + tokA;
                     vB = vB && key <= c + tokB;
                 }
@@ -220,6 +242,27 @@ __device__ __forceinline__ void attn_prefill_body(
             }
         }
     }
+    if (SPLIT) {
+        // Unnormalised rows A (o[.][0..1]) and B (o[.][2..3]) with their (max, sum).
+        size_t nrows = (size_t)t * nh;
+        size_t split = blockIdx.z;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            bool live = half ? liveB : liveA;
+            if (!live) continue;
+            int row = half ? rowB : rowA, tok = half ? tokB : tokA;
+            size_t orow = (size_t)tok * nh + kvh * groups + row % groups;
+            float2* ao = (float2*)(acc_out + (split * nrows + orow) * d);
+#pragma unroll
+            for (int nt = 0; nt < 16; ++nt)
+                ao[nt * 4 + tig] = make_float2(o[nt][2 * half], o[nt][2 * half + 1]);
+            if (tig == 0) {
+                ml_out[(split * nrows + orow) * 2] = half ? mB : mA;
+                ml_out[(split * nrows + orow) * 2 + 1] = half ? lB : lA;
+            }
+        }
+        return;
+    }
     // Rows A (o[.][0..1]) and B (o[.][2..3]), dims nt * 8 + tig * 2 + {0, 1}, as bf16 pairs.
     if (liveA) {
         float inv = 1.f / lA;
@@ -245,5 +288,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) attn_prefill(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
     const u32* __restrict__ cache_len, bf16_t* __restrict__ out, int t, int nh, int nkv, int cap,
     float scale) {
-    attn_prefill_body<4>(q, kc, vc, cache_len, out, t, nh, nkv, cap, scale);
+    flash_body<4, false>(q, kc, vc, cache_len, nullptr, 0, out, nullptr, nullptr, t, nh, nkv,
+                         cap, scale, 0);
+}
+
+// Split-K partials of the same blocks (see flash_body) for verification forwards and draft
+// blocks: a few dozen query rows over a long cache need the keys spread over many blocks.
+extern "C" __global__ void __launch_bounds__(128, 3) attn_split_flash(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
+    const u32* __restrict__ cache_len, const u64* __restrict__ tree_mask, int words,
+    float* __restrict__ acc_out, float* __restrict__ ml_out, int t, int nh, int nkv, int cap,
+    float scale, int cps) {
+    flash_body<4, true>(q, kc, vc, cache_len, tree_mask, words, nullptr, acc_out, ml_out, t, nh,
+                        nkv, cap, scale, cps);
 }

@@ -108,7 +108,7 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     let kc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
     let vc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
     let len = Tensor::new(&[c as u32], dev)?;
-    for t in [1usize, 70] {
+    for t in [1usize, 16, 70] {
         let q = bf(Tensor::randn(0f32, 1.0, (t, nh, d), dev)?)?;
         let parents: Vec<Option<usize>> = (0..t)
             .map(|i| if i == 0 { None } else { Some((i * 7 + 3) % i) })
@@ -121,19 +121,36 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
                     parents: parents.clone(),
                 },
             ),
+            // The draft block: every new token sees all of them (later ones too).
+            ("attention:full", AttnPattern::Full),
         ] {
+            let words = t.div_ceil(64);
             let bits = match &pattern {
-                AttnPattern::Tree { parents } => Some(Tensor::from_vec(
-                    super::tree_bits(parents),
-                    (t, t.div_ceil(64)),
-                    dev,
-                )?),
+                AttnPattern::Tree { parents } => Some(super::tree_bits(parents)),
+                AttnPattern::Full => Some(
+                    (0..t * words)
+                        .map(|i| {
+                            let left = t - 64 * (i % words);
+                            (if left >= 64 { u64::MAX } else { (1u64 << left) - 1 }) as i64
+                        })
+                        .collect(),
+                ),
                 _ => None,
+            };
+            let bits = match bits {
+                Some(b) => Some(Tensor::from_vec(b, (t, words), dev)?),
+                None => None,
             };
             let ns = (c + t).div_ceil(cuda::CHUNK);
             let fast = cuda::attention_split(&q, &kc, &vc, &len, bits.as_ref(), (ns, 1))?;
             let multi =
                 cuda::attention_split(&q, &kc, &vc, &len, bits.as_ref(), (ns.div_ceil(3), 3))?;
+            // The 64-row blocks sum exactly as the one-warp kernel they replaced: 0 expected.
+            for (plan, got) in [((ns, 1), &fast), ((ns.div_ceil(3), 3), &multi)] {
+                let warp = cuda::attention_split_warp(&q, &kc, &vc, &len, bits.as_ref(), plan)?;
+                let (e, s) = max_err(got, &warp)?;
+                out.push((format!("{name}:t{t}:plan{}x{}:vs_warp_kernel", plan.0, plan.1), e, s));
+            }
             let simt = cuda::attention_simt(&q, &kc, &vc, &len, bits.as_ref(), ns)?;
             let mask = pattern.mask(c, t, dev)?;
             let plain = attend(

@@ -152,24 +152,29 @@ pub(super) fn fused_attention_errors(
 }
 
 /// Microseconds per layer of the attention step, Qwen3-8B heads (32 / 8, d 128), inside a
-/// CUDA graph of 20 repetitions: `(case, two_launch_us, fused_us)` for decode at 1K and 8K
-/// (with the split plans of the eager forward and of the step graphs) and 4 / 16 / 64 new
-/// tokens over 1K (graph plans; `_rtN`: the fused kernel with N 16-row tiles per block).
-pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
+/// CUDA graph of 20 repetitions: `(case, two_launch_us, fused_us, two_launch_warp_us)` for
+/// decode at 1K and 8K (with the split plans of the eager forward and of the step graphs) and
+/// 4 / 16 / 64 new tokens over 1K and 8K (graph plans; `_rtN`: the fused kernel with N 16-row
+/// tiles per block; `_block`: a draft block, every token seeing the whole block); the last
+/// column takes the partials from the one-warp kernel (`attention_split_warp`).
+pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f64)>> {
     let (nh, nkv, d, eps) = (32usize, 8usize, 128usize, 1e-6);
     let bf = |t: Tensor| t.to_dtype(DType::BF16);
     let mut out = Vec::new();
+    // (context, tokens, mask: 0 causal / 1 chain tree / 2 whole block, graph split, row tiles)
     for (c, t, tree, graph_split, rt) in [
-        (1023usize, 1usize, false, false, None),
-        (1023, 1, false, true, None),
-        (8191, 1, false, false, None),
-        (8191, 1, false, true, None),
-        (1020, 4, false, true, None),
-        (1008, 16, false, true, None),
-        (1008, 16, false, true, Some(1)),
-        (1008, 16, false, true, Some(2)),
-        (960, 64, true, true, None),
-        (960, 64, true, true, Some(1)),
+        (1023usize, 1usize, 0u8, false, None),
+        (1023, 1, 0, true, None),
+        (8191, 1, 0, false, None),
+        (8191, 1, 0, true, None),
+        (1020, 4, 0, true, None),
+        (1008, 16, 0, true, None),
+        (1008, 16, 0, true, Some(1)),
+        (1008, 16, 2, true, None),
+        (8176, 16, 0, true, None),
+        (960, 64, 1, true, None),
+        (960, 64, 1, true, Some(1)),
+        (8128, 64, 1, true, None),
     ] {
         let cap = c + t + 64;
         let qkv = bf(Tensor::randn(0f32, 2.0, (t, (nh + 2 * nkv) * d), dev)?)?;
@@ -181,11 +186,13 @@ pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>>
         let kc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
         let vc = bf(Tensor::randn(0f32, 1.0, (nkv, cap, d), dev)?)?;
         let len = Tensor::new(&[c as u32], dev)?;
-        let bits = if tree {
-            let chain: Vec<Option<usize>> = (0..t).map(|i| i.checked_sub(1)).collect();
-            Some(Tensor::from_vec(super::tree_bits(&chain), (t, 1), dev)?)
-        } else {
-            None
+        let bits = match tree {
+            1 => {
+                let chain: Vec<Option<usize>> = (0..t).map(|i| i.checked_sub(1)).collect();
+                Some(Tensor::from_vec(super::tree_bits(&chain), (t, 1), dev)?)
+            }
+            2 => Some(Tensor::from_vec(vec![(u64::MAX >> (64 - t)) as i64; t], (t, 1), dev)?),
+            _ => None,
         };
         let split = if graph_split {
             (cap.div_ceil(cuda::CHUNK), 1)
@@ -218,8 +225,15 @@ pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>>
             }
             Ok(())
         };
-        let mut us = [0f64; 2];
-        for (i, body) in [&two as &dyn Fn() -> crate::error::ModelResult<()>, &one]
+        let warp = || -> crate::error::ModelResult<()> {
+            for _ in 0..20 {
+                let q = cuda::qk_norm_rope_cache(&rows)?;
+                cuda::attention_split_warp(&q, &kc, &vc, &len, bits.as_ref(), split)?;
+            }
+            Ok(())
+        };
+        let mut us = [0f64; 3];
+        for (i, body) in [&two as &dyn Fn() -> crate::error::ModelResult<()>, &one, &warp]
             .into_iter()
             .enumerate()
         {
@@ -245,7 +259,8 @@ pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>>
             "eager_split"
         };
         let tiles = rt.map(|r| format!("_rt{r}")).unwrap_or_default();
-        out.push((format!("t{t}_ctx{c}_{kind}{tiles}"), us[0], us[1]));
+        let block = if tree == 2 { "_block" } else { "" };
+        out.push((format!("t{t}_ctx{c}_{kind}{tiles}{block}"), us[0], us[1], us[2]));
     }
     Ok(out)
 }

@@ -190,7 +190,8 @@ pub fn attention(
     attention_split(q, kc, vc, cache_len, tree_mask, split)
 }
 
-/// [`attention`] always on the split-K tensor-core kernel (`attn_partial_mma` + combine).
+/// [`attention`] always on the split-K path: `attn_split_flash` partials (64 query rows per
+/// block, K/V tiles shared by its four warps, see attn_prefill.cu) + combine.
 pub(super) fn attention_split(
     q: &Tensor,
     kc: &Tensor,
@@ -199,7 +200,28 @@ pub(super) fn attention_split(
     tree_mask: Option<&Tensor>,
     (nsplit, cps): (usize, usize),
 ) -> Result<Tensor> {
-    attention_with(true, q, kc, vc, cache_len, tree_mask, nsplit, cps)
+    attention_with(SplitKernel::Flash, q, kc, vc, cache_len, tree_mask, nsplit, cps)
+}
+
+/// [`attention_split`] with the one-warp-per-16-rows partial kernel (`attn_partial_mma`) it
+/// replaced, kept to check it against (same sums, so the results must be bit-identical).
+pub fn attention_split_warp(
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    cache_len: &Tensor,
+    tree_mask: Option<&Tensor>,
+    (nsplit, cps): (usize, usize),
+) -> Result<Tensor> {
+    attention_with(SplitKernel::WarpMma, q, kc, vc, cache_len, tree_mask, nsplit, cps)
+}
+
+/// Which kernel computes the split partials that `attn_combine` merges.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SplitKernel {
+    CudaCores,
+    WarpMma,
+    Flash,
 }
 
 /// [`attention`] on CUDA cores (the first version, 4 query rows per warp), kept to check the
@@ -212,12 +234,12 @@ pub fn attention_simt(
     tree_mask: Option<&Tensor>,
     nsplit: usize,
 ) -> Result<Tensor> {
-    attention_with(false, q, kc, vc, cache_len, tree_mask, nsplit, 1)
+    attention_with(SplitKernel::CudaCores, q, kc, vc, cache_len, tree_mask, nsplit, 1)
 }
 
 #[allow(clippy::too_many_arguments)]
 fn attention_with(
-    tensor_cores: bool,
+    kernel: SplitKernel,
     q: &Tensor,
     kc: &Tensor,
     vc: &Tensor,
@@ -254,25 +276,43 @@ fn attention_with(
     let (acc_p, ml_p, out_p) = (ptr(&acc)?, ptr(&ml)?, ptr(&out)?);
     let (words, ti, nhi, nkvi, capi) = (words as i32, t as i32, nh as i32, nkv as i32, cap as i32);
     let scale = 1.0f32 / (d as f32).sqrt();
-    // Tensor cores: one warp per 16 query rows; CUDA cores: four warps per ROWS rows.
-    let (name, tile, threads) = if tensor_cores {
-        ("attn_partial_mma", 16, 32)
-    } else {
-        ("attn_partial", ROWS, 128)
-    };
-    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
-    let mut b = f.builder();
-    for a in &args {
-        b.arg(a);
-    }
-    b.arg(&words).arg(&acc_p).arg(&ml_p);
-    b.arg(&ti).arg(&nhi).arg(&nkvi).arg(&capi).arg(&scale);
     let cpsi = cps.max(1) as i32;
-    if tensor_cores {
-        b.arg(&cpsi);
+    if kernel == SplitKernel::Flash {
+        let a = super::attn_prefill::SplitArgs {
+            q: args[0],
+            kc: args[1],
+            vc: args[2],
+            cache_len: args[3],
+            tree_mask: mask_ptr,
+            words,
+            acc: acc_p,
+            ml: ml_p,
+            shape: (ti, nhi, nkvi, capi),
+            scale,
+            nsplit,
+            cps: cpsi,
+        };
+        super::attn_prefill::launch_split(&dev, &a, rows)?;
+    } else {
+        // Tensor cores: one warp per 16 query rows; CUDA cores: four warps per ROWS rows.
+        let (name, tile, threads) = if kernel == SplitKernel::WarpMma {
+            ("attn_partial_mma", 16, 32)
+        } else {
+            ("attn_partial", ROWS, 128)
+        };
+        let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+        let mut b = f.builder();
+        for a in &args {
+            b.arg(a);
+        }
+        b.arg(&words).arg(&acc_p).arg(&ml_p);
+        b.arg(&ti).arg(&nhi).arg(&nkvi).arg(&capi).arg(&scale);
+        if kernel == SplitKernel::WarpMma {
+            b.arg(&cpsi);
+        }
+        let grid = (nkv as u32, nsplit as u32, rows.div_ceil(tile) as u32);
+        go(&mut b, cfg(grid, threads), name)?;
     }
-    let grid = (nkv as u32, nsplit as u32, rows.div_ceil(tile) as u32);
-    go(&mut b, cfg(grid, threads), name)?;
     let (di, ns) = (d as i32, nsplit as i32);
     let len_p = args[3];
     let f = dev.get_or_load_custom_func("attn_combine", MODULE, PTX)?;
