@@ -219,11 +219,13 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     u32* cnt = a.counter + (size_t)kvh * gridDim.z + z;
 
     if (kbeg < L) {
-        // Chunks with a visible key for some row of the block (causal/tree: none past the
-        // block's last token).
+        // Chunks with a visible key for some row of the block (causal: none past the block's
+        // last token; a tree mask may show later tokens, so all live chunks).
         const int last_tok = (min(r0 + TR, rows_total) - 1) / groups;
         int nch = 0;
-        while (nch < a.cps && kbeg + nch * CH < L && kbeg + nch * CH <= c + last_tok) ++nch;
+        while (nch < a.cps && kbeg + nch * CH < L &&
+               (a.tree_mask || kbeg + nch * CH <= c + last_tok))
+            ++nch;
         // Committed keys of the first chunk in flight, then the q rows and the chunk's new
         // keys in the same batches, dead q rows zeroed. The z = 0 block of each split writes
         // the new keys into the cache: those of the chunks it loads as it loads them, the

@@ -73,10 +73,11 @@ extern "C" __global__ void attn_partial(
     size_t nrows = (size_t)t * nh;
     if (k0 >= L) return;  // past the end: the combine kernel ignores this split
     int kend = min(k0 + CH, L);
-    // Causal/tree: no row of this tile sees any key of the chunk past its last token.
+    // Causal: no row of this tile sees any key of the chunk past its last token (a tree mask
+    // may show later tokens: the draft block sees itself whole).
     int last_tok = min(r0 + ROWS, rows_total) - 1;
     last_tok = last_tok / groups;
-    bool empty = k0 > c + last_tok;
+    bool empty = !tree_mask && k0 > c + last_tok;
     if (!empty) {
         for (int e = threadIdx.x; e < CH * (d / 2); e += blockDim.x) {
             int j = e / (d / 2), p = e % (d / 2);
@@ -327,7 +328,7 @@ extern "C" __global__ void attn_partial_mma(
     for (int sc = 0; sc < cps; ++sc) {
         int k0 = kbeg + sc * CH;
         // Past the live keys, or past every row's last visible key (causal/tree): done.
-        if (k0 >= L || k0 > c + last_tok) break;
+        if (k0 >= L || (!tree_mask && k0 > c + last_tok)) break;
         int kend = min(k0 + CH, L);
         __syncwarp();
         // K and V chunk into shared memory (16-byte copies), zeros past the live keys.
