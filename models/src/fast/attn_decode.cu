@@ -1,8 +1,8 @@
 // One attention kernel per layer for forwards of few rows (decode, small verifies, trees):
 // q/k RMSNorm + RoPE straight from the raw qkv GEMM output, the new tokens' K/V into the cache,
 // split-K flash-decoding over the cache on tensor cores, and the merge of the splits by the
-// last block to finish — what qk_norm_rope_cache + attn_partial_mma + attn_combine
-// (kernels.cu) do in three launches. Compiled to PTX by models/build.rs.
+// last block to finish — what qk_norm_rope_cache + attn_split_flash (attn_prefill.cu) +
+// attn_combine (kernels.cu) do in three launches. Compiled to PTX by models/build.rs.
 //
 // Grid (KV head, key split, row tile), 4 warps per block. A block owns TR = 16 RT query rows
 // (row = token * groups + g) and `cps` chunks of CH keys from key split * cps * CH; its warps

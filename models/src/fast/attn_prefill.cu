@@ -1,10 +1,14 @@
-// Causal prefill attention, FlashAttention-2 style (bf16 in, f32 accumulate, head_dim 128).
-// Compiled to PTX by models/build.rs with nvcc when the `cuda` feature is on.
+// Attention in blocks of 64 query rows, FlashAttention-2 style (bf16 in, f32 accumulate,
+// head_dim 128): causal prefill pieces in one pass (attn_prefill), and the split-K partials of
+// verify forwards and draft blocks (attn_split_flash, causal or tree masks, merged by
+// attn_combine in kernels.cu). Compiled to PTX by models/build.rs with nvcc when the `cuda`
+// feature is on.
 //
-// Query rows are token * groups + g (g the q-head within its KV head), as in attn_partial_mma,
-// so one block of 4 warps x 16 rows holds consecutive tokens of every q-head of one KV head and
-// each K/V tile it stages in shared memory serves all of them (attn_partial_mma re-reads every
-// key chunk from L2 for each 16-row tile). K/V tiles of 64 keys arrive by cp.async, one tile
+// Query rows are token * groups + g (g the q-head within its KV head), so one block of 4 warps
+// x 16 rows holds consecutive tokens of every q-head of one KV head and each K/V tile it stages
+// in shared memory serves all of them (the one-warp-per-16-rows kernel this replaced re-read
+// every key chunk from L2 for each 16-row tile; measured slower by 1.2-1.8x, see
+// deploy/bench/results/h200-2026-11-30b). K/V tiles of 64 keys arrive by cp.async, one tile
 // ahead of the math: V[j] loads while S = Q K[j]^T runs, K[j + 1] while softmax and P V[j] run
 // (the FlashAttention-2 schedule). The block's Q rows are staged in shared memory too and read
 // per k-step rather than held in 32 registers per thread: that brings the kernel to 168
@@ -18,7 +22,7 @@
 // One pass over the visible keys (no split, no combine launch): keys [0, c) are committed
 // context, visible to every token; key c + j is new token j, visible to token i when j <= i.
 // Key tiles past a block's last visible key are never loaded; warps whose rows see none of a
-// tile skip its math. Numerics as attn_partial_mma + attn_combine with one split: scores scaled
+// tile skip its math. Numerics as the split form + attn_combine with one split: scores scaled
 // in f32, P rounded to bf16 (cvt.rn.bf16x2: round to nearest even, as f2bf) before P V, row
 // sums taken over the rounded P, out = bf16(O / l).
 
@@ -68,7 +72,7 @@ __device__ __forceinline__ void load_tile(bf16_t* dst, const bf16_t* __restrict_
 // 32 NW threads. Blocks run the last tiles (the most keys) first, for a short tail.
 // SPLIT = false: one pass over every visible key (blockIdx.z = 0), out [t, nh * d] = bf16(O / l).
 // SPLIT = true: split blockIdx.z walks key tiles [z cps, (z + 1) cps) and leaves unnormalised
-// partials for attn_combine (kernels.cu), as attn_partial_mma does: acc [nsplit, t nh, d],
+// partials for attn_combine (kernels.cu), as attn_partial does: acc [nsplit, t nh, d],
 // ml [nsplit, t nh, 2] (max, sum; max -inf where a row saw no key of the split). Splits that
 // start past the live keys write nothing (the combine does not read them).
 // tree_mask (null: causal): key c + j is visible to token i when bit j of row i is set; a tree

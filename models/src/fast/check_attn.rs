@@ -152,12 +152,11 @@ pub(super) fn fused_attention_errors(
 }
 
 /// Microseconds per layer of the attention step, Qwen3-8B heads (32 / 8, d 128), inside a
-/// CUDA graph of 20 repetitions: `(case, two_launch_us, fused_us, two_launch_warp_us)` for
-/// decode at 1K and 8K (with the split plans of the eager forward and of the step graphs) and
-/// 4 / 16 / 64 new tokens over 1K and 8K (graph plans; `_rtN`: the fused kernel with N 16-row
-/// tiles per block; `_block`: a draft block, every token seeing the whole block); the last
-/// column takes the partials from the one-warp kernel (`attention_split_warp`).
-pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f64)>> {
+/// CUDA graph of 20 repetitions: `(case, two_launch_us, fused_us)` for decode at 1K and 8K
+/// (with the split plans of the eager forward and of the step graphs) and 4 / 16 / 64 new
+/// tokens over 1K and 8K (graph plans; `_rtN`: the fused kernel with N 16-row tiles per block;
+/// `_block`: a draft block, every token seeing the whole block).
+pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
     let (nh, nkv, d, eps) = (32usize, 8usize, 128usize, 1e-6);
     let bf = |t: Tensor| t.to_dtype(DType::BF16);
     let mut out = Vec::new();
@@ -225,15 +224,8 @@ pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f
             }
             Ok(())
         };
-        let warp = || -> crate::error::ModelResult<()> {
-            for _ in 0..20 {
-                let q = cuda::qk_norm_rope_cache(&rows)?;
-                cuda::attention_split_warp(&q, &kc, &vc, &len, bits.as_ref(), split)?;
-            }
-            Ok(())
-        };
-        let mut us = [0f64; 3];
-        for (i, body) in [&two as &dyn Fn() -> crate::error::ModelResult<()>, &one, &warp]
+        let mut us = [0f64; 2];
+        for (i, body) in [&two as &dyn Fn() -> crate::error::ModelResult<()>, &one]
             .into_iter()
             .enumerate()
         {
@@ -260,7 +252,7 @@ pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f
         };
         let tiles = rt.map(|r| format!("_rt{r}")).unwrap_or_default();
         let block = if tree == 2 { "_block" } else { "" };
-        out.push((format!("t{t}_ctx{c}_{kind}{tiles}{block}"), us[0], us[1], us[2]));
+        out.push((format!("t{t}_ctx{c}_{kind}{tiles}{block}"), us[0], us[1]));
     }
     Ok(out)
 }

@@ -203,24 +203,10 @@ pub(super) fn attention_split(
     attention_with(SplitKernel::Flash, q, kc, vc, cache_len, tree_mask, nsplit, cps)
 }
 
-/// [`attention_split`] with the one-warp-per-16-rows partial kernel (`attn_partial_mma`) it
-/// replaced, kept to check it against (same sums, so the results must be bit-identical).
-pub fn attention_split_warp(
-    q: &Tensor,
-    kc: &Tensor,
-    vc: &Tensor,
-    cache_len: &Tensor,
-    tree_mask: Option<&Tensor>,
-    (nsplit, cps): (usize, usize),
-) -> Result<Tensor> {
-    attention_with(SplitKernel::WarpMma, q, kc, vc, cache_len, tree_mask, nsplit, cps)
-}
-
 /// Which kernel computes the split partials that `attn_combine` merges.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum SplitKernel {
     CudaCores,
-    WarpMma,
     Flash,
 }
 
@@ -294,12 +280,8 @@ fn attention_with(
         };
         super::attn_prefill::launch_split(&dev, &a, rows)?;
     } else {
-        // Tensor cores: one warp per 16 query rows; CUDA cores: four warps per ROWS rows.
-        let (name, tile, threads) = if kernel == SplitKernel::WarpMma {
-            ("attn_partial_mma", 16, 32)
-        } else {
-            ("attn_partial", ROWS, 128)
-        };
+        // CUDA cores: four warps per ROWS query rows.
+        let name = "attn_partial";
         let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let mut b = f.builder();
         for a in &args {
@@ -307,11 +289,8 @@ fn attention_with(
         }
         b.arg(&words).arg(&acc_p).arg(&ml_p);
         b.arg(&ti).arg(&nhi).arg(&nkvi).arg(&capi).arg(&scale);
-        if kernel == SplitKernel::WarpMma {
-            b.arg(&cpsi);
-        }
-        let grid = (nkv as u32, nsplit as u32, rows.div_ceil(tile) as u32);
-        go(&mut b, cfg(grid, threads), name)?;
+        let grid = (nkv as u32, nsplit as u32, rows.div_ceil(ROWS) as u32);
+        go(&mut b, cfg(grid, 128), name)?;
     }
     let (di, ns) = (d as i32, nsplit as i32);
     let len_p = args[3];

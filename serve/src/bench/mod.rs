@@ -413,12 +413,10 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         out.insert(name, json!({"max_abs_err": err, "max_abs_plain": scale}));
     }
     #[cfg(feature = "cuda")]
-    for (name, two, fused, warp) in
-        dflash_models::fast::check::decode_attention_timings(base.device())?
-    {
+    for (name, two, fused) in dflash_models::fast::check::decode_attention_timings(base.device())? {
         out.insert(
             format!("attention_us_{name}"),
-            json!({"two_launch": two, "fused": fused, "two_launch_warp_kernel": warp}),
+            json!({"two_launch": two, "fused": fused}),
         );
     }
     #[cfg(feature = "cuda")]
