@@ -21,23 +21,28 @@ impl DFlashDrafter {
         ids: &Tensor,
         pos: &Tensor,
     ) -> ModelResult<Tensor> {
-        let b = self.config().block_size;
         let dev = self.device().clone();
-        let (nh, nkv) = (
-            self.config().layers.num_attention_heads,
-            self.config().layers.num_key_value_heads,
-        );
         let full = self.full_block_bits()?;
         let lens = batch
             .iter()
             .map(|i| Tensor::new(&[i.cache.len() as u32], &dev))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let caches: Vec<&SequenceCache> = batch.iter().map(|i| &*i.cache).collect();
-        let splits: Vec<(usize, usize)> = batch
-            .iter()
-            .map(|i| fast::split_plan(i.cache.len() + b, b, nh, nkv))
-            .collect();
+        let splits: Vec<(usize, usize)> =
+            batch.iter().map(|i| self.capacity_plan(i.cache)).collect();
         self.block_layers(ids, pos, &caches, &lens, &splits, &full)
+    }
+
+    /// The block's attention split over `cache` (from its capacity: eager and graph-replayed
+    /// rounds add the same partials in the same order).
+    fn capacity_plan(&self, cache: &SequenceCache) -> (usize, usize) {
+        let l = &self.config().layers;
+        fast::capacity_plan(
+            cache.capacity(),
+            self.config().block_size,
+            l.num_attention_heads,
+            l.num_key_value_heads,
+        )
     }
 
     /// Every block token sees the whole block: all-ones bit rows `[b, 1]`.
@@ -213,7 +218,7 @@ impl DFlashDrafter {
         let ctx_pos = inputs.narrow(0, 2 * b, n)?;
         let spans = [(0, n, inputs.narrow(0, 2 * b + n, 1)?)];
         let block_len = [inputs.narrow(0, 2 * b + n + 1, 1)?];
-        let splits = [(cache.capacity().div_ceil(fast::CHUNK), 1)];
+        let splits = [self.capacity_plan(cache)];
         let body = || -> ModelResult<()> {
             let ctx = self.context_features(&features)?;
             self.context_layers(&ctx, &ctx_pos, &[cache], &spans)?;
@@ -331,7 +336,7 @@ impl DFlashDrafter {
         let full = self.full_block_bits()?;
         let hidden = Tensor::zeros((b, self.config().layers.hidden_size), self.dtype(), &dev)?;
         let lens = [inputs.narrow(0, 2 * b, 1)?];
-        let splits = [(cache.capacity().div_ceil(fast::CHUNK), 1)];
+        let splits = [self.capacity_plan(cache)];
         let ids = inputs.narrow(0, 0, b)?;
         let pos = inputs.narrow(0, b, b)?;
         let body = || -> ModelResult<()> {

@@ -59,8 +59,9 @@ impl Qwen3Model {
                 offset: off,
                 tokens: t,
                 cache_len: Tensor::new(&[len as u32], &dev)?,
-                split: fast::split_plan(
-                    len + t,
+                // From the capacity, as the step graphs capture it: same sums either way.
+                split: fast::capacity_plan(
+                    seq.cache.capacity(),
                     t,
                     self.cfg.num_attention_heads,
                     self.cfg.num_key_value_heads,
@@ -305,7 +306,12 @@ impl Qwen3Model {
             offset: 0,
             tokens: t,
             cache_len: inputs.narrow(0, 2 * t, 1)?,
-            split: (cache.capacity().div_ceil(fast::CHUNK), 1),
+            split: fast::capacity_plan(
+                cache.capacity(),
+                t,
+                self.cfg.num_attention_heads,
+                self.cfg.num_key_value_heads,
+            ),
             tree: tree_bits.clone(),
         };
         let ids = inputs.narrow(0, 0, t)?;

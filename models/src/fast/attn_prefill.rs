@@ -132,11 +132,7 @@ fn prepare(
     )
     .map_err(|e| candle_core::Error::Msg(format!("{name}: shared memory {smem} B: {e}")))?;
     let cfg = LaunchConfig {
-        grid_dim: (
-            nkv as u32,
-            rows.div_ceil(16 * WARPS) as u32,
-            nsplit as u32,
-        ),
+        grid_dim: (nkv as u32, rows.div_ceil(16 * WARPS) as u32, nsplit as u32),
         block_dim: ((32 * WARPS) as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };

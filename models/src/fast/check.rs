@@ -131,7 +131,11 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
                     (0..t * words)
                         .map(|i| {
                             let left = t - 64 * (i % words);
-                            (if left >= 64 { u64::MAX } else { (1u64 << left) - 1 }) as i64
+                            (if left >= 64 {
+                                u64::MAX
+                            } else {
+                                (1u64 << left) - 1
+                            }) as i64
                         })
                         .collect(),
                 ),
@@ -272,15 +276,18 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     let plain = (gu.narrow(1, 0, 1000)?.silu()? * gu.narrow(1, 1000, 1000)?)?;
     let (e, s) = max_err(&cuda::silu_mul(&gu)?, &plain)?;
     out.push(("silu_mul".into(), e, s));
-    let x = bf(Tensor::randn(0f32, 3.0, (3, 4096), dev)?)?;
-    let dl = bf(Tensor::randn(0f32, 1.0, (3, 4096), dev)?)?;
-    let w = bf(Tensor::randn(1f32, 0.2, 4096, dev)?)?;
-    let (xo, ho) = cuda::add_rmsnorm(&x, &dl, &w, eps)?;
-    let xs = (&x + &dl)?;
-    let (e, s) = max_err(&xo, &xs)?;
-    out.push(("add_rmsnorm:sum".into(), e, s));
-    let (e, s) = max_err(&ho, &rms_norm(&xs, &w, eps, OpsMode::Fused)?)?;
-    out.push(("add_rmsnorm:norm".into(), e, s));
+    // 4096 and 1000: the 16-byte vector kernel; 1004: the scalar one.
+    for hidden in [4096usize, 1000, 1004] {
+        let x = bf(Tensor::randn(0f32, 3.0, (3, hidden), dev)?)?;
+        let dl = bf(Tensor::randn(0f32, 1.0, (3, hidden), dev)?)?;
+        let w = bf(Tensor::randn(1f32, 0.2, hidden, dev)?)?;
+        let (xo, ho) = cuda::add_rmsnorm(&x, &dl, &w, eps)?;
+        let xs = (&x + &dl)?;
+        let (e, s) = max_err(&xo, &xs)?;
+        out.push((format!("add_rmsnorm:h{hidden}:sum"), e, s));
+        let (e, s) = max_err(&ho, &rms_norm(&xs, &w, eps, OpsMode::Fused)?)?;
+        out.push((format!("add_rmsnorm:h{hidden}:norm"), e, s));
+    }
     Ok(out)
 }
 

@@ -154,26 +154,35 @@ pub(super) fn fused_attention_errors(
 /// Microseconds per layer of the attention step, Qwen3-8B heads (32 / 8, d 128), inside a
 /// CUDA graph of 20 repetitions: `(case, two_launch_us, fused_us)` for decode at 1K and 8K
 /// (with the split plans of the eager forward and of the step graphs) and 4 / 16 / 64 new
-/// tokens over 1K and 8K (graph plans; `_rtN`: the fused kernel with N 16-row tiles per block;
-/// `_block`: a draft block, every token seeing the whole block).
+/// tokens over 1K and 8K (graph plans, `_N_chunks`: splits of N key chunks; `_rtN`: the fused
+/// kernel with N 16-row tiles per block; `_block`: a draft block, every token seeing the whole
+/// block).
 pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
     let (nh, nkv, d, eps) = (32usize, 8usize, 128usize, 1e-6);
     let bf = |t: Tensor| t.to_dtype(DType::BF16);
     let mut out = Vec::new();
-    // (context, tokens, mask: 0 causal / 1 chain tree / 2 whole block, graph split, row tiles)
-    for (c, t, tree, graph_split, rt) in [
-        (1023usize, 1usize, 0u8, false, None),
-        (1023, 1, 0, true, None),
-        (8191, 1, 0, false, None),
-        (8191, 1, 0, true, None),
-        (1020, 4, 0, true, None),
-        (1008, 16, 0, true, None),
-        (1008, 16, 0, true, Some(1)),
-        (1008, 16, 2, true, None),
-        (8176, 16, 0, true, None),
-        (960, 64, 1, true, None),
-        (960, 64, 1, true, Some(1)),
-        (8128, 64, 1, true, None),
+    // (context, tokens, mask: 0 causal / 1 chain tree / 2 whole block, split plan: 0 the
+    // eager forward's, n the whole capacity in splits of n chunks as a graph captures it
+    // (n = 1: the step graphs' plan), row tiles)
+    for (c, t, tree, plan, rt) in [
+        (1023usize, 1usize, 0u8, 0usize, None),
+        (1023, 1, 0, 1, None),
+        (8191, 1, 0, 0, None),
+        (8191, 1, 0, 1, None),
+        (1020, 4, 0, 1, None),
+        (1008, 16, 0, 1, None),
+        (1008, 16, 0, 2, None),
+        (1008, 16, 0, 4, None),
+        (1008, 16, 0, 1, Some(1)),
+        (1008, 16, 2, 1, None),
+        (8176, 16, 0, 1, None),
+        (8176, 16, 0, 4, None),
+        (960, 64, 1, 1, None),
+        (960, 64, 1, 2, None),
+        (960, 64, 1, 4, None),
+        (960, 64, 1, 1, Some(1)),
+        (8128, 64, 1, 1, None),
+        (8128, 64, 1, 4, None),
     ] {
         let cap = c + t + 64;
         let qkv = bf(Tensor::randn(0f32, 2.0, (t, (nh + 2 * nkv) * d), dev)?)?;
@@ -190,13 +199,16 @@ pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>>
                 let chain: Vec<Option<usize>> = (0..t).map(|i| i.checked_sub(1)).collect();
                 Some(Tensor::from_vec(super::tree_bits(&chain), (t, 1), dev)?)
             }
-            2 => Some(Tensor::from_vec(vec![(u64::MAX >> (64 - t)) as i64; t], (t, 1), dev)?),
+            2 => Some(Tensor::from_vec(
+                vec![(u64::MAX >> (64 - t)) as i64; t],
+                (t, 1),
+                dev,
+            )?),
             _ => None,
         };
-        let split = if graph_split {
-            (cap.div_ceil(cuda::CHUNK), 1)
-        } else {
-            cuda::split_plan(c + t, t, nh, nkv)
+        let split = match plan {
+            0 => cuda::split_plan(c + t, t, nh, nkv),
+            cps => (cap.div_ceil(cuda::CHUNK * cps), cps),
         };
         let rows = cuda::QkvRows {
             qkv: &qkv,
@@ -245,10 +257,10 @@ pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>>
             dev.synchronize()?;
             us[i] = start.elapsed().as_secs_f64() * 1e6 / 200.0;
         }
-        let kind = if graph_split {
-            "graph_split"
-        } else {
-            "eager_split"
+        let kind = match plan {
+            0 => "eager_split".to_string(),
+            1 => "graph_split".to_string(),
+            cps => format!("graph_split_{cps}_chunks"),
         };
         let tiles = rt.map(|r| format!("_rt{r}")).unwrap_or_default();
         let block = if tree == 2 { "_block" } else { "" };

@@ -43,3 +43,22 @@ __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// The low / high bf16 of a packed pair as f32.
+__device__ __forceinline__ float lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+
+// Two floats to bf16x2 (round to nearest even, as f2bf), low half first.
+__device__ __forceinline__ u32 pack2(float l, float h) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(h), "f"(l));
+    return r;
+}
+
+// RMSNorm of 2 / 8 packed values: bf16(y * inv * w), rounded as add_rmsnorm rounds it.
+__device__ __forceinline__ u32 norm2(u32 y, u32 w, float inv) {
+    return pack2(lo(y) * inv * lo(w), hi(y) * inv * hi(w));
+}
+__device__ __forceinline__ uint4 norm8(uint4 y, uint4 w, float inv) {
+    return make_uint4(norm2(y.x, w.x, inv), norm2(y.y, w.y, inv), norm2(y.z, w.z, inv),
+                      norm2(y.w, w.w, inv));
+}

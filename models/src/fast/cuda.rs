@@ -200,7 +200,16 @@ pub(super) fn attention_split(
     tree_mask: Option<&Tensor>,
     (nsplit, cps): (usize, usize),
 ) -> Result<Tensor> {
-    attention_with(SplitKernel::Flash, q, kc, vc, cache_len, tree_mask, nsplit, cps)
+    attention_with(
+        SplitKernel::Flash,
+        q,
+        kc,
+        vc,
+        cache_len,
+        tree_mask,
+        nsplit,
+        cps,
+    )
 }
 
 /// Which kernel computes the split partials that `attn_combine` merges.
@@ -220,7 +229,16 @@ pub fn attention_simt(
     tree_mask: Option<&Tensor>,
     nsplit: usize,
 ) -> Result<Tensor> {
-    attention_with(SplitKernel::CudaCores, q, kc, vc, cache_len, tree_mask, nsplit, 1)
+    attention_with(
+        SplitKernel::CudaCores,
+        q,
+        kc,
+        vc,
+        cache_len,
+        tree_mask,
+        nsplit,
+        1,
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -343,13 +361,20 @@ pub fn add_rmsnorm(x: &Tensor, delta: &Tensor, w: &Tensor, eps: f64) -> Result<(
     let ho = alloc_bf16(&dev, (rows, hidden))?;
     let args = [ptr(x)?, ptr(delta)?, ptr(w)?, ptr(&xo)?, ptr(&ho)?];
     let (hi, e) = (hidden as i32, eps as f32);
-    let f = dev.get_or_load_custom_func("add_rmsnorm", MODULE, PTX)?;
+    // The vector kernel holds up to ADD_VEC (4) 16-byte pieces per thread of 256.
+    let vec = hidden % 8 == 0 && hidden <= 256 * 8 * 4 && args.iter().all(|p| p % 16 == 0);
+    let name = if vec {
+        "add_rmsnorm_vec"
+    } else {
+        "add_rmsnorm"
+    };
+    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
     let mut b = f.builder();
     for a in &args {
         b.arg(a);
     }
     b.arg(&hi).arg(&e);
-    go(&mut b, cfg((rows as u32, 1, 1), 256), "add_rmsnorm")?;
+    go(&mut b, cfg((rows as u32, 1, 1), 256), name)?;
     Ok((xo, ho))
 }
 
@@ -391,6 +416,25 @@ fn upload<T>(dst: &Tensor, dtype: DType, values: &[T]) -> Result<()> {
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.matmul(&w.t()?)
 }
+
+/// The split plan of a forward of `t` new tokens over a cache of `capacity` rows, from the
+/// capacity alone, so that an eager forward and its CUDA-graph replay (captured before the
+/// live length is known) add the same partials in the same order: splits of `cps` key chunks
+/// such that the 64-row blocks of `attn_split_flash` over the whole capacity number about
+/// [`SPLIT_BLOCKS`] (splits past the live keys exit at once). One-token steps take the fused
+/// kernel, which regroups the one-chunk plan itself (`attn_plan`).
+pub fn capacity_plan(capacity: usize, t: usize, nh: usize, nkv: usize) -> (usize, usize) {
+    let chunks = capacity.div_ceil(CHUNK).max(1);
+    let blocks = chunks * (t * (nh / nkv.max(1))).div_ceil(64) * nkv.max(1);
+    let cps = blocks.div_ceil(SPLIT_BLOCKS).max(1);
+    (chunks.div_ceil(cps), cps)
+}
+
+/// Blocks [`capacity_plan`] aims at. Measured on the H200 (Qwen3-8B heads, one layer's
+/// attention in a graph, `attention_us_*`): 16 tokens over 1K (136 blocks with one chunk per
+/// split) 15.8 us, two chunks 17.5; 64 tokens over 1K 34.5 us with one chunk (544 blocks),
+/// 25.3 with two; over 8K, 16 tokens 81 -> 35 us and 64 tokens 178 -> 94 us with four.
+pub const SPLIT_BLOCKS: usize = 512;
 
 /// How to split `live_keys` keys for `t` query tokens: `(splits, chunks per split)`. Few query
 /// rows (decode, small verifies) get one chunk per split, for parallelism over the keys; many

@@ -31,8 +31,6 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     return v;
 }
 
-__device__ __forceinline__ float lo(u32 v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
 
 __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
     float s = lo(a.x) * lo(b.x);
@@ -46,21 +44,6 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
     return s;
 }
 
-// Two floats to bf16x2 (round to nearest even, as f2bf), low half first.
-__device__ __forceinline__ u32 pack2(float l, float h) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(h), "f"(l));
-    return r;
-}
-
-__device__ __forceinline__ u32 norm2(u32 y, u32 w, float inv) {
-    return pack2(lo(y) * inv * lo(w), hi(y) * inv * hi(w));
-}
-
-__device__ __forceinline__ uint4 norm8(uint4 y, uint4 w, float inv) {
-    return make_uint4(norm2(y.x, w.x, inv), norm2(y.y, w.y, inv), norm2(y.z, w.z, inv),
-                      norm2(y.w, w.w, inv));
-}
 
 // y, after the residual add, for one output pair; returns its sum of squares.
 __device__ __forceinline__ float store_pair(int epi, bf16_t* y, const bf16_t* resid, size_t at,
