@@ -28,21 +28,7 @@ impl DFlashDrafter {
             .map(|i| Tensor::new(&[i.cache.len() as u32], &dev))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let caches: Vec<&SequenceCache> = batch.iter().map(|i| &*i.cache).collect();
-        let splits: Vec<(usize, usize)> =
-            batch.iter().map(|i| self.capacity_plan(i.cache)).collect();
-        self.block_layers(ids, pos, &caches, &lens, &splits, &full)
-    }
-
-    /// The block's attention split over `cache` (from its capacity: eager and graph-replayed
-    /// rounds add the same partials in the same order).
-    fn capacity_plan(&self, cache: &SequenceCache) -> (usize, usize) {
-        let l = &self.config().layers;
-        fast::capacity_plan(
-            cache.capacity(),
-            self.config().block_size,
-            l.num_attention_heads,
-            l.num_key_value_heads,
-        )
+        self.block_layers(ids, pos, &caches, &lens, &full)
     }
 
     /// Every block token sees the whole block: all-ones bit rows `[b, 1]`.
@@ -54,14 +40,13 @@ impl DFlashDrafter {
 
     /// The block's layers over already-uploaded inputs (no host-device copies, so a CUDA
     /// graph can capture it): sequence s's block is rows `s * b ..`, its committed length is
-    /// `lens[s]` (a `[1]` u32 tensor), its attention split `splits[s]`.
+    /// `lens[s]` (a `[1]` u32 tensor).
     fn block_layers(
         &self,
         ids: &Tensor,
         pos: &Tensor,
         caches: &[&SequenceCache],
         lens: &[Tensor],
-        splits: &[(usize, usize)],
         full: &Tensor,
     ) -> ModelResult<Tensor> {
         let b = self.config().block_size;
@@ -73,7 +58,6 @@ impl DFlashDrafter {
                 offset: s * b,
                 tokens: b,
                 cache_len: &lens[s],
-                split: splits[s],
                 tree: Some(full),
             })
             .collect();
@@ -218,11 +202,10 @@ impl DFlashDrafter {
         let ctx_pos = inputs.narrow(0, 2 * b, n)?;
         let spans = [(0, n, inputs.narrow(0, 2 * b + n, 1)?)];
         let block_len = [inputs.narrow(0, 2 * b + n + 1, 1)?];
-        let splits = [self.capacity_plan(cache)];
         let body = || -> ModelResult<()> {
             let ctx = self.context_features(&features)?;
             self.context_layers(&ctx, &ctx_pos, &[cache], &spans)?;
-            let h = self.block_layers(&ids, &pos, &[cache], &block_len, &splits, &full)?;
+            let h = self.block_layers(&ids, &pos, &[cache], &block_len, &full)?;
             let out = self.lm_head(&h.narrow(0, 1, b - 1)?)?;
             logits.slice_set(&out, 0, 0)?;
             Ok(())
@@ -336,11 +319,10 @@ impl DFlashDrafter {
         let full = self.full_block_bits()?;
         let hidden = Tensor::zeros((b, self.config().layers.hidden_size), self.dtype(), &dev)?;
         let lens = [inputs.narrow(0, 2 * b, 1)?];
-        let splits = [self.capacity_plan(cache)];
         let ids = inputs.narrow(0, 0, b)?;
         let pos = inputs.narrow(0, b, b)?;
         let body = || -> ModelResult<()> {
-            let h = self.block_layers(&ids, &pos, &[cache], &lens, &splits, &full)?;
+            let h = self.block_layers(&ids, &pos, &[cache], &lens, &full)?;
             hidden.slice_set(&h, 0, 0)?;
             Ok(())
         };

@@ -32,8 +32,6 @@ pub(crate) struct AttnSeq<'a> {
     pub tokens: usize,
     /// `[1]` u32: committed cache rows before these tokens.
     pub cache_len: &'a Tensor,
-    /// Attention splits and key chunks per split (see [`fast::split_plan`]).
-    pub split: (usize, usize),
     /// Ancestor bit rows (tree or full-block patterns); None: causal.
     pub tree: Option<&'a Tensor>,
 }
@@ -205,7 +203,7 @@ impl Stack<'_> {
                 continue;
             }
             let q = fast::qk_norm_rope_cache(&new)?;
-            outs.push(fast::attention(&q, kc, vc, s.cache_len, s.tree, s.split)?);
+            outs.push(fast::attention(&q, kc, vc, s.cache_len, s.tree)?);
         }
         Ok(match outs.len() {
             1 => outs.swap_remove(0),

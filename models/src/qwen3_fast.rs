@@ -20,8 +20,6 @@ struct SeqInputs {
     tokens: usize,
     /// `[1]` u32: committed rows before this forward.
     cache_len: Tensor,
-    /// Attention splits and key chunks per split (see [`fast::split_plan`]).
-    split: (usize, usize),
     tree: Option<Tensor>,
 }
 
@@ -59,13 +57,6 @@ impl Qwen3Model {
                 offset: off,
                 tokens: t,
                 cache_len: Tensor::new(&[len as u32], &dev)?,
-                // From the capacity, as the step graphs capture it: same sums either way.
-                split: fast::capacity_plan(
-                    seq.cache.capacity(),
-                    t,
-                    self.cfg.num_attention_heads,
-                    self.cfg.num_key_value_heads,
-                ),
                 tree,
             });
         }
@@ -203,7 +194,6 @@ impl Qwen3Model {
                 offset: inp.offset,
                 tokens: inp.tokens,
                 cache_len: &inp.cache_len,
-                split: inp.split,
                 tree: inp.tree.as_ref(),
             })
             .collect();
@@ -306,12 +296,6 @@ impl Qwen3Model {
             offset: 0,
             tokens: t,
             cache_len: inputs.narrow(0, 2 * t, 1)?,
-            split: fast::capacity_plan(
-                cache.capacity(),
-                t,
-                self.cfg.num_attention_heads,
-                self.cfg.num_key_value_heads,
-            ),
             tree: tree_bits.clone(),
         };
         let ids = inputs.narrow(0, 0, t)?;

@@ -118,7 +118,8 @@ unsafe impl DeviceRepr for Args {}
 /// and RoPE as `qk_norm_rope_cache` rounds them, the new K/V written at cache rows
 /// `cache_len[0] ..`, committed rows visible to every token and new token j visible
 /// to token i when `j <= i` (`tree` None) or bit j of `tree[i * words + j / 64]` is set.
-/// `split`: as for [`super::attention`] (see [`super::split_plan`]). Returns `[t, nh * d]`.
+/// `split`: `(splits, key chunks per split)` covering the live keys (see
+/// [`super::split_plan`]). Returns `[t, nh * d]`.
 pub fn fused_attention(
     rows: &QkvRows<'_>,
     tree: Option<&Tensor>,

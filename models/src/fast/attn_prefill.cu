@@ -71,7 +71,8 @@ __device__ __forceinline__ void load_tile(bf16_t* dst, const bf16_t* __restrict_
 // q [t, nh, d], kc/vc [nkv, cap, d]. Grid (nkv, ceil(t * groups / (16 NW)), nsplit), block
 // 32 NW threads. Blocks run the last tiles (the most keys) first, for a short tail.
 // SPLIT = false: one pass over every visible key (blockIdx.z = 0), out [t, nh * d] = bf16(O / l).
-// SPLIT = true: split blockIdx.z walks key tiles [z cps, (z + 1) cps) and leaves unnormalised
+// SPLIT = true: split blockIdx.z walks key tiles [z cps, (z + 1) cps) (cps from the live
+// length and gridDim.z, the most splits) and leaves unnormalised
 // partials for attn_combine (kernels.cu), as attn_partial does: acc [nsplit, t nh, d],
 // ml [nsplit, t nh, 2] (max, sum; max -inf where a row saw no key of the split). Splits that
 // start past the live keys write nothing (the combine does not read them).
@@ -83,7 +84,7 @@ __device__ __forceinline__ void flash_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
     const u32* __restrict__ cache_len, const u64* __restrict__ tree_mask, int words,
     bf16_t* __restrict__ out, float* __restrict__ acc_out, float* __restrict__ ml_out, int t,
-    int nh, int nkv, int cap, float scale, int cps) {
+    int nh, int nkv, int cap, float scale) {
     extern __shared__ __align__(16) bf16_t dyn_smem[];
     bf16_t* ks = dyn_smem;
     bf16_t* vs = dyn_smem + PCH * PPAD;
@@ -101,6 +102,9 @@ __device__ __forceinline__ void flash_body(
     // Keys the block needs: up to its last token's own key (causal), every live key (tree).
     int last_blk_tok = (min(rb + 16 * NW, rows_total) - 1) / groups;
     int ntiles = ((tree_mask ? L : c + last_blk_tok + 1) + PCH - 1) / PCH;
+    // Split z walks chunks [z cps, (z + 1) cps) with cps = ceil(live chunks / gridDim.z), set
+    // from the live length here so that one grid (one CUDA graph) fits every length.
+    int cps = SPLIT ? ((L + PCH - 1) / PCH + gridDim.z - 1) / gridDim.z : 0;
     int kt_begin = SPLIT ? blockIdx.z * cps : 0;
     int kt_end = SPLIT ? min(ntiles, kt_begin + cps) : ntiles;
     if (SPLIT && kt_begin * PCH >= L) return;
@@ -293,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) attn_prefill(
     const u32* __restrict__ cache_len, bf16_t* __restrict__ out, int t, int nh, int nkv, int cap,
     float scale) {
     flash_body<4, false>(q, kc, vc, cache_len, nullptr, 0, out, nullptr, nullptr, t, nh, nkv,
-                         cap, scale, 0);
+                         cap, scale);
 }
 
 // Split-K partials of the same blocks (see flash_body) for verification forwards and draft
@@ -302,7 +306,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) attn_split_flash(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
     const u32* __restrict__ cache_len, const u64* __restrict__ tree_mask, int words,
     float* __restrict__ acc_out, float* __restrict__ ml_out, int t, int nh, int nkv, int cap,
-    float scale, int cps) {
+    float scale) {
     flash_body<4, true>(q, kc, vc, cache_len, tree_mask, words, nullptr, acc_out, ml_out, t, nh,
-                        nkv, cap, scale, cps);
+                        nkv, cap, scale);
 }

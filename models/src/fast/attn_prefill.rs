@@ -93,12 +93,13 @@ pub(super) struct SplitArgs {
     /// (t, nh, nkv, cap).
     pub shape: (i32, i32, i32, i32),
     pub scale: f32,
+    /// The most splits (the grid's z); the kernel sets the chunks per split from the live
+    /// length.
     pub nsplit: usize,
-    pub cps: i32,
 }
 
-/// Launches the split partials of `rows` query rows per KV head (`a.nsplit` splits of `a.cps`
-/// key tiles each), for `attn_combine` to merge.
+/// Launches the split partials of `rows` query rows per KV head (at most `a.nsplit` splits),
+/// for `attn_combine` to merge.
 pub(super) fn launch_split(dev: &CudaDevice, a: &SplitArgs, rows: usize) -> Result<()> {
     let (f, cfg) = prepare(dev, SPLIT_KERNEL, rows, (a.shape.2 as usize, a.nsplit))?;
     let stream = dev.cuda_stream();
@@ -108,7 +109,7 @@ pub(super) fn launch_split(dev: &CudaDevice, a: &SplitArgs, rows: usize) -> Resu
     }
     b.arg(&a.words).arg(&a.acc).arg(&a.ml);
     let (t, nh, nkv, cap) = &a.shape;
-    b.arg(t).arg(nh).arg(nkv).arg(cap).arg(&a.scale).arg(&a.cps);
+    b.arg(t).arg(nh).arg(nkv).arg(cap).arg(&a.scale);
     go(&mut b, cfg, SPLIT_KERNEL)
 }
 

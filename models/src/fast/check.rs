@@ -146,9 +146,10 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
                 None => None,
             };
             let ns = (c + t).div_ceil(cuda::CHUNK);
-            let fast = cuda::attention_split(&q, &kc, &vc, &len, bits.as_ref(), (ns, 1))?;
+            // One chunk per split (at most ns splits), three (at most ceil(ns / 3)).
+            let fast = cuda::attention_split(&q, &kc, &vc, &len, bits.as_ref(), Some(ns))?;
             let multi =
-                cuda::attention_split(&q, &kc, &vc, &len, bits.as_ref(), (ns.div_ceil(3), 3))?;
+                cuda::attention_split(&q, &kc, &vc, &len, bits.as_ref(), Some(ns.div_ceil(3)))?;
             let simt = cuda::attention_simt(&q, &kc, &vc, &len, bits.as_ref(), ns)?;
             let mask = pattern.mask(c, t, dev)?;
             let plain = attend(
@@ -184,8 +185,7 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
                 mask.as_ref(),
                 OpsMode::Fused,
             )?;
-            let split = cuda::split_plan(c + t, t, nh, nkv);
-            let old = cuda::attention_split(&q, &kc, &vc, &len, None, split)?;
+            let old = cuda::attention_split(&q, &kc, &vc, &len, None, None)?;
             let tag = format!("attention_prefill:h{nh}_kv{nkv}:t{t}_c{c}");
             let fast = attn_prefill::attention_prefill(&q, &kc, &vc, &len)?;
             let (e, s) = max_err(&fast, &plain)?;
@@ -316,8 +316,7 @@ pub fn attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
         let len = Tensor::new(&[c as u32], dev)?;
         let pairs = (t * c + t * (t + 1) / 2) as f64;
         let tflops = |ms: f64| 4.0 * (d * nh) as f64 * pairs / ms / 1e9;
-        let split = cuda::split_plan(c + t, t, nh, nkv);
-        let ms = time(&|| cuda::attention_split(&q, &kc, &vc, &len, None, split))?;
+        let ms = time(&|| cuda::attention_split(&q, &kc, &vc, &len, None, None))?;
         out.push((format!("t{t}_c{c}:split_kernel"), ms, tflops(ms)));
         let ms = time(&|| attn_prefill::attention_prefill(&q, &kc, &vc, &len))?;
         out.push((format!("t{t}_c{c}:prefill_kernel"), ms, tflops(ms)));

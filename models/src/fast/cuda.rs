@@ -170,36 +170,50 @@ pub fn qk_norm_rope_cache(rows: &QkvRows<'_>) -> Result<Tensor> {
 /// Attention of q `[t, nh, d]` over cache rows `[0, cache_len[0] + t)`: committed rows are
 /// visible to every token; new token j is visible to token i when `j <= i` (`tree_mask` None)
 /// or when bit j of `tree_mask[i * words + j / 64]` is set (`[t, words]` i64 bit rows).
-/// `(nsplit, cps)`: splits of `cps` key chunks of [`CHUNK`] each, covering the live keys
-/// (see [`split_plan`]; more splits are allowed, and idle). Returns `[t, nh * d]`.
-/// Causal forwards with enough query rows (prefill pieces) take the one-pass kernel of
-/// `attn_prefill.cu` instead, which ignores the split plan.
+/// Returns `[t, nh * d]`. Causal forwards with enough query rows (prefill pieces) take the
+/// one-pass kernel of `attn_prefill.cu`; the rest the split-K path of [`attention_split`].
 pub fn attention(
     q: &Tensor,
     kc: &Tensor,
     vc: &Tensor,
     cache_len: &Tensor,
     tree_mask: Option<&Tensor>,
-    split: (usize, usize),
 ) -> Result<Tensor> {
     let (t, nh, _) = q.dims3()?;
     let nkv = kc.dims3()?.0;
     if tree_mask.is_none() && super::attn_prefill::worth_it(t, nh, nkv) {
         return super::attn_prefill::attention_prefill(q, kc, vc, cache_len);
     }
-    attention_split(q, kc, vc, cache_len, tree_mask, split)
+    attention_split(q, kc, vc, cache_len, tree_mask, None)
 }
 
+/// Blocks the split-K attention aims at: at most `SPLIT_BLOCKS / (query tiles x KV heads)`
+/// splits of 64-row blocks. Measured on the H200 (Qwen3-8B heads, one layer in a graph,
+/// `attention_us_*`): 16 tokens over 1K, one chunk per split (136 blocks) 15.8 us against 17.5
+/// with two; 64 tokens over 1K 34.5 us with one chunk per split (544 blocks), 25.3 with two;
+/// over 8K, 16 tokens 81 -> 35 us and 64 tokens 178 -> 94 us with four.
+pub const SPLIT_BLOCKS: usize = 512;
+
 /// [`attention`] always on the split-K path: `attn_split_flash` partials (64 query rows per
-/// block, K/V tiles shared by its four warps, see attn_prefill.cu) + combine.
+/// block, K/V tiles shared by its four warps, see attn_prefill.cu) + `attn_combine`. The grid
+/// holds `max_splits` splits (default: [`SPLIT_BLOCKS`] over the blocks of one split); the
+/// kernels divide the live keys among them at run time (`ceil(chunks / max_splits)` chunks of
+/// [`CHUNK`] keys per split), so one launch, or one CUDA graph, is right for any cache length
+/// and an eager forward and its replay add the same partials in the same order.
 pub(super) fn attention_split(
     q: &Tensor,
     kc: &Tensor,
     vc: &Tensor,
     cache_len: &Tensor,
     tree_mask: Option<&Tensor>,
-    (nsplit, cps): (usize, usize),
+    max_splits: Option<usize>,
 ) -> Result<Tensor> {
+    let (t, nh, _) = q.dims3()?;
+    let nkv = kc.dims3()?.0.max(1);
+    let tiles = (t * (nh / nkv)).div_ceil(64).max(1);
+    let splits = max_splits
+        .unwrap_or(SPLIT_BLOCKS / (tiles * nkv))
+        .clamp(1, COMBINE_SPLITS);
     attention_with(
         SplitKernel::Flash,
         q,
@@ -207,10 +221,13 @@ pub(super) fn attention_split(
         vc,
         cache_len,
         tree_mask,
-        nsplit,
-        cps,
+        splits,
+        0,
     )
 }
+
+/// Splits `attn_combine` stages in shared memory (COMBINE_SMEM in kernels.cu).
+const COMBINE_SPLITS: usize = 1024;
 
 /// Which kernel computes the split partials that `attn_combine` merges.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -280,7 +297,8 @@ fn attention_with(
     let (acc_p, ml_p, out_p) = (ptr(&acc)?, ptr(&ml)?, ptr(&out)?);
     let (words, ti, nhi, nkvi, capi) = (words as i32, t as i32, nh as i32, nkv as i32, cap as i32);
     let scale = 1.0f32 / (d as f32).sqrt();
-    let cpsi = cps.max(1) as i32;
+    // cps 0: the flash kernel and the combine derive it from the live length.
+    let cpsi = cps as i32;
     if kernel == SplitKernel::Flash {
         let a = super::attn_prefill::SplitArgs {
             q: args[0],
@@ -294,7 +312,6 @@ fn attention_with(
             shape: (ti, nhi, nkvi, capi),
             scale,
             nsplit,
-            cps: cpsi,
         };
         super::attn_prefill::launch_split(&dev, &a, rows)?;
     } else {
@@ -416,25 +433,6 @@ fn upload<T>(dst: &Tensor, dtype: DType, values: &[T]) -> Result<()> {
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.matmul(&w.t()?)
 }
-
-/// The split plan of a forward of `t` new tokens over a cache of `capacity` rows, from the
-/// capacity alone, so that an eager forward and its CUDA-graph replay (captured before the
-/// live length is known) add the same partials in the same order: splits of `cps` key chunks
-/// such that the 64-row blocks of `attn_split_flash` over the whole capacity number about
-/// [`SPLIT_BLOCKS`] (splits past the live keys exit at once). One-token steps take the fused
-/// kernel, which regroups the one-chunk plan itself (`attn_plan`).
-pub fn capacity_plan(capacity: usize, t: usize, nh: usize, nkv: usize) -> (usize, usize) {
-    let chunks = capacity.div_ceil(CHUNK).max(1);
-    let blocks = chunks * (t * (nh / nkv.max(1))).div_ceil(64) * nkv.max(1);
-    let cps = blocks.div_ceil(SPLIT_BLOCKS).max(1);
-    (chunks.div_ceil(cps), cps)
-}
-
-/// Blocks [`capacity_plan`] aims at. Measured on the H200 (Qwen3-8B heads, one layer's
-/// attention in a graph, `attention_us_*`): 16 tokens over 1K (136 blocks with one chunk per
-/// split) 15.8 us, two chunks 17.5; 64 tokens over 1K 34.5 us with one chunk (544 blocks),
-/// 25.3 with two; over 8K, 16 tokens 81 -> 35 us and 64 tokens 178 -> 94 us with four.
-pub const SPLIT_BLOCKS: usize = 512;
 
 /// How to split `live_keys` keys for `t` query tokens: `(splits, chunks per split)`. Few query
 /// rows (decode, small verifies) get one chunk per split, for parallelism over the keys; many

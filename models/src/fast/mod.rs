@@ -30,8 +30,8 @@ mod check_attn;
 mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    add_rmsnorm, attention, capacity_plan, device_address, linear, qk_norm_rope_cache, silu_mul,
-    split_plan, upload_i64, upload_u32, QkvRows, CHUNK,
+    add_rmsnorm, attention, device_address, linear, qk_norm_rope_cache, silu_mul, split_plan,
+    upload_i64, upload_u32, QkvRows, CHUNK, SPLIT_BLOCKS,
 };
 #[cfg(feature = "cuda")]
 mod gemv;
