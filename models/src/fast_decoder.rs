@@ -193,13 +193,10 @@ impl Stack<'_> {
                 eps: self.eps,
             };
             if fast::fused_attention_fits(s.tokens, nh, nkv) {
-                // A decode step: norm, RoPE, cache write, attention and merge in one launch.
-                // Its key splits are regrouped from the plan it is given, so it always gets
-                // the plan of the cache's whole capacity, the one a CUDA graph captures: a
-                // step then sums in the same order replayed or not (chunks past the live
-                // keys exit at once).
-                let whole = (s.cache.capacity().div_ceil(fast::CHUNK), 1);
-                outs.push(fast::fused_attention(&new, s.tree, whole)?);
+                // A decode step: norm, RoPE, cache write, attention and merge in one launch,
+                // its key splits set on the device from the live length (the same for an
+                // eager step and a graph replay, whatever the cache's capacity).
+                outs.push(fast::fused_attention(&new, s.tree, None)?);
                 continue;
             }
             let q = fast::qk_norm_rope_cache(&new)?;

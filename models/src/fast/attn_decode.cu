@@ -204,7 +204,7 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ u32 is_last;
     __shared__ float rowD[TR];
-    const int stages = a.cps > 1 ? 2 : 1;
+    const int stages = a.cps == 1 ? 1 : 2;
     bf16_t* kvbuf = (bf16_t*)smem;  // stages x {K, V} x CH x KPAD
     bf16_t* qs = kvbuf + stages * 2 * CH * KPAD;  // TR x KPAD
     const int kvh = blockIdx.x, split = blockIdx.y, z = blockIdx.z;
@@ -212,7 +212,10 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     const int groups = a.nh / a.nkv;
     const int c = (int)(*a.cache_len);
     const int L = c + a.t;
-    const int kbeg = split * a.cps * CH;
+    // cps 0: chunks per split from the live length, the grid's splits being the most, so one
+    // launch (one CUDA graph) is right for every length and cache capacity.
+    const int cps = a.cps > 0 ? a.cps : ((L + CH - 1) / CH + (int)gridDim.y - 1) / (int)gridDim.y;
+    const int kbeg = split * cps * CH;
     const int rows_total = a.t * groups;
     const int r0 = z * TR;
     const size_t nrows = (size_t)a.t * a.nh;
@@ -223,7 +226,7 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
         // last token; a tree mask may show later tokens, so all live chunks).
         const int last_tok = (min(r0 + TR, rows_total) - 1) / groups;
         int nch = 0;
-        while (nch < a.cps && kbeg + nch * CH < L &&
+        while (nch < cps && kbeg + nch * CH < L &&
                (a.tree_mask || kbeg + nch * CH <= c + last_tok))
             ++nch;
         // Committed keys of the first chunk in flight, then the q rows and the chunk's new
@@ -238,7 +241,7 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
         const int nk0 = nch > 0 ? max(0, min(kbeg + CH, L) - kfirst) : 0;
         heads(a, kvh, r0, nq, qs, kfirst, nk0, c, kbeg, kvbuf, kvbuf + CH * KPAD, to_cache);
         if (to_cache) {
-            int from = max(kbeg + nch * CH, c), to = min(kbeg + a.cps * CH, L);
+            int from = max(kbeg + nch * CH, c), to = min(kbeg + cps * CH, L);
             heads(a, kvh, 0, 0, nullptr, from, max(0, to - from), c, 0, nullptr, nullptr, true);
         }
         for (int e = nq * D + tid; e < TR * D; e += NW * 32) qs[(e / D) * KPAD + e % D] = 0;
@@ -419,7 +422,7 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    const int span = CH * a.cps;
+    const int span = CH * cps;
     const int used = min((int)gridDim.y, (L + span - 1) / span);
     // Every split's (max, sum) of the block's rows into shared memory (the host keeps
     // 2 used TR floats within the K/V buffers), then per row the global max, the weights

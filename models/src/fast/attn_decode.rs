@@ -13,7 +13,7 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::attn_plan::{attn_plan, CHUNK_KEYS, MAX_SHARED_BYTES};
+use super::attn_plan::{attn_plan, runtime_plan, CHUNK_KEYS, MAX_SHARED_BYTES};
 use super::cuda::{alloc_bf16, alloc_f32, check_bf16, cuda, go, ptr, QkvRows, CHUNK};
 
 const _: () = assert!(CHUNK_KEYS == CHUNK);
@@ -123,7 +123,7 @@ unsafe impl DeviceRepr for Args {}
 pub fn fused_attention(
     rows: &QkvRows<'_>,
     tree: Option<&Tensor>,
-    split: (usize, usize),
+    split: Option<(usize, usize)>,
 ) -> Result<Tensor> {
     fused_attention_rt(None, rows, tree, split)
 }
@@ -134,7 +134,7 @@ pub(crate) fn fused_attention_rt(
     rt: Option<usize>,
     rows: &QkvRows<'_>,
     tree: Option<&Tensor>,
-    (nsplit, cps): (usize, usize),
+    split: Option<(usize, usize)>,
 ) -> Result<Tensor> {
     let QkvRows {
         qkv,
@@ -181,9 +181,6 @@ pub(crate) fn fused_attention_rt(
             d / 2
         )
     }
-    if nsplit == 0 || cps == 0 {
-        bail!("fused_attention: split plan ({nsplit}, {cps}) is empty")
-    }
     let words = t.div_ceil(64);
     let tree_mask = match tree {
         Some(m) => {
@@ -198,8 +195,11 @@ pub(crate) fn fused_attention_rt(
         None => 0u64,
     };
     let rows = t * (nh / nkv);
-    let plan = attn_plan(rows, (nsplit, cps), rt)
-        .map_err(|e| candle_core::Error::Msg(format!("fused_attention: {e}")))?;
+    let plan = match split {
+        Some(split) => attn_plan(rows, split, rt),
+        None => runtime_plan(rows, rt),
+    }
+    .map_err(|e| candle_core::Error::Msg(format!("fused_attention: {e}")))?;
     let (rt, tiles, nsplit, cps) = (plan.rt, plan.tiles, plan.nsplit, plan.cps);
     if nkv * tiles > COUNTERS {
         bail!("fused_attention: {nkv} KV heads x {tiles} row tiles exceed {COUNTERS} counters")

@@ -47,12 +47,7 @@ pub(crate) fn attn_plan(
         (None, 17..=32) => 2,
         (None, _) => 4,
     };
-    let max_splits = match rt {
-        1 => 32,
-        2 => 16,
-        _ => 8,
-    };
-    let per = nsplit.div_ceil(max_splits);
+    let per = nsplit.div_ceil(max_splits(rt));
     let (nsplit, cps) = ((nsplit * cps).div_ceil(cps * per), cps * per);
     let stages = if cps > 1 { 2 } else { 1 };
     let kv_bytes = stages * 2 * CHUNK_KEYS * ROW_BYTES;
@@ -69,6 +64,29 @@ pub(crate) fn attn_plan(
         cps,
         stages,
         shared_bytes: kv_bytes + 16 * rt * ROW_BYTES,
+    })
+}
+
+/// The most splits of a launch with `rt` row tiles per block: the block that merges reads
+/// every split's partial of its rows, so their number bounds the merge's tail.
+fn max_splits(rt: usize) -> usize {
+    match rt {
+        1 => 32,
+        2 => 16,
+        _ => 8,
+    }
+}
+
+/// The plan whose chunks per split the kernel sets at run time from the live length (`cps` 0:
+/// `ceil(live chunks / nsplit)`): the most splits for its row tiles, shared memory for two
+/// stages. One launch, or one CUDA graph, then fits every length and cache capacity, and an
+/// eager step and its replay add the same partials in the same order.
+pub(crate) fn runtime_plan(rows: usize, rt: Option<usize>) -> Result<AttnPlan, String> {
+    let p = attn_plan(rows, (1, 2), rt)?;
+    Ok(AttnPlan {
+        nsplit: max_splits(p.rt),
+        cps: 0,
+        ..p
     })
 }
 
@@ -101,6 +119,27 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn runtime_plans_take_the_most_splits_and_two_stages() {
+        for rows in [1usize, 4, 16, 17, 64, 256] {
+            let p = runtime_plan(rows, None).unwrap();
+            let fixed = attn_plan(rows, (1, 1), None).unwrap();
+            assert_eq!((p.rt, p.tiles), (fixed.rt, fixed.tiles), "rows {rows}");
+            assert_eq!(
+                (p.nsplit, p.cps, p.stages),
+                (max_splits(p.rt), 0, 2),
+                "rows {rows}"
+            );
+            assert_eq!(
+                p.shared_bytes,
+                2 * 2 * CHUNK_KEYS * ROW_BYTES + 16 * p.rt * ROW_BYTES
+            );
+            assert!(p.shared_bytes <= MAX_SHARED_BYTES);
+            assert!(2 * 4 * p.nsplit * 16 * p.rt <= p.stages * 2 * CHUNK_KEYS * ROW_BYTES);
+        }
+        assert!(runtime_plan(0, None).is_err());
     }
 
     #[test]

@@ -27,7 +27,7 @@ pub(super) fn fused_attention_errors(
             .collect()
     };
     // (name, context, tokens, tree parents, split plan: None = split_plan, Some(cps) = that
-    // many chunks per split, 0 = one split per chunk of the whole capacity as graphs do,
+    // many chunks per split, 0 = set on the device from the live length as forwards do,
     // 16-row tiles per block: None = by the row count).
     type Case = (
         &'static str,
@@ -39,10 +39,10 @@ pub(super) fn fused_attention_errors(
     );
     let cases: [Case; 10] = [
         ("t1_ctx1k", 1023, 1, None, None, None),
-        ("t1_ctx1k_graph_split", 1023, 1, None, Some(0), None),
+        ("t1_ctx1k_device_split", 1023, 1, None, Some(0), None),
         ("t1_ctx8k", 8191, 1, None, None, None),
-        ("t1_ctx8k_graph_split", 8191, 1, None, Some(0), None),
-        ("t4_ctx1k_graph_split", 1020, 4, None, Some(0), None),
+        ("t1_ctx8k_device_split", 8191, 1, None, Some(0), None),
+        ("t4_ctx1k_device_split", 1020, 4, None, Some(0), None),
         ("t5_ctx7", 7, 5, None, None, None),
         ("t16_causal_ctx1k", 1000, 16, None, None, None),
         ("t16_causal_ctx1k_rt1", 1000, 16, None, None, Some(1)),
@@ -76,10 +76,11 @@ pub(super) fn fused_attention_errors(
             )?),
             None => None,
         };
+        // The fused kernel's plan: None the one set on the device (what forwards use).
         let split = match plan {
-            None => cuda::split_plan(c + t, t, nh, nkv),
-            Some(0) => (cap.div_ceil(cuda::CHUNK), 1),
-            Some(cps) => ((c + t).div_ceil(cuda::CHUNK * cps), cps),
+            None => Some(cuda::split_plan(c + t, t, nh, nkv)),
+            Some(0) => None,
+            Some(cps) => Some(((c + t).div_ceil(cuda::CHUNK * cps), cps)),
         };
         // Two launches: qk_norm_rope_cache + attention.
         let (kc2, vc2) = (kc0.copy()?, vc0.copy()?);
@@ -134,7 +135,10 @@ pub(super) fn fused_attention_errors(
         };
         let mask = pattern.mask(c, t, dev)?;
         let plain = attend(&qp, &kall, &vall, mask.as_ref(), OpsMode::Fused)?;
-        let tag = format!("fused_attention:{name}:plan{}x{}", split.0, split.1);
+        let tag = match split {
+            Some((n, cps)) => format!("fused_attention:{name}:plan{n}x{cps}"),
+            None => format!("fused_attention:{name}:plan_on_device"),
+        };
         for (what, a, b) in [
             ("vs_two_launch", o, &two),
             ("vs_plain", o, &plain),
@@ -153,31 +157,37 @@ pub(super) fn fused_attention_errors(
 
 /// Microseconds per layer of the attention step, Qwen3-8B heads (32 / 8, d 128), inside a
 /// CUDA graph of 20 repetitions: `(case, two_launch_us, fused_us)` for decode at 1K and 8K
-/// (the fused kernel with the split plans of the eager forward and of the step graphs) and 4 /
-/// 16 / 64 new tokens over 1K and 8K (`_rtN`: the fused kernel with N 16-row tiles per block;
-/// `_block`: a draft block, every token seeing the whole block).
+/// (the fused kernel with `split_plan`'s plan, the one set on the device, and one-chunk splits
+/// over a 40K-row cache) and 4 / 16 / 64 new tokens over 1K and 8K (`_rtN`: the fused kernel
+/// with N 16-row tiles per block; `_block`: a draft block, every token seeing the whole block;
+/// `_capN`: a cache of N rows).
 pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
     let (nh, nkv, d, eps) = (32usize, 8usize, 128usize, 1e-6);
     let bf = |t: Tensor| t.to_dtype(DType::BF16);
     let mut out = Vec::new();
     // (context, tokens, mask: 0 causal / 1 chain tree / 2 whole block, the fused kernel's
-    // split plan: 0 the eager forward's, 1 the whole capacity in one-chunk splits as the step
-    // graphs give it, row tiles); the two-launch path plans its splits itself.
-    for (c, t, tree, plan, rt) in [
-        (1023usize, 1usize, 0u8, 0usize, None),
-        (1023, 1, 0, 1, None),
-        (8191, 1, 0, 0, None),
-        (8191, 1, 0, 1, None),
-        (1020, 4, 0, 1, None),
-        (1008, 16, 0, 1, None),
-        (1008, 16, 0, 1, Some(1)),
-        (1008, 16, 2, 1, None),
-        (8176, 16, 0, 1, None),
-        (960, 64, 1, 1, None),
-        (960, 64, 1, 1, Some(1)),
-        (8128, 64, 1, 1, None),
+    // split plan: 0 split_plan's, 1 set on the device as forwards do, 2 one-chunk splits over
+    // the whole capacity (what step graphs gave it before), row tiles, cache rows: 0 for 64
+    // past the new tokens, else that many, as the engine's caches of max_context rows); the
+    // two-launch path plans its splits itself.
+    for (c, t, tree, plan, rt, cap_rows) in [
+        (1023usize, 1usize, 0u8, 0usize, None, 0usize),
+        (1023, 1, 0, 1, None, 0),
+        (1023, 1, 0, 1, None, 40960),
+        (1023, 1, 0, 2, None, 40960),
+        (8191, 1, 0, 0, None, 0),
+        (8191, 1, 0, 1, None, 0),
+        (1020, 4, 0, 1, None, 0),
+        (1008, 16, 0, 1, None, 0),
+        (1008, 16, 0, 1, None, 40960),
+        (1008, 16, 0, 1, Some(1), 0),
+        (1008, 16, 2, 1, None, 0),
+        (8176, 16, 0, 1, None, 0),
+        (960, 64, 1, 1, None, 0),
+        (960, 64, 1, 1, Some(1), 0),
+        (8128, 64, 1, 1, None, 0),
     ] {
-        let cap = c + t + 64;
+        let cap = if cap_rows == 0 { c + t + 64 } else { cap_rows };
         let qkv = bf(Tensor::randn(0f32, 2.0, (t, (nh + 2 * nkv) * d), dev)?)?;
         let qn = bf(Tensor::randn(1f32, 0.2, d, dev)?)?;
         let ang = Tensor::randn(0f32, 3.0, (cap, d / 2), dev)?;
@@ -200,8 +210,9 @@ pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>>
             _ => None,
         };
         let split = match plan {
-            0 => cuda::split_plan(c + t, t, nh, nkv),
-            _ => (cap.div_ceil(cuda::CHUNK), 1),
+            0 => Some(cuda::split_plan(c + t, t, nh, nkv)),
+            1 => None,
+            _ => Some((cap.div_ceil(cuda::CHUNK), 1)),
         };
         let rows = cuda::QkvRows {
             qkv: &qkv,
@@ -250,10 +261,11 @@ pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>>
             dev.synchronize()?;
             us[i] = start.elapsed().as_secs_f64() * 1e6 / 200.0;
         }
-        let kind = if plan == 0 {
-            "eager_split"
+        let kind = ["eager_split", "device_split", "capacity_split"][plan.min(2)];
+        let kind = if cap_rows == 0 {
+            kind.to_string()
         } else {
-            "graph_split"
+            format!("{kind}_cap{cap_rows}")
         };
         let tiles = rt.map(|r| format!("_rt{r}")).unwrap_or_default();
         let block = if tree == 2 { "_block" } else { "" };
