@@ -39,6 +39,14 @@ pub struct RowNorm<'a> {
     pub eps: f64,
 }
 
+/// The next product's weights, of which the one-row kernels pull the leading `bytes` into L2
+/// once their own loads are done (a hint: results never depend on it).
+#[derive(Clone, Copy)]
+pub struct Prefetch<'a> {
+    pub weight: &'a Tensor,
+    pub bytes: usize,
+}
+
 /// Which kernel runs a product: `(name, grid, k splits)`. One row streams on CUDA cores with
 /// row-contiguous loads (2 output columns per warp), the norm applied as x streams in; 2 to 16
 /// rows on tensor cores (also one row with the `mma` variant).
@@ -70,6 +78,7 @@ struct Launch<'a> {
     /// Residual and counter of the residual epilogue.
     resid: Option<(&'a Tensor, &'a Tensor)>,
     variant: Option<&'a str>,
+    prefetch: Option<Prefetch<'a>>,
 }
 
 /// `(y, ss)`: `ss` (the row sums of squares of y) only for the residual epilogue.
@@ -150,6 +159,19 @@ fn launch(l: Launch<'_>) -> Result<(Tensor, Option<Tensor>)> {
         .arg(&sp)
         .arg(&pp)
         .arg(&counter);
+    // Only the one-row kernels prefetch (their blocks finish with memory bandwidth to spare).
+    let (pf, pf_bytes) = match l.prefetch {
+        Some(p) if name.starts_with("gemv_rows") => {
+            check_bf16("gemv prefetch weight", p.weight)?;
+            let bytes = p.bytes.min(p.weight.elem_count() * 2) & !15;
+            (ptr(p.weight)?, bytes as u64)
+        }
+        _ => (0u64, 0u64),
+    };
+    if pf % 16 != 0 {
+        bail!("gemv: the prefetched weight must start on a 16-byte boundary")
+    }
+    b.arg(&pf).arg(&pf_bytes);
     go(&mut b, cfg((grid as u32, 1, 1), 128), &name)?;
     // The partials are freed stream-ordered after the kernel.
     drop(part);
@@ -167,6 +189,7 @@ pub fn gemv(x: &Tensor, w: &Tensor, norm: Option<RowNorm<'_>>) -> Result<Tensor>
         norm,
         resid: None,
         variant: None,
+        prefetch: None,
     })?
     .0)
 }
@@ -182,6 +205,7 @@ pub fn gemv_silu(x: &Tensor, w: &Tensor, norm: Option<RowNorm<'_>>) -> Result<Te
         norm,
         resid: None,
         variant: None,
+        prefetch: None,
     })?
     .0)
 }
@@ -189,12 +213,14 @@ pub fn gemv_silu(x: &Tensor, w: &Tensor, norm: Option<RowNorm<'_>>) -> Result<Te
 /// `(y, ss)` with `y = resid + x @ wᵀ` (the residual stream after a projection, rounded as
 /// [`super::add_rmsnorm`] rounds it) and `ss` its row sums of squares (f32 `[m]`, for the next
 /// [`RowNorm`]). `counter` is a u32 `[1]` tensor holding 0; the kernel leaves it 0 again, so
-/// one counter serves consecutive launches on one stream.
+/// one counter serves consecutive launches on one stream. With one row, `prefetch` names the
+/// next product's weights to start pulling into L2 (see [`Prefetch`]).
 pub fn gemv_resid(
     x: &Tensor,
     w: &Tensor,
     resid: &Tensor,
     counter: &Tensor,
+    prefetch: Option<Prefetch<'_>>,
 ) -> Result<(Tensor, Tensor)> {
     let n = w.dims2()?.0;
     let (y, ss) = launch(Launch {
@@ -205,6 +231,7 @@ pub fn gemv_resid(
         norm: None,
         resid: Some((resid, counter)),
         variant: None,
+        prefetch,
     })?;
     match ss {
         Some(ss) => Ok((y, ss)),
@@ -264,6 +291,7 @@ pub fn gemv_variant(x: &Tensor, w: &Tensor, variant: &str) -> Result<Tensor> {
         norm: None,
         resid: None,
         variant: Some(variant),
+        prefetch: None,
     })?
     .0)
 }
