@@ -48,7 +48,8 @@ pub struct Prefetch<'a> {
 }
 
 /// Which kernel runs a product: `(name, grid, k splits)`. One row streams on CUDA cores with
-/// row-contiguous loads (2 output columns per warp), the norm applied as x streams in; 2 to 16
+/// row-contiguous loads (2 output columns per warp, or per 2 warps for the residual epilogue),
+/// the norm applied as x streams in; 2 to 16
 /// rows on tensor cores (also one row with the `mma` variant).
 fn plan(m: usize, n: usize, epi: Epi, norm: bool, variant: Option<&str>) -> (String, usize, usize) {
     let epi_name = match epi {
@@ -58,9 +59,12 @@ fn plan(m: usize, n: usize, epi: Epi, norm: bool, variant: Option<&str>) -> (Str
     };
     let norm_name = if norm { "_norm" } else { "" };
     if m == 1 && variant.is_none_or(|v| v == "rows") {
+        // 4 warps x 2 columns per block; the residual kernel splits K over 2 warps (KS in
+        // gemv.cu), so its blocks own 4 columns.
+        let cols = if epi == Epi::Resid { 4 } else { 8 };
         return (
             format!("gemv_rows2_{epi_name}{norm_name}"),
-            n.div_ceil(8),
+            n.div_ceil(cols),
             1,
         );
     }
