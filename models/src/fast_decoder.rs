@@ -26,8 +26,9 @@ use crate::rope::RotaryEmbedding;
 
 /// Leading bytes of a layer's gate/up weights that its o-projection pulls into L2 (one-row
 /// steps). Measured on the H200, Qwen3-8B shape, 1K decode in a CUDA graph: 8 MB took 4.81 to
-/// 4.77 ms; prefetching elsewhere lost: all of o_proj from the q/k/v GEMM (over the attention)
-/// +0.08 ms, 16 MB of down from gate/up +0.03, 16 MB of the next q/k/v from down +0.03
+/// 4.77 ms, and 4.78 to 4.75 in a second sweep (4 / 16 / 24 MB: 4.76 / 4.75 / 4.76); elsewhere
+/// it lost: all of o_proj from the q/k/v GEMM (over the attention) +0.08 ms, 16 MB of down
+/// from gate/up +0.03, 16 MB of the next q/k/v from down +0.03, 4 MB of either +-0.015
 /// (deploy/bench/results/h200-2026-11-30-decode).
 const GATE_UP_PREFETCH: usize = 8 << 20;
 
