@@ -241,6 +241,17 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
             out.push((format!("gemv_resid:m{m}:pass{pass}"), e, s));
             let (e, s) = max_err(&ss, &y.to_dtype(DType::F32)?.sqr()?.sum(1)?)?;
             out.push((format!("gemv_resid_sumsq:m{m}:pass{pass}"), e, s));
+            // The L2 prefetch of the next weights is a hint: the same bits (0.0) with it, and
+            // the same again on a second launch (the K-split sums are in a fixed order).
+            let warm = gemv::Prefetch {
+                weight: &w2,
+                bytes: 1 << 20,
+            };
+            let (yp, ssp) = gemv::gemv_resid(&x, &w, &resid, &counter, Some(warm))?;
+            let (e, s) = max_err(&yp, &y)?;
+            out.push((format!("resid_y_prefetch_vs_none:m{m}:pass{pass}"), e, s));
+            let (e, s) = max_err(&ssp, &ss)?;
+            out.push((format!("resid_ss_prefetch_vs_none:m{m}:pass{pass}"), e, s));
         }
     }
 
