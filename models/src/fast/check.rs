@@ -235,12 +235,23 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         let resid = bf(Tensor::randn(0f32, 3.0, (m, n), dev)?)?;
         // Twice on one counter: the kernel must leave it ready for the next launch.
         for pass in 0..2 {
-            let (y, ss) = gemv::gemv_resid(&x, &w, &resid, &counter)?;
+            let (y, ss) = gemv::gemv_resid(&x, &w, &resid, &counter, None)?;
             let plain = (&resid + x.matmul(&w.t()?)?)?;
             let (e, s) = max_err(&y, &plain)?;
             out.push((format!("gemv_resid:m{m}:pass{pass}"), e, s));
             let (e, s) = max_err(&ss, &y.to_dtype(DType::F32)?.sqr()?.sum(1)?)?;
             out.push((format!("gemv_resid_sumsq:m{m}:pass{pass}"), e, s));
+            // The L2 prefetch of the next weights is a hint: the same bits (0.0) with it, and
+            // the same again on a second launch (the K-split sums are in a fixed order).
+            let warm = gemv::Prefetch {
+                weight: &w2,
+                bytes: 1 << 20,
+            };
+            let (yp, ssp) = gemv::gemv_resid(&x, &w, &resid, &counter, Some(warm))?;
+            let (e, s) = max_err(&yp, &y)?;
+            out.push((format!("resid_y_prefetch_vs_none:m{m}:pass{pass}"), e, s));
+            let (e, s) = max_err(&ssp, &ss)?;
+            out.push((format!("resid_ss_prefetch_vs_none:m{m}:pass{pass}"), e, s));
         }
     }
 
@@ -353,7 +364,9 @@ pub fn gemv_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f64)>> {
             let a = time(&|| x.matmul(&w.t()?))?;
             let b = match name {
                 "gate_up_silu" => time(&|| gemv::gemv_silu(&x, &w, Some(norm)))?,
-                "o_proj" | "down" => time(&|| Ok(gemv::gemv_resid(&x, &w, &resid, &counter)?.0))?,
+                "o_proj" | "down" => {
+                    time(&|| Ok(gemv::gemv_resid(&x, &w, &resid, &counter, None)?.0))?
+                }
                 _ => time(&|| gemv::gemv(&x, &w, Some(norm)))?,
             };
             out.push((format!("{name}_m{m}"), a, b, gb));

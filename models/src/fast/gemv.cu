@@ -15,6 +15,8 @@
 //   RESID  y = bf16(resid + bf16(acc)) (the residual stream) and ss[m] = sum_n y[m, n]^2 for
 //          the next RMSNorm: blocks leave per-row partial sums, the last block to finish adds
 //          them in a fixed order (deterministic) and re-arms the counter;
+// After its own loads, every block of an M = 1 kernel can start pulling a share of the next
+// product's leading weight bytes into L2 (l2_prefetch), so the next kernel's first loads hit L2;
 // and before the M = 1 kernel, NORM: its input is RMSNorm(x) = bf16(x * rsqrt(ss / K + eps) * nw),
 // computed while x streams in (rounded as add_rmsnorm rounds it), so a decode layer needs no
 // separate norm launches; rms_apply does the same for the tensor-core kernel's inputs.
@@ -31,6 +33,23 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     return v;
 }
 
+// Starts pulling this warp's share of bytes [0, bytes) of `pf` (the next product's weights)
+// into L2 and returns at once (bulk prefetch, sm_90; a hint, with no completion to wait for).
+// Called by warps that are done with their own loads, so the copies fill the memory system's
+// slack at the end of a kernel and in the launch gap. 16-byte units, in 32-bit math: a 64-bit
+// division here costs the kernel registers (and so resident blocks).
+__device__ __forceinline__ void l2_prefetch(const char* pf, u64 bytes) {
+    if (pf == nullptr || bytes < 16 || (threadIdx.x & 31) != 0) return;
+    const u32 units = (u32)(bytes >> 4), warps = gridDim.x * (blockDim.x >> 5);
+    const u32 per_warp = (units + warps - 1) / warps;
+    const u32 b0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * per_warp;
+    const u32 b1 = min(units, b0 + per_warp);
+    for (u32 u = b0; u < b1; u += 2048) {  // at most 32 KB per instruction
+        const u32 n = min(b1 - u, 2048u) << 4;
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf + ((u64)u << 4)), "r"(n)
+                     : "memory");
+    }
+}
 
 __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
     float s = lo(a.x) * lo(b.x);
@@ -93,16 +112,19 @@ __device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_
 }
 
 // ---- M = 1 on CUDA cores ----------------------------------------------------------------
-// Block of 4 warps, warp owns R consecutive output columns (SILU: R gate and R up rows).
-template <int R, int U, int EPI, bool NORM>
+// Block of 4 warps; KS consecutive warps own R consecutive output columns (SILU: R gate and R
+// up rows) and split their K range in KS contiguous parts, added in part order (so the sums do
+// not depend on timing).
+template <int R, int U, int EPI, bool NORM, int KS>
 __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                           bf16_t* __restrict__ y, int N, int K, const bf16_t* __restrict__ resid,
                           const bf16_t* __restrict__ nw, float eps, const float* ss_in,
-                          float* ss_out, float* part, u32* counter) {
+                          float* ss_out, float* part, u32* counter, const char* pf, u64 pf_bytes) {
     constexpr int RW = EPI == EPI_SILU ? 2 * R : R;
     __shared__ float wsum[4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * 4 + warp) * R;
+    const int grp = warp / KS, split = warp % KS;
+    const int n0 = (blockIdx.x * (4 / KS) + grp) * R;
     const bool active = n0 < N;
     float acc[RW];
 #pragma unroll
@@ -115,8 +137,10 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
         const uint4* xv = (const uint4*)x + lane;
         const uint4* nv = (const uint4*)nw + lane;
         const float inv = NORM ? rsqrtf(ss_in[0] / (float)K + eps) : 0.f;
-        const int iters = K >> 8;  // 256 elements per warp instruction
-        for (int it = 0; it < iters; it += U) {
+        const int spans = K >> 8;  // 256 elements per warp instruction
+        const int per = (spans + KS - 1) / KS, it0 = split * per;
+        const int iters = min(spans, it0 + per);
+        for (int it = it0; it < iters; it += U) {
             uint4 wv[U][RW];
 #pragma unroll
             for (int u = 0; u < U; ++u)
@@ -135,8 +159,20 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
 #pragma unroll
         for (int r = 0; r < RW; ++r) acc[r] = warp_sum(acc[r]);
     }
+    if (KS > 1) {
+        __shared__ float red[4][RW];
+        if (lane == 0)
+#pragma unroll
+            for (int r = 0; r < RW; ++r) red[warp][r] = acc[r];
+        __syncthreads();
+        if (split == 0)
+            for (int k = 1; k < KS; ++k)
+#pragma unroll
+                for (int r = 0; r < RW; ++r) acc[r] += red[warp + k][r];
+    }
+    l2_prefetch(pf, pf_bytes);
     float sq = 0.f;
-    if (active && lane == 0) {
+    if (active && lane == 0 && split == 0) {
 #pragma unroll
         for (int r = 0; r < R; r += 2)
             sq += store_pair(EPI, y, resid, n0 + r, acc[r], acc[r + 1],
@@ -264,10 +300,13 @@ __device__ void mma_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict_
 #define GEMV_ARGS                                                                             \
     const bf16_t *x, const bf16_t *w, bf16_t *y, int M, int N, int K, int ks,                 \
         const bf16_t *resid, const bf16_t *nw, float eps, const float *ss_in, float *ss_out,  \
-        float *part, u32 *counter
-#define ROWS_KERNEL(name, R, U, EPI, NORM)                                                    \
-    extern "C" __global__ void __launch_bounds__(128) name(GEMV_ARGS) {                       \
-        rows_impl<R, U, EPI, NORM>(x, w, y, N, K, resid, nw, eps, ss_in, ss_out, part, counter); \
+        float *part, u32 *counter, const char *pf, u64 pf_bytes
+// MINB 0: no minimum-blocks bound (a bound of 1 is not the same: with it ptxas spends up to
+// 50% more registers on these kernels).
+#define ROWS_KERNEL(name, R, U, EPI, NORM, MINB, KS)                                          \
+    extern "C" __global__ void __launch_bounds__(128, MINB) name(GEMV_ARGS) {                 \
+        rows_impl<R, U, EPI, NORM, KS>(x, w, y, N, K, resid, nw, eps, ss_in, ss_out, part,    \
+                                       counter, pf, pf_bytes);                                \
     }
 #define MMA_KERNEL(name, U, EPI)                                                              \
     extern "C" __global__ void __launch_bounds__(128) name(GEMV_ARGS) {                       \
@@ -275,12 +314,19 @@ __device__ void mma_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict_
     }
 
 // Measured (H200): 2 rows per warp with 4 loads in flight per row beat 4 rows x 2 on every
-// projection; 1 span in flight per tensor-core warp beat 2.
-ROWS_KERNEL(gemv_rows2_store, 2, 4, EPI_STORE, false)
-ROWS_KERNEL(gemv_rows2_store_norm, 2, 4, EPI_STORE, true)
-ROWS_KERNEL(gemv_rows2_resid, 2, 4, EPI_RESID, false)
-ROWS_KERNEL(gemv_rows2_silu, 2, 2, EPI_SILU, false)
-ROWS_KERNEL(gemv_rows2_silu_norm, 2, 2, EPI_SILU, true)
+// projection, and beat 8 in flight (batched or refilled one by one) on q/k/v, o and down;
+// 1 span in flight per tensor-core warp beat 2. The SiLU kernels are held to 40 registers (12
+// blocks per SM, no spills): Qwen3-8B's gate/up (1536 blocks) then runs in one wave instead of
+// 1.16 (10 blocks per SM at 48 registers), whose partial second wave streamed at a fraction of
+// the bandwidth: 56.5 -> 51.5 us per layer, decode 5.00 -> 4.81 ms. The residual kernels
+// (o_proj, down: 512 blocks, under 4 per SM) split K over 2 warps, so twice the warps stream
+// the same bytes: decode 4.75 -> 4.65 ms; a 2-way split of q/k/v gained nothing, 4 ways on
+// the residual kernels lost (deploy/bench/results/h200-2026-11-30-decode).
+ROWS_KERNEL(gemv_rows2_store, 2, 4, EPI_STORE, false, 0, 1)
+ROWS_KERNEL(gemv_rows2_store_norm, 2, 4, EPI_STORE, true, 0, 1)
+ROWS_KERNEL(gemv_rows2_resid, 2, 4, EPI_RESID, false, 0, 2)
+ROWS_KERNEL(gemv_rows2_silu, 2, 2, EPI_SILU, false, 12, 1)
+ROWS_KERNEL(gemv_rows2_silu_norm, 2, 2, EPI_SILU, true, 12, 1)
 MMA_KERNEL(gemv_mma_store, 1, EPI_STORE)
 MMA_KERNEL(gemv_mma_resid, 1, EPI_RESID)
 MMA_KERNEL(gemv_mma_silu, 1, EPI_SILU)

@@ -39,8 +39,17 @@ pub struct RowNorm<'a> {
     pub eps: f64,
 }
 
+/// The next product's weights, of which the one-row kernels pull the leading `bytes` into L2
+/// once their own loads are done (a hint: results never depend on it).
+#[derive(Clone, Copy)]
+pub struct Prefetch<'a> {
+    pub weight: &'a Tensor,
+    pub bytes: usize,
+}
+
 /// Which kernel runs a product: `(name, grid, k splits)`. One row streams on CUDA cores with
-/// row-contiguous loads (2 output columns per warp), the norm applied as x streams in; 2 to 16
+/// row-contiguous loads (2 output columns per warp, or per 2 warps for the residual epilogue),
+/// the norm applied as x streams in; 2 to 16
 /// rows on tensor cores (also one row with the `mma` variant).
 fn plan(m: usize, n: usize, epi: Epi, norm: bool, variant: Option<&str>) -> (String, usize, usize) {
     let epi_name = match epi {
@@ -50,9 +59,12 @@ fn plan(m: usize, n: usize, epi: Epi, norm: bool, variant: Option<&str>) -> (Str
     };
     let norm_name = if norm { "_norm" } else { "" };
     if m == 1 && variant.is_none_or(|v| v == "rows") {
+        // 4 warps x 2 columns per block; the residual kernel splits K over 2 warps (KS in
+        // gemv.cu), so its blocks own 4 columns.
+        let cols = if epi == Epi::Resid { 4 } else { 8 };
         return (
             format!("gemv_rows2_{epi_name}{norm_name}"),
-            n.div_ceil(8),
+            n.div_ceil(cols),
             1,
         );
     }
@@ -70,6 +82,7 @@ struct Launch<'a> {
     /// Residual and counter of the residual epilogue.
     resid: Option<(&'a Tensor, &'a Tensor)>,
     variant: Option<&'a str>,
+    prefetch: Option<Prefetch<'a>>,
 }
 
 /// `(y, ss)`: `ss` (the row sums of squares of y) only for the residual epilogue.
@@ -150,6 +163,19 @@ fn launch(l: Launch<'_>) -> Result<(Tensor, Option<Tensor>)> {
         .arg(&sp)
         .arg(&pp)
         .arg(&counter);
+    // Only the one-row kernels prefetch (their blocks finish with memory bandwidth to spare).
+    let (pf, pf_bytes) = match l.prefetch {
+        Some(p) if name.starts_with("gemv_rows") => {
+            check_bf16("gemv prefetch weight", p.weight)?;
+            let bytes = p.bytes.min(p.weight.elem_count() * 2) & !15;
+            (ptr(p.weight)?, bytes as u64)
+        }
+        _ => (0u64, 0u64),
+    };
+    if pf % 16 != 0 {
+        bail!("gemv: the prefetched weight must start on a 16-byte boundary")
+    }
+    b.arg(&pf).arg(&pf_bytes);
     go(&mut b, cfg((grid as u32, 1, 1), 128), &name)?;
     // The partials are freed stream-ordered after the kernel.
     drop(part);
@@ -167,6 +193,7 @@ pub fn gemv(x: &Tensor, w: &Tensor, norm: Option<RowNorm<'_>>) -> Result<Tensor>
         norm,
         resid: None,
         variant: None,
+        prefetch: None,
     })?
     .0)
 }
@@ -182,6 +209,7 @@ pub fn gemv_silu(x: &Tensor, w: &Tensor, norm: Option<RowNorm<'_>>) -> Result<Te
         norm,
         resid: None,
         variant: None,
+        prefetch: None,
     })?
     .0)
 }
@@ -189,12 +217,14 @@ pub fn gemv_silu(x: &Tensor, w: &Tensor, norm: Option<RowNorm<'_>>) -> Result<Te
 /// `(y, ss)` with `y = resid + x @ wᵀ` (the residual stream after a projection, rounded as
 /// [`super::add_rmsnorm`] rounds it) and `ss` its row sums of squares (f32 `[m]`, for the next
 /// [`RowNorm`]). `counter` is a u32 `[1]` tensor holding 0; the kernel leaves it 0 again, so
-/// one counter serves consecutive launches on one stream.
+/// one counter serves consecutive launches on one stream. With one row, `prefetch` names the
+/// next product's weights to start pulling into L2 (see [`Prefetch`]).
 pub fn gemv_resid(
     x: &Tensor,
     w: &Tensor,
     resid: &Tensor,
     counter: &Tensor,
+    prefetch: Option<Prefetch<'_>>,
 ) -> Result<(Tensor, Tensor)> {
     let n = w.dims2()?.0;
     let (y, ss) = launch(Launch {
@@ -205,6 +235,7 @@ pub fn gemv_resid(
         norm: None,
         resid: Some((resid, counter)),
         variant: None,
+        prefetch,
     })?;
     match ss {
         Some(ss) => Ok((y, ss)),
@@ -264,6 +295,7 @@ pub fn gemv_variant(x: &Tensor, w: &Tensor, variant: &str) -> Result<Tensor> {
         norm: None,
         resid: None,
         variant: Some(variant),
+        prefetch: None,
     })?
     .0)
 }

@@ -38,7 +38,9 @@ mod gemv;
 #[cfg(feature = "cuda")]
 mod topk;
 #[cfg(feature = "cuda")]
-pub use gemv::{gemv, gemv_resid, gemv_silu, gemv_variant, project, rms_apply, row_sumsq, RowNorm};
+pub use gemv::{
+    gemv, gemv_resid, gemv_silu, gemv_variant, project, rms_apply, row_sumsq, Prefetch, RowNorm,
+};
 #[cfg(feature = "cuda")]
 pub use topk::topk_rows;
 
