@@ -16,6 +16,7 @@ use crate::attention::AttnPattern;
 use crate::error::ModelError;
 use crate::kv_cache::SequenceCache;
 use crate::qwen3::SeqForward;
+use crate::spec::profile;
 use crate::spec::proposer::{ProposeItem, Proposer, SeqId};
 use crate::spec::sampling::{Sampler, SamplingError, SamplingParams};
 use crate::spec::simulate::SimulatedAcceptance;
@@ -370,6 +371,8 @@ impl Engine {
 
     fn round(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
         let vocab = self.target.vocab_size();
+        let dev = self.target.device().clone();
+        profile::mark(&dev, "0_between_rounds");
         let t_draft = Instant::now();
         let spec: Vec<usize> = (0..self.seqs.len())
             .filter(|&i| self.seqs[i].req.algorithm != Algorithm::Plain)
@@ -406,6 +409,7 @@ impl Engine {
         }
         .into_iter();
         let draft_time = t_draft.elapsed();
+        profile::mark(&dev, "3_draft_select");
 
         let max_positions = self.target.max_positions();
         let trees: Vec<DraftTree> = self
@@ -444,6 +448,7 @@ impl Engine {
             })
             .collect();
 
+        profile::mark(&dev, "4_tree");
         let t_verify = Instant::now();
         let taps = self.taps();
         let starts: Vec<usize> = self.seqs.iter().map(|s| s.cache.len()).collect();
@@ -465,6 +470,7 @@ impl Engine {
             })
             .collect();
         let rows: Vec<Vec<usize>> = trees.iter().map(|t| (0..t.len()).collect()).collect();
+        profile::mark(&dev, "5_verify_prepare");
         let out = {
             let mut batch: Vec<SeqForward<'_>> = self
                 .seqs
@@ -480,12 +486,14 @@ impl Engine {
                 .collect();
             self.target.forward(&mut batch, &taps)?
         };
+        profile::mark(&dev, "6_verify_forward");
         let logits = out
             .logits
             .ok_or_else(|| ModelError::BadInput("verify returned no logits".into()))?;
         // Greedy rows only need the argmax, taken on the device; sampled rows come to the host.
         let argmax = logits.argmax(1)?.to_vec1::<u32>()?;
         let verify_time = t_verify.elapsed();
+        profile::mark(&dev, "7_verify_argmax");
 
         let t_commit = Instant::now();
         for (i, tree) in trees.iter().enumerate() {
@@ -535,6 +543,7 @@ impl Engine {
                 stats: seq.stats.clone(),
             });
         }
+        profile::mark(&dev, "8_commit");
         self.reap(events);
         Ok(())
     }

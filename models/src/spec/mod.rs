@@ -4,6 +4,7 @@
 pub mod engine;
 pub mod mtp;
 pub mod oracle;
+pub mod profile;
 pub mod proposer;
 pub mod sampling;
 pub mod simulate;

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, Result};
 use dflash_models::spec::{
+    profile,
     Algorithm, DFlashProposer, Engine, EngineConfig, GenerationRequest, PeakedProposer,
     SamplingParams, SimulatedAcceptance,
 };
@@ -22,12 +23,35 @@ pub struct E2eSetup<'a> {
     pub new_tokens: usize,
     /// Simulated acceptance length tau (tokens per round, bonus included).
     pub tau: f64,
+    /// Also decode once more with phase profiling on (`dflash_models::spec::profile`).
+    pub profile: bool,
 }
 
 /// Decodes one request after its prefill and returns (tokens/s of the decode phase, the
 /// engine's stats as JSON).
 fn run_one(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value)> {
-    let (tps, stats, _) = decode(s, algorithm)?;
+    let (tps, mut stats, _) = decode(s, algorithm)?;
+    if s.profile {
+        profile::enable(true);
+        let profiled = decode(s, algorithm);
+        let phases = profile::snapshot();
+        profile::enable(false);
+        let (ptps, pstats, _) = profiled?;
+        let rounds = pstats["rounds"].as_f64().unwrap_or(1.0).max(1.0);
+        let mut p = serde_json::Map::new();
+        for (name, t) in phases {
+            p.insert(
+                name.into(),
+                json!({"count": t.count, "ms_per_round": t.total.as_secs_f64() * 1e3 / rounds,
+                       "mean_ms": t.mean_ms(), "max_ms": t.max.as_secs_f64() * 1e3}),
+            );
+        }
+        p.insert(
+            "run".into(),
+            json!({"tok_per_s": ptps, "rounds": rounds, "note": "a second run of the same request with the device waited for at every phase boundary (slower than the timed run); ms_per_round = phase total / rounds; *_capture spans are included in their enclosing phase; *_uncaptured count forwards that ran without a graph"}),
+        );
+        stats["phases"] = Value::Object(p);
+    }
     Ok((tps, stats))
 }
 
@@ -43,6 +67,7 @@ pub fn graph_check(s: &E2eSetup<'_>, uncaptured: &Qwen3Model) -> Result<Value> {
         prompt_len: s.prompt_len,
         new_tokens: s.new_tokens,
         tau: s.tau,
+        profile: false,
     };
     let mut out = serde_json::Map::new();
     for (name, algorithm) in [("plain", Algorithm::Plain), ("chain", Algorithm::Chain)] {
