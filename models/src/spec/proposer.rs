@@ -11,6 +11,7 @@ use candle_core::Tensor;
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::SequenceCache;
+use crate::spec::profile;
 use crate::spec::tree::{topk_from_logprobs, topk_logprobs, TopK};
 
 pub type SeqId = u64;
@@ -102,6 +103,7 @@ impl Proposer for DFlashProposer {
                 block
             })
             .collect();
+        profile::mark(self.drafter.device(), "1_draft_prepare");
         let result = {
             let mut inputs: Vec<DraftInput<'_>> = caches
                 .iter_mut()
@@ -119,6 +121,7 @@ impl Proposer for DFlashProposer {
             self.caches.insert(item.seq, cache);
         }
         let logits = result?;
+        profile::mark(self.drafter.device(), "2_draft_model");
         if logits.device().is_cpu() {
             let vocab = logits.dim(1)?;
             let rows = logits.flatten_all()?.to_vec1::<f32>()?;
@@ -151,6 +154,9 @@ impl Proposer for DFlashProposer {
 /// log-probs differ from the host's f64 log-sum-exp only by f32 rounding.
 fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> ModelResult<Vec<TopK>> {
     let vocab = logits.dim(1)?;
+    if batch.iter().all(|i| i.top_k <= 1) && std::env::var_os("DFLASH_LEGACY_SELECT").is_none() {
+        return device_argmax(logits, batch.len(), depth);
+    }
     let logp = candle_nn::ops::log_softmax(logits, candle_core::D::Minus1)?;
     if batch.iter().all(|i| i.top_k <= 1) {
         let arg = logp.argmax_keepdim(1)?;
@@ -217,4 +223,82 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
         .iter()
         .map(|_| TopK::new(it.by_ref().take(depth).collect()))
         .collect())
+}
+
+/// Chain drafts (`top_k == 1` for every item): each row's argmax and its log-prob
+/// `max - logsumexp = -ln sum(exp(x - max))`, without materialising the log-softmax, and one
+/// packed copy `[token, log-prob]` per row to the host (one wait for the device instead of
+/// two). Token ids travel as f32, exact below 2^24.
+fn device_argmax(logits: &Tensor, seqs: usize, depth: usize) -> ModelResult<Vec<TopK>> {
+    let (rows, vocab) = logits.dims2()?;
+    if rows != seqs * depth || vocab >= 1 << 24 {
+        return Err(ModelError::BadInput(format!(
+            "draft logits [{rows}, {vocab}] for {seqs} sequences of {depth} drafts"
+        )));
+    }
+    let logits = logits.to_dtype(candle_core::DType::F32)?;
+    let max = logits.max_keepdim(1)?;
+    let arg = logits.argmax_keepdim(1)?.to_dtype(candle_core::DType::F32)?;
+    let logp = logits
+        .broadcast_sub(&max)?
+        .exp()?
+        .sum_keepdim(1)?
+        .log()?
+        .neg()?;
+    let packed = Tensor::cat(&[&arg, &logp], 1)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    Ok((0..seqs)
+        .map(|s| {
+            TopK::new(
+                (0..depth)
+                    .map(|d| {
+                        let r = 2 * (s * depth + d);
+                        vec![(packed[r] as u32, packed[r + 1])]
+                    })
+                    .collect(),
+            )
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn device_argmax_matches_the_host_top_1_tokens_and_log_probs() {
+        let (seqs, depth, vocab) = (2, 3, 97);
+        let mut v: Vec<f32> = (0..seqs * depth * vocab)
+            .map(|i| ((i * 7919 % 1013) as f32 * 0.037).sin() * 6.0)
+            .collect();
+        // A row whose maximum is the last token, one with a very peaked maximum.
+        v[vocab - 1] = 40.0;
+        v[2 * vocab + 5] = 90.0;
+        let logits = Tensor::from_vec(v.clone(), (seqs * depth, vocab), &Device::Cpu).unwrap();
+        let got = device_argmax(&logits, seqs, depth).unwrap();
+        assert_eq!(got.len(), seqs);
+        for (s, topk) in got.iter().enumerate() {
+            let per_seq = depth * vocab;
+            let want = topk_logprobs(&v[s * per_seq..(s + 1) * per_seq], vocab, 1);
+            assert_eq!(topk.argmax_tokens(), want.argmax_tokens(), "sequence {s}");
+            for d in 0..depth {
+                let (a, b) = (topk.row(d)[0].1, want.row(d)[0].1);
+                assert!((a - b).abs() < 1e-5, "log-prob {a} vs {b} at {s}/{d}");
+            }
+        }
+        assert_eq!(got[0].argmax_tokens()[0], vocab as u32 - 1);
+        assert_eq!(got[0].argmax_tokens()[2], 5);
+        assert!(got[0].row(2)[0].1 > -1e-6, "a peaked row's log-prob is ~0");
+    }
+
+    #[test]
+    fn device_argmax_refuses_logits_of_another_shape() {
+        let logits = Tensor::zeros((5, 10), candle_core::DType::F32, &Device::Cpu).unwrap();
+        assert!(matches!(
+            device_argmax(&logits, 2, 3),
+            Err(ModelError::BadInput(_))
+        ));
+    }
 }
