@@ -16,7 +16,7 @@ use crate::attention::AttnPattern;
 use crate::error::ModelError;
 use crate::kv_cache::SequenceCache;
 use crate::qwen3::SeqForward;
-use crate::spec::profile;
+use crate::spec::{greedy, profile};
 use crate::spec::proposer::{ProposeItem, Proposer, SeqId};
 use crate::spec::sampling::{Sampler, SamplingError, SamplingParams};
 use crate::spec::simulate::SimulatedAcceptance;
@@ -491,7 +491,7 @@ impl Engine {
             .logits
             .ok_or_else(|| ModelError::BadInput("verify returned no logits".into()))?;
         // Greedy rows only need the argmax, taken on the device; sampled rows come to the host.
-        let argmax = logits.argmax(1)?.to_vec1::<u32>()?;
+        let argmax = greedy::row_argmax(&logits)?;
         let verify_time = t_verify.elapsed();
         profile::mark(&dev, "7_verify_argmax");
 

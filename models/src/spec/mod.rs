@@ -2,6 +2,7 @@
 //! the proposers, and the decoding engine built on them.
 
 pub mod engine;
+pub mod greedy;
 pub mod mtp;
 pub mod oracle;
 pub mod profile;

@@ -11,7 +11,7 @@ use candle_core::Tensor;
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::SequenceCache;
-use crate::spec::profile;
+use crate::spec::{greedy, profile};
 use crate::spec::tree::{topk_from_logprobs, topk_logprobs, TopK};
 
 pub type SeqId = u64;
@@ -146,34 +146,31 @@ impl Proposer for DFlashProposer {
     }
 }
 
-/// On an accelerator, keeps the vocabulary-wide work there: log-softmax on the device, then
-/// either the argmax alone (chain, `top_k == 1`: a few bytes come back), the top-k selected on
-/// the device (CUDA: k pairs per depth come back), or the rows copied once and their top-k
-/// selected on host threads, one row each. The 15 x 151,936 host log-sum-exp
+/// On an accelerator, keeps the vocabulary-wide work there: the chain (`top_k == 1` for every
+/// item) takes each row's argmax and its log-prob from one kernel pair and one packed copy
+/// ([`greedy::row_argmax_logprob`]); a CUDA DDTree selects the top-k of the raw logits on the
+/// device and turns them into log-probs with the row's log-sum-exp from the same argmax
+/// kernels (k pairs per depth come back); elsewhere the rows get a log-softmax and are copied
+/// once, their top-k selected on host threads, one row each. The 15 x 151,936 host log-sum-exp
 /// of [`topk_logprobs`] would cost ~15 ms per round. Tokens and order are the same; the
 /// log-probs differ from the host's f64 log-sum-exp only by f32 rounding.
 fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> ModelResult<Vec<TopK>> {
-    let vocab = logits.dim(1)?;
-    if batch.iter().all(|i| i.top_k <= 1) && std::env::var_os("DFLASH_LEGACY_SELECT").is_none() {
-        return device_argmax(logits, batch.len(), depth);
+    let (rows, vocab) = logits.dims2()?;
+    if rows != batch.len() * depth {
+        return Err(ModelError::BadInput(format!(
+            "draft logits have {rows} rows for {} sequences of {depth} drafts",
+            batch.len()
+        )));
     }
-    let logp = candle_nn::ops::log_softmax(logits, candle_core::D::Minus1)?;
     if batch.iter().all(|i| i.top_k <= 1) {
-        let arg = logp.argmax_keepdim(1)?;
-        let val = logp.gather(&arg, 1)?.flatten_all()?.to_vec1::<f32>()?;
-        let arg = arg.flatten_all()?.to_vec1::<u32>()?;
-        return Ok((0..batch.len())
-            .map(|s| {
-                TopK::new(
-                    (0..depth)
-                        .map(|d| vec![(arg[s * depth + d], val[s * depth + d])])
-                        .collect(),
-                )
-            })
+        let best = greedy::row_argmax_logprob(logits)?;
+        return Ok(best
+            .chunks(depth)
+            .map(|d| TopK::new(d.iter().map(|&p| vec![p]).collect()))
             .collect());
     }
     #[cfg(feature = "cuda")]
-    if logp.device().is_cuda() && logp.dtype() == candle_core::DType::F32 {
+    if logits.device().is_cuda() {
         // Select on the device: k pairs per depth come back instead of the vocabulary.
         let k_max = batch
             .iter()
@@ -181,9 +178,34 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
             .max()
             .unwrap_or(1)
             .clamp(1, vocab);
-        let (idx, val) = crate::fast::topk_rows(&logp.contiguous()?, k_max)?;
-        let idx = idx.flatten_all()?.to_vec1::<u32>()?;
-        let val = val.flatten_all()?.to_vec1::<f32>()?;
+        let x = logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
+        let best = crate::fast::argmax_logprob(&x)?;
+        let (idx, val) = crate::fast::topk_rows(&x, k_max)?;
+        // Token ids travel as f32 beside the logits (exact below 2^24) in one copy.
+        let exact = vocab < 1 << 24;
+        let packed = if exact {
+            Tensor::cat(&[&idx.to_dtype(candle_core::DType::F32)?, &val], 1)?
+                .flatten_all()?
+                .to_vec1::<f32>()?
+        } else {
+            Vec::new()
+        };
+        let (idx, val) = if exact {
+            let w = 2 * k_max;
+            let idx: Vec<u32> = packed
+                .chunks(w)
+                .flat_map(|r| r[..k_max].iter().map(|&t| t as u32))
+                .collect();
+            let val: Vec<f32> = packed.chunks(w).flat_map(|r| r[k_max..].to_vec()).collect();
+            (idx, val)
+        } else {
+            (
+                idx.flatten_all()?.to_vec1::<u32>()?,
+                val.flatten_all()?.to_vec1::<f32>()?,
+            )
+        };
+        // ln p(x_j) = x_j - lse = (x_j - max) + ln p(max).
+        let best = best.flatten_all()?.to_vec1::<u32>()?;
         return Ok(batch
             .iter()
             .enumerate()
@@ -191,8 +213,11 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
                 let k = item.top_k.clamp(1, vocab);
                 let rows = (0..depth).map(|d| {
                     let r = s * depth + d;
+                    let lp_max = f32::from_bits(best[2 * r + 1]);
+                    let vals = &val[r * k_max..(r + 1) * k_max];
+                    let max = vals.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                     let mut row: Vec<(u32, f32)> = (r * k_max..(r + 1) * k_max)
-                        .map(|j| (idx[j], val[j]))
+                        .map(|j| (idx[j], (val[j] - max) + lp_max))
                         .collect();
                     // The k_max best in canonical order; an item asking fewer keeps its best k.
                     row.sort_unstable_by_key(|&(t, lp)| crate::spec::tree::rank_key(lp, t));
@@ -203,6 +228,7 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
             })
             .collect());
     }
+    let logp = candle_nn::ops::log_softmax(logits, candle_core::D::Minus1)?;
     let rows = logp.flatten_all()?.to_vec1::<f32>()?;
     let per_row: Vec<Vec<(u32, f32)>> = std::thread::scope(|scope| {
         let handles: Vec<_> = rows
@@ -225,60 +251,39 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
         .collect())
 }
 
-/// Chain drafts (`top_k == 1` for every item): each row's argmax and its log-prob
-/// `max - logsumexp = -ln sum(exp(x - max))`, without materialising the log-softmax, and one
-/// packed copy `[token, log-prob]` per row to the host (one wait for the device instead of
-/// two). Token ids travel as f32, exact below 2^24.
-fn device_argmax(logits: &Tensor, seqs: usize, depth: usize) -> ModelResult<Vec<TopK>> {
-    let (rows, vocab) = logits.dims2()?;
-    if rows != seqs * depth || vocab >= 1 << 24 {
-        return Err(ModelError::BadInput(format!(
-            "draft logits [{rows}, {vocab}] for {seqs} sequences of {depth} drafts"
-        )));
-    }
-    let logits = logits.to_dtype(candle_core::DType::F32)?;
-    let max = logits.max_keepdim(1)?;
-    let arg = logits.argmax_keepdim(1)?.to_dtype(candle_core::DType::F32)?;
-    let logp = logits
-        .broadcast_sub(&max)?
-        .exp()?
-        .sum_keepdim(1)?
-        .log()?
-        .neg()?;
-    let packed = Tensor::cat(&[&arg, &logp], 1)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    Ok((0..seqs)
-        .map(|s| {
-            TopK::new(
-                (0..depth)
-                    .map(|d| {
-                        let r = 2 * (s * depth + d);
-                        vec![(packed[r] as u32, packed[r + 1])]
-                    })
-                    .collect(),
-            )
-        })
-        .collect())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::Device;
 
-    #[test]
-    fn device_argmax_matches_the_host_top_1_tokens_and_log_probs() {
-        let (seqs, depth, vocab) = (2, 3, 97);
-        let mut v: Vec<f32> = (0..seqs * depth * vocab)
+    fn item(seq: SeqId, top_k: usize) -> ProposeItem<'static> {
+        ProposeItem {
+            seq,
+            tokens: &[],
+            features: None,
+            top_k,
+        }
+    }
+
+    /// Deterministic logits with a few planted maxima (one at the last column).
+    fn logits(rows: usize, vocab: usize) -> Vec<f32> {
+        let mut v: Vec<f32> = (0..rows * vocab)
             .map(|i| ((i * 7919 % 1013) as f32 * 0.037).sin() * 6.0)
             .collect();
-        // A row whose maximum is the last token, one with a very peaked maximum.
         v[vocab - 1] = 40.0;
-        v[2 * vocab + 5] = 90.0;
-        let logits = Tensor::from_vec(v.clone(), (seqs * depth, vocab), &Device::Cpu).unwrap();
-        let got = device_argmax(&logits, seqs, depth).unwrap();
-        assert_eq!(got.len(), seqs);
+        if rows > 2 {
+            v[2 * vocab + 5] = 90.0;
+        }
+        v
+    }
+
+    #[test]
+    fn chain_selection_matches_the_host_top_1_tokens_and_log_probs() {
+        let (depth, vocab) = (3, 97);
+        let v = logits(2 * depth, vocab);
+        let t = Tensor::from_vec(v.clone(), (2 * depth, vocab), &Device::Cpu).unwrap();
+        let got = device_topk(&t, &[item(0, 1), item(1, 1)], depth).unwrap();
+        assert_eq!(got.len(), 2);
         for (s, topk) in got.iter().enumerate() {
             let per_seq = depth * vocab;
             let want = topk_logprobs(&v[s * per_seq..(s + 1) * per_seq], vocab, 1);
@@ -288,16 +293,32 @@ mod tests {
                 assert!((a - b).abs() < 1e-5, "log-prob {a} vs {b} at {s}/{d}");
             }
         }
-        assert_eq!(got[0].argmax_tokens()[0], vocab as u32 - 1);
-        assert_eq!(got[0].argmax_tokens()[2], 5);
+        assert_eq!(got[0].argmax_tokens(), vec![vocab as u32 - 1, got[0].argmax_tokens()[1], 5]);
         assert!(got[0].row(2)[0].1 > -1e-6, "a peaked row's log-prob is ~0");
     }
 
     #[test]
-    fn device_argmax_refuses_logits_of_another_shape() {
-        let logits = Tensor::zeros((5, 10), candle_core::DType::F32, &Device::Cpu).unwrap();
+    fn tree_selection_matches_the_host_top_k() {
+        let (depth, vocab, k) = (2, 61, 5);
+        let v = logits(depth, vocab);
+        let t = Tensor::from_vec(v.clone(), (depth, vocab), &Device::Cpu).unwrap();
+        let got = device_topk(&t, &[item(0, k)], depth).unwrap().remove(0);
+        let want = topk_logprobs(&v, vocab, k);
+        for d in 0..depth {
+            let (a, b) = (got.row(d), want.row(d));
+            assert_eq!(a.len(), k);
+            for (x, y) in a.iter().zip(b) {
+                assert_eq!(x.0, y.0, "depth {d}");
+                assert!((x.1 - y.1).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn logits_of_another_shape_are_refused() {
+        let t = Tensor::zeros((5, 10), candle_core::DType::F32, &Device::Cpu).unwrap();
         assert!(matches!(
-            device_argmax(&logits, 2, 3),
+            device_topk(&t, &[item(0, 1), item(1, 1)], 3),
             Err(ModelError::BadInput(_))
         ));
     }

@@ -184,3 +184,60 @@ pub fn run(s: &E2eSetup<'_>, budgets: &[usize]) -> Result<Value> {
     );
     Ok(Value::Object(out))
 }
+
+/// The greedy selection kernels (`dflash_models::spec::greedy`) on `[rows, vocab]` logits with
+/// bf16-rounded values (ties are common) and a planted tie at each row's maximum: columns and
+/// log-probs against the host scan, and the time of one selection (result on the host) against
+/// candle's argmax and the old chain selection (log-softmax, argmax, gather, two copies).
+pub fn greedy_select(dev: &candle_core::Device, vocab: usize) -> Result<Value> {
+    use candle_core::{DType, Tensor, D};
+    use dflash_models::spec::greedy::row_argmax_logprob;
+    let mut out = serde_json::Map::new();
+    for rows in [1usize, 15, 16] {
+        let mut v: Vec<f32> = (0..rows * vocab)
+            .map(|i| ((i as u64 * 2654435761 % 1000003) as f32 / 1000003.0 - 0.5) * 20.0)
+            .collect();
+        for r in 0..rows {
+            // Two equal maxima: the lower column must win.
+            let (a, b) = (r * 997 % vocab, vocab - 1 - r);
+            v[r * vocab + a.min(b)] = 30.0;
+            v[r * vocab + a.max(b)] = 30.0;
+        }
+        let t = Tensor::from_vec(v, (rows, vocab), dev)?
+            .to_dtype(DType::BF16)?
+            .to_dtype(DType::F32)?;
+        let got = row_argmax_logprob(&t)?;
+        let want = row_argmax_logprob(&t.to_device(&candle_core::Device::Cpu)?)?;
+        let same = got.iter().zip(&want).filter(|(a, b)| a.0 == b.0).count();
+        let lp_err = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a.1 - b.1).abs())
+            .fold(0f32, f32::max);
+        let ms = super::measure::time_ms(dev, 20, || {
+            row_argmax_logprob(&t)?;
+            Ok(())
+        })?;
+        let candle_ms = super::measure::time_ms(dev, 20, || {
+            t.argmax(1)?.to_vec1::<u32>()?;
+            Ok(())
+        })?;
+        let old_chain_ms = super::measure::time_ms(dev, 20, || {
+            // candle_nn::ops::log_softmax, as the old selection called it.
+            let max = t.max_keepdim(D::Minus1)?;
+            let diff = t.broadcast_sub(&max)?;
+            let lse = diff.exp()?.sum_keepdim(D::Minus1)?.log()?;
+            let logp = diff.broadcast_sub(&lse)?;
+            let arg = logp.argmax_keepdim(1)?;
+            logp.gather(&arg, 1)?.flatten_all()?.to_vec1::<f32>()?;
+            arg.flatten_all()?.to_vec1::<u32>()?;
+            Ok(())
+        })?;
+        out.insert(
+            format!("rows_{rows}"),
+            json!({"columns_equal_to_host": same, "rows": rows, "max_logprob_err": lp_err,
+                   "ms": ms, "candle_argmax_ms": candle_ms, "old_chain_select_ms": old_chain_ms}),
+        );
+    }
+    Ok(Value::Object(out))
+}
