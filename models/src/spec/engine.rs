@@ -20,6 +20,7 @@ use crate::spec::{greedy, profile};
 use crate::spec::proposer::{ProposeItem, Proposer, SeqId};
 use crate::spec::sampling::{Sampler, SamplingError, SamplingParams};
 use crate::spec::simulate::SimulatedAcceptance;
+use crate::spec::spare::SpareCaches;
 use crate::spec::stats::{RoundStats, SeqStats};
 use crate::spec::tree::{build_ddtree, chain_tree, walk, DraftTree, TopK};
 use crate::target::{DraftTarget, Target};
@@ -132,6 +133,8 @@ pub struct Engine {
     next_id: SeqId,
     /// Benchmarks only: accept drafts by count instead of by the target (not lossless).
     simulate: Option<SimulatedAcceptance>,
+    /// Target caches of finished sequences, for the next ones (their step graphs stay valid).
+    spare: SpareCaches,
 }
 
 impl Engine {
@@ -147,6 +150,7 @@ impl Engine {
             seqs: Vec::new(),
             next_id: 0,
             simulate: None,
+            spare: SpareCaches::default(),
         }
     }
 
@@ -173,6 +177,11 @@ impl Engine {
             .iter()
             .find(|s| s.id == id)
             .map(|s| (s.tokens.as_slice(), &s.cache))
+    }
+
+    /// Target caches kept from finished sequences for the next ones ([`SpareCaches`]).
+    pub fn spare_caches(&self) -> usize {
+        self.spare.len()
     }
 
     /// Drafts per round of the loaded proposer (0 without one).
@@ -239,9 +248,15 @@ impl Engine {
         let width = self.verify_width(req.algorithm);
         let capacity = max_context + width;
         // Hybrid targets keep a recurrent state per verify node so any accepted one commits.
-        let cache = self.target.new_cache(capacity, width)?;
+        let target = &self.target;
+        let cache = self
+            .spare
+            .take_or(capacity, || target.new_cache(capacity, width))?;
         if let (Some(p), true) = (self.proposer.as_mut(), req.algorithm != Algorithm::Plain) {
-            p.open(id, capacity)?;
+            if let Err(e) = p.open(id, capacity) {
+                self.spare.put(capacity, cache);
+                return Err(e.into());
+            }
         }
         self.next_id += 1;
         let sampler = Sampler::new(
@@ -278,6 +293,8 @@ impl Engine {
                 p.close(id);
             }
         }
+        let capacity = self.config.max_context + self.verify_width(seq.req.algorithm);
+        self.spare.put(capacity, seq.cache);
         Ok(())
     }
 

@@ -9,6 +9,7 @@ pub mod profile;
 pub mod proposer;
 pub mod sampling;
 pub mod simulate;
+pub mod spare;
 pub mod stats;
 pub mod tree;
 

@@ -11,6 +11,7 @@ use candle_core::Tensor;
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::SequenceCache;
+use crate::spec::spare::SpareCaches;
 use crate::spec::{greedy, profile};
 use crate::spec::tree::{topk_from_logprobs, topk_logprobs, TopK};
 
@@ -46,6 +47,8 @@ pub trait Proposer: Send {
 pub struct DFlashProposer {
     drafter: DFlashDrafter,
     caches: HashMap<SeqId, SequenceCache>,
+    /// Caches of closed sequences, for the next ones (their round graphs stay valid).
+    spare: SpareCaches,
 }
 
 impl DFlashProposer {
@@ -53,6 +56,7 @@ impl DFlashProposer {
         Self {
             drafter,
             caches: HashMap::new(),
+            spare: SpareCaches::default(),
         }
     }
 
@@ -71,8 +75,13 @@ impl Proposer for DFlashProposer {
     }
 
     fn open(&mut self, seq: SeqId, capacity: usize) -> ModelResult<()> {
-        let cache = self.drafter.new_cache(capacity)?;
-        self.caches.insert(seq, cache);
+        let drafter = &self.drafter;
+        let cache = self
+            .spare
+            .take_or(capacity, || drafter.new_cache(capacity))?;
+        if let Some(old) = self.caches.insert(seq, cache) {
+            self.spare_put(old);
+        }
         Ok(())
     }
 
@@ -142,7 +151,23 @@ impl Proposer for DFlashProposer {
     }
 
     fn close(&mut self, seq: SeqId) {
-        self.caches.remove(&seq);
+        if let Some(cache) = self.caches.remove(&seq) {
+            self.spare_put(cache);
+        }
+    }
+}
+
+impl DFlashProposer {
+    /// Keeps a closed sequence's cache under the capacity it was opened with
+    /// ([`DFlashDrafter::new_cache`] adds room for one block).
+    fn spare_put(&mut self, cache: SequenceCache) {
+        let capacity = cache.capacity().saturating_sub(self.drafter.block_size());
+        self.spare.put(capacity, cache);
+    }
+
+    /// Drafter caches kept from closed sequences.
+    pub fn spare_caches(&self) -> usize {
+        self.spare.len()
     }
 }
 
