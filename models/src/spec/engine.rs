@@ -16,13 +16,13 @@ use crate::attention::AttnPattern;
 use crate::error::ModelError;
 use crate::kv_cache::SequenceCache;
 use crate::qwen3::SeqForward;
-use crate::spec::{greedy, profile};
 use crate::spec::proposer::{ProposeItem, Proposer, SeqId};
 use crate::spec::sampling::{Sampler, SamplingError, SamplingParams};
 use crate::spec::simulate::SimulatedAcceptance;
 use crate::spec::spare::SpareCaches;
 use crate::spec::stats::{RoundStats, SeqStats};
 use crate::spec::tree::{build_ddtree, chain_tree, walk, DraftTree, TopK};
+use crate::spec::{greedy, profile};
 use crate::target::{DraftTarget, Target};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

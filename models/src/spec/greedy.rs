@@ -17,7 +17,10 @@ pub fn row_argmax(logits: &Tensor) -> ModelResult<Vec<u32>> {
         let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         return Ok(rows.iter().map(|r| argmax(r)).collect());
     }
-    Ok(row_argmax_logprob(logits)?.into_iter().map(|p| p.0).collect())
+    Ok(row_argmax_logprob(logits)?
+        .into_iter()
+        .map(|p| p.0)
+        .collect())
 }
 
 /// `(column, log-prob)` of each row of `logits: [rows, vocab]`. A row without a finite entry
@@ -45,7 +48,8 @@ pub fn row_argmax_logprob(logits: &Tensor) -> ModelResult<Vec<(u32, f32)>> {
 fn host_row(row: &[f32]) -> (u32, f32) {
     let col = argmax(row);
     let max = row.get(col as usize).copied().unwrap_or(f32::NEG_INFINITY);
-    if !(max > f32::NEG_INFINITY) {
+    // NaN or -inf: nothing finite in the row.
+    if max.is_nan() || max == f32::NEG_INFINITY {
         return (col, f32::NEG_INFINITY);
     }
     let sum: f64 = row
@@ -64,10 +68,10 @@ mod tests {
     #[test]
     fn first_maximum_wins_and_its_log_prob_matches_log_softmax() {
         let rows = vec![
-            vec![0.5f32, 2.0, -1.0, 2.0],         // tie: the first 2.0
+            vec![0.5f32, 2.0, -1.0, 2.0],           // tie: the first 2.0
             vec![f32::NEG_INFINITY, 1.0, 1.0, 0.0], // -inf has probability 0
-            vec![3.0, f32::NAN, 1.0, 2.0],        // NaN is skipped, as by argmax()
-            vec![f32::NEG_INFINITY; 4],           // nothing finite
+            vec![3.0, f32::NAN, 1.0, 2.0],          // NaN is skipped, as by argmax()
+            vec![f32::NEG_INFINITY; 4],             // nothing finite
         ];
         let flat: Vec<f32> = rows.concat();
         let t = Tensor::from_vec(flat, (4, 4), &Device::Cpu).unwrap();

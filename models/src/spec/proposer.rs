@@ -12,8 +12,8 @@ use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::SequenceCache;
 use crate::spec::spare::SpareCaches;
-use crate::spec::{greedy, profile};
 use crate::spec::tree::{topk_from_logprobs, topk_logprobs, TopK};
+use crate::spec::{greedy, profile};
 
 pub type SeqId = u64;
 
@@ -318,7 +318,10 @@ mod tests {
                 assert!((a - b).abs() < 1e-5, "log-prob {a} vs {b} at {s}/{d}");
             }
         }
-        assert_eq!(got[0].argmax_tokens(), vec![vocab as u32 - 1, got[0].argmax_tokens()[1], 5]);
+        assert_eq!(
+            got[0].argmax_tokens(),
+            vec![vocab as u32 - 1, got[0].argmax_tokens()[1], 5]
+        );
         assert!(got[0].row(2)[0].1 > -1e-6, "a peaked row's log-prob is ~0");
     }
 

@@ -72,7 +72,11 @@ mod tests {
         spare.put(8, c);
         assert_eq!(spare.len(), 1);
         let other = spare.take_or(9, || Ok(cache(9))).unwrap();
-        assert_eq!((other.capacity(), spare.len()), (9, 1), "other size: a new one");
+        assert_eq!(
+            (other.capacity(), spare.len()),
+            (9, 1),
+            "other size: a new one"
+        );
         let again = spare.take_or(8, || panic!("must reuse")).unwrap();
         assert_eq!((again.capacity(), again.len()), (8, 0), "emptied");
         assert!(spare.is_empty());

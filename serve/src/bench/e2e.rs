@@ -7,8 +7,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, Result};
 use dflash_models::spec::{
-    profile,
-    Algorithm, DFlashProposer, Engine, EngineConfig, GenerationRequest, PeakedProposer,
+    profile, Algorithm, DFlashProposer, Engine, EngineConfig, GenerationRequest, PeakedProposer,
     SamplingParams, SimulatedAcceptance,
 };
 use dflash_models::{DFlashDrafter, Qwen3Model};

@@ -430,7 +430,10 @@ fn e2e_figures(
     out.insert("e2e".into(), e2e::run(&setup, &args.budgets)?);
     if m.device().is_cuda() {
         let vocab = m.config().vocab_size;
-        out.insert("greedy_select".into(), e2e::greedy_select(m.device(), vocab)?);
+        out.insert(
+            "greedy_select".into(),
+            e2e::greedy_select(m.device(), vocab)?,
+        );
     }
     if m.fast_kernels() && !args.no_e2e_check {
         out.insert("e2e_step_graph_check".into(), e2e::graph_check(&setup, m)?);
