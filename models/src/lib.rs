@@ -16,7 +16,6 @@ pub mod fast;
 mod fast_decoder;
 pub mod kv_cache;
 pub mod layer;
-pub mod mem_pool;
 pub mod ops;
 pub mod probe;
 pub mod qwen3;

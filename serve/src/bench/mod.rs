@@ -97,10 +97,6 @@ pub struct BenchArgs {
     /// Skip the end-to-end check that graphs on and off decode the same tokens
     #[arg(long)]
     no_e2e_check: bool,
-    /// MiB of freed device memory the CUDA memory pool keeps across synchronisations (0: the
-    /// driver's default, release all of it at every synchronisation)
-    #[arg(long, default_value_t = dflash_models::mem_pool::DEFAULT_KEEP_BYTES >> 20)]
-    pool_keep_mib: u64,
 }
 
 fn parse_device(s: &str) -> Result<Device> {
@@ -127,7 +123,6 @@ fn parse_dtype(s: &str) -> Result<DType> {
 pub fn main(argv: Vec<String>) -> Result<()> {
     let args = BenchArgs::parse_from(argv);
     let dev = parse_device(&args.device)?;
-    dflash_models::mem_pool::keep_freed_memory(&dev, args.pool_keep_mib << 20)?;
     let dtype = parse_dtype(&args.dtype)?;
     let cfg = shapes::resolve(&args.model)?;
     let bpe = dtype.size_in_bytes() as f64;

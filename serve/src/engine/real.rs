@@ -12,7 +12,7 @@ use dflash_models::spec::{
     Algorithm, DFlashProposer, Engine, EngineConfig, FinishReason, GenerationRequest, MtpProposer,
     Proposer, SamplingParams,
 };
-use dflash_models::{mem_pool, DFlashDrafter, OpsMode, Target};
+use dflash_models::{DFlashDrafter, OpsMode, Target};
 
 use super::{
     AdmitError, EngineFinish, EngineInfo, EngineRequest, SeqId, StepEngine, StepError, StepEvent,
@@ -45,22 +45,12 @@ pub struct RealEngine {
 fn device(spec: DeviceSpec) -> Result<Device, LoadError> {
     match spec {
         DeviceSpec::Cpu => Ok(Device::Cpu),
-        DeviceSpec::Cuda(i) => {
-            let dev = Device::new_cuda(i).map_err(|e| LoadError::Device {
-                device: format!("cuda:{i}"),
-                message: format!(
-                    "{e} (build with `--features cuda` on a machine with a GPU, or use --device cpu)"
-                ),
-            })?;
-            // Each round's logits and temporaries reuse freed memory instead of mapping it anew.
-            mem_pool::keep_freed_memory(&dev, mem_pool::DEFAULT_KEEP_BYTES).map_err(|e| {
-                LoadError::Device {
-                    device: format!("cuda:{i}"),
-                    message: e.to_string(),
-                }
-            })?;
-            Ok(dev)
-        }
+        DeviceSpec::Cuda(i) => Device::new_cuda(i).map_err(|e| LoadError::Device {
+            device: format!("cuda:{i}"),
+            message: format!(
+                "{e} (build with `--features cuda` on a machine with a GPU, or use --device cpu)"
+            ),
+        }),
     }
 }
 
