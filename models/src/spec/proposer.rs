@@ -173,9 +173,10 @@ impl DFlashProposer {
 
 /// On an accelerator, keeps the vocabulary-wide work there: the chain (`top_k == 1` for every
 /// item) takes each row's argmax and its log-prob from one kernel pair and one packed copy
-/// ([`greedy::row_argmax_logprob`]); a CUDA DDTree selects the top-k of the raw logits on the
-/// device and turns them into log-probs with the row's log-sum-exp from the same argmax
-/// kernels (k pairs per depth come back); elsewhere the rows get a log-softmax and are copied
+/// ([`greedy::row_argmax_logprob`]); a CUDA DDTree selects the top-k of each piece of every
+/// row of raw logits on the device ([`topk_parts`] pieces, so that many blocks share a row),
+/// merges the pieces' candidates on the host ([`merge_parts`]) and turns them into log-probs
+/// with the row's log-sum-exp from the same argmax kernels; elsewhere the rows get a log-softmax and are copied
 /// once, their top-k selected on host threads, one row each. The 15 x 151,936 host log-sum-exp
 /// of [`topk_logprobs`] would cost ~15 ms per round. Tokens and order are the same; the
 /// log-probs differ from the host's f64 log-sum-exp only by f32 rounding.
@@ -205,32 +206,17 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
             .clamp(1, vocab);
         let x = logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
         let best = crate::fast::argmax_logprob(&x)?;
-        let (idx, val) = crate::fast::topk_rows(&x, k_max)?;
-        // Token ids travel as f32 beside the logits (exact below 2^24) in one copy.
-        let exact = vocab < 1 << 24;
-        let packed = if exact {
-            Tensor::cat(&[&idx.to_dtype(candle_core::DType::F32)?, &val], 1)?
-                .flatten_all()?
-                .to_vec1::<f32>()?
-        } else {
-            Vec::new()
-        };
-        let (idx, val) = if exact {
-            let w = 2 * k_max;
-            let idx: Vec<u32> = packed
-                .chunks(w)
-                .flat_map(|r| r[..k_max].iter().map(|&t| t as u32))
-                .collect();
-            let val: Vec<f32> = packed.chunks(w).flat_map(|r| r[k_max..].to_vec()).collect();
-            (idx, val)
-        } else {
-            (
-                idx.flatten_all()?.to_vec1::<u32>()?,
-                val.flatten_all()?.to_vec1::<f32>()?,
-            )
-        };
-        // ln p(x_j) = x_j - lse = (x_j - max) + ln p(max).
+        // The radix select runs one block per row: split each row into `parts` rows so that
+        // many blocks share the work, and merge their candidates on the host.
+        let parts = topk_parts(vocab, k_max);
+        let width = vocab / parts;
+        let (idx, val) = crate::fast::topk_rows(&x.reshape((rows * parts, width))?, k_max)?;
+        // Column ids travel as f32 beside the logits (exact below 2^24) in one copy.
+        let packed = Tensor::cat(&[&idx.to_dtype(candle_core::DType::F32)?, &val], 1)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
         let best = best.flatten_all()?.to_vec1::<u32>()?;
+        let per_row = parts * 2 * k_max;
         return Ok(batch
             .iter()
             .enumerate()
@@ -239,15 +225,13 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
                 let rows = (0..depth).map(|d| {
                     let r = s * depth + d;
                     let lp_max = f32::from_bits(best[2 * r + 1]);
-                    let vals = &val[r * k_max..(r + 1) * k_max];
-                    let max = vals.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mut row: Vec<(u32, f32)> = (r * k_max..(r + 1) * k_max)
-                        .map(|j| (idx[j], (val[j] - max) + lp_max))
-                        .collect();
-                    // The k_max best in canonical order; an item asking fewer keeps its best k.
-                    row.sort_unstable_by_key(|&(t, lp)| crate::spec::tree::rank_key(lp, t));
-                    row.truncate(k);
-                    row
+                    merge_parts(
+                        &packed[r * per_row..(r + 1) * per_row],
+                        width,
+                        k_max,
+                        lp_max,
+                        k,
+                    )
                 });
                 TopK::new(rows.collect())
             })
@@ -274,6 +258,46 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
         .iter()
         .map(|_| TopK::new(it.by_ref().take(depth).collect()))
         .collect())
+}
+
+/// Pieces each row is split into for the device top-k: as many as divide the vocabulary into
+/// pieces of at least `k` columns, at most 32 (enough blocks to fill the device for a round's
+/// 15 rows) and at most 2048 candidates per row to merge on the host.
+fn topk_parts(vocab: usize, k: usize) -> usize {
+    [32, 16, 8, 4, 2]
+        .into_iter()
+        .find(|&p| vocab % p == 0 && vocab / p >= k && p * k <= 2048)
+        .unwrap_or(1)
+}
+
+/// One row's best `k` `(token, log-prob)` from the top `k_max` of each of its pieces of
+/// `width` columns (`packed`: per piece `k_max` column ids as f32, then their logits). The
+/// row's top k lies in the union of its pieces' top k, and is chosen by the host's rule
+/// (higher logit first, the lower token on ties); `lp_max` is the log-prob of the row's
+/// maximum, so `ln p(x) = (x - max) + lp_max`.
+fn merge_parts(
+    packed: &[f32],
+    width: usize,
+    k_max: usize,
+    lp_max: f32,
+    k: usize,
+) -> Vec<(u32, f32)> {
+    let mut cand: Vec<(u32, f32)> = packed
+        .chunks(2 * k_max)
+        .enumerate()
+        .flat_map(|(p, c)| {
+            (0..k_max).map(move |j| ((p * width) as u32 + c[j] as u32, c[k_max + j]))
+        })
+        .collect();
+    let key = |&(t, x): &(u32, f32)| crate::spec::tree::rank_key(x, t);
+    if cand.len() > k {
+        cand.select_nth_unstable_by_key(k - 1, key);
+        cand.truncate(k);
+    }
+    let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+    cand.into_iter()
+        .map(|(t, x)| (t, (x - max) + lp_max))
+        .collect()
 }
 
 #[cfg(test)]
@@ -338,6 +362,70 @@ mod tests {
             for (x, y) in a.iter().zip(b) {
                 assert_eq!(x.0, y.0, "depth {d}");
                 assert!((x.1 - y.1).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn pieces_divide_the_vocabulary_and_bound_the_candidates() {
+        assert_eq!(topk_parts(151_936, 16), 32);
+        assert_eq!(topk_parts(151_936, 64), 32);
+        assert_eq!(topk_parts(151_936, 256), 8);
+        assert_eq!(topk_parts(97, 5), 1, "a prime vocabulary stays whole");
+        assert_eq!(topk_parts(64, 40), 1, "pieces must hold k columns");
+    }
+
+    #[test]
+    fn merged_piece_candidates_are_the_host_top_k() {
+        // Nine values above 3.9, so the 11th place falls among the five planted ties.
+        let (vocab, k) = (96, 11);
+        let mut row: Vec<f32> = (0..vocab)
+            .map(|i| ((i * 37 % 23) as f32 * 0.5).cos() * 4.0)
+            .collect();
+        // Equal values in different pieces straddling the k-th place: lower tokens win.
+        for t in [5, 40, 41, 77, 90] {
+            row[t] = 3.9;
+        }
+        let want = topk_logprobs(&row, vocab, k);
+        let tied: Vec<u32> = want
+            .row(0)
+            .iter()
+            .map(|p| p.0)
+            .filter(|t| [5, 40, 41, 77, 90].contains(t))
+            .collect();
+        assert_eq!(
+            tied,
+            vec![5, 40],
+            "the host keeps the two lowest tied tokens"
+        );
+        let lp_max = greedy::row_argmax_logprob(
+            &Tensor::from_vec(row.clone(), (1, vocab), &Device::Cpu).unwrap(),
+        )
+        .unwrap()[0]
+            .1;
+        for parts in [1, 2, 4, 8] {
+            let width = vocab / parts;
+            // Each piece's top k (as the device kernel selects them, in any order).
+            let mut packed = Vec::new();
+            for p in 0..parts {
+                let piece = &row[p * width..(p + 1) * width];
+                let mut cols: Vec<usize> = (0..width).collect();
+                cols.sort_by_key(|&j| crate::spec::tree::rank_key(piece[j], j as u32));
+                cols.truncate(k);
+                cols.reverse();
+                packed.extend(cols.iter().map(|&j| j as f32));
+                packed.extend(cols.iter().map(|&j| piece[j]));
+            }
+            let got = TopK::new(vec![merge_parts(&packed, width, k, lp_max, k)]);
+            assert_eq!(got.row(0).len(), k);
+            for (a, b) in got.row(0).iter().zip(want.row(0)) {
+                assert_eq!(a.0, b.0, "{parts} pieces");
+                assert!(
+                    (a.1 - b.1).abs() < 1e-5,
+                    "{parts} pieces: {} vs {}",
+                    a.1,
+                    b.1
+                );
             }
         }
     }
