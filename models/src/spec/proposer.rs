@@ -263,6 +263,7 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
 /// Pieces each row is split into for the device top-k: as many as divide the vocabulary into
 /// pieces of at least `k` columns, at most 32 (enough blocks to fill the device for a round's
 /// 15 rows) and at most 2048 candidates per row to merge on the host.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn topk_parts(vocab: usize, k: usize) -> usize {
     [32, 16, 8, 4, 2]
         .into_iter()
@@ -275,6 +276,7 @@ fn topk_parts(vocab: usize, k: usize) -> usize {
 /// row's top k lies in the union of its pieces' top k, and is chosen by the host's rule
 /// (higher logit first, the lower token on ties); `lp_max` is the log-prob of the row's
 /// maximum, so `ln p(x) = (x - max) + lp_max`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn merge_parts(
     packed: &[f32],
     width: usize,
