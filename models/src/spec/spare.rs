@@ -22,7 +22,9 @@ pub struct SpareCaches {
 }
 
 impl SpareCaches {
-    /// A kept cache made for `capacity`, emptied, or a new one from `make`.
+    /// A kept cache made for `capacity`, emptied, or a new one from `make`. Before making one,
+    /// the kept caches (all of other sizes) are freed, so that device memory never holds more
+    /// caches than live sequences plus what was kept before.
     pub fn take_or(
         &mut self,
         capacity: usize,
@@ -30,7 +32,10 @@ impl SpareCaches {
     ) -> ModelResult<SequenceCache> {
         match self.caches.iter().rposition(|(c, _)| *c == capacity) {
             Some(i) => Ok(self.caches.remove(i).1),
-            None => make(),
+            None => {
+                self.caches.clear();
+                make()
+            }
         }
     }
 
@@ -71,15 +76,16 @@ mod tests {
         c.advance(5);
         spare.put(8, c);
         assert_eq!(spare.len(), 1);
-        let other = spare.take_or(9, || Ok(cache(9))).unwrap();
-        assert_eq!(
-            (other.capacity(), spare.len()),
-            (9, 1),
-            "other size: a new one"
-        );
         let again = spare.take_or(8, || panic!("must reuse")).unwrap();
         assert_eq!((again.capacity(), again.len()), (8, 0), "emptied");
         assert!(spare.is_empty());
+        spare.put(8, again);
+        let other = spare.take_or(9, || Ok(cache(9))).unwrap();
+        assert_eq!(other.capacity(), 9, "other size: a new one");
+        assert!(
+            spare.is_empty(),
+            "kept caches of other sizes are freed first"
+        );
     }
 
     #[test]
@@ -89,7 +95,12 @@ mod tests {
             spare.put(cap, cache(cap));
         }
         assert_eq!(spare.len(), SPARE_CACHES);
-        let first = spare.take_or(1, || Ok(cache(100))).unwrap();
-        assert_eq!(first.capacity(), 100, "the oldest (capacity 1) was dropped");
+        for cap in 2..=SPARE_CACHES + 1 {
+            assert_eq!(
+                spare.take_or(cap, || panic!("kept")).unwrap().capacity(),
+                cap
+            );
+        }
+        assert!(spare.is_empty(), "the oldest (capacity 1) was dropped");
     }
 }
