@@ -267,7 +267,7 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
 fn topk_parts(vocab: usize, k: usize) -> usize {
     [32, 16, 8, 4, 2]
         .into_iter()
-        .find(|&p| vocab % p == 0 && vocab / p >= k && p * k <= 2048)
+        .find(|&p| vocab.is_multiple_of(p) && vocab / p >= k && p * k <= 2048)
         .unwrap_or(1)
 }
 
