@@ -14,6 +14,8 @@ const MODULE: &str = "dflash_argmax";
 const PARTS: usize = 32;
 /// Threads per block of the first launch (THREADS in argmax.cu).
 const THREADS: u32 = 256;
+/// Most blocks on a CUDA grid's y axis.
+const MAX_GRID_Y: usize = 65_535;
 
 /// u32 `[rows, 2]` for `x: [rows, cols]` (contiguous f32): per row the lowest column holding
 /// the maximum and the bits of its log-probability `-ln sum_j exp(x_j - max)` (read them
@@ -21,9 +23,14 @@ const THREADS: u32 = 256;
 pub fn argmax_logprob(x: &Tensor) -> Result<Tensor> {
     let dev = cuda(x)?;
     let (rows, cols) = x.dims2()?;
-    if x.dtype() != DType::F32 || !x.is_contiguous() || cols == 0 || cols > i32::MAX as usize {
+    if x.dtype() != DType::F32
+        || !x.is_contiguous()
+        || rows == 0
+        || cols == 0
+        || cols > i32::MAX as usize
+    {
         bail!(
-            "argmax_logprob: needs contiguous f32 rows, got {:?} {:?}",
+            "argmax_logprob: needs a non-empty contiguous f32 matrix, got {:?} {:?}",
             x.dtype(),
             x.shape()
         )
@@ -44,13 +51,19 @@ pub fn argmax_logprob(x: &Tensor) -> Result<Tensor> {
     let (xp, pp, op) = (ptr(x)?, ptr(&part)?, ptr(&out)?);
     let ci = cols as i32;
     let f = dev.get_or_load_custom_func("argmax_partial", MODULE, PTX)?;
-    let mut b = f.builder();
-    b.arg(&xp).arg(&ci).arg(&pp);
-    go(
-        &mut b,
-        cfg((PARTS as u32, rows as u32, 1), THREADS),
-        "argmax_partial",
-    )?;
+    // Rows go on the grid's y axis (at most 65,535 per launch).
+    for first in (0..rows).step_by(MAX_GRID_Y) {
+        let n = (rows - first).min(MAX_GRID_Y);
+        let xs = xp + (first * cols * 4) as u64;
+        let ps = pp + (first * PARTS * 3 * 4) as u64;
+        let mut b = f.builder();
+        b.arg(&xs).arg(&ci).arg(&ps);
+        go(
+            &mut b,
+            cfg((PARTS as u32, n as u32, 1), THREADS),
+            "argmax_partial",
+        )?;
+    }
     let f = dev.get_or_load_custom_func("argmax_final", MODULE, PTX)?;
     let mut b = f.builder();
     b.arg(&pp).arg(&op);

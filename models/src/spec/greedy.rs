@@ -26,6 +26,9 @@ pub fn row_argmax(logits: &Tensor) -> ModelResult<Vec<u32>> {
 /// `(column, log-prob)` of each row of `logits: [rows, vocab]`. A row without a finite entry
 /// gives column 0 (as [`argmax`]) and log-prob -inf.
 pub fn row_argmax_logprob(logits: &Tensor) -> ModelResult<Vec<(u32, f32)>> {
+    if logits.dim(0)? == 0 {
+        return Ok(Vec::new());
+    }
     #[cfg(feature = "cuda")]
     if logits.device().is_cuda() {
         let x = logits.to_dtype(DType::F32)?.contiguous()?;
