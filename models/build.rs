@@ -10,6 +10,7 @@ fn main() {
         "kernels.cu",
         "gemv.cu",
         "topk.cu",
+        "argmax.cu",
         "attn_decode.cu",
         "attn_prefill.cu",
         "common.cuh",
@@ -35,6 +36,7 @@ fn main() {
         ("kernels.cu", "fast.ptx"),
         ("gemv.cu", "gemv.ptx"),
         ("topk.cu", "topk.ptx"),
+        ("argmax.cu", "argmax.ptx"),
         ("attn_decode.cu", "attn_decode.ptx"),
         ("attn_prefill.cu", "attn_prefill.ptx"),
     ] {

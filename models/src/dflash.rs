@@ -515,6 +515,7 @@ impl DFlashDrafter {
             if let Some(logits) = self.draft_logits_graph(batch)? {
                 return Ok(logits);
             }
+            crate::spec::profile::count("drafter_round_uncaptured");
         }
         let n = batch.len();
         let b = self.cfg.block_size;

@@ -175,7 +175,11 @@ impl DFlashDrafter {
         graphs.with_graph(
             key,
             &mut *item.cache,
-            |cache| self.capture_round(cache, n),
+            |cache| {
+                crate::spec::profile::timed(self.device(), "drafter_capture", || {
+                    self.capture_round(cache, n)
+                })
+            },
             |g, cache| g.replay(cache, features, item.block),
         )
     }

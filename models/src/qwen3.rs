@@ -369,6 +369,7 @@ impl Qwen3Model {
             if let Some(out) = self.forward_graph(batch, taps)? {
                 return Ok(out);
             }
+            crate::spec::profile::count("target_forward_uncaptured");
         }
         #[cfg(feature = "cuda")]
         if self.fast && batch.iter().all(|s| s.tokens.len() <= self.prefill_chunk) {

@@ -250,7 +250,11 @@ impl Qwen3Model {
         let result = graphs.with_graph(
             key,
             &mut *seq.cache,
-            |cache| self.capture_step_with(cache, t, tree, taps, false),
+            |cache| {
+                crate::spec::profile::timed(self.device(), "target_capture", || {
+                    self.capture_step_with(cache, t, tree, taps, false)
+                })
+            },
             |g, cache| g.replay(cache, seq.tokens, seq.positions, parents),
         )?;
         let Some((logits, taps)) = result else {

@@ -144,6 +144,9 @@ fn check_alone(which: Which, algs: &[Algorithm]) {
         }
     }
     assert_eq!(e.num_active(), 0);
+    // Every request after the first ran on a finished one's cache (stale rows past its
+    // length), and still matched plain greedy.
+    assert!(e.spare_caches() >= 1, "finished caches are kept for reuse");
 }
 
 // One test per proposer (and the costly DDTree-256 of the random drafter on its own), so the

@@ -16,6 +16,10 @@ use candle_core::{DType, Device};
 use crate::ops::OpsMode;
 
 #[cfg(feature = "cuda")]
+mod argmax;
+#[cfg(feature = "cuda")]
+pub use argmax::argmax_logprob;
+#[cfg(feature = "cuda")]
 mod attn_decode;
 mod attn_plan;
 #[cfg(feature = "cuda")]

@@ -19,8 +19,10 @@ use crate::qwen3::SeqForward;
 use crate::spec::proposer::{ProposeItem, Proposer, SeqId};
 use crate::spec::sampling::{Sampler, SamplingError, SamplingParams};
 use crate::spec::simulate::SimulatedAcceptance;
+use crate::spec::spare::SpareCaches;
 use crate::spec::stats::{RoundStats, SeqStats};
 use crate::spec::tree::{build_ddtree, chain_tree, walk, DraftTree, TopK};
+use crate::spec::{greedy, profile};
 use crate::target::{DraftTarget, Target};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,6 +133,8 @@ pub struct Engine {
     next_id: SeqId,
     /// Benchmarks only: accept drafts by count instead of by the target (not lossless).
     simulate: Option<SimulatedAcceptance>,
+    /// Target caches of finished sequences, for the next ones (their step graphs stay valid).
+    spare: SpareCaches,
 }
 
 impl Engine {
@@ -146,6 +150,7 @@ impl Engine {
             seqs: Vec::new(),
             next_id: 0,
             simulate: None,
+            spare: SpareCaches::default(),
         }
     }
 
@@ -172,6 +177,11 @@ impl Engine {
             .iter()
             .find(|s| s.id == id)
             .map(|s| (s.tokens.as_slice(), &s.cache))
+    }
+
+    /// Target caches kept from finished sequences for the next ones ([`SpareCaches`]).
+    pub fn spare_caches(&self) -> usize {
+        self.spare.len()
     }
 
     /// Drafts per round of the loaded proposer (0 without one).
@@ -238,9 +248,15 @@ impl Engine {
         let width = self.verify_width(req.algorithm);
         let capacity = max_context + width;
         // Hybrid targets keep a recurrent state per verify node so any accepted one commits.
-        let cache = self.target.new_cache(capacity, width)?;
+        let target = &self.target;
+        let cache = self
+            .spare
+            .take_or(capacity, || target.new_cache(capacity, width))?;
         if let (Some(p), true) = (self.proposer.as_mut(), req.algorithm != Algorithm::Plain) {
-            p.open(id, capacity)?;
+            if let Err(e) = p.open(id, capacity) {
+                self.spare.put(capacity, cache);
+                return Err(e.into());
+            }
         }
         self.next_id += 1;
         let sampler = Sampler::new(
@@ -277,6 +293,8 @@ impl Engine {
                 p.close(id);
             }
         }
+        let capacity = self.config.max_context + self.verify_width(seq.req.algorithm);
+        self.spare.put(capacity, seq.cache);
         Ok(())
     }
 
@@ -370,6 +388,8 @@ impl Engine {
 
     fn round(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
         let vocab = self.target.vocab_size();
+        let dev = self.target.device().clone();
+        profile::mark(&dev, "0_between_rounds");
         let t_draft = Instant::now();
         let spec: Vec<usize> = (0..self.seqs.len())
             .filter(|&i| self.seqs[i].req.algorithm != Algorithm::Plain)
@@ -406,6 +426,7 @@ impl Engine {
         }
         .into_iter();
         let draft_time = t_draft.elapsed();
+        profile::mark(&dev, "3_draft_select");
 
         let max_positions = self.target.max_positions();
         let trees: Vec<DraftTree> = self
@@ -444,6 +465,7 @@ impl Engine {
             })
             .collect();
 
+        profile::mark(&dev, "4_tree");
         let t_verify = Instant::now();
         let taps = self.taps();
         let starts: Vec<usize> = self.seqs.iter().map(|s| s.cache.len()).collect();
@@ -465,6 +487,7 @@ impl Engine {
             })
             .collect();
         let rows: Vec<Vec<usize>> = trees.iter().map(|t| (0..t.len()).collect()).collect();
+        profile::mark(&dev, "5_verify_prepare");
         let out = {
             let mut batch: Vec<SeqForward<'_>> = self
                 .seqs
@@ -480,12 +503,14 @@ impl Engine {
                 .collect();
             self.target.forward(&mut batch, &taps)?
         };
+        profile::mark(&dev, "6_verify_forward");
         let logits = out
             .logits
             .ok_or_else(|| ModelError::BadInput("verify returned no logits".into()))?;
         // Greedy rows only need the argmax, taken on the device; sampled rows come to the host.
-        let argmax = logits.argmax(1)?.to_vec1::<u32>()?;
+        let argmax = greedy::row_argmax(&logits)?;
         let verify_time = t_verify.elapsed();
+        profile::mark(&dev, "7_verify_argmax");
 
         let t_commit = Instant::now();
         for (i, tree) in trees.iter().enumerate() {
@@ -535,6 +560,7 @@ impl Engine {
                 stats: seq.stats.clone(),
             });
         }
+        profile::mark(&dev, "8_commit");
         self.reap(events);
         Ok(())
     }

@@ -2,11 +2,14 @@
 //! the proposers, and the decoding engine built on them.
 
 pub mod engine;
+pub mod greedy;
 pub mod mtp;
 pub mod oracle;
+pub mod profile;
 pub mod proposer;
 pub mod sampling;
 pub mod simulate;
+pub mod spare;
 pub mod stats;
 pub mod tree;
 

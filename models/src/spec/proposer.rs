@@ -11,7 +11,9 @@ use candle_core::Tensor;
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
 use crate::kv_cache::SequenceCache;
+use crate::spec::spare::SpareCaches;
 use crate::spec::tree::{topk_from_logprobs, topk_logprobs, TopK};
+use crate::spec::{greedy, profile};
 
 pub type SeqId = u64;
 
@@ -45,6 +47,8 @@ pub trait Proposer: Send {
 pub struct DFlashProposer {
     drafter: DFlashDrafter,
     caches: HashMap<SeqId, SequenceCache>,
+    /// Caches of closed sequences, for the next ones (their round graphs stay valid).
+    spare: SpareCaches,
 }
 
 impl DFlashProposer {
@@ -52,6 +56,7 @@ impl DFlashProposer {
         Self {
             drafter,
             caches: HashMap::new(),
+            spare: SpareCaches::default(),
         }
     }
 
@@ -70,8 +75,13 @@ impl Proposer for DFlashProposer {
     }
 
     fn open(&mut self, seq: SeqId, capacity: usize) -> ModelResult<()> {
-        let cache = self.drafter.new_cache(capacity)?;
-        self.caches.insert(seq, cache);
+        let drafter = &self.drafter;
+        let cache = self
+            .spare
+            .take_or(capacity, || drafter.new_cache(capacity))?;
+        if let Some(old) = self.caches.insert(seq, cache) {
+            self.spare_put(old);
+        }
         Ok(())
     }
 
@@ -102,6 +112,7 @@ impl Proposer for DFlashProposer {
                 block
             })
             .collect();
+        profile::mark(self.drafter.device(), "1_draft_prepare");
         let result = {
             let mut inputs: Vec<DraftInput<'_>> = caches
                 .iter_mut()
@@ -119,6 +130,7 @@ impl Proposer for DFlashProposer {
             self.caches.insert(item.seq, cache);
         }
         let logits = result?;
+        profile::mark(self.drafter.device(), "2_draft_model");
         if logits.device().is_cpu() {
             let vocab = logits.dim(1)?;
             let rows = logits.flatten_all()?.to_vec1::<f32>()?;
@@ -139,35 +151,52 @@ impl Proposer for DFlashProposer {
     }
 
     fn close(&mut self, seq: SeqId) {
-        self.caches.remove(&seq);
+        if let Some(cache) = self.caches.remove(&seq) {
+            self.spare_put(cache);
+        }
     }
 }
 
-/// On an accelerator, keeps the vocabulary-wide work there: log-softmax on the device, then
-/// either the argmax alone (chain, `top_k == 1`: a few bytes come back), the top-k selected on
-/// the device (CUDA: k pairs per depth come back), or the rows copied once and their top-k
-/// selected on host threads, one row each. The 15 x 151,936 host log-sum-exp
+impl DFlashProposer {
+    /// Keeps a closed sequence's cache under the capacity it was opened with
+    /// ([`DFlashDrafter::new_cache`] adds room for one block).
+    fn spare_put(&mut self, cache: SequenceCache) {
+        let capacity = cache.capacity().saturating_sub(self.drafter.block_size());
+        self.spare.put(capacity, cache);
+    }
+
+    /// Drafter caches kept from closed sequences.
+    pub fn spare_caches(&self) -> usize {
+        self.spare.len()
+    }
+}
+
+/// On an accelerator, keeps the vocabulary-wide work there: the chain (`top_k == 1` for every
+/// item) takes each row's argmax and its log-prob from one kernel pair and one packed copy
+/// ([`greedy::row_argmax_logprob`]); a CUDA DDTree selects the top-k of each piece of every
+/// row of raw logits on the device ([`topk_parts`] pieces, so that many blocks share a row),
+/// merges the pieces' candidates on the host ([`merge_parts`]) and turns them into log-probs
+/// with the row's log-sum-exp from the same argmax kernels; elsewhere the rows get a log-softmax and are copied
+/// once, their top-k selected on host threads, one row each. The 15 x 151,936 host log-sum-exp
 /// of [`topk_logprobs`] would cost ~15 ms per round. Tokens and order are the same; the
 /// log-probs differ from the host's f64 log-sum-exp only by f32 rounding.
 fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> ModelResult<Vec<TopK>> {
-    let vocab = logits.dim(1)?;
-    let logp = candle_nn::ops::log_softmax(logits, candle_core::D::Minus1)?;
+    let (rows, vocab) = logits.dims2()?;
+    if rows != batch.len() * depth {
+        return Err(ModelError::BadInput(format!(
+            "draft logits have {rows} rows for {} sequences of {depth} drafts",
+            batch.len()
+        )));
+    }
     if batch.iter().all(|i| i.top_k <= 1) {
-        let arg = logp.argmax_keepdim(1)?;
-        let val = logp.gather(&arg, 1)?.flatten_all()?.to_vec1::<f32>()?;
-        let arg = arg.flatten_all()?.to_vec1::<u32>()?;
-        return Ok((0..batch.len())
-            .map(|s| {
-                TopK::new(
-                    (0..depth)
-                        .map(|d| vec![(arg[s * depth + d], val[s * depth + d])])
-                        .collect(),
-                )
-            })
+        let best = greedy::row_argmax_logprob(logits)?;
+        return Ok(best
+            .chunks(depth)
+            .map(|d| TopK::new(d.iter().map(|&p| vec![p]).collect()))
             .collect());
     }
     #[cfg(feature = "cuda")]
-    if logp.device().is_cuda() && logp.dtype() == candle_core::DType::F32 {
+    if logits.device().is_cuda() {
         // Select on the device: k pairs per depth come back instead of the vocabulary.
         let k_max = batch
             .iter()
@@ -175,9 +204,19 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
             .max()
             .unwrap_or(1)
             .clamp(1, vocab);
-        let (idx, val) = crate::fast::topk_rows(&logp.contiguous()?, k_max)?;
-        let idx = idx.flatten_all()?.to_vec1::<u32>()?;
-        let val = val.flatten_all()?.to_vec1::<f32>()?;
+        let x = logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
+        let best = crate::fast::argmax_logprob(&x)?;
+        // The radix select runs one block per row: split each row into `parts` rows so that
+        // many blocks share the work, and merge their candidates on the host.
+        let parts = topk_parts(vocab, k_max);
+        let width = vocab / parts;
+        let (idx, val) = crate::fast::topk_rows(&x.reshape((rows * parts, width))?, k_max)?;
+        // Column ids travel as f32 beside the logits (exact below 2^24) in one copy.
+        let packed = Tensor::cat(&[&idx.to_dtype(candle_core::DType::F32)?, &val], 1)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let best = best.flatten_all()?.to_vec1::<u32>()?;
+        let per_row = parts * 2 * k_max;
         return Ok(batch
             .iter()
             .enumerate()
@@ -185,18 +224,20 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
                 let k = item.top_k.clamp(1, vocab);
                 let rows = (0..depth).map(|d| {
                     let r = s * depth + d;
-                    let mut row: Vec<(u32, f32)> = (r * k_max..(r + 1) * k_max)
-                        .map(|j| (idx[j], val[j]))
-                        .collect();
-                    // The k_max best in canonical order; an item asking fewer keeps its best k.
-                    row.sort_unstable_by_key(|&(t, lp)| crate::spec::tree::rank_key(lp, t));
-                    row.truncate(k);
-                    row
+                    let lp_max = f32::from_bits(best[2 * r + 1]);
+                    merge_parts(
+                        &packed[r * per_row..(r + 1) * per_row],
+                        width,
+                        k_max,
+                        lp_max,
+                        k,
+                    )
                 });
                 TopK::new(rows.collect())
             })
             .collect());
     }
+    let logp = candle_nn::ops::log_softmax(logits, candle_core::D::Minus1)?;
     let rows = logp.flatten_all()?.to_vec1::<f32>()?;
     let per_row: Vec<Vec<(u32, f32)>> = std::thread::scope(|scope| {
         let handles: Vec<_> = rows
@@ -217,4 +258,186 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
         .iter()
         .map(|_| TopK::new(it.by_ref().take(depth).collect()))
         .collect())
+}
+
+/// Pieces each row is split into for the device top-k: as many as divide the vocabulary into
+/// pieces of at least `k` columns, at most 32 (enough blocks to fill the device for a round's
+/// 15 rows) and at most 2048 candidates per row to merge on the host.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn topk_parts(vocab: usize, k: usize) -> usize {
+    [32, 16, 8, 4, 2]
+        .into_iter()
+        .find(|&p| vocab.is_multiple_of(p) && vocab / p >= k && p * k <= 2048)
+        .unwrap_or(1)
+}
+
+/// One row's best `k` `(token, log-prob)` from the top `k_max` of each of its pieces of
+/// `width` columns (`packed`: per piece `k_max` column ids as f32, then their logits). The
+/// row's top k lies in the union of its pieces' top k, and is chosen by the host's rule
+/// (higher logit first, the lower token on ties); `lp_max` is the log-prob of the row's
+/// maximum, so `ln p(x) = (x - max) + lp_max`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn merge_parts(
+    packed: &[f32],
+    width: usize,
+    k_max: usize,
+    lp_max: f32,
+    k: usize,
+) -> Vec<(u32, f32)> {
+    let mut cand: Vec<(u32, f32)> = packed
+        .chunks(2 * k_max)
+        .enumerate()
+        .flat_map(|(p, c)| {
+            (0..k_max).map(move |j| ((p * width) as u32 + c[j] as u32, c[k_max + j]))
+        })
+        .collect();
+    let key = |&(t, x): &(u32, f32)| crate::spec::tree::rank_key(x, t);
+    if cand.len() > k {
+        cand.select_nth_unstable_by_key(k - 1, key);
+        cand.truncate(k);
+    }
+    let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+    cand.into_iter()
+        .map(|(t, x)| (t, (x - max) + lp_max))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn item(seq: SeqId, top_k: usize) -> ProposeItem<'static> {
+        ProposeItem {
+            seq,
+            tokens: &[],
+            features: None,
+            top_k,
+        }
+    }
+
+    /// Deterministic logits with a few planted maxima (one at the last column).
+    fn logits(rows: usize, vocab: usize) -> Vec<f32> {
+        let mut v: Vec<f32> = (0..rows * vocab)
+            .map(|i| ((i * 7919 % 1013) as f32 * 0.037).sin() * 6.0)
+            .collect();
+        v[vocab - 1] = 40.0;
+        if rows > 2 {
+            v[2 * vocab + 5] = 90.0;
+        }
+        v
+    }
+
+    #[test]
+    fn chain_selection_matches_the_host_top_1_tokens_and_log_probs() {
+        let (depth, vocab) = (3, 97);
+        let v = logits(2 * depth, vocab);
+        let t = Tensor::from_vec(v.clone(), (2 * depth, vocab), &Device::Cpu).unwrap();
+        let got = device_topk(&t, &[item(0, 1), item(1, 1)], depth).unwrap();
+        assert_eq!(got.len(), 2);
+        for (s, topk) in got.iter().enumerate() {
+            let per_seq = depth * vocab;
+            let want = topk_logprobs(&v[s * per_seq..(s + 1) * per_seq], vocab, 1);
+            assert_eq!(topk.argmax_tokens(), want.argmax_tokens(), "sequence {s}");
+            for d in 0..depth {
+                let (a, b) = (topk.row(d)[0].1, want.row(d)[0].1);
+                assert!((a - b).abs() < 1e-5, "log-prob {a} vs {b} at {s}/{d}");
+            }
+        }
+        assert_eq!(
+            got[0].argmax_tokens(),
+            vec![vocab as u32 - 1, got[0].argmax_tokens()[1], 5]
+        );
+        assert!(got[0].row(2)[0].1 > -1e-6, "a peaked row's log-prob is ~0");
+    }
+
+    #[test]
+    fn tree_selection_matches_the_host_top_k() {
+        let (depth, vocab, k) = (2, 61, 5);
+        let v = logits(depth, vocab);
+        let t = Tensor::from_vec(v.clone(), (depth, vocab), &Device::Cpu).unwrap();
+        let got = device_topk(&t, &[item(0, k)], depth).unwrap().remove(0);
+        let want = topk_logprobs(&v, vocab, k);
+        for d in 0..depth {
+            let (a, b) = (got.row(d), want.row(d));
+            assert_eq!(a.len(), k);
+            for (x, y) in a.iter().zip(b) {
+                assert_eq!(x.0, y.0, "depth {d}");
+                assert!((x.1 - y.1).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn pieces_divide_the_vocabulary_and_bound_the_candidates() {
+        assert_eq!(topk_parts(151_936, 16), 32);
+        assert_eq!(topk_parts(151_936, 64), 32);
+        assert_eq!(topk_parts(151_936, 256), 8);
+        assert_eq!(topk_parts(97, 5), 1, "a prime vocabulary stays whole");
+        assert_eq!(topk_parts(64, 40), 1, "pieces must hold k columns");
+    }
+
+    #[test]
+    fn merged_piece_candidates_are_the_host_top_k() {
+        // Nine values above 3.9, so the 11th place falls among the five planted ties.
+        let (vocab, k) = (96, 11);
+        let mut row: Vec<f32> = (0..vocab)
+            .map(|i| ((i * 37 % 23) as f32 * 0.5).cos() * 4.0)
+            .collect();
+        // Equal values in different pieces straddling the k-th place: lower tokens win.
+        for t in [5, 40, 41, 77, 90] {
+            row[t] = 3.9;
+        }
+        let want = topk_logprobs(&row, vocab, k);
+        let tied: Vec<u32> = want
+            .row(0)
+            .iter()
+            .map(|p| p.0)
+            .filter(|t| [5, 40, 41, 77, 90].contains(t))
+            .collect();
+        assert_eq!(
+            tied,
+            vec![5, 40],
+            "the host keeps the two lowest tied tokens"
+        );
+        let lp_max = greedy::row_argmax_logprob(
+            &Tensor::from_vec(row.clone(), (1, vocab), &Device::Cpu).unwrap(),
+        )
+        .unwrap()[0]
+            .1;
+        for parts in [1, 2, 4, 8] {
+            let width = vocab / parts;
+            // Each piece's top k (as the device kernel selects them, in any order).
+            let mut packed = Vec::new();
+            for p in 0..parts {
+                let piece = &row[p * width..(p + 1) * width];
+                let mut cols: Vec<usize> = (0..width).collect();
+                cols.sort_by_key(|&j| crate::spec::tree::rank_key(piece[j], j as u32));
+                cols.truncate(k);
+                cols.reverse();
+                packed.extend(cols.iter().map(|&j| j as f32));
+                packed.extend(cols.iter().map(|&j| piece[j]));
+            }
+            let got = TopK::new(vec![merge_parts(&packed, width, k, lp_max, k)]);
+            assert_eq!(got.row(0).len(), k);
+            for (a, b) in got.row(0).iter().zip(want.row(0)) {
+                assert_eq!(a.0, b.0, "{parts} pieces");
+                assert!(
+                    (a.1 - b.1).abs() < 1e-5,
+                    "{parts} pieces: {} vs {}",
+                    a.1,
+                    b.1
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn logits_of_another_shape_are_refused() {
+        let t = Tensor::zeros((5, 10), candle_core::DType::F32, &Device::Cpu).unwrap();
+        assert!(matches!(
+            device_topk(&t, &[item(0, 1), item(1, 1)], 3),
+            Err(ModelError::BadInput(_))
+        ));
+    }
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, Result};
 use dflash_models::spec::{
-    Algorithm, DFlashProposer, Engine, EngineConfig, GenerationRequest, PeakedProposer,
+    profile, Algorithm, DFlashProposer, Engine, EngineConfig, GenerationRequest, PeakedProposer,
     SamplingParams, SimulatedAcceptance,
 };
 use dflash_models::{DFlashDrafter, Qwen3Model};
@@ -22,12 +22,43 @@ pub struct E2eSetup<'a> {
     pub new_tokens: usize,
     /// Simulated acceptance length tau (tokens per round, bonus included).
     pub tau: f64,
+    /// Also decode once more with phase profiling on (`dflash_models::spec::profile`).
+    pub profile: bool,
 }
 
-/// Decodes one request after its prefill and returns (tokens/s of the decode phase, the
-/// engine's stats as JSON).
+/// Decodes the request twice on one engine and returns (tokens/s of the first request's
+/// decode phase, the engine's stats as JSON with a `warm` entry for the second request). The
+/// first request pays for capturing its step graphs and runs its first rounds uncaptured; the
+/// second reuses the first one's caches and so its graphs, as a serving engine does from its
+/// second request on. With `s.profile` a third request runs with phase profiling (`phases`).
 fn run_one(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value)> {
-    let (tps, stats, _) = decode(s, algorithm)?;
+    let mut engine = new_engine(s, algorithm);
+    let (tps, mut stats, _) = decode_on(&mut engine, s, algorithm)?;
+    let (warm_tps, warm, _) = decode_on(&mut engine, s, algorithm)?;
+    stats["warm"] = json!({"tok_per_s": warm_tps, "draft_ms_per_round": warm["draft_ms_per_round"],
+        "verify_ms_per_round": warm["verify_ms_per_round"], "commit_ms_per_round": warm["commit_ms_per_round"],
+        "note": "a second request on the same engine (reusing the first one's caches and graphs)"});
+    if s.profile {
+        profile::enable(true);
+        let profiled = decode_on(&mut engine, s, algorithm);
+        let phases = profile::snapshot();
+        profile::enable(false);
+        let (ptps, pstats, _) = profiled?;
+        let rounds = pstats["rounds"].as_f64().unwrap_or(1.0).max(1.0);
+        let mut p = serde_json::Map::new();
+        for (name, t) in phases {
+            p.insert(
+                name.into(),
+                json!({"count": t.count, "ms_per_round": t.total.as_secs_f64() * 1e3 / rounds,
+                       "mean_ms": t.mean_ms(), "max_ms": t.max.as_secs_f64() * 1e3}),
+            );
+        }
+        p.insert(
+            "run".into(),
+            json!({"tok_per_s": ptps, "rounds": rounds, "note": "a third request on the same engine with the device waited for at every phase boundary (slower than the timed runs); ms_per_round = phase total / rounds; *_capture spans are included in their enclosing phase; *_uncaptured count forwards that ran without a graph"}),
+        );
+        stats["phases"] = Value::Object(p);
+    }
     Ok((tps, stats))
 }
 
@@ -43,6 +74,7 @@ pub fn graph_check(s: &E2eSetup<'_>, uncaptured: &Qwen3Model) -> Result<Value> {
         prompt_len: s.prompt_len,
         new_tokens: s.new_tokens,
         tau: s.tau,
+        profile: false,
     };
     let mut out = serde_json::Map::new();
     for (name, algorithm) in [("plain", Algorithm::Plain), ("chain", Algorithm::Chain)] {
@@ -61,8 +93,15 @@ pub fn graph_check(s: &E2eSetup<'_>, uncaptured: &Qwen3Model) -> Result<Value> {
     Ok(Value::Object(out))
 }
 
-/// (tokens/s after the first step, engine stats, every emitted token).
+/// One request on a fresh engine: (tokens/s after the first step, engine stats, every
+/// emitted token).
 fn decode(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value, Vec<u32>)> {
+    decode_on(&mut new_engine(s, algorithm), s, algorithm)
+}
+
+/// An engine for the e2e request: random-weight drafter with peaked log-probs, simulated
+/// acceptance.
+fn new_engine(s: &E2eSetup<'_>, algorithm: Algorithm) -> Engine {
     let config = EngineConfig {
         max_context: s.prompt_len + s.new_tokens + 512,
         max_ddtree_budget: 256,
@@ -77,6 +116,16 @@ fn decode(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value, Vec<u32
     });
     let mut engine = Engine::new(s.target.clone(), proposer, config);
     engine.simulate_acceptance(SimulatedAcceptance::new(s.tau - 1.0, 7));
+    engine
+}
+
+/// Decodes the e2e request on `engine`: (tokens/s after the first step, engine stats, every
+/// emitted token).
+fn decode_on(
+    engine: &mut Engine,
+    s: &E2eSetup<'_>,
+    algorithm: Algorithm,
+) -> Result<(f64, Value, Vec<u32>)> {
     let id = engine
         .add(GenerationRequest {
             prompt: tokens(s.prompt_len, 5, s.target.config().vocab_size),
@@ -136,20 +185,24 @@ fn decode(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value, Vec<u32
 /// Plain, chain and DDTree at `budgets`, each with its speedup over plain.
 pub fn run(s: &E2eSetup<'_>, budgets: &[usize]) -> Result<Value> {
     let (plain, plain_stats) = run_one(s, Algorithm::Plain)?;
+    let warm = |st: &Value| st["warm"]["tok_per_s"].as_f64().unwrap_or(f64::NAN);
     let mut out = serde_json::Map::new();
     out.insert(
         "plain".into(),
-        json!({"tok_per_s": plain, "engine": plain_stats}),
+        json!({"tok_per_s": plain, "warm_tok_per_s": warm(&plain_stats), "engine": plain_stats}),
     );
     let mut algos = vec![("chain".to_string(), Algorithm::Chain)];
     for &b in budgets {
         algos.push((format!("ddtree_{b}"), Algorithm::DDTree { budget: b }));
     }
+    let plain_warm = warm(&plain_stats);
     for (name, a) in algos {
         let (tps, st) = run_one(s, a)?;
         out.insert(
             name,
-            json!({"tok_per_s": tps, "speedup_vs_plain": tps / plain, "engine": st}),
+            json!({"tok_per_s": tps, "speedup_vs_plain": tps / plain,
+                   "warm_tok_per_s": warm(&st), "warm_speedup_vs_plain": warm(&st) / plain_warm,
+                   "engine": st}),
         );
     }
     out.insert(
@@ -157,5 +210,62 @@ pub fn run(s: &E2eSetup<'_>, budgets: &[usize]) -> Result<Value> {
         json!({"prompt_len": s.prompt_len, "new_tokens": s.new_tokens, "simulated_tau": s.tau,
                "note": "walk accepts floor/ceil(tau-1) drafts along the rank-1 path (not lossless); drafter = random weights, log-probs replaced by a peaked profile (top 0.8) so DDTree builds a deep main path"}),
     );
+    Ok(Value::Object(out))
+}
+
+/// The greedy selection kernels (`dflash_models::spec::greedy`) on `[rows, vocab]` logits with
+/// bf16-rounded values (ties are common) and a planted tie at each row's maximum: columns and
+/// log-probs against the host scan, and the time of one selection (result on the host) against
+/// candle's argmax and the old chain selection (log-softmax, argmax, gather, two copies).
+pub fn greedy_select(dev: &candle_core::Device, vocab: usize) -> Result<Value> {
+    use candle_core::{DType, Tensor, D};
+    use dflash_models::spec::greedy::row_argmax_logprob;
+    let mut out = serde_json::Map::new();
+    for rows in [1usize, 15, 16] {
+        let mut v: Vec<f32> = (0..rows * vocab)
+            .map(|i| ((i as u64 * 2654435761 % 1000003) as f32 / 1000003.0 - 0.5) * 20.0)
+            .collect();
+        for r in 0..rows {
+            // Two equal maxima: the lower column must win.
+            let (a, b) = (r * 997 % vocab, vocab - 1 - r);
+            v[r * vocab + a.min(b)] = 30.0;
+            v[r * vocab + a.max(b)] = 30.0;
+        }
+        let t = Tensor::from_vec(v, (rows, vocab), dev)?
+            .to_dtype(DType::BF16)?
+            .to_dtype(DType::F32)?;
+        let got = row_argmax_logprob(&t)?;
+        let want = row_argmax_logprob(&t.to_device(&candle_core::Device::Cpu)?)?;
+        let same = got.iter().zip(&want).filter(|(a, b)| a.0 == b.0).count();
+        let lp_err = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a.1 - b.1).abs())
+            .fold(0f32, f32::max);
+        let ms = super::measure::time_ms(dev, 20, || {
+            row_argmax_logprob(&t)?;
+            Ok(())
+        })?;
+        let candle_ms = super::measure::time_ms(dev, 20, || {
+            t.argmax(1)?.to_vec1::<u32>()?;
+            Ok(())
+        })?;
+        let old_chain_ms = super::measure::time_ms(dev, 20, || {
+            // candle_nn::ops::log_softmax, as the old selection called it.
+            let max = t.max_keepdim(D::Minus1)?;
+            let diff = t.broadcast_sub(&max)?;
+            let lse = diff.exp()?.sum_keepdim(D::Minus1)?.log()?;
+            let logp = diff.broadcast_sub(&lse)?;
+            let arg = logp.argmax_keepdim(1)?;
+            logp.gather(&arg, 1)?.flatten_all()?.to_vec1::<f32>()?;
+            arg.flatten_all()?.to_vec1::<u32>()?;
+            Ok(())
+        })?;
+        out.insert(
+            format!("rows_{rows}"),
+            json!({"columns_equal_to_host": same, "rows": rows, "max_logprob_err": lp_err,
+                   "ms": ms, "candle_argmax_ms": candle_ms, "old_chain_select_ms": old_chain_ms}),
+        );
+    }
     Ok(Value::Object(out))
 }

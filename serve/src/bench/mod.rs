@@ -87,6 +87,16 @@ pub struct BenchArgs {
     /// Skip the end-to-end speculative runs
     #[arg(long)]
     no_e2e: bool,
+    /// Only the end-to-end runs (no per-forward figures, no kernel checks)
+    #[arg(long, conflicts_with = "no_e2e")]
+    e2e_only: bool,
+    /// Run each end-to-end request a second time with the device waited for between the
+    /// round's phases and report that run's per-phase times (`phases`)
+    #[arg(long)]
+    e2e_profile: bool,
+    /// Skip the end-to-end check that graphs on and off decode the same tokens
+    #[arg(long)]
+    no_e2e_check: bool,
 }
 
 fn parse_device(s: &str) -> Result<Device> {
@@ -188,8 +198,17 @@ pub fn main(argv: Vec<String>) -> Result<()> {
             .clone()
             .with_fast_kernels(fast)
             .with_gemv_rows(gemv_rows);
-        let fig = figures(&args, &m, &d, bw, mm, bpe)?;
-        if !fast {
+        let mut fig = if args.e2e_only {
+            Value::Object(Map::new())
+        } else {
+            figures(&args, &m, &d, bw, mm, bpe)?
+        };
+        if !args.no_e2e {
+            if let Value::Object(f) = &mut fig {
+                e2e_figures(&args, &m, &d, f)?;
+            }
+        }
+        if !fast && !args.e2e_only {
             plain_decode_1k = fig["decode"]["ctx_1024"]["ms"].as_f64();
         }
         eprintln!("{v} {fig}");
@@ -201,7 +220,8 @@ pub fn main(argv: Vec<String>) -> Result<()> {
         }
     }
     report.insert("variants".into(), Value::Object(variants));
-    if base.fast_kernels_available() && args.variants.iter().any(|v| v == "fast") {
+    if base.fast_kernels_available() && args.variants.iter().any(|v| v == "fast") && !args.e2e_only
+    {
         let checks = kernel_checks(&base, &drafter)?;
         eprintln!("kernel_checks {checks}");
         report.insert("kernel_checks".into(), checks);
@@ -382,22 +402,38 @@ fn figures(
         }
         out.insert(format!("prefill_{n}_by_chunk"), Value::Object(by_chunk));
     }
-
-    if !args.no_e2e {
-        let target = m.clone().with_step_graphs(true);
-        let setup = e2e::E2eSetup {
-            target: &target,
-            drafter,
-            prompt_len: args.e2e_prompt,
-            new_tokens: args.e2e_tokens,
-            tau: args.tau,
-        };
-        out.insert("e2e".into(), e2e::run(&setup, &args.budgets)?);
-        if m.fast_kernels() {
-            out.insert("e2e_step_graph_check".into(), e2e::graph_check(&setup, m)?);
-        }
-    }
     Ok(Value::Object(out))
+}
+
+/// The end-to-end runs of one variant (`m` with step graphs off; the runs turn them on, as
+/// the engine and server use them) into `out`.
+fn e2e_figures(
+    args: &BenchArgs,
+    m: &Qwen3Model,
+    drafter: &DFlashDrafter,
+    out: &mut Map<String, Value>,
+) -> Result<()> {
+    let target = m.clone().with_step_graphs(true);
+    let setup = e2e::E2eSetup {
+        target: &target,
+        drafter,
+        prompt_len: args.e2e_prompt,
+        new_tokens: args.e2e_tokens,
+        tau: args.tau,
+        profile: args.e2e_profile,
+    };
+    out.insert("e2e".into(), e2e::run(&setup, &args.budgets)?);
+    if m.device().is_cuda() {
+        let vocab = m.config().vocab_size;
+        out.insert(
+            "greedy_select".into(),
+            e2e::greedy_select(m.device(), vocab)?,
+        );
+    }
+    if m.fast_kernels() && !args.no_e2e_check {
+        out.insert("e2e_step_graph_check".into(), e2e::graph_check(&setup, m)?);
+    }
+    Ok(())
 }
 
 /// The fused CUDA kernels against the plain candle path on the same weights and cache:
