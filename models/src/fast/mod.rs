@@ -51,10 +51,13 @@ pub use topk::topk_rows;
 /// Most rows the skinny GEMMs (`gemv*`) take; wider products go to cuBLAS.
 pub const GEMV_MAX_ROWS: usize = 16;
 
-/// Most rows a fused forward sends through the skinny GEMMs by default. Measured on the H200
-/// (Qwen3-8B shape, 1K context, CUDA graphs; deploy/bench/results): the skinny path wins up to
-/// 8 rows (1 row 5.0 vs 6.0 ms, 8 rows 5.8 vs 6.2 ms) and cuBLAS from 16 (6.1 vs 6.6 ms).
-pub const GEMV_DEFAULT_ROWS: usize = 8;
+/// Most rows a fused forward sends through the skinny GEMMs by default: one-row decode steps.
+/// Measured on the H200 (Qwen3-8B shape, 1K context, CUDA graphs, one call,
+/// deploy/bench/results/h200-2026-11-30c/skinny_vs_wide_rows.json): 1 row 4.53 ms skinny
+/// against 5.22 on cuBLAS; 2 / 4 / 8 rows 5.16 / 5.32 / 5.63 skinny against 4.96 / 5.01 /
+/// 5.21 on cuBLAS with the vectorised residual add + RMSNorm between the products (before
+/// that, 8 rows favoured the skinny kernels: 5.8 against 6.2 ms).
+pub const GEMV_DEFAULT_ROWS: usize = 1;
 
 /// Longest per-sequence forward the fused path takes in one piece (and the longest CUDA-graph
 /// step); longer causal forwards (prefills) run as consecutive pieces.
