@@ -7,6 +7,7 @@ pub mod mtp;
 pub mod oracle;
 pub mod profile;
 pub mod proposer;
+pub mod request;
 pub mod sampling;
 pub mod simulate;
 pub mod spare;
