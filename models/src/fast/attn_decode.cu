@@ -214,7 +214,7 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     const int L = c + a.t;
     // cps 0: chunks per split from the live length, the grid's splits being the most, so one
     // launch (one CUDA graph) is right for every length and cache capacity.
-    const int cps = a.cps > 0 ? a.cps : ((L + CH - 1) / CH + (int)gridDim.y - 1) / (int)gridDim.y;
+    const int cps = a.cps > 0 ? a.cps : chunks_per_split(L, CH, (int)gridDim.y);
     const int kbeg = split * cps * CH;
     const int rows_total = a.t * groups;
     const int r0 = z * TR;

@@ -104,7 +104,7 @@ __device__ __forceinline__ void flash_body(
     int ntiles = ((tree_mask ? L : c + last_blk_tok + 1) + PCH - 1) / PCH;
     // Split z walks chunks [z cps, (z + 1) cps) with cps = ceil(live chunks / gridDim.z), set
     // from the live length here so that one grid (one CUDA graph) fits every length.
-    int cps = SPLIT ? ((L + PCH - 1) / PCH + gridDim.z - 1) / gridDim.z : 0;
+    int cps = SPLIT ? chunks_per_split(L, PCH, (int)gridDim.z) : 0;
     int kt_begin = SPLIT ? blockIdx.z * cps : 0;
     int kt_end = SPLIT ? min(ntiles, kt_begin + cps) : ntiles;
     if (SPLIT && kt_begin * PCH >= L) return;

@@ -62,3 +62,9 @@ __device__ __forceinline__ uint4 norm8(uint4 y, uint4 w, float inv) {
     return make_uint4(norm2(y.x, w.x, inv), norm2(y.y, w.y, inv), norm2(y.z, w.z, inv),
                       norm2(y.w, w.w, inv));
 }
+
+// Key chunks per split when `splits` splits share the live keys [0, L) in chunks of `chunk`:
+// the split kernels (attn_split_flash, attn_decode) and the merge (attn_combine) must agree.
+__device__ __forceinline__ int chunks_per_split(int L, int chunk, int splits) {
+    return ((L + chunk - 1) / chunk + splits - 1) / splits;
+}

@@ -205,7 +205,7 @@ extern "C" __global__ void attn_combine(
     size_t nrows = (size_t)t * nh;
     int L = (int)(*cache_len) + t;
     // cps 0: chunks per split set from the live length, as attn_split_flash sets them.
-    if (cps == 0) cps = ((L + CH - 1) / CH + nsplit - 1) / nsplit;
+    if (cps == 0) cps = chunks_per_split(L, CH, nsplit);
     int used = min(nsplit, (L + CH * cps - 1) / (CH * cps));
     if (used <= COMBINE_SMEM) {
         float mx = -INFINITY;
