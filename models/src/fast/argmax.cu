@@ -44,10 +44,8 @@ __device__ __forceinline__ void take(Acc& a, float x, u32 col) {
     }
 }
 
-// Merges the accumulators of a block (blockDim.x == THREADS) into thread 0's.
-__device__ Acc block_merge(Acc a) {
-    __shared__ float sm[THREADS / 32], ss[THREADS / 32];
-    __shared__ u32 si[THREADS / 32];
+// Merges the accumulators of a warp into lane 0's (lane l takes lane l + o, o = 16 .. 1).
+__device__ __forceinline__ Acc warp_merge(Acc a) {
     for (int o = 16; o > 0; o >>= 1) {
         Acc b;
         b.m = __shfl_down_sync(0xffffffffu, a.m, o);
@@ -55,6 +53,14 @@ __device__ Acc block_merge(Acc a) {
         b.i = __shfl_down_sync(0xffffffffu, a.i, o);
         a = merge(a, b);
     }
+    return a;
+}
+
+// Merges the accumulators of a block (blockDim.x == THREADS) into thread 0's.
+__device__ Acc block_merge(Acc a) {
+    __shared__ float sm[THREADS / 32], ss[THREADS / 32];
+    __shared__ u32 si[THREADS / 32];
+    a = warp_merge(a);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     if (lane == 0) {
         sm[w] = a.m;
@@ -110,13 +116,7 @@ extern "C" __global__ void argmax_final(const u32* __restrict__ part, u32* __res
         a.s = __uint_as_float(p[threadIdx.x * 3 + 1]);
         a.i = p[threadIdx.x * 3 + 2];
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        Acc b;
-        b.m = __shfl_down_sync(0xffffffffu, a.m, o);
-        b.s = __shfl_down_sync(0xffffffffu, a.s, o);
-        b.i = __shfl_down_sync(0xffffffffu, a.i, o);
-        a = merge(a, b);
-    }
+    a = warp_merge(a);
     if (threadIdx.x == 0) {
         out[blockIdx.x * 2] = a.i;
         out[blockIdx.x * 2 + 1] = __float_as_uint(a.m == -INFINITY ? -INFINITY : -logf(a.s));

@@ -110,6 +110,49 @@ pub struct QkvRows<'a> {
     pub eps: f64,
 }
 
+impl QkvRows<'_> {
+    /// The shapes and dtypes the kernels trust, checked for `who`: `(new tokens, cache rows)`.
+    pub(super) fn check(&self, who: &str) -> Result<(usize, usize)> {
+        let (nh, nkv, d) = self.heads;
+        for (name, t) in [
+            ("qkv", self.qkv),
+            ("q_norm", self.q_norm),
+            ("k_norm", self.k_norm),
+            ("k cache", self.kc),
+            ("v cache", self.vc),
+        ] {
+            check_bf16(name, t)?;
+        }
+        let (t, w) = self.qkv.dims2()?;
+        let (kv_heads, cap, hd) = self.kc.dims3()?;
+        if w != (nh + 2 * nkv) * d || kv_heads != nkv || hd != d || d != 128 {
+            bail!(
+                "{who}: qkv {w} wide, cache {:?}, heads {nh}/{nkv}, d {d} (needs 128)",
+                self.kc.shape()
+            )
+        }
+        if self.vc.dims3()? != (nkv, cap, d)
+            || self.q_norm.dims1()? != d
+            || self.k_norm.dims1()? != d
+        {
+            bail!(
+                "{who}: v cache {:?} or norm weights differ",
+                self.vc.shape()
+            )
+        }
+        if self.positions.dims1()? != t || self.positions.dtype() != DType::U32 {
+            bail!("{who}: positions must be u32 [{t}]")
+        }
+        if self.cos.dtype() != DType::F32
+            || self.sin.dtype() != DType::F32
+            || self.cos.dim(1)? != d / 2
+        {
+            bail!("{who}: RoPE tables must be f32 [max_pos, {}]", d / 2)
+        }
+        Ok((t, cap))
+    }
+}
+
 /// Per-head q/k RMSNorm + RoPE of `rows.qkv`, K/V written into the cache buffers; returns q
 /// `[t, nh, d]`.
 pub fn qk_norm_rope_cache(rows: &QkvRows<'_>) -> Result<Tensor> {
@@ -126,19 +169,8 @@ pub fn qk_norm_rope_cache(rows: &QkvRows<'_>) -> Result<Tensor> {
         heads: (nh, nkv, d),
         eps,
     } = *rows;
+    let (t, cap) = rows.check("qk_norm_rope_cache")?;
     let dev = cuda(qkv)?;
-    check_bf16("qkv", qkv)?;
-    let (t, w) = qkv.dims2()?;
-    let (kv_heads, cap, hd) = kc.dims3()?;
-    if w != (nh + 2 * nkv) * d || kv_heads != nkv || hd != d || d != 128 {
-        bail!(
-            "qk_norm_rope_cache: qkv {w} wide, cache {:?}, heads {nh}/{nkv}, d {d}",
-            kc.shape()
-        )
-    }
-    if positions.dims1()? != t || positions.dtype() != DType::U32 || cos.dtype() != DType::F32 {
-        bail!("qk_norm_rope_cache: positions must be u32 [t], tables f32")
-    }
     let q = alloc_bf16(&dev, (t, nh, d))?;
     let args = [
         ptr(qkv)?,
