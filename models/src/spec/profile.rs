@@ -104,14 +104,18 @@ pub fn timed<R>(dev: &Device, name: &'static str, f: impl FnOnce() -> R) -> R {
     let r = f();
     wait(dev);
     let d = t.elapsed();
-    STATE
+    with_phase(name, |p| p.add(d));
+    r
+}
+
+/// Applies `f` to the totals of `name` (created empty on first use).
+fn with_phase(name: &'static str, f: impl FnOnce(&mut PhaseTime)) {
+    f(STATE
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .phases
         .entry(name)
-        .or_default()
-        .add(d);
-    r
+        .or_default());
 }
 
 /// Counts an event under `name` (its time stays zero).
@@ -119,13 +123,7 @@ pub fn count(name: &'static str) {
     if !is_on() {
         return;
     }
-    STATE
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .phases
-        .entry(name)
-        .or_default()
-        .count += 1;
+    with_phase(name, |p| p.count += 1);
 }
 
 /// The totals so far, by name.
