@@ -9,12 +9,13 @@ use std::sync::Mutex;
 use candle_core::cuda_backend::cudarc::driver::sys::{
     CUfunction_attribute_enum, CUstreamCaptureStatus,
 };
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::attn_plan::{attn_plan, runtime_plan, CHUNK_KEYS, MAX_SHARED_BYTES};
-use super::cuda::{alloc_bf16, alloc_f32, cuda, go, ptr, QkvRows, CHUNK};
+use super::cuda::{alloc_bf16, alloc_f32, cuda, ptr, QkvRows, CHUNK};
+use super::launch::{Launch, LaunchOpts};
 
 const _: () = assert!(CHUNK_KEYS == CHUNK);
 
@@ -218,13 +219,13 @@ pub(crate) fn fused_attention_rt(
     .map_err(|e| {
         candle_core::Error::Msg(format!("{name}: shared memory {MAX_SHARED_BYTES}: {e}"))
     })?;
-    let mut b = f.builder();
-    b.arg(&args);
     let cfg = LaunchConfig {
         grid_dim: (nkv as u32, nsplit as u32, tiles as u32),
         block_dim: (128, 1, 1),
         shared_mem_bytes: plan.shared_bytes as u32,
     };
-    go(&mut b, cfg, &name)?;
+    let mut launch = Launch::new(&f);
+    launch.arg(&args);
+    launch.run(&dev, cfg, LaunchOpts::default(), &name)?;
     Ok(out)
 }

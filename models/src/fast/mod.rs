@@ -40,6 +40,8 @@ pub use cuda::{
 #[cfg(feature = "cuda")]
 mod gemv;
 #[cfg(feature = "cuda")]
+mod launch;
+#[cfg(feature = "cuda")]
 mod topk;
 #[cfg(feature = "cuda")]
 pub use gemv::{
