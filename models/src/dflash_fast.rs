@@ -118,15 +118,18 @@ impl DFlashDrafter {
                 .fused()
                 .ok_or_else(|| ModelError::BadInput("fused draft on unfused weights".into()))?;
             let (_, _, q_norm, k_norm) = layer.norm_weights();
-            let qkv = fast::linear(ctx, &fused.qkv)?;
+            // Context rows only provide K/V: the K and V rows of the fused weight alone
+            // (a third of its bytes).
+            let kv_w = fused.qkv.narrow(0, nh * d, 2 * nkv * d)?;
+            let kv_rows = fast::linear(ctx, &kv_w)?;
             for (cache, (off, n, len)) in caches.iter().zip(spans) {
                 if *n == 0 {
                     continue;
                 }
                 let kv = cache.layer(li).attention()?;
                 let (kc, vc) = kv.buffers();
-                fast::qk_norm_rope_cache(&fast::QkvRows {
-                    qkv: &qkv.narrow(0, *off, *n)?,
+                fast::kv_norm_rope_cache(&fast::QkvRows {
+                    qkv: &kv_rows.narrow(0, *off, *n)?,
                     q_norm,
                     k_norm,
                     cos,

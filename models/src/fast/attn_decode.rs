@@ -150,7 +150,7 @@ pub(crate) fn fused_attention_rt(
         heads: (nh, nkv, d),
         eps,
     } = *rows;
-    let (t, cap) = rows.check("fused_attention")?;
+    let (t, cap) = rows.check("fused_attention", true)?;
     let dev = cuda(qkv)?;
     if nh % nkv != 0 {
         bail!("fused_attention: {nh} q heads are not a multiple of {nkv} KV heads")

@@ -102,6 +102,26 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         .transpose(0, 1)?;
     let (e, s) = max_err(&vc.narrow(1, c0, t)?, &v_plain)?;
     out.push(("qk_norm_rope_cache:v_cache".into(), e, s));
+    // K/V-only rows (the drafter's context) against the cache rows written from full rows.
+    let (kc2, vc2) = (kc.zeros_like()?, vc.zeros_like()?);
+    let kv_rows = qkv.narrow(1, nh * d, 2 * nkv * d)?.contiguous()?;
+    cuda::kv_norm_rope_cache(&cuda::QkvRows {
+        qkv: &kv_rows,
+        q_norm: &qn,
+        k_norm: &kn,
+        cos: &cos,
+        sin: &sin,
+        positions: &pos,
+        cache_len: &len,
+        kc: &kc2,
+        vc: &vc2,
+        heads: (nh, nkv, d),
+        eps,
+    })?;
+    for (name, a, b) in [("k", &kc2, &kc), ("v", &vc2, &vc)] {
+        let (e, s) = max_err(a, b)?;
+        out.push((format!("kv_norm_rope_cache:{name}_cache_vs_qkv_rows"), e, s));
+    }
 
     // Attention, causal and tree, against attend() with the dense mask.
     let c = 300usize;

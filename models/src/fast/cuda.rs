@@ -112,8 +112,10 @@ pub struct QkvRows<'a> {
 
 impl QkvRows<'_> {
     /// The shapes and dtypes the kernels trust, checked for `who`: `(new tokens, cache rows)`.
-    pub(super) fn check(&self, who: &str) -> Result<(usize, usize)> {
+    /// `with_q`: the rows hold the q heads before K and V (otherwise K and V only).
+    pub(super) fn check(&self, who: &str, with_q: bool) -> Result<(usize, usize)> {
         let (nh, nkv, d) = self.heads;
+        let nq = if with_q { nh } else { 0 };
         for (name, t) in [
             ("qkv", self.qkv),
             ("q_norm", self.q_norm),
@@ -125,9 +127,9 @@ impl QkvRows<'_> {
         }
         let (t, w) = self.qkv.dims2()?;
         let (kv_heads, cap, hd) = self.kc.dims3()?;
-        if w != (nh + 2 * nkv) * d || kv_heads != nkv || hd != d || d != 128 {
+        if w != (nq + 2 * nkv) * d || kv_heads != nkv || hd != d || d != 128 {
             bail!(
-                "{who}: qkv {w} wide, cache {:?}, heads {nh}/{nkv}, d {d} (needs 128)",
+                "{who}: qkv {w} wide ({nq} q heads), cache {:?}, heads {nh}/{nkv}, d {d} (needs 128)",
                 self.kc.shape()
             )
         }
@@ -169,7 +171,7 @@ pub fn qk_norm_rope_cache(rows: &QkvRows<'_>) -> Result<Tensor> {
         heads: (nh, nkv, d),
         eps,
     } = *rows;
-    let (t, cap) = rows.check("qk_norm_rope_cache")?;
+    let (t, cap) = rows.check("qk_norm_rope_cache", true)?;
     let dev = cuda(qkv)?;
     let q = alloc_bf16(&dev, (t, nh, d))?;
     let args = [
@@ -197,6 +199,49 @@ pub fn qk_norm_rope_cache(rows: &QkvRows<'_>) -> Result<Tensor> {
         "qk_norm_rope_cache",
     )?;
     Ok(q)
+}
+
+/// [`qk_norm_rope_cache`] for rows that only provide K/V (the drafter's context rows):
+/// `rows.qkv` holds the K and V heads alone (`[t, 2 nkv d]`, the K/V rows of the fused q/k/v
+/// weight), which go into the cache; `q_norm` is not read.
+pub fn kv_norm_rope_cache(rows: &QkvRows<'_>) -> Result<()> {
+    let QkvRows {
+        qkv,
+        k_norm,
+        cos,
+        sin,
+        positions,
+        cache_len,
+        kc,
+        vc,
+        heads: (nh, nkv, d),
+        eps,
+        ..
+    } = *rows;
+    let (t, cap) = rows.check("kv_norm_rope_cache", false)?;
+    let dev = cuda(qkv)?;
+    let args = [
+        ptr(qkv)?,
+        ptr(k_norm)?,
+        ptr(cos)?,
+        ptr(sin)?,
+        ptr(positions)?,
+        ptr(cache_len)?,
+        ptr(kc)?,
+        ptr(vc)?,
+    ];
+    let (nh, nkv, d, cap, eps) = (nh as i32, nkv as i32, d as i32, cap as i32, eps as f32);
+    let f = dev.get_or_load_custom_func("kv_norm_rope_cache", MODULE, PTX)?;
+    let mut b = f.builder();
+    for a in &args {
+        b.arg(a);
+    }
+    b.arg(&nh).arg(&nkv).arg(&d).arg(&cap).arg(&eps);
+    go(
+        &mut b,
+        cfg(((2 * nkv) as u32, t as u32, 1), d as u32),
+        "kv_norm_rope_cache",
+    )
 }
 
 /// Attention of q `[t, nh, d]` over cache rows `[0, cache_len[0] + t)`: committed rows are

@@ -5,20 +5,21 @@
 #include "common.cuh"
 
 // Per-head RMSNorm (q, k), RoPE (q, k; rotate-half layout) and the cache write (k, v) of one
-// GEMM output row block. qkv: [t, (nh + 2 nkv) * d]. Grid (nh + 2 nkv, t), block d threads.
+// GEMM output row block holding `nq` q heads (nh, or 0 for rows that only provide K/V) and then
+// the K and V heads: qkv [t, (nq + 2 nkv) * d]. Grid (nq + 2 nkv, t), block d threads.
 // Row i's K/V go to cache row (*cache_len + i); q goes to q_out [t, nh, d].
 // cos/sin: f32 tables [max_pos, d/2], rounded to bf16 as the plain path does.
-extern "C" __global__ void qk_norm_rope_cache(
+__device__ __forceinline__ void norm_rope_cache(
     const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ qw, const bf16_t* __restrict__ kw,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t,
     const u32* __restrict__ positions, const u32* __restrict__ cache_len,
     bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, bf16_t* __restrict__ q_out,
-    int nh, int nkv, int d, int cap, float eps) {
+    int nq, int nh, int nkv, int d, int cap, float eps) {
     __shared__ float red[32];
     __shared__ float normed[256];
-    int head = blockIdx.x, tok = blockIdx.y, i = threadIdx.x;
-    int width = (nh + 2 * nkv) * d;
-    float x = bf2f(qkv[(size_t)tok * width + (size_t)head * d + i]);
+    int head = blockIdx.x + nh - nq, tok = blockIdx.y, i = threadIdx.x;
+    int width = (nq + 2 * nkv) * d;
+    float x = bf2f(qkv[(size_t)tok * width + (size_t)blockIdx.x * d + i]);
     int row = (int)(*cache_len) + tok;
     if (head >= nh + nkv) {  // V: copy into the cache
         int kvh = head - nh - nkv;
@@ -43,6 +44,26 @@ extern "C" __global__ void qk_norm_rope_cache(
     } else {
         kc[((size_t)(head - nh) * cap + row) * d + i] = out;
     }
+}
+
+extern "C" __global__ void qk_norm_rope_cache(
+    const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ qw, const bf16_t* __restrict__ kw,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+    const u32* __restrict__ positions, const u32* __restrict__ cache_len,
+    bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, bf16_t* __restrict__ q_out,
+    int nh, int nkv, int d, int cap, float eps) {
+    norm_rope_cache(qkv, qw, kw, cos_t, sin_t, positions, cache_len, kc, vc, q_out, nh, nh, nkv,
+                    d, cap, eps);
+}
+
+// The same for rows without q heads (the drafter's context rows only provide K/V).
+extern "C" __global__ void kv_norm_rope_cache(
+    const bf16_t* __restrict__ kv, const bf16_t* __restrict__ kw, const float* __restrict__ cos_t,
+    const float* __restrict__ sin_t, const u32* __restrict__ positions,
+    const u32* __restrict__ cache_len, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, int nh,
+    int nkv, int d, int cap, float eps) {
+    norm_rope_cache(kv, nullptr, kw, cos_t, sin_t, positions, cache_len, kc, vc, nullptr, 0, nh,
+                    nkv, d, cap, eps);
 }
 
 // Split-K attention over the cache for t new tokens, one KV head per blockIdx.x, one chunk of

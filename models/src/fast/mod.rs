@@ -34,8 +34,8 @@ mod check_attn;
 mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    add_rmsnorm, attention, device_address, linear, qk_norm_rope_cache, silu_mul, split_plan,
-    upload_i64, upload_u32, QkvRows, CHUNK,
+    add_rmsnorm, attention, device_address, kv_norm_rope_cache, linear, qk_norm_rope_cache,
+    silu_mul, split_plan, upload_i64, upload_u32, QkvRows, CHUNK,
 };
 #[cfg(feature = "cuda")]
 mod gemv;
