@@ -96,14 +96,15 @@ impl Stack<'_> {
         taps: &[usize],
     ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
         let eps = self.eps;
-        let mut ss = fast::row_sumsq(&x)?;
+        // o_proj's sums of squares feed gate/up's norm (its kernel is held to 40 registers and
+        // reads them); q/k/v's blocks sum their input row themselves, so down needs none.
         let counter = Tensor::zeros(1, DType::U32, x.device())?;
         let mut tapped = HashMap::new();
         for (li, layer) in self.layers.iter().enumerate() {
             let fused = fused(layer)?;
             let (in_norm, post_norm, _, _) = layer.norm_weights();
             let norm = RowNorm {
-                ss: &ss,
+                ss: None,
                 weight: in_norm,
                 eps,
             };
@@ -115,16 +116,16 @@ impl Stack<'_> {
                 weight: &fused.gate_up,
                 bytes: GATE_UP_PREFETCH,
             };
-            let (x1, ss1) = fast::gemv_resid(&attn, layer.o_proj(), &x, &counter, Some(warm))?;
+            let (x1, ss1) =
+                fast::gemv_resid(&attn, layer.o_proj(), &x, Some(&counter), Some(warm))?;
             let norm = RowNorm {
-                ss: &ss1,
+                ss: ss1.as_ref(),
                 weight: post_norm,
                 eps,
             };
             let act = fast::gemv_silu(&x1, &fused.gate_up, Some(norm))?;
-            let (x2, ss2) = fast::gemv_resid(&act, layer.down_proj(), &x1, &counter, None)?;
+            let (x2, _) = fast::gemv_resid(&act, layer.down_proj(), &x1, None, None)?;
             x = x2;
-            ss = ss2;
             if taps.contains(&li) {
                 tapped.insert(li, x.clone());
             }
@@ -132,7 +133,7 @@ impl Stack<'_> {
         let h = fast::rms_apply(
             &x,
             RowNorm {
-                ss: &ss,
+                ss: None,
                 weight: self.final_norm,
                 eps,
             },

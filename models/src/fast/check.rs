@@ -239,7 +239,7 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         let (e, s) = max_err(&ss, &x.to_dtype(DType::F32)?.sqr()?.sum(1)?)?;
         out.push((format!("row_sumsq:m{m}"), e, s));
         let norm = gemv::RowNorm {
-            ss: &ss,
+            ss: Some(&ss),
             weight: &nw,
             eps,
         };
@@ -248,6 +248,12 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         out.push((format!("rms_apply:m{m}"), e, s));
         let (e, s) = max_err(&gemv::gemv(&x, &w, Some(norm))?, &h.matmul(&w.t()?)?)?;
         out.push((format!("gemv_norm:m{m}"), e, s));
+        // Sums of squares made where needed (every block of the one-row kernel sums its own).
+        let unsummed = gemv::RowNorm { ss: None, ..norm };
+        let (e, s) = max_err(&gemv::gemv(&x, &w, Some(unsummed))?, &h.matmul(&w.t()?)?)?;
+        out.push((format!("gemv_norm_unsummed:m{m}"), e, s));
+        let (e, s) = max_err(&gemv::rms_apply(&x, unsummed)?, &h)?;
+        out.push((format!("rms_apply_unsummed:m{m}"), e, s));
         let gu = h.matmul(&w2.t()?)?;
         let plain = (gu.narrow(1, 0, n)?.silu()? * gu.narrow(1, n, n)?)?;
         let (e, s) = max_err(&gemv::gemv_silu(&x, &w2, Some(norm))?, &plain)?;
@@ -255,7 +261,8 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         let resid = bf(Tensor::randn(0f32, 3.0, (m, n), dev)?)?;
         // Twice on one counter: the kernel must leave it ready for the next launch.
         for pass in 0..2 {
-            let (y, ss) = gemv::gemv_resid(&x, &w, &resid, &counter, None)?;
+            let (y, ss) = gemv::gemv_resid(&x, &w, &resid, Some(&counter), None)?;
+            let ss = ss.ok_or_else(|| candle_core::Error::Msg("gemv_resid: no sums".into()))?;
             let plain = (&resid + x.matmul(&w.t()?)?)?;
             let (e, s) = max_err(&y, &plain)?;
             out.push((format!("gemv_resid:m{m}:pass{pass}"), e, s));
@@ -267,11 +274,18 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
                 weight: &w2,
                 bytes: 1 << 20,
             };
-            let (yp, ssp) = gemv::gemv_resid(&x, &w, &resid, &counter, Some(warm))?;
+            let (yp, ssp) = gemv::gemv_resid(&x, &w, &resid, Some(&counter), Some(warm))?;
+            let ssp = ssp.ok_or_else(|| candle_core::Error::Msg("gemv_resid: no sums".into()))?;
             let (e, s) = max_err(&yp, &y)?;
             out.push((format!("resid_y_prefetch_vs_none:m{m}:pass{pass}"), e, s));
             let (e, s) = max_err(&ssp, &ss)?;
             out.push((format!("resid_ss_prefetch_vs_none:m{m}:pass{pass}"), e, s));
+            // One row without the sums (no last-block reduction): the same y bits.
+            if m == 1 {
+                let (yn, _) = gemv::gemv_resid(&x, &w, &resid, None, None)?;
+                let (e, s) = max_err(&yn, &y)?;
+                out.push((format!("resid_y_unsummed_vs_summed:m1:pass{pass}"), e, s));
+            }
         }
     }
 
@@ -377,7 +391,7 @@ pub fn gemv_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f64)>> {
             let resid = Tensor::zeros((m, n), DType::BF16, dev)?;
             let ss = gemv::row_sumsq(&x)?;
             let norm = gemv::RowNorm {
-                ss: &ss,
+                ss: Some(&ss),
                 weight: &nw,
                 eps: 1e-6,
             };
@@ -385,7 +399,7 @@ pub fn gemv_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f64)>> {
             let b = match name {
                 "gate_up_silu" => time(&|| gemv::gemv_silu(&x, &w, Some(norm)))?,
                 "o_proj" | "down" => {
-                    time(&|| Ok(gemv::gemv_resid(&x, &w, &resid, &counter, None)?.0))?
+                    time(&|| Ok(gemv::gemv_resid(&x, &w, &resid, Some(&counter), None)?.0))?
                 }
                 _ => time(&|| gemv::gemv(&x, &w, Some(norm)))?,
             };

@@ -24,6 +24,9 @@
 #include "common.cuh"
 
 enum { EPI_STORE = 0, EPI_RESID = 1, EPI_SILU = 2 };
+// The input norm of the one-row kernels: none, from the row sums of squares ss_in, or summed
+// by each block from x itself.
+enum { NORM_NONE = 0, NORM_SS = 1, NORM_SELF = 2 };
 
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     uint4 v;
@@ -87,6 +90,18 @@ __device__ __forceinline__ float store_pair(int epi, bf16_t* y, const bf16_t* re
     return sq;
 }
 
+// Sum of squares of the K-wide bf16 row x, the same value in every block (a fixed order per
+// thread, then block_sum); called by every thread of the block.
+__device__ __forceinline__ float row_sumsq_block(const bf16_t* __restrict__ x, int K) {
+    __shared__ float red[32];
+    float s = 0.f;
+    for (int i = threadIdx.x; i < K / 8; i += blockDim.x) {
+        uint4 v = __ldg((const uint4*)x + i);
+        s += dot8(v, v);
+    }
+    return block_sum(s, red);
+}
+
 // RESID tail, called by every thread of every block once `blocksum[r]` (shared) holds the
 // block's sum of y[r, :]^2 over its columns: partials per block, then the last block adds them
 // in block order into ss_out and re-arms the counter.
@@ -115,7 +130,7 @@ __device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_
 // Block of 4 warps; KS consecutive warps own R consecutive output columns (SILU: R gate and R
 // up rows) and split their K range in KS contiguous parts, added in part order (so the sums do
 // not depend on timing).
-template <int R, int U, int EPI, bool NORM, int KS>
+template <int R, int U, int EPI, int NORM, int KS>
 __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                           bf16_t* __restrict__ y, int N, int K, const bf16_t* __restrict__ resid,
                           const bf16_t* __restrict__ nw, float eps, const float* ss_in,
@@ -129,6 +144,10 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
     float acc[RW];
 #pragma unroll
     for (int r = 0; r < RW; ++r) acc[r] = 0.f;
+    // NORM_SELF: every block sums x's squares itself (x is one 8-16 KB row, in L2), so the
+    // kernel that wrote x needs no cross-block reduction at its end. (Not in the SiLU kernels:
+    // at their 40-register bound the extra block reduction spills.)
+    const float inv_self = NORM == NORM_SELF ? rsqrtf(row_sumsq_block(x, K) / (float)K + eps) : 0.f;
     if (active) {
         const uint4* wrow[RW];
 #pragma unroll
@@ -136,7 +155,7 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
             wrow[r] = (const uint4*)(w + (size_t)((r < R ? 0 : N) + n0 + (r % R)) * K) + lane;
         const uint4* xv = (const uint4*)x + lane;
         const uint4* nv = (const uint4*)nw + lane;
-        const float inv = NORM ? rsqrtf(ss_in[0] / (float)K + eps) : 0.f;
+        const float inv = NORM == NORM_SS ? rsqrtf(ss_in[0] / (float)K + eps) : inv_self;
         const int spans = K >> 8;  // 256 elements per warp instruction
         const int per = (spans + KS - 1) / KS, it0 = split * per;
         const int iters = min(spans, it0 + per);
@@ -178,7 +197,7 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
             sq += store_pair(EPI, y, resid, n0 + r, acc[r], acc[r + 1],
                              EPI == EPI_SILU ? acc[R + r] : 0.f, EPI == EPI_SILU ? acc[R + r + 1] : 0.f);
     }
-    if (EPI != EPI_RESID) return;
+    if (EPI != EPI_RESID || ss_out == nullptr) return;
     if (lane == 0) wsum[warp] = sq;
     __syncthreads();
     __shared__ float blocksum[1];
@@ -322,11 +341,11 @@ __device__ void mma_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict_
 // (o_proj, down: 512 blocks, under 4 per SM) split K over 2 warps, so twice the warps stream
 // the same bytes: decode 4.75 -> 4.65 ms; a 2-way split of q/k/v gained nothing, 4 ways on
 // the residual kernels lost (deploy/bench/results/h200-2026-11-30-decode).
-ROWS_KERNEL(gemv_rows2_store, 2, 4, EPI_STORE, false, 0, 1)
-ROWS_KERNEL(gemv_rows2_store_norm, 2, 4, EPI_STORE, true, 0, 1)
-ROWS_KERNEL(gemv_rows2_resid, 2, 4, EPI_RESID, false, 0, 2)
-ROWS_KERNEL(gemv_rows2_silu, 2, 2, EPI_SILU, false, 12, 1)
-ROWS_KERNEL(gemv_rows2_silu_norm, 2, 2, EPI_SILU, true, 12, 1)
+ROWS_KERNEL(gemv_rows2_store, 2, 4, EPI_STORE, NORM_NONE, 0, 1)
+ROWS_KERNEL(gemv_rows2_store_norm, 2, 4, EPI_STORE, NORM_SELF, 0, 1)
+ROWS_KERNEL(gemv_rows2_resid, 2, 4, EPI_RESID, NORM_NONE, 0, 2)
+ROWS_KERNEL(gemv_rows2_silu, 2, 2, EPI_SILU, NORM_NONE, 12, 1)
+ROWS_KERNEL(gemv_rows2_silu_norm, 2, 2, EPI_SILU, NORM_SS, 12, 1)
 MMA_KERNEL(gemv_mma_store, 1, EPI_STORE)
 MMA_KERNEL(gemv_mma_resid, 1, EPI_RESID)
 MMA_KERNEL(gemv_mma_silu, 1, EPI_SILU)

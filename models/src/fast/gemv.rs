@@ -31,10 +31,12 @@ fn k_splits(tiles: usize) -> usize {
 }
 
 /// The RMSNorm of a GEMM's input: `bf16(x * rsqrt(ss / k + eps) * weight)` per row, with `ss`
-/// (f32 `[m]`) the row sums of squares from [`row_sumsq`] or [`gemv_resid`].
+/// (f32 `[m]`) the row sums of squares from [`row_sumsq`] or [`gemv_resid`]. `None`: summed
+/// from x where needed (by every block of the one-row [`gemv`] kernel itself, by
+/// [`row_sumsq`] first elsewhere).
 #[derive(Clone, Copy)]
 pub struct RowNorm<'a> {
-    pub ss: &'a Tensor,
+    pub ss: Option<&'a Tensor>,
     pub weight: &'a Tensor,
     pub eps: f64,
 }
@@ -79,8 +81,8 @@ struct Launch<'a> {
     n: usize,
     epi: Epi,
     norm: Option<RowNorm<'a>>,
-    /// Residual and counter of the residual epilogue.
-    resid: Option<(&'a Tensor, &'a Tensor)>,
+    /// Residual and counter of the residual epilogue (no counter: no sums of squares).
+    resid: Option<(&'a Tensor, Option<&'a Tensor>)>,
     variant: Option<&'a str>,
     prefetch: Option<Prefetch<'a>>,
 }
@@ -115,25 +117,52 @@ fn launch(l: Launch<'_>) -> Result<(Tensor, Option<Tensor>)> {
     };
     let (name, grid, ks) = plan(m, l.n, l.epi, norm.is_some(), l.variant);
     let y = alloc_bf16(&dev, (m, l.n))?;
+    // The one-row store kernel sums x's squares in every block; the SiLU one reads them.
+    let summed;
     let (nw, ss_in, eps) = match norm {
         Some(nm) => {
-            if nm.ss.dtype() != DType::F32 || nm.ss.dims1()? != m || nm.weight.dims1()? != k {
-                bail!("gemv: norm sums must be f32 [{m}], weight [{k}]")
-            }
             check_bf16("gemv norm weight", nm.weight)?;
-            (ptr(nm.weight)?, ptr(nm.ss)?, nm.eps as f32)
+            if nm.weight.dims1()? != k {
+                bail!("gemv: norm weight must be [{k}]")
+            }
+            let ss = match (nm.ss, l.epi) {
+                (_, Epi::Store) => None,
+                (Some(ss), _) => Some(ss),
+                (None, _) => {
+                    summed = row_sumsq(x)?;
+                    Some(&summed)
+                }
+            };
+            if let Some(ss) = ss {
+                if ss.dtype() != DType::F32 || ss.dims1()? != m {
+                    bail!("gemv: norm sums must be f32 [{m}]")
+                }
+            }
+            let ss_ptr = ss.map(ptr).transpose()?.unwrap_or(0);
+            (ptr(nm.weight)?, ss_ptr, nm.eps as f32)
         }
         None => (0, 0, 0f32),
     };
     let (resid, counter, ss_out, part) = match (l.epi, l.resid) {
         (Epi::Resid, Some((r, c))) => {
             check_bf16("gemv residual", r)?;
-            if r.dims2()? != (m, l.n) || c.dtype() != DType::U32 || c.elem_count() != 1 {
-                bail!("gemv: residual must be [{m}, {}], counter u32 [1]", l.n)
+            if r.dims2()? != (m, l.n) {
+                bail!("gemv: residual must be [{m}, {}]", l.n)
             }
-            let ss = alloc_f32(&dev, m)?;
-            let part = alloc_f32(&dev, grid * m)?;
-            (ptr(r)?, ptr(c)?, Some(ss), Some(part))
+            match c {
+                Some(c) => {
+                    if c.dtype() != DType::U32 || c.elem_count() != 1 {
+                        bail!("gemv: the residual counter must be u32 [1]")
+                    }
+                    let ss = alloc_f32(&dev, m)?;
+                    let part = alloc_f32(&dev, grid * m)?;
+                    (ptr(r)?, ptr(c)?, Some(ss), Some(part))
+                }
+                // Only the one-row kernel can leave the sums out (the tensor-core one always
+                // writes them).
+                None if name.starts_with("gemv_rows") => (ptr(r)?, 0, None, None),
+                None => bail!("gemv: the residual epilogue of {m} rows needs a counter"),
+            }
         }
         (Epi::Resid, None) => bail!("gemv: the residual epilogue needs a residual and a counter"),
         _ => (0, 0, None, None),
@@ -217,17 +246,18 @@ pub fn gemv_silu(x: &Tensor, w: &Tensor, norm: Option<RowNorm<'_>>) -> Result<Te
 /// `(y, ss)` with `y = resid + x @ wᵀ` (the residual stream after a projection, rounded as
 /// [`super::add_rmsnorm`] rounds it) and `ss` its row sums of squares (f32 `[m]`, for the next
 /// [`RowNorm`]). `counter` is a u32 `[1]` tensor holding 0; the kernel leaves it 0 again, so
-/// one counter serves consecutive launches on one stream. With one row, `prefetch` names the
-/// next product's weights to start pulling into L2 (see [`Prefetch`]).
+/// one counter serves consecutive launches on one stream. Without a counter (one row only) no
+/// sums are made, which spares the kernel its last-block reduction. With one row, `prefetch`
+/// names the next product's weights to start pulling into L2 (see [`Prefetch`]).
 pub fn gemv_resid(
     x: &Tensor,
     w: &Tensor,
     resid: &Tensor,
-    counter: &Tensor,
+    counter: Option<&Tensor>,
     prefetch: Option<Prefetch<'_>>,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<(Tensor, Option<Tensor>)> {
     let n = w.dims2()?.0;
-    let (y, ss) = launch(Launch {
+    launch(Launch {
         x,
         w,
         n,
@@ -236,11 +266,7 @@ pub fn gemv_resid(
         resid: Some((resid, counter)),
         variant: None,
         prefetch,
-    })?;
-    match ss {
-        Some(ss) => Ok((y, ss)),
-        None => bail!("gemv_resid: no sums of squares"),
-    }
+    })
 }
 
 /// Row sums of squares (f32 `[m]`) of `x: [m, k]`, for the first [`RowNorm`] of a forward.
@@ -262,8 +288,16 @@ pub fn rms_apply(x: &Tensor, norm: RowNorm<'_>) -> Result<Tensor> {
     let dev = cuda(x)?;
     check_bf16("rms_apply x", x)?;
     check_bf16("rms_apply weight", norm.weight)?;
+    let summed;
+    let ss = match norm.ss {
+        Some(ss) => ss,
+        None => {
+            summed = row_sumsq(x)?;
+            &summed
+        }
+    };
     let (m, k) = x.dims2()?;
-    if k % 8 != 0 || norm.weight.dims1()? != k || norm.ss.dims1()? != m {
+    if k % 8 != 0 || norm.weight.dims1()? != k || ss.dims1()? != m {
         bail!(
             "rms_apply: x {:?}, weight {:?}",
             x.shape(),
@@ -271,7 +305,7 @@ pub fn rms_apply(x: &Tensor, norm: RowNorm<'_>) -> Result<Tensor> {
         )
     }
     let h = alloc_bf16(&dev, (m, k))?;
-    let (xp, sp, wp, hp) = (ptr(x)?, ptr(norm.ss)?, ptr(norm.weight)?, ptr(&h)?);
+    let (xp, sp, wp, hp) = (ptr(x)?, ptr(ss)?, ptr(norm.weight)?, ptr(&h)?);
     let (ki, eps) = (k as i32, norm.eps as f32);
     let f = dev.get_or_load_custom_func("rms_apply", MODULE, PTX)?;
     let mut b = f.builder();
