@@ -417,3 +417,36 @@ pub fn gemv_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f64)>> {
     }
     Ok(out)
 }
+
+/// Milliseconds per call of the DDTree draft selection's device steps on a round's 15 rows of
+/// 151,936 f32 logits (as `spec::proposer`'s device top-k runs them): the argmax/log-prob
+/// kernels, the piece top-k for k = 16, 64 and 256, and the packed copy to the host.
+pub fn topk_timings(dev: &Device) -> Result<Vec<(String, f64)>> {
+    let (rows, vocab) = (15usize, 151_936usize);
+    let x = Tensor::randn(0f32, 4.0, (rows, vocab), dev)?;
+    let mut out = vec![(
+        "argmax_logprob".to_string(),
+        host_loop_ms(dev, &|| super::argmax_logprob(&x))?,
+    )];
+    for (k, parts) in [(16usize, 32usize), (64, 32), (256, 8)] {
+        let pieces = x.reshape((rows * parts, vocab / parts))?;
+        let ms = host_loop_ms(dev, &|| Ok(super::topk_rows(&pieces, k)?.0))?;
+        out.push((format!("topk_rows_k{k}_{parts}_pieces"), ms));
+        let one = host_loop_ms(dev, &|| Ok(super::topk_rows(&x, k)?.0))?;
+        out.push((format!("topk_rows_k{k}_whole_rows"), one));
+        let (idx, val) = super::topk_rows(&pieces, k)?;
+        dev.synchronize()?;
+        let t = std::time::Instant::now();
+        for _ in 0..20 {
+            let packed = Tensor::cat(&[&idx.to_dtype(DType::F32)?, &val], 1)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            std::hint::black_box(packed);
+        }
+        out.push((
+            format!("topk_copy_k{k}"),
+            t.elapsed().as_secs_f64() * 1e3 / 20.0,
+        ));
+    }
+    Ok(out)
+}

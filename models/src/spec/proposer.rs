@@ -284,21 +284,32 @@ fn merge_parts(
     lp_max: f32,
     k: usize,
 ) -> Vec<(u32, f32)> {
-    let mut cand: Vec<(u32, f32)> = packed
-        .chunks(2 * k_max)
-        .enumerate()
-        .flat_map(|(p, c)| {
-            (0..k_max).map(move |j| ((p * width) as u32 + c[j] as u32, c[k_max + j]))
-        })
-        .collect();
-    let key = |&(t, x): &(u32, f32)| crate::spec::tree::rank_key(x, t);
+    // Each piece holds k_max >= k values at or above its own smallest candidate, so the row's
+    // k-th best is at least the largest of those minima: candidates below it cannot make the
+    // top k (equal ones stay, for the tie rule). That leaves about k of the parts * k_max,
+    // each with its rank key computed once (the token is the key's low half). This runs for
+    // every row of every DDTree round.
+    let floor = packed
+        .chunks_exact(2 * k_max)
+        .map(|piece| piece[k_max..].iter().copied().fold(f32::INFINITY, f32::min))
+        .fold(f32::NEG_INFINITY, f32::max);
+    let mut cand: Vec<(u64, f32)> = Vec::with_capacity(4 * k);
+    for (p, piece) in packed.chunks_exact(2 * k_max).enumerate() {
+        let base = (p * width) as u32;
+        let (ids, vals) = piece.split_at(k_max);
+        for (&id, &x) in ids.iter().zip(vals) {
+            if x >= floor || x.is_nan() || floor.is_nan() {
+                cand.push((crate::spec::tree::rank_key(x, base + id as u32), x));
+            }
+        }
+    }
     if cand.len() > k {
-        cand.select_nth_unstable_by_key(k - 1, key);
+        cand.select_nth_unstable_by_key(k - 1, |c| c.0);
         cand.truncate(k);
     }
     let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
     cand.into_iter()
-        .map(|(t, x)| (t, (x - max) + lp_max))
+        .map(|(key, x)| (key as u32, (x - max) + lp_max))
         .collect()
 }
 

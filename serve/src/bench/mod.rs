@@ -464,6 +464,10 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         );
     }
     #[cfg(feature = "cuda")]
+    for (name, ms) in dflash_models::fast::check::topk_timings(base.device())? {
+        out.insert(format!("topk_ms_{name}"), json!(ms));
+    }
+    #[cfg(feature = "cuda")]
     for (name, ms, tflops) in dflash_models::fast::check::attention_timings(base.device())? {
         out.insert(format!("attn_{name}"), json!({"ms": ms, "TFLOPs": tflops}));
     }
