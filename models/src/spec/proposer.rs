@@ -416,20 +416,21 @@ mod tests {
         )
         .unwrap()[0]
             .1;
-        for parts in [1, 2, 4, 8] {
+        // k_max > k: the batch's largest top-k (another sequence's) sets the pieces' size.
+        for (parts, k_max) in [(1, k), (2, k), (4, k), (8, k), (2, k + 5), (8, k + 1)] {
             let width = vocab / parts;
-            // Each piece's top k (as the device kernel selects them, in any order).
+            // Each piece's top k_max (as the device kernel selects them, in any order).
             let mut packed = Vec::new();
             for p in 0..parts {
                 let piece = &row[p * width..(p + 1) * width];
                 let mut cols: Vec<usize> = (0..width).collect();
                 cols.sort_by_key(|&j| crate::spec::tree::rank_key(piece[j], j as u32));
-                cols.truncate(k);
+                cols.truncate(k_max);
                 cols.reverse();
                 packed.extend(cols.iter().map(|&j| j as f32));
                 packed.extend(cols.iter().map(|&j| piece[j]));
             }
-            let got = TopK::new(vec![merge_parts(&packed, width, k, lp_max, k)]);
+            let got = TopK::new(vec![merge_parts(&packed, width, k_max, lp_max, k)]);
             assert_eq!(got.row(0).len(), k);
             for (a, b) in got.row(0).iter().zip(want.row(0)) {
                 assert_eq!(a.0, b.0, "{parts} pieces");
