@@ -388,12 +388,24 @@ impl Engine {
         let t_verify = Instant::now();
         let taps = self.taps();
         let starts: Vec<usize> = self.seqs.iter().map(|s| s.cache.len()).collect();
-        let positions: Vec<Vec<u32>> = trees
+        let padded: Vec<Option<DraftTree>> = self
+            .seqs
+            .iter()
+            .zip(&trees)
+            .map(|(s, t)| self.verify_padding(s, t))
+            .collect();
+        // What the target verifies: each tree, or its padded form.
+        let verified: Vec<&DraftTree> = trees
+            .iter()
+            .zip(&padded)
+            .map(|(t, p)| p.as_ref().unwrap_or(t))
+            .collect();
+        let positions: Vec<Vec<u32>> = verified
             .iter()
             .zip(&starts)
             .map(|(t, &s)| t.positions(s))
             .collect();
-        let patterns: Vec<AttnPattern> = trees
+        let patterns: Vec<AttnPattern> = verified
             .iter()
             .map(|t| {
                 if t.is_chain() {
@@ -405,7 +417,7 @@ impl Engine {
                 }
             })
             .collect();
-        let rows: Vec<Vec<usize>> = trees.iter().map(|t| (0..t.len()).collect()).collect();
+        let rows: Vec<Vec<usize>> = verified.iter().map(|t| (0..t.len()).collect()).collect();
         profile::mark(&dev, "5_verify_prepare");
         let out = {
             let mut batch: Vec<SeqForward<'_>> = self
@@ -414,7 +426,7 @@ impl Engine {
                 .enumerate()
                 .map(|(i, s)| SeqForward {
                     cache: &mut s.cache,
-                    tokens: &trees[i].tokens,
+                    tokens: &verified[i].tokens,
                     positions: &positions[i],
                     pattern: &patterns[i],
                     logit_rows: &rows[i],
@@ -433,7 +445,9 @@ impl Engine {
 
         let t_commit = Instant::now();
         for (i, tree) in trees.iter().enumerate() {
-            let (a, b) = (out.logit_offsets[i], out.logit_offsets[i + 1]);
+            // The tree's own rows: a padded verify has placeholder rows after them.
+            let a = out.logit_offsets[i];
+            let b = (a + tree.len()).min(out.logit_offsets[i + 1]);
             let seq = &mut self.seqs[i];
             let posterior: Vec<u32> = if seq.sampler.params().is_greedy() {
                 argmax[a..b].to_vec()
@@ -482,6 +496,35 @@ impl Engine {
         profile::mark(&dev, "8_commit");
         self.reap(events);
         Ok(())
+    }
+
+    /// On CUDA, where every verify size is a captured graph, a tree smaller than its
+    /// algorithm's full size (near a request's end, where drafts are capped) padded to that
+    /// size (see [`DraftTree::padded_to`]): the verify then replays the graph every other round
+    /// uses instead of running uncaptured and capturing one more size on its next use (about
+    /// 19 ms per capture for the 8B shape, and 8 graph slots per model). The placeholders come
+    /// after every real entry, so causal and ancestor masks keep them out of the real rows;
+    /// their K/V rows are dropped by the compaction and their logits never read. None: verify
+    /// the tree as it is (no room in the cache or the position table, or not on CUDA).
+    fn verify_padding(&self, s: &Sequence, tree: &DraftTree) -> Option<DraftTree> {
+        if !self.target.device().is_cuda() {
+            return None;
+        }
+        let full = match s.req.algorithm {
+            Algorithm::Plain => return None,
+            Algorithm::Chain => self.proposer.as_ref()?.max_depth() + 1,
+            Algorithm::DDTree { budget } => budget.min(self.target.vocab_size()) + 1,
+        };
+        let start = s.cache.len();
+        let deepest =
+            tree.depths.iter().copied().max().unwrap_or(0) + full.saturating_sub(tree.len());
+        if tree.len() >= full
+            || start + full > s.cache.capacity()
+            || start + deepest >= self.target.max_positions()
+        {
+            return None;
+        }
+        tree.padded_to(full).ok()
     }
 
     /// Removes the sequences whose final event is in `events`.

@@ -185,6 +185,22 @@ impl DraftTree {
         vis
     }
 
+    /// This tree with placeholder entries chained under its last entry (a leaf: children come
+    /// after their parents), each repeating its token, up to `size` entries: the shape of a
+    /// full tree for the target's verify forward. A chain stays a chain, the real entries keep
+    /// their indices, and walks over `self` never reach the placeholders. A clone when it
+    /// already has `size` entries.
+    pub fn padded_to(&self, size: usize) -> Result<DraftTree, TreeError> {
+        let mut tokens = self.tokens.clone();
+        let mut parents = self.parents.clone();
+        let token = tokens[tokens.len() - 1];
+        while tokens.len() < size {
+            parents.push(Some(tokens.len() - 1));
+            tokens.push(token);
+        }
+        Self::from_parents(tokens, parents)
+    }
+
     /// True when every entry's parent is the previous entry: the tree is a plain causal
     /// sequence and the engine may use a causal mask instead of the tree mask.
     pub fn is_chain(&self) -> bool {
@@ -466,6 +482,37 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha20Rng;
     use std::collections::BTreeSet;
+
+    #[test]
+    fn padding_keeps_the_real_entries_and_the_chain_shape() {
+        let chain = chain_tree(7, &[10, 11, 12]);
+        let padded = chain.padded_to(16).unwrap();
+        assert_eq!(padded.len(), 16);
+        assert!(
+            padded.is_chain(),
+            "a padded chain is still a chain (causal mask)"
+        );
+        assert_eq!(&padded.tokens[..4], &chain.tokens[..]);
+        assert_eq!(&padded.parents[..4], chain.parents());
+        assert!(padded.tokens[4..].iter().all(|&t| t == 12));
+        assert_eq!(
+            padded.positions(100)[15],
+            115,
+            "placeholders continue the positions"
+        );
+        // A tree: placeholders hang under its last entry, after every real one.
+        let tree = DraftTree::from_parents(vec![1, 2, 3, 4], vec![None, Some(0), Some(0), Some(1)])
+            .unwrap();
+        let padded = tree.padded_to(7).unwrap();
+        assert_eq!(&padded.parents[4..], &[Some(3), Some(4), Some(5)]);
+        assert_eq!(
+            padded.children(0),
+            tree.children(0),
+            "real entries keep their children"
+        );
+        // Already full: unchanged.
+        assert_eq!(tree.padded_to(3).unwrap().tokens, tree.tokens);
+    }
 
     fn paths(tree: &DraftTree) -> BTreeSet<Vec<u32>> {
         (1..tree.len()).map(|i| tree.path(i)).collect()
