@@ -341,7 +341,9 @@ impl Engine {
                 .proposer
                 .as_mut()
                 .ok_or(EngineError::NoProposer(Algorithm::Chain))?;
-            proposer.propose(&items)?
+            let proposals = proposer.propose(&items)?;
+            profile::mark(&dev, "3c_propose_rest");
+            proposals
         }
         .into_iter();
         let draft_time = t_draft.elapsed();

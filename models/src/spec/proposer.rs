@@ -211,11 +211,13 @@ fn device_topk(logits: &Tensor, batch: &[ProposeItem<'_>], depth: usize) -> Mode
         let parts = topk_parts(vocab, k_max);
         let width = vocab / parts;
         let (idx, val) = crate::fast::topk_rows(&x.reshape((rows * parts, width))?, k_max)?;
+        profile::mark(logits.device(), "3a_topk_kernels");
         // Column ids travel as f32 beside the logits (exact below 2^24) in one copy.
         let packed = Tensor::cat(&[&idx.to_dtype(candle_core::DType::F32)?, &val], 1)?
             .flatten_all()?
             .to_vec1::<f32>()?;
         let best = best.flatten_all()?.to_vec1::<u32>()?;
+        profile::mark(logits.device(), "3b_topk_copies");
         let per_row = parts * 2 * k_max;
         return Ok(batch
             .iter()
