@@ -158,6 +158,21 @@ impl QkvRows<'_> {
 /// Per-head q/k RMSNorm + RoPE of `rows.qkv`, K/V written into the cache buffers; returns q
 /// `[t, nh, d]`.
 pub fn qk_norm_rope_cache(rows: &QkvRows<'_>) -> Result<Tensor> {
+    match norm_rope_cache(rows, true)? {
+        Some(q) => Ok(q),
+        None => bail!("qk_norm_rope_cache: no q rows"),
+    }
+}
+
+/// [`qk_norm_rope_cache`] for rows that only provide K/V (the drafter's context rows):
+/// `rows.qkv` holds the K and V heads alone (`[t, 2 nkv d]`, the K/V rows of the fused q/k/v
+/// weight), which go into the cache; `q_norm` is not read.
+pub fn kv_norm_rope_cache(rows: &QkvRows<'_>) -> Result<()> {
+    norm_rope_cache(rows, false).map(|_| ())
+}
+
+/// The launch of both: `with_q`, the rows hold the q heads first and q comes back.
+fn norm_rope_cache(rows: &QkvRows<'_>, with_q: bool) -> Result<Option<Tensor>> {
     let QkvRows {
         qkv,
         q_norm,
@@ -171,77 +186,35 @@ pub fn qk_norm_rope_cache(rows: &QkvRows<'_>) -> Result<Tensor> {
         heads: (nh, nkv, d),
         eps,
     } = *rows;
-    let (t, cap) = rows.check("qk_norm_rope_cache", true)?;
+    let name = if with_q {
+        "qk_norm_rope_cache"
+    } else {
+        "kv_norm_rope_cache"
+    };
+    let (t, cap) = rows.check(name, with_q)?;
     let dev = cuda(qkv)?;
-    let q = alloc_bf16(&dev, (t, nh, d))?;
-    let args = [
-        ptr(qkv)?,
-        ptr(q_norm)?,
-        ptr(k_norm)?,
-        ptr(cos)?,
-        ptr(sin)?,
-        ptr(positions)?,
-        ptr(cache_len)?,
-        ptr(kc)?,
-        ptr(vc)?,
-        ptr(&q)?,
-    ];
+    let q = with_q.then(|| alloc_bf16(&dev, (t, nh, d))).transpose()?;
+    // Kernel parameters in order (kernels.cu): the q pointers only for rows with q heads.
+    let mut args = vec![ptr(qkv)?];
+    if with_q {
+        args.push(ptr(q_norm)?);
+    }
+    for x in [k_norm, cos, sin, positions, cache_len, kc, vc] {
+        args.push(ptr(x)?);
+    }
+    if let Some(q) = &q {
+        args.push(ptr(q)?);
+    }
+    let heads = if with_q { nh + 2 * nkv } else { 2 * nkv };
     let (nh, nkv, d, cap, eps) = (nh as i32, nkv as i32, d as i32, cap as i32, eps as f32);
-    let f = dev.get_or_load_custom_func("qk_norm_rope_cache", MODULE, PTX)?;
+    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
     let mut b = f.builder();
     for a in &args {
         b.arg(a);
     }
     b.arg(&nh).arg(&nkv).arg(&d).arg(&cap).arg(&eps);
-    go(
-        &mut b,
-        cfg(((nh + 2 * nkv) as u32, t as u32, 1), d as u32),
-        "qk_norm_rope_cache",
-    )?;
+    go(&mut b, cfg((heads as u32, t as u32, 1), d as u32), name)?;
     Ok(q)
-}
-
-/// [`qk_norm_rope_cache`] for rows that only provide K/V (the drafter's context rows):
-/// `rows.qkv` holds the K and V heads alone (`[t, 2 nkv d]`, the K/V rows of the fused q/k/v
-/// weight), which go into the cache; `q_norm` is not read.
-pub fn kv_norm_rope_cache(rows: &QkvRows<'_>) -> Result<()> {
-    let QkvRows {
-        qkv,
-        k_norm,
-        cos,
-        sin,
-        positions,
-        cache_len,
-        kc,
-        vc,
-        heads: (nh, nkv, d),
-        eps,
-        ..
-    } = *rows;
-    let (t, cap) = rows.check("kv_norm_rope_cache", false)?;
-    let dev = cuda(qkv)?;
-    let args = [
-        ptr(qkv)?,
-        ptr(k_norm)?,
-        ptr(cos)?,
-        ptr(sin)?,
-        ptr(positions)?,
-        ptr(cache_len)?,
-        ptr(kc)?,
-        ptr(vc)?,
-    ];
-    let (nh, nkv, d, cap, eps) = (nh as i32, nkv as i32, d as i32, cap as i32, eps as f32);
-    let f = dev.get_or_load_custom_func("kv_norm_rope_cache", MODULE, PTX)?;
-    let mut b = f.builder();
-    for a in &args {
-        b.arg(a);
-    }
-    b.arg(&nh).arg(&nkv).arg(&d).arg(&cap).arg(&eps);
-    go(
-        &mut b,
-        cfg(((2 * nkv) as u32, t as u32, 1), d as u32),
-        "kv_norm_rope_cache",
-    )
 }
 
 /// Attention of q `[t, nh, d]` over cache rows `[0, cache_len[0] + t)`: committed rows are
