@@ -9,13 +9,12 @@ use std::sync::Mutex;
 use candle_core::cuda_backend::cudarc::driver::sys::{
     CUfunction_attribute_enum, CUstreamCaptureStatus,
 };
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::attn_plan::{attn_plan, runtime_plan, CHUNK_KEYS, MAX_SHARED_BYTES};
-use super::cuda::{alloc_bf16, alloc_f32, cuda, ptr, QkvRows, CHUNK};
-use super::launch::{Launch, LaunchOpts};
+use super::cuda::{alloc_bf16, alloc_f32, cuda, go, ptr, QkvRows, CHUNK};
 
 const _: () = assert!(CHUNK_KEYS == CHUNK);
 
@@ -224,8 +223,8 @@ pub(crate) fn fused_attention_rt(
         block_dim: (128, 1, 1),
         shared_mem_bytes: plan.shared_bytes as u32,
     };
-    let mut launch = Launch::new(&f);
-    launch.arg(&args);
-    launch.run(&dev, cfg, LaunchOpts::default(), &name)?;
+    let mut b = f.builder();
+    b.arg(&args);
+    go(&mut b, cfg, &name)?;
     Ok(out)
 }

@@ -74,7 +74,7 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     let kc = bf(Tensor::zeros((nkv, cap, d), DType::F32, dev)?)?;
     let vc = kc.copy()?;
     let len = Tensor::new(&[c0 as u32], dev)?;
-    let q = cuda::qk_norm_rope_cache(&cuda::QkvRows {
+    let full_rows = cuda::QkvRows {
         qkv: &qkv,
         q_norm: &qn,
         k_norm: &kn,
@@ -86,7 +86,8 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         vc: &vc,
         heads: (nh, nkv, d),
         eps,
-    })?;
+    };
+    let q = cuda::qk_norm_rope_cache(&full_rows)?;
     let (cr, sr) = (cos.index_select(&pos, 0)?, sin.index_select(&pos, 0)?);
     let head = |start: usize, heads: usize, w: &Tensor| -> Result<Tensor> {
         plain_norm_rope(&qkv, (start, heads, d), w, (&cr, &sr), eps)
@@ -107,16 +108,9 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     let kv_rows = qkv.narrow(1, nh * d, 2 * nkv * d)?.contiguous()?;
     cuda::kv_norm_rope_cache(&cuda::QkvRows {
         qkv: &kv_rows,
-        q_norm: &qn,
-        k_norm: &kn,
-        cos: &cos,
-        sin: &sin,
-        positions: &pos,
-        cache_len: &len,
         kc: &kc2,
         vc: &vc2,
-        heads: (nh, nkv, d),
-        eps,
+        ..full_rows
     })?;
     for (name, a, b) in [("k", &kc2, &kc), ("v", &vc2, &vc)] {
         let (e, s) = max_err(a, b)?;

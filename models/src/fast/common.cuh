@@ -68,16 +68,3 @@ __device__ __forceinline__ uint4 norm8(uint4 y, uint4 w, float inv) {
 __device__ __forceinline__ int chunks_per_split(int L, int chunk, int splits) {
     return ((L + chunk - 1) / chunk + splits - 1) / splits;
 }
-
-// Programmatic dependent launch (kernels launched with `LaunchOpts::early_start`): such a
-// kernel may start while its predecessor on the stream still runs, so it must call
-// `wait_for_predecessor` before reading anything the predecessor writes or writing anything
-// it reads; only inputs fixed for the whole forward (weights) may be touched before.
-// `allow_dependents_start` lets the next early-start kernel be scheduled once every block of
-// this one has called it. Both are no-ops for kernels launched without the attribute.
-__device__ __forceinline__ void wait_for_predecessor() {
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-}
-__device__ __forceinline__ void allow_dependents_start() {
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}

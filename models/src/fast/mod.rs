@@ -40,8 +40,6 @@ pub use cuda::{
 #[cfg(feature = "cuda")]
 mod gemv;
 #[cfg(feature = "cuda")]
-mod launch;
-#[cfg(feature = "cuda")]
 mod topk;
 #[cfg(feature = "cuda")]
 pub use gemv::{
