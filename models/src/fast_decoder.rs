@@ -97,14 +97,18 @@ impl Stack<'_> {
     ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
         let eps = self.eps;
         // o_proj's sums of squares feed gate/up's norm (its kernel is held to 40 registers and
-        // reads them); q/k/v's blocks sum their input row themselves, so down needs none.
+        // reads them). One row: q/k/v's blocks sum their input row themselves, so down makes
+        // none. More rows: the tensor-core residual kernel always makes them (it needs the
+        // counter), and they feed the next layer's q/k/v norm.
+        let one_row = x.dim(0)? == 1;
         let counter = Tensor::zeros(1, DType::U32, x.device())?;
         let mut tapped = HashMap::new();
+        let mut ss: Option<Tensor> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             let fused = fused(layer)?;
             let (in_norm, post_norm, _, _) = layer.norm_weights();
             let norm = RowNorm {
-                ss: None,
+                ss: ss.as_ref(),
                 weight: in_norm,
                 eps,
             };
@@ -124,8 +128,10 @@ impl Stack<'_> {
                 eps,
             };
             let act = fast::gemv_silu(&x1, &fused.gate_up, Some(norm))?;
-            let (x2, _) = fast::gemv_resid(&act, layer.down_proj(), &x1, None, None)?;
+            let down_counter = (!one_row).then_some(&counter);
+            let (x2, ss2) = fast::gemv_resid(&act, layer.down_proj(), &x1, down_counter, None)?;
             x = x2;
+            ss = ss2;
             if taps.contains(&li) {
                 tapped.insert(li, x.clone());
             }
@@ -133,7 +139,7 @@ impl Stack<'_> {
         let h = fast::rms_apply(
             &x,
             RowNorm {
-                ss: None,
+                ss: ss.as_ref(),
                 weight: self.final_norm,
                 eps,
             },

@@ -81,7 +81,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 192)]
     e2e_tokens: usize,
     /// Which paths to measure: plain (candle ops), fast (fused CUDA kernels), fast_cublas (fused
-    /// kernels with every GEMM on cuBLAS)
+    /// kernels with every GEMM on cuBLAS), fast_skinny (fused kernels with forwards of up to 16
+    /// rows on the skinny tensor-core GEMMs)
     #[arg(long, value_delimiter = ',', default_value = "plain,fast")]
     variants: Vec<String>,
     /// Skip the end-to-end speculative runs
@@ -181,7 +182,8 @@ pub fn main(argv: Vec<String>) -> Result<()> {
             "plain" => (false, 0),
             "fast" => (true, dflash_models::fast::GEMV_DEFAULT_ROWS),
             "fast_cublas" => (true, 0),
-            other => bail!("--variants {other}: use plain, fast and/or fast_cublas"),
+            "fast_skinny" => (true, dflash_models::fast::GEMV_MAX_ROWS),
+            other => bail!("--variants {other}: use plain, fast, fast_cublas and/or fast_skinny"),
         };
         if fast && !base.fast_kernels_available() {
             variants.insert(v.clone(), json!({"skipped": "fused kernels need a CUDA device and bf16 (build with --features cuda)"}));
