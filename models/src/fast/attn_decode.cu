@@ -319,43 +319,9 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
                         mxB = fmaxf(mxB, s[nt][2 + e]);
                     }
                 }
-                mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
-                mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
-                mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
-                mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
-                float nA = fmaxf(mA, mxA), nB = fmaxf(mB, mxB);
-                float cA = nA == -INFINITY ? 1.f : __expf(mA - nA);
-                float cB = nB == -INFINITY ? 1.f : __expf(mB - nB);
-#pragma unroll
-                for (int nt = 0; nt < 16; ++nt) {
-                    o[nt][0] *= cA; o[nt][1] *= cA; o[nt][2] *= cB; o[nt][3] *= cB;
-                }
-                mA = nA;
-                mB = nB;
                 // P = exp(S - m) as bf16 A fragments of P V (k-step j = key tiles 2j, 2j + 1).
                 u32 pf[NT / 2][4];
-                float sumA = 0.f, sumB = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    float p0 = mA == -INFINITY ? 0.f : __expf(s[nt][0] - mA);
-                    float p1 = mA == -INFINITY ? 0.f : __expf(s[nt][1] - mA);
-                    float p2 = mB == -INFINITY ? 0.f : __expf(s[nt][2] - mB);
-                    float p3 = mB == -INFINITY ? 0.f : __expf(s[nt][3] - mB);
-                    bf16_t b0 = f2bf(p0), b1 = f2bf(p1), b2 = f2bf(p2), b3 = f2bf(p3);
-                    // The sums use the rounded probabilities the P V product sees.
-                    sumA += bf2f(b0) + bf2f(b1);
-                    sumB += bf2f(b2) + bf2f(b3);
-                    u32 lo = (u32)b0 | ((u32)b1 << 16), hi = (u32)b2 | ((u32)b3 << 16);
-                    int j = nt >> 1;
-                    if ((nt & 1) == 0) { pf[j][0] = lo; pf[j][1] = hi; }
-                    else { pf[j][2] = lo; pf[j][3] = hi; }
-                }
-                sumA += __shfl_xor_sync(0xffffffffu, sumA, 1);
-                sumA += __shfl_xor_sync(0xffffffffu, sumA, 2);
-                sumB += __shfl_xor_sync(0xffffffffu, sumB, 1);
-                sumB += __shfl_xor_sync(0xffffffffu, sumB, 2);
-                lA = lA * cA + sumA;
-                lB = lB * cB + sumB;
+                softmax_step<NT>(s, mxA, mxB, o, mA, mB, lA, lB, pf);
 #pragma unroll
                 for (int nt = 0; nt < 16; ++nt) {
                     int dim = nt * 8 + g;

@@ -201,43 +201,9 @@ __device__ __forceinline__ void flash_body(
                 mxB = fmaxf(mxB, s[nt][2 + e]);
             }
         }
-        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
-        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
-        mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
-        mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
-        float nA = fmaxf(mA, mxA), nB = fmaxf(mB, mxB);
-        float cA = nA == -INFINITY ? 1.f : __expf(mA - nA);
-        float cB = nB == -INFINITY ? 1.f : __expf(mB - nB);
-#pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-            o[nt][0] *= cA; o[nt][1] *= cA; o[nt][2] *= cB; o[nt][3] *= cB;
-        }
-        mA = nA;
-        mB = nB;
         // P = exp(S - m) rounded to bf16, packed as the A fragments of P V.
         u32 pf[4][4];
-        float sumA = 0.f, sumB = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            float p0 = mA == -INFINITY ? 0.f : __expf(s[nt][0] - mA);
-            float p1 = mA == -INFINITY ? 0.f : __expf(s[nt][1] - mA);
-            float p2 = mB == -INFINITY ? 0.f : __expf(s[nt][2] - mB);
-            float p3 = mB == -INFINITY ? 0.f : __expf(s[nt][3] - mB);
-            u32 lo, hi;  // {p1, p0} and {p3, p2} as bf16 pairs, the even key in the low half
-            asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(lo) : "f"(p1), "f"(p0));
-            asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(hi) : "f"(p3), "f"(p2));
-            sumA += __uint_as_float(lo << 16) + __uint_as_float(lo & 0xffff0000u);
-            sumB += __uint_as_float(hi << 16) + __uint_as_float(hi & 0xffff0000u);
-            int j = nt >> 1;
-            if ((nt & 1) == 0) { pf[j][0] = lo; pf[j][1] = hi; }
-            else { pf[j][2] = lo; pf[j][3] = hi; }
-        }
-        sumA += __shfl_xor_sync(0xffffffffu, sumA, 1);
-        sumA += __shfl_xor_sync(0xffffffffu, sumA, 2);
-        sumB += __shfl_xor_sync(0xffffffffu, sumB, 1);
-        sumB += __shfl_xor_sync(0xffffffffu, sumB, 2);
-        lA = lA * cA + sumA;
-        lB = lB * cB + sumB;
+        softmax_step<8>(s, mxA, mxB, o, mA, mB, lA, lB, pf);
         // O += P V: 4 k-steps of 16 keys x 8 pairs of 8-dim tiles.
 #pragma unroll
         for (int j = 0; j < 4; ++j) {

@@ -68,3 +68,50 @@ __device__ __forceinline__ uint4 norm8(uint4 y, uint4 w, float inv) {
 __device__ __forceinline__ int chunks_per_split(int L, int chunk, int splits) {
     return ((L + chunk - 1) / chunk + splits - 1) / splits;
 }
+
+// One online-softmax step (FlashAttention-2) of a warp's two query rows A and B of an m16n8
+// tile over NT 8-key tiles of masked, scaled scores s (row A in s[.][0..1], B in s[.][2..3];
+// mxA / mxB: this lane's maxima of them). The four lanes sharing a row (tig) agree on the new
+// maxima; O is rescaled; P = exp(S - m) is rounded to bf16 (round to nearest even) into the A
+// fragments of P V (k-step j = key tiles 2j and 2j + 1, the even key in each pair's low half);
+// the row sums lA / lB add the rounded P, the values P V sees. Shared by the split/prefill
+// flash kernels (attn_prefill.cu) and the fused decode attention (attn_decode.cu), so both
+// round and sum alike.
+template <int NT>
+__device__ __forceinline__ void softmax_step(const float (&s)[NT][4], float mxA, float mxB,
+                                             float (&o)[16][4], float& mA, float& mB,
+                                             float& lA, float& lB, u32 (&pf)[NT / 2][4]) {
+    mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
+    mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
+    mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
+    mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
+    float nA = fmaxf(mA, mxA), nB = fmaxf(mB, mxB);
+    float cA = nA == -INFINITY ? 1.f : __expf(mA - nA);
+    float cB = nB == -INFINITY ? 1.f : __expf(mB - nB);
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+        o[nt][0] *= cA; o[nt][1] *= cA; o[nt][2] *= cB; o[nt][3] *= cB;
+    }
+    mA = nA;
+    mB = nB;
+    float sumA = 0.f, sumB = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        float p0 = mA == -INFINITY ? 0.f : __expf(s[nt][0] - mA);
+        float p1 = mA == -INFINITY ? 0.f : __expf(s[nt][1] - mA);
+        float p2 = mB == -INFINITY ? 0.f : __expf(s[nt][2] - mB);
+        float p3 = mB == -INFINITY ? 0.f : __expf(s[nt][3] - mB);
+        u32 pa = pack2(p0, p1), pb = pack2(p2, p3);  // rows A and B
+        sumA += lo(pa) + hi(pa);
+        sumB += lo(pb) + hi(pb);
+        int j = nt >> 1;
+        if ((nt & 1) == 0) { pf[j][0] = pa; pf[j][1] = pb; }
+        else { pf[j][2] = pa; pf[j][3] = pb; }
+    }
+    sumA += __shfl_xor_sync(0xffffffffu, sumA, 1);
+    sumA += __shfl_xor_sync(0xffffffffu, sumA, 2);
+    sumB += __shfl_xor_sync(0xffffffffu, sumB, 1);
+    sumB += __shfl_xor_sync(0xffffffffu, sumB, 2);
+    lA = lA * cA + sumA;
+    lB = lB * cB + sumB;
+}
