@@ -76,19 +76,27 @@ impl<P: Proposer> PeakedProposer<P> {
     }
 
     fn reshape(&self, topk: TopK) -> TopK {
+        // The profile depends on the rank alone: one ln per rank, not per candidate.
+        let widest = (0..topk.depths())
+            .map(|d| topk.row(d).len())
+            .max()
+            .unwrap_or(0);
+        let profile: Vec<f32> = (0..widest)
+            .map(|r| {
+                let p = if r == 0 {
+                    self.top
+                } else {
+                    (1.0 - self.top) * 0.5f32.powi(r as i32)
+                };
+                p.ln()
+            })
+            .collect();
         let rows = (0..topk.depths())
             .map(|d| {
                 topk.row(d)
                     .iter()
-                    .enumerate()
-                    .map(|(r, &(t, _))| {
-                        let p = if r == 0 {
-                            self.top
-                        } else {
-                            (1.0 - self.top) * 0.5f32.powi(r as i32)
-                        };
-                        (t, p.ln())
-                    })
+                    .zip(&profile)
+                    .map(|(&(t, _), &lp)| (t, lp))
                     .collect()
             })
             .collect();

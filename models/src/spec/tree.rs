@@ -236,8 +236,10 @@ impl TopK {
     pub fn new(mut per_depth: Vec<Vec<(u32, f32)>>) -> Self {
         for row in &mut per_depth {
             row.sort_unstable_by_key(|&(t, lp)| rank_key(lp, t));
-            let mut seen = HashSet::with_capacity(row.len());
-            row.retain(|&(t, _)| seen.insert(t));
+            if has_repeated_token(row) {
+                let mut seen = HashSet::with_capacity(row.len());
+                row.retain(|&(t, _)| seen.insert(t));
+            }
         }
         Self { per_depth }
     }
@@ -260,6 +262,15 @@ impl TopK {
             .map_while(|row| row.first().map(|&(t, _)| t))
             .collect()
     }
+}
+
+/// Whether a row names a token twice. Rows come from top-k selections and almost never do,
+/// so a sorted copy of the tokens answers first and only a row with a repeat pays for the
+/// order-keeping hash-set pass (which cost more than the sort on 64-entry rows).
+fn has_repeated_token(row: &[(u32, f32)]) -> bool {
+    let mut tokens: Vec<u32> = row.iter().map(|&(t, _)| t).collect();
+    tokens.sort_unstable();
+    tokens.windows(2).any(|w| w[0] == w[1])
 }
 
 /// log-sum-exp of a row: `exp` in f32 (arguments are <= 0, so no overflow), sum in f64.
@@ -285,6 +296,17 @@ pub(crate) fn rank_key(x: f32, token: u32) -> u64 {
         bits | 0x8000_0000
     };
     (u64::from(!ascending) << 32) | u64::from(token)
+}
+
+/// The value a [`rank_key`] was made from (-0.0 comes back as +0.0, as the key folds it).
+pub(crate) fn rank_key_value(key: u64) -> f32 {
+    let ascending = !((key >> 32) as u32);
+    let bits = if ascending >> 31 == 1 {
+        ascending & 0x7fff_ffff
+    } else {
+        !ascending
+    };
+    f32::from_bits(bits)
 }
 
 /// Top-`k` log-probs per row of row-major `[L, vocab]` draft logits: log-softmax at
@@ -644,6 +666,34 @@ mod tests {
         let tree = build_ddtree(0, &topk, 4);
         let order: Vec<Vec<u32>> = (1..tree.len()).map(|n| tree.path(n)).collect();
         assert_eq!(order, vec![vec![4], vec![4, 7], vec![5], vec![5, 7]]);
+    }
+
+    #[test]
+    fn topk_rows_are_canonical_and_a_repeated_token_keeps_its_best_entry() {
+        let topk = TopK::new(vec![
+            vec![(3, -2.0), (9, -0.5), (3, -0.1), (1, -0.5), (9, -3.0)],
+            vec![(8, -1.0), (2, -1.0), (5, 0.0)],
+        ]);
+        assert_eq!(topk.row(0), &[(3, -0.1), (1, -0.5), (9, -0.5)]);
+        assert_eq!(topk.row(1), &[(5, 0.0), (2, -1.0), (8, -1.0)]);
+    }
+
+    #[test]
+    fn rank_keys_give_back_their_values() {
+        for x in [
+            0.0f32,
+            -0.0,
+            1.5,
+            -1.5,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e-40,
+            -3e38,
+        ] {
+            let back = rank_key_value(rank_key(x, 7));
+            assert_eq!(back.to_bits(), (x + 0.0).to_bits(), "{x}");
+        }
+        assert!(rank_key_value(rank_key(f32::NAN, 0)).is_nan());
     }
 
     #[test]
