@@ -11,7 +11,7 @@ VENV=${DFLASH_CLIENT_VENV:-target/client-venv}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-"$VENV/bin/pip" install --quiet --disable-pip-version-check "openai>=1.40" httpx
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "openai>=1.40" httpx
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 LOG=$(mktemp)
 "$BIN" --host 127.0.0.1 --port "$PORT" >"$LOG" 2>&1 &
