@@ -479,6 +479,16 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         let (_, b) = measure::forward_graph_ms(&fast, &mut cache, n, tree, 1)?;
         out.insert(name.into(), compare(&a, &b)?);
     }
+    // The 16-token forward on the skinny tensor-core GEMMs (the `fast_skinny` variant's path).
+    #[cfg(feature = "cuda")]
+    {
+        let skinny = fast
+            .clone()
+            .with_gemv_rows(dflash_models::fast::GEMV_MAX_ROWS);
+        let a = forward_n(&plain, &mut cache, 16, false)?;
+        let (_, b) = measure::forward_graph_ms(&skinny, &mut cache, 16, false, 1)?;
+        out.insert("graph_chain_16_skinny".into(), compare(&a, &b)?);
+    }
     // The drafter: two rounds (300 then 7 new context rows) plain against fused.
     {
         let width = drafter.config().target_layer_ids.len() * drafter.config().layers.hidden_size;
@@ -504,6 +514,16 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         let b = run(&drafter.clone().with_fast_kernels(true))?;
         out.insert("drafter_round1".into(), compare(&a[0], &b[0])?);
         out.insert("drafter_round2".into(), compare(&a[1], &b[1])?);
+        #[cfg(feature = "cuda")]
+        {
+            let skinny = drafter
+                .clone()
+                .with_fast_kernels(true)
+                .with_gemv_rows(dflash_models::fast::GEMV_MAX_ROWS);
+            let c = run(&skinny)?;
+            out.insert("drafter_round1_skinny".into(), compare(&a[0], &c[0])?);
+            out.insert("drafter_round2_skinny".into(), compare(&a[1], &c[1])?);
+        }
         // The draft graph against the fused forward on the same cache.
         #[cfg(feature = "cuda")]
         {
