@@ -392,6 +392,27 @@ mod tests {
         assert_eq!(topk_parts(64, 40), 1, "pieces must hold k columns");
     }
 
+    /// What the device top-k leaves for `row` cut into `parts` pieces: per piece its best
+    /// `k_max` column ids (as f32), then their values, in the order `arrange` gives them.
+    fn device_pieces(
+        row: &[f32],
+        parts: usize,
+        k_max: usize,
+        mut arrange: impl FnMut(&mut Vec<usize>),
+    ) -> Vec<f32> {
+        let width = row.len() / parts;
+        let mut packed = Vec::new();
+        for piece in row.chunks_exact(width) {
+            let mut cols: Vec<usize> = (0..width).collect();
+            cols.sort_by_key(|&j| crate::spec::tree::rank_key(piece[j], j as u32));
+            cols.truncate(k_max);
+            arrange(&mut cols);
+            packed.extend(cols.iter().map(|&j| j as f32));
+            packed.extend(cols.iter().map(|&j| piece[j]));
+        }
+        packed
+    }
+
     #[test]
     fn merged_piece_candidates_are_the_host_top_k() {
         // Nine values above 3.9, so the 11th place falls among the five planted ties.
@@ -424,16 +445,7 @@ mod tests {
         for (parts, k_max) in [(1, k), (2, k), (4, k), (8, k), (2, k + 5), (8, k + 1)] {
             let width = vocab / parts;
             // Each piece's top k_max (as the device kernel selects them, in any order).
-            let mut packed = Vec::new();
-            for p in 0..parts {
-                let piece = &row[p * width..(p + 1) * width];
-                let mut cols: Vec<usize> = (0..width).collect();
-                cols.sort_by_key(|&j| crate::spec::tree::rank_key(piece[j], j as u32));
-                cols.truncate(k_max);
-                cols.reverse();
-                packed.extend(cols.iter().map(|&j| j as f32));
-                packed.extend(cols.iter().map(|&j| piece[j]));
-            }
+            let packed = device_pieces(&row, parts, k_max, |cols| cols.reverse());
             let got = TopK::new(vec![merge_parts(&packed, width, k_max, lp_max, k)]);
             assert_eq!(got.row(0).len(), k);
             for (a, b) in got.row(0).iter().zip(want.row(0)) {
@@ -469,17 +481,10 @@ mod tests {
                 .collect();
             let want = topk_logprobs(&row, vocab, k);
             let lp_max = want.row(0)[0].1;
-            let mut packed = Vec::new();
-            for p in 0..parts {
-                let piece = &row[p * width..(p + 1) * width];
-                let mut cols: Vec<usize> = (0..width).collect();
-                cols.sort_by_key(|&j| crate::spec::tree::rank_key(piece[j], j as u32));
-                cols.truncate(k_max);
-                // The device leaves a piece's top k in no particular order.
-                cols.rotate_left((next() % k_max as u64) as usize);
-                packed.extend(cols.iter().map(|&j| j as f32));
-                packed.extend(cols.iter().map(|&j| piece[j]));
-            }
+            // The device leaves a piece's top k in no particular order.
+            let packed = device_pieces(&row, parts, k_max, |cols| {
+                cols.rotate_left((next() % k_max as u64) as usize)
+            });
             let got = TopK::new(vec![merge_parts(&packed, width, k_max, lp_max, k)]);
             let tokens = |t: &TopK| t.row(0).iter().map(|e| e.0).collect::<Vec<_>>();
             assert_eq!(
