@@ -474,20 +474,21 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         out.insert(format!("attn_{name}"), json!({"ms": ms, "TFLOPs": tflops}));
     }
     #[cfg(feature = "cuda")]
-    for (name, n, tree) in [("graph_chain_16", 16, false), ("graph_tree_64", 64, true)] {
-        let a = forward_n(&plain, &mut cache, n, tree)?;
-        let (_, b) = measure::forward_graph_ms(&fast, &mut cache, n, tree, 1)?;
-        out.insert(name.into(), compare(&a, &b)?);
-    }
-    // The 16-token forward on the skinny tensor-core GEMMs (the `fast_skinny` variant's path).
-    #[cfg(feature = "cuda")]
     {
+        // The chain also on the skinny tensor-core GEMMs (the `fast_skinny` variant's path),
+        // against the same plain forward.
         let skinny = fast
             .clone()
             .with_gemv_rows(dflash_models::fast::GEMV_MAX_ROWS);
-        let a = forward_n(&plain, &mut cache, 16, false)?;
-        let (_, b) = measure::forward_graph_ms(&skinny, &mut cache, 16, false, 1)?;
-        out.insert("graph_chain_16_skinny".into(), compare(&a, &b)?);
+        for (name, n, tree) in [("graph_chain_16", 16, false), ("graph_tree_64", 64, true)] {
+            let a = forward_n(&plain, &mut cache, n, tree)?;
+            let (_, b) = measure::forward_graph_ms(&fast, &mut cache, n, tree, 1)?;
+            out.insert(name.into(), compare(&a, &b)?);
+            if !tree {
+                let (_, c) = measure::forward_graph_ms(&skinny, &mut cache, n, tree, 1)?;
+                out.insert(format!("{name}_skinny"), compare(&a, &c)?);
+            }
+        }
     }
     // The drafter: two rounds (300 then 7 new context rows) plain against fused.
     {
