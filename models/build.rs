@@ -1,4 +1,4 @@
-//! With the `cuda` feature, compiles the fused kernels (src/fast/kernels.cu) to PTX with nvcc
+//! With the `cuda` feature, compiles the fused kernels (src/cuda/kernels.cu) to PTX with nvcc
 //! (the CUDA toolchain script puts it on PATH and sets CUDA_COMPUTE_CAP). Without the feature
 //! nothing is built and the CPU path needs no CUDA at all.
 
@@ -15,7 +15,7 @@ fn main() {
         "attn_prefill.cu",
         "common.cuh",
     ] {
-        println!("cargo:rerun-if-changed=src/fast/{f}");
+        println!("cargo:rerun-if-changed=src/cuda/{f}");
     }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
@@ -45,11 +45,11 @@ fn main() {
             .arg(format!("-arch=sm_{cap}"))
             .arg("-o")
             .arg(out_dir.join(ptx))
-            .arg(format!("src/fast/{src}"))
+            .arg(format!("src/cuda/{src}"))
             .status();
         match status {
             Ok(s) if s.success() => {}
-            Ok(s) => panic!("{nvcc} failed ({s}) compiling src/fast/{src}"),
+            Ok(s) => panic!("{nvcc} failed ({s}) compiling src/cuda/{src}"),
             Err(e) => panic!(
                 "cannot run {nvcc} ({e}): the `cuda` feature needs nvcc; source ../shared/tools/cuda-toolchain.sh or set NVCC"
             ),

@@ -1,43 +1,42 @@
-//! Model math, once: the Qwen3 target and the DFlash drafter on candle, their caches, and the
-//! attention patterns speculative decoding needs (causal, tree, full block, sliding window).
+//! Model math, once: the Qwen3 dense target, the Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid
+//! targets, the DFlash drafter, their caches, their CUDA path, and the speculative decoding
+//! engine built on them. Inference and the trainer's differentiable forward share these
+//! layers; [`OpsMode`] picks fused kernels or differentiable compositions once per model.
+//! HTTP, scheduling and data pipelines live in `dflash-serve` and `dflash-train`.
 //!
-//! Inference and the trainer's differentiable forward share these layers; [`ops::OpsMode`]
-//! picks fused kernels or differentiable compositions once per model. HTTP, scheduling and
-//! data pipelines live in `dflash-serve` and `dflash-train`.
+//! The house, bottom to top (a file imports only from its own floor or below; no file imports
+//! another that imports it back, which `tools/import_cycles.py` checks):
+//! - [`error`], [`random`], [`probe`]: errors, seeded weights, device probes;
+//! - [`layers`]: ops, RoPE, attention patterns, the decoder layer;
+//! - [`cache`]: per-sequence K/V and recurrent caches; [`batch`]: the batched-forward types;
+//! - [`cuda`]: the fused kernels, the fused decoder-layer stack, CUDA-graph capture/replay;
+//! - a folder per model: [`qwen3`], [`qwen3_5`] (hybrids, dense and MoE, with the MTP head),
+//!   [`dflash`] (inference, CUDA block, training forward); [`target`]: the verifier enum;
+//! - [`speculative`]: draft trees, the acceptance walk, sampling, proposers, the engine.
 
-pub mod attention;
+pub mod batch;
+pub mod cache;
+pub mod cuda;
 pub mod dflash;
-#[cfg(feature = "cuda")]
-mod dflash_fast;
-pub mod dflash_train;
 pub mod error;
-pub mod fast;
-#[cfg(feature = "cuda")]
-mod fast_decoder;
-pub mod kv_cache;
-pub mod layer;
-pub mod ops;
+pub mod layers;
 pub mod probe;
 pub mod qwen3;
 pub mod qwen3_5;
-#[cfg(feature = "cuda")]
-mod qwen3_fast;
 pub mod random;
-pub mod rope;
-pub mod spec;
-pub mod step_graphs;
+pub mod speculative;
 pub mod target;
 
-pub use attention::AttnPattern;
-pub use dflash::{DFlashDrafter, DraftInput, TargetEmbeddingsAndHead};
+pub use batch::{ForwardOutput, SeqForward};
+pub use cache::SequenceCache;
 #[cfg(feature = "cuda")]
-pub use dflash_fast::DraftGraph;
-pub use dflash_train::TrainSequence;
+pub use dflash::DraftGraph;
+pub use dflash::{DFlashDrafter, DraftInput, TargetEmbeddingsAndHead, TrainSequence};
 pub use error::{ModelError, ModelResult};
-pub use kv_cache::SequenceCache;
-pub use ops::OpsMode;
-pub use qwen3::{ForwardOutput, Qwen3Model, SeqForward};
-pub use qwen3_5::Qwen35Model;
+pub use layers::attention::AttnPattern;
+pub use layers::ops::OpsMode;
+pub use qwen3::Qwen3Model;
 #[cfg(feature = "cuda")]
-pub use qwen3_fast::StepGraph;
+pub use qwen3::StepGraph;
+pub use qwen3_5::Qwen35Model;
 pub use target::{DraftTarget, Target};

@@ -8,10 +8,11 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use dflash_common::HybridConfig;
 
+use crate::batch::{ForwardOutput, SeqForward};
+use crate::cache::SequenceCache;
 use crate::error::ModelResult;
-use crate::kv_cache::SequenceCache;
-use crate::ops::OpsMode;
-use crate::qwen3::{ForwardOutput, Qwen3Model, SeqForward};
+use crate::layers::ops::OpsMode;
+use crate::qwen3::Qwen3Model;
 use crate::qwen3_5::Qwen35Model;
 
 #[derive(Debug, Clone)]

@@ -14,7 +14,9 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device};
 use dflash_common::tokenizer::Tokenizer;
-use dflash_models::spec::{Algorithm, Engine, EngineConfig, GenerationRequest, SamplingParams};
+use dflash_models::speculative::{
+    Algorithm, Engine, EngineConfig, GenerationRequest, SamplingParams,
+};
 use dflash_models::{OpsMode, Qwen3Model};
 use serde_json::{json, Value};
 use support::binary::{metric, ServerProcess};

@@ -174,14 +174,14 @@ pub fn single_threaded_tensor_ops() {
 /// `algorithm`, 100 sequences per engine batch, in seed order (seed `seed_base + i`); also
 /// returns the draft tokens accepted, to show speculation took part.
 pub fn sample_continuations(
-    engine: &mut dflash_models::spec::Engine,
+    engine: &mut dflash_models::speculative::Engine,
     prompt: &[u32],
-    algorithm: dflash_models::spec::Algorithm,
+    algorithm: dflash_models::speculative::Algorithm,
     samples: usize,
     new_tokens: usize,
     seed_base: u64,
 ) -> (Vec<Vec<u32>>, usize) {
-    use dflash_models::spec::{GenerationRequest, SamplingParams};
+    use dflash_models::speculative::{GenerationRequest, SamplingParams};
     let mut out = Vec::with_capacity(samples);
     let mut accepted = 0;
     for chunk in 0..samples / 100 {

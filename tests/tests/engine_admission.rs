@@ -2,7 +2,7 @@
 //! sequence that was mid-generation when they arrived still produces plain greedy's tokens.
 
 use candle_core::{DType, Device};
-use dflash_models::spec::{
+use dflash_models::speculative::{
     Algorithm, Engine, EngineConfig, EngineError, GenerationRequest, OracleProposer, SamplingError,
     SamplingParams,
 };

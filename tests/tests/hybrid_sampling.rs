@@ -12,8 +12,10 @@
 
 use dflash_models::qwen3_5::MtpHead;
 use dflash_models::random::WeightRng;
-use dflash_models::spec::MtpProposer;
-use dflash_models::spec::{Algorithm, Engine, EngineConfig, Noise, OracleProposer, Proposer};
+use dflash_models::speculative::MtpProposer;
+use dflash_models::speculative::{
+    Algorithm, Engine, EngineConfig, Noise, OracleProposer, Proposer,
+};
 use dflash_models::{OpsMode, Qwen35Model};
 use dflash_tests::{
     chi2_bound, sample_continuations, single_threaded_tensor_ops, tiny_hybrid, two_sample_chi2,

@@ -9,8 +9,8 @@
 //! remain. A tree node that started from the previous node's state instead of its parent's, or
 //! a commit of the wrong node's state, breaks both.
 
-use dflash_models::kv_cache::LayerCache;
-use dflash_models::spec::{
+use dflash_models::cache::LayerCache;
+use dflash_models::speculative::{
     Algorithm, Engine, EngineConfig, GenerationRequest, Noise, OracleProposer, Proposer,
     SamplingParams,
 };
@@ -268,7 +268,7 @@ fn an_uncompacted_tree_cannot_be_extended_or_truncated_through() {
 #[test]
 fn dflash_drafter_tapping_recurrent_layers_keeps_hybrid_greedy_output() {
     use dflash_common::{DFlashConfig, LayerType, Qwen3Config, RopeScaling};
-    use dflash_models::spec::DFlashProposer;
+    use dflash_models::speculative::DFlashProposer;
     use dflash_models::{DFlashDrafter, OpsMode};
     single_threaded_tensor_ops();
     let m = tiny_hybrid(5);
@@ -322,7 +322,7 @@ fn dflash_drafter_tapping_recurrent_layers_keeps_hybrid_greedy_output() {
 fn mtp_head_chain_and_tree_on_a_hybrid_target_match_plain() {
     use dflash_models::qwen3_5::MtpHead;
     use dflash_models::random::WeightRng;
-    use dflash_models::spec::MtpProposer;
+    use dflash_models::speculative::MtpProposer;
     use dflash_models::OpsMode;
     single_threaded_tensor_ops();
     let m = tiny_hybrid(13);
@@ -372,7 +372,7 @@ fn mtp_head_chain_and_tree_on_a_hybrid_target_match_plain() {
 fn mtp_drafts_depend_only_on_the_committed_prefix() {
     use dflash_models::qwen3_5::MtpHead;
     use dflash_models::random::WeightRng;
-    use dflash_models::spec::{MtpProposer, ProposeItem};
+    use dflash_models::speculative::{MtpProposer, ProposeItem};
     use dflash_models::OpsMode;
     single_threaded_tensor_ops();
     let m = tiny_hybrid(19);
@@ -494,7 +494,7 @@ fn chain_and_ddtree_greedy_on_a_moe_hybrid_target_match_plain() {
         // A random MTP head whose layer is sparse too (as MoE checkpoints ship it).
         (
             "mtp chain",
-            Box::new(dflash_models::spec::MtpProposer::new(
+            Box::new(dflash_models::speculative::MtpProposer::new(
                 m.clone(),
                 dflash_models::qwen3_5::MtpHead::random(
                     &mut dflash_models::random::WeightRng::new(17),

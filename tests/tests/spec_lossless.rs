@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Device};
 use dflash_common::DFlashConfig;
-use dflash_models::spec::{
+use dflash_models::speculative::{
     Algorithm, DFlashProposer, Engine, EngineConfig, GenerationRequest, Noise, OracleProposer,
     Proposer, SamplingParams,
 };
@@ -240,7 +240,7 @@ fn noisy_oracle_chain_and_ddtree_64_match_plain_greedy_and_the_tree_accepts_more
     let tau = |alg| {
         // Same noise seed: the chain and the tree see the same corrupted distributions.
         let mut e = engine(&t, Which::NoisyOracle);
-        let mut total = dflash_models::spec::SeqStats::new(15);
+        let mut total = dflash_models::speculative::SeqStats::new(15);
         for (c, r) in cases.iter().zip(reference) {
             let (got, s) = e.generate(request(&c.input_ids, 48, alg)).unwrap();
             assert_eq!(&got, r, "NoisyOracle {alg:?} on {}", c.id);

@@ -14,7 +14,9 @@
 //! keeps the first draft unsampled gave chain token 2 a chi2 of 338 against a bound of 42.9).
 
 use candle_core::{DType, Device};
-use dflash_models::spec::{Algorithm, Engine, EngineConfig, Noise, OracleProposer, Proposer};
+use dflash_models::speculative::{
+    Algorithm, Engine, EngineConfig, Noise, OracleProposer, Proposer,
+};
 use dflash_models::{OpsMode, Qwen3Model};
 use dflash_tests::{chi2_bound, demo_model, greedy_cases, sample_continuations, two_sample_chi2};
 

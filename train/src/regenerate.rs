@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device};
 use dflash_common::chat::{ChatRenderInput, ChatTemplate};
 use dflash_common::tokenizer::Tokenizer;
-use dflash_models::spec::{
+use dflash_models::speculative::{
     Algorithm, DFlashProposer, Engine, EngineConfig, FinishReason, GenerationRequest,
     SamplingParams,
 };

@@ -6,7 +6,7 @@ mod eval_support;
 use std::path::Path;
 
 use candle_core::DType;
-use dflash_models::spec::OracleProposer;
+use dflash_models::speculative::OracleProposer;
 use dflash_train::eval::drafters::demo_target_dir;
 use dflash_train::eval::{
     replay_cache, CacheError, CacheStatus, EvalCache, EvalError, TargetIdentity, Verify,

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use dflash_common::DFlashConfig;
-use dflash_models::spec::{
+use dflash_models::speculative::{
     DFlashProposer, Engine, EngineConfig, GenerationRequest, Noise, OracleProposer, ProposeItem,
     Proposer, SamplingParams, SeqId, TopK,
 };

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device};
 use dflash_common::chat::{ChatRenderInput, ChatTemplate};
 use dflash_common::tokenizer::Tokenizer;
-use dflash_models::spec::{Algorithm, Engine, EngineConfig, GenerationRequest, SamplingParams};
+use dflash_models::speculative::{
+    Algorithm, Engine, EngineConfig, GenerationRequest, SamplingParams,
+};
 use dflash_models::{OpsMode, Qwen3Model};
 use dflash_train::regenerate::{regenerate, RegenerateArgs};
 use serde_json::{json, Value};

@@ -8,8 +8,8 @@ use candle_core::{DType, Device, Result, Tensor, D};
 use dflash_common::{HybridConfig, WeightFiles};
 
 use crate::error::ModelResult;
-use crate::layer::linear;
-use crate::ops::{rms_norm, rope, OpsMode};
+use crate::layers::decoder_layer::linear;
+use crate::layers::ops::{rms_norm, rope, OpsMode};
 use crate::random::WeightRng;
 
 /// A zero-centred norm weight as the multiplier it stands for: `1 + w` (computed once, in f32

@@ -11,10 +11,10 @@
 use candle_core::{DType, Device, Result, Tensor, D};
 use dflash_common::{HybridConfig, WeightFiles};
 
+use crate::cache::{GdnState, StagedState};
 use crate::error::{ModelError, ModelResult};
-use crate::kv_cache::{GdnState, StagedState};
-use crate::layer::linear;
-use crate::ops::{rms_norm, OpsMode};
+use crate::layers::decoder_layer::linear;
+use crate::layers::ops::{rms_norm, OpsMode};
 use crate::qwen3_5::delta_rule::{chunked, recurrent, DeltaInputs, Forest};
 use crate::random::WeightRng;
 

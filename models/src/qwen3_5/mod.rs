@@ -2,12 +2,15 @@
 //! `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`; sparse-MoE MLPs in [`moe`]), built for
 //! speculative decoding like [`Qwen3Model`]: one forward over a batch of sequences with per-token positions, causal or tree patterns,
 //! logits for the rows asked and taps (raw decoder-layer outputs) of any layer, recurrent ones
-//! included.
+//! included. This folder: the model and its forward (`mod.rs`), the Gated DeltaNet layer
+//! (`gdn.rs`) and its chunked / recurrent delta rule (`delta_rule.rs`), gated full attention
+//! and the dense MLP (`gated_attention.rs`), the sparse-MoE MLP (`moe.rs`), the MTP head
+//! (`mtp.rs`).
 //!
 //! Layers are Gated DeltaNet (`linear_attention`, recurrent state in the cache) or gated full
 //! attention (K/V rows), per `layer_types`; every ordinary norm is zero-centred (`1 + w`). A
 //! verify forward keeps the recurrent state after every new row, each computed from its parent
-//! (see [`crate::kv_cache::recurrent`]); compaction commits the accepted path's.
+//! (see [`crate::cache::recurrent`]); compaction commits the accepted path's.
 //!
 //! [`Qwen3Model`]: crate::qwen3::Qwen3Model
 
@@ -23,15 +26,15 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use dflash_common::{HybridConfig, HybridLayerType, WeightFiles};
 
-use crate::attention::{attend, AttnPattern};
+use crate::batch::{check_batch, ForwardOutput, SeqForward, StackedBatch};
+use crate::cache::{KvBuffer, LayerCache, SequenceCache, StagedState};
 use crate::error::{ModelError, ModelResult};
-use crate::kv_cache::{KvBuffer, LayerCache, SequenceCache, StagedState};
-use crate::layer::linear;
-use crate::ops::{rms_norm, OpsMode};
-use crate::qwen3::{check_batch, ForwardOutput, SeqForward, StackedBatch};
+use crate::layers::attention::{attend, AttnPattern};
+use crate::layers::decoder_layer::linear;
+use crate::layers::ops::{rms_norm, OpsMode};
+use crate::layers::rope::RotaryEmbedding;
 use crate::qwen3_5::delta_rule::Forest;
 use crate::random::WeightRng;
-use crate::rope::RotaryEmbedding;
 pub use gated_attention::{one_plus, GatedAttention, Mlp};
 pub use gdn::{DeltaForm, GatedDeltaNet};
 pub use moe::{FeedForward, SparseMoe};
@@ -299,9 +302,9 @@ impl Qwen35Model {
             .layers
             .iter()
             .map(|l| match &l.mixer {
-                Mixer::Linear(g) => Ok(LayerCache::Recurrent(
-                    crate::kv_cache::RecurrentLayer::new(g.zero_state(self.dtype, &self.device)?),
-                )),
+                Mixer::Linear(g) => Ok(LayerCache::Recurrent(crate::cache::RecurrentLayer::new(
+                    g.zero_state(self.dtype, &self.device)?,
+                ))),
                 Mixer::Full(_) => Ok(LayerCache::Attention(KvBuffer::new(
                     self.cfg.num_key_value_heads,
                     capacity,

@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use dflash_common::{HybridConfig, MoeConfig, WeightError, WeightFiles};
 
 use crate::error::{ModelError, ModelResult};
-use crate::layer::linear;
+use crate::layers::decoder_layer::linear;
 use crate::qwen3_5::gated_attention::Mlp;
 use crate::random::WeightRng;
 

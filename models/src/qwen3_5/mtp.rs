@@ -14,11 +14,11 @@
 use candle_core::{DType, Device, Tensor};
 use dflash_common::{HybridConfig, WeightFiles};
 
-use crate::attention::{attend, AttnPattern};
+use crate::cache::SequenceCache;
 use crate::error::{ModelError, ModelResult};
-use crate::kv_cache::SequenceCache;
-use crate::layer::linear;
-use crate::ops::{rms_norm, OpsMode};
+use crate::layers::attention::{attend, AttnPattern};
+use crate::layers::decoder_layer::linear;
+use crate::layers::ops::{rms_norm, OpsMode};
 use crate::qwen3_5::gated_attention::{one_plus, GatedAttention};
 use crate::qwen3_5::moe::FeedForward;
 use crate::qwen3_5::Qwen35Model;

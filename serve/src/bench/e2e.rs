@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use anyhow::{anyhow, Result};
-use dflash_models::spec::{
+use dflash_models::speculative::{
     profile, Algorithm, DFlashProposer, Engine, EngineConfig, GenerationRequest, PeakedProposer,
     SamplingParams, SimulatedAcceptance,
 };
@@ -22,7 +22,7 @@ pub struct E2eSetup<'a> {
     pub new_tokens: usize,
     /// Simulated acceptance length tau (tokens per round, bonus included).
     pub tau: f64,
-    /// Also decode once more with phase profiling on (`dflash_models::spec::profile`).
+    /// Also decode once more with phase profiling on (`dflash_models::speculative::profile`).
     pub profile: bool,
 }
 
@@ -112,7 +112,7 @@ fn new_engine(s: &E2eSetup<'_>, algorithm: Algorithm) -> Engine {
         Box::new(PeakedProposer::new(
             DFlashProposer::new(s.drafter.clone()),
             0.8,
-        )) as Box<dyn dflash_models::spec::Proposer>
+        )) as Box<dyn dflash_models::speculative::Proposer>
     });
     let mut engine = Engine::new(s.target.clone(), proposer, config);
     engine.simulate_acceptance(SimulatedAcceptance::new(s.tau - 1.0, 7));
@@ -213,13 +213,13 @@ pub fn run(s: &E2eSetup<'_>, budgets: &[usize]) -> Result<Value> {
     Ok(Value::Object(out))
 }
 
-/// The greedy selection kernels (`dflash_models::spec::greedy`) on `[rows, vocab]` logits with
+/// The greedy selection kernels (`dflash_models::speculative::greedy`) on `[rows, vocab]` logits with
 /// bf16-rounded values (ties are common) and a planted tie at each row's maximum: columns and
 /// log-probs against the host scan, and the time of one selection (result on the host) against
 /// candle's argmax and the old chain selection (log-softmax, argmax, gather, two copies).
 pub fn greedy_select(dev: &candle_core::Device, vocab: usize) -> Result<Value> {
     use candle_core::{DType, Tensor, D};
-    use dflash_models::spec::greedy::row_argmax_logprob;
+    use dflash_models::speculative::greedy::row_argmax_logprob;
     let mut out = serde_json::Map::new();
     for rows in [1usize, 15, 16] {
         let mut v: Vec<f32> = (0..rows * vocab)

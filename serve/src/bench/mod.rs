@@ -180,9 +180,9 @@ pub fn main(argv: Vec<String>) -> Result<()> {
     for v in &args.variants {
         let (fast, gemv_rows) = match v.as_str() {
             "plain" => (false, 0),
-            "fast" => (true, dflash_models::fast::GEMV_DEFAULT_ROWS),
+            "fast" => (true, dflash_models::cuda::GEMV_DEFAULT_ROWS),
             "fast_cublas" => (true, 0),
-            "fast_skinny" => (true, dflash_models::fast::GEMV_MAX_ROWS),
+            "fast_skinny" => (true, dflash_models::cuda::GEMV_MAX_ROWS),
             other => bail!("--variants {other}: use plain, fast, fast_cublas and/or fast_skinny"),
         };
         if fast && !base.fast_kernels_available() {
@@ -390,7 +390,7 @@ fn figures(
     );
 
     // The same prefill in pieces of each length (the fused path's default is
-    // fast::PREFILL_CHUNK).
+    // cuda::PREFILL_CHUNK).
     #[cfg(feature = "cuda")]
     if m.fast_kernels() {
         let mut by_chunk = Map::new();
@@ -447,18 +447,18 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
     fill_context(&plain, &mut cache, 1000)?;
     let mut out = Map::new();
     #[cfg(feature = "cuda")]
-    for (name, err, scale) in dflash_models::fast::check::kernel_errors(base.device())? {
+    for (name, err, scale) in dflash_models::cuda::check::kernel_errors(base.device())? {
         out.insert(name, json!({"max_abs_err": err, "max_abs_plain": scale}));
     }
     #[cfg(feature = "cuda")]
-    for (name, two, fused) in dflash_models::fast::check::decode_attention_timings(base.device())? {
+    for (name, two, fused) in dflash_models::cuda::check::decode_attention_timings(base.device())? {
         out.insert(
             format!("attention_us_{name}"),
             json!({"two_launch": two, "fused": fused}),
         );
     }
     #[cfg(feature = "cuda")]
-    for (name, cublas, gemv, gb) in dflash_models::fast::check::gemv_timings(base.device())? {
+    for (name, cublas, gemv, gb) in dflash_models::cuda::check::gemv_timings(base.device())? {
         out.insert(
             format!("gemm_{name}_ms"),
             json!({"cublas": cublas, "gemv": gemv, "weight_GB": gb,
@@ -466,11 +466,11 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         );
     }
     #[cfg(feature = "cuda")]
-    for (name, ms) in dflash_models::fast::check::topk_timings(base.device())? {
+    for (name, ms) in dflash_models::cuda::check::topk_timings(base.device())? {
         out.insert(format!("topk_ms_{name}"), json!(ms));
     }
     #[cfg(feature = "cuda")]
-    for (name, ms, tflops) in dflash_models::fast::check::attention_timings(base.device())? {
+    for (name, ms, tflops) in dflash_models::cuda::check::attention_timings(base.device())? {
         out.insert(format!("attn_{name}"), json!({"ms": ms, "TFLOPs": tflops}));
     }
     #[cfg(feature = "cuda")]
@@ -479,7 +479,7 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
         // against the same plain forward.
         let skinny = fast
             .clone()
-            .with_gemv_rows(dflash_models::fast::GEMV_MAX_ROWS);
+            .with_gemv_rows(dflash_models::cuda::GEMV_MAX_ROWS);
         for (name, n, tree) in [("graph_chain_16", 16, false), ("graph_tree_64", 64, true)] {
             let a = forward_n(&plain, &mut cache, n, tree)?;
             let (_, b) = measure::forward_graph_ms(&fast, &mut cache, n, tree, 1)?;
@@ -520,7 +520,7 @@ fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
             let skinny = drafter
                 .clone()
                 .with_fast_kernels(true)
-                .with_gemv_rows(dflash_models::fast::GEMV_MAX_ROWS);
+                .with_gemv_rows(dflash_models::cuda::GEMV_MAX_ROWS);
             let c = run(&skinny)?;
             out.insert("drafter_round1_skinny".into(), compare(&a[0], &c[0])?);
             out.insert("drafter_round2_skinny".into(), compare(&a[1], &c[1])?);

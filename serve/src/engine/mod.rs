@@ -2,7 +2,7 @@
 //! active sequence; handlers talk to it only through channels, with token ids in and out.
 //!
 //! [`StepEngine`] is the small surface the thread needs. The real implementation wraps
-//! `dflash_models::spec::engine::Engine` (see [`real`]); tests drive the same thread and HTTP
+//! `dflash_models::speculative::engine::Engine` (see [`real`]); tests drive the same thread and HTTP
 //! layer with a deterministic scripted engine. No tensor crosses this boundary, and no JSON.
 
 pub mod real;

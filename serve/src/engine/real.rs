@@ -1,4 +1,4 @@
-//! The real engine behind the boundary: `dflash_models::spec::Engine` with the target (Qwen3,
+//! The real engine behind the boundary: `dflash_models::speculative::Engine` with the target (Qwen3,
 //! or a Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid, picked by its config.json) and, when speculating,
 //! a DFlash drafter or the target's built-in MTP head as its proposer. Only this file knows both
 //! sides' types.
@@ -8,7 +8,7 @@ use std::path::Path;
 use candle_core::{DType as CandleDType, Device};
 use dflash_common::WeightFiles;
 use dflash_models::qwen3_5::MtpHead;
-use dflash_models::spec::{
+use dflash_models::speculative::{
     Algorithm, DFlashProposer, Engine, EngineConfig, FinishReason, GenerationRequest, MtpProposer,
     Proposer, SamplingParams,
 };

@@ -16,7 +16,7 @@ mod hybrid;
 use anyhow::{Context, Result};
 
 use candle_core::{DType, Device};
-use dflash_models::spec::{
+use dflash_models::speculative::{
     Algorithm, Engine, EngineConfig, GenerationRequest, OracleProposer, SamplingParams,
 };
 use dflash_models::{AttnPattern, DFlashDrafter, DraftInput, OpsMode, Qwen3Model, SeqForward};
@@ -82,7 +82,7 @@ fn greedy(dev: &Device, dtype: DType) -> Result<Value> {
         Some(Box::new(OracleProposer::new(
             target.clone(),
             15,
-            Some(dflash_models::spec::Noise {
+            Some(dflash_models::speculative::Noise {
                 corrupt_prob: 0.3,
                 seed: 3,
             }),

@@ -21,7 +21,9 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{Device, Tensor};
-use dflash_models::spec::{Algorithm, Engine, EngineConfig, GenerationRequest, SamplingParams};
+use dflash_models::speculative::{
+    Algorithm, Engine, EngineConfig, GenerationRequest, SamplingParams,
+};
 use dflash_models::{AttnPattern, Qwen3Model, SeqForward};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;

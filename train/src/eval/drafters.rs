@@ -12,7 +12,7 @@
 use std::path::PathBuf;
 
 use dflash_common::DFlashConfig;
-use dflash_models::spec::{DFlashProposer, Noise, OracleProposer, Proposer};
+use dflash_models::speculative::{DFlashProposer, Noise, OracleProposer, Proposer};
 use dflash_models::{DFlashDrafter, OpsMode, Qwen3Model};
 
 use super::error::EvalError;

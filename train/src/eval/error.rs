@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use dflash_models::spec::EngineError;
+use dflash_models::speculative::EngineError;
 use dflash_models::ModelError;
 
 #[derive(Debug, thiserror::Error)]

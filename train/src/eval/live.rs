@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use dflash_models::spec::{
+use dflash_models::speculative::{
     Algorithm, Engine, EngineConfig, GenerationRequest, Proposer, SamplingParams, SeqStats,
 };
 use dflash_models::Qwen3Model;

@@ -1,7 +1,7 @@
 //! Offline evaluation of one drafter on a cache: the entry point for `dflash-train eval` and for
 //! periodic evaluation inside training.
 
-use dflash_models::spec::{DFlashProposer, Proposer};
+use dflash_models::speculative::{DFlashProposer, Proposer};
 use dflash_models::{DFlashDrafter, Qwen3Model};
 
 use super::cache::EvalCache;

@@ -24,7 +24,7 @@
 //! every node.
 
 use candle_core::Tensor;
-use dflash_models::spec::{
+use dflash_models::speculative::{
     build_ddtree, chain_tree, walk, Algorithm, DraftTree, ProposeItem, Proposer, SeqId, TopK,
 };
 use serde::Serialize;

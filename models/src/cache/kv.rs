@@ -1,0 +1,278 @@
+//! Per-sequence caches, preallocated to a capacity and written in place.
+//!
+//! Speculative decoding appends a block, keeps part of it and drops the rest every round, so
+//! the cache must support `append`, `truncate(len)` and `compact(start, keep)` (the tree-accepted
+//! rows moved next to the prefix) without re-concatenating tensors per step. Each layer's buffer
+//! is `[num_kv_heads, capacity, head_dim]`; rows `[0, len)` are live.
+//!
+//! A cache is a list of per-layer caches behind [`LayerCache`]. Attention layers keep K/V rows;
+//! the recurrent (Gated DeltaNet) layers of the hybrid targets keep a state per rollback-able
+//! row ([`super::recurrent`]), with the same truncate/compact contract.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use crate::cache::recurrent::{RecurrentLayer, RowTracker, StagedState};
+use crate::error::{ModelError, ModelResult};
+
+/// K/V rows of one attention layer.
+#[derive(Debug, Clone)]
+pub struct KvBuffer {
+    k: Tensor,
+    v: Tensor,
+}
+
+impl KvBuffer {
+    pub fn new(
+        num_kv_heads: usize,
+        capacity: usize,
+        head_dim: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let shape = (num_kv_heads, capacity, head_dim);
+        Ok(Self {
+            k: Tensor::zeros(shape, dtype, device)?,
+            v: Tensor::zeros(shape, dtype, device)?,
+        })
+    }
+
+    /// Writes `k`, `v` (`[num_kv_heads, n, head_dim]`) at rows `[at, at + n)`.
+    pub fn write(&self, at: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        self.k.slice_set(&k.contiguous()?, 1, at)?;
+        self.v.slice_set(&v.contiguous()?, 1, at)
+    }
+
+    /// The whole preallocated K and V buffers `[num_kv_heads, capacity, head_dim]` (the fused
+    /// kernels write and read rows in place).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn buffers(&self) -> (&Tensor, &Tensor) {
+        (&self.k, &self.v)
+    }
+
+    /// Views of rows `[0, len)`: `[num_kv_heads, len, head_dim]`.
+    pub fn view(&self, len: usize) -> Result<(Tensor, Tensor)> {
+        Ok((self.k.narrow(1, 0, len)?, self.v.narrow(1, 0, len)?))
+    }
+
+    /// Moves rows `keep` (absolute, ascending, all `>= start`) to `[start, start + keep.len())`.
+    fn compact(&self, start: usize, keep: &[usize]) -> Result<()> {
+        let contiguous = keep.iter().enumerate().all(|(i, &r)| r == start + i);
+        if contiguous || keep.is_empty() {
+            return Ok(());
+        }
+        let idx: Vec<u32> = keep.iter().map(|&r| r as u32).collect();
+        let idx = Tensor::new(idx.as_slice(), self.k.device())?;
+        // index_select materialises the rows before slice_set overwrites any of them.
+        let k = self.k.index_select(&idx, 1)?;
+        let v = self.v.index_select(&idx, 1)?;
+        self.write(start, &k, &v)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub enum LayerCache {
+    Attention(KvBuffer),
+    Recurrent(RecurrentLayer),
+}
+
+impl LayerCache {
+    /// The K/V rows of an attention layer; an error for a recurrent one.
+    pub fn attention(&self) -> ModelResult<&KvBuffer> {
+        match self {
+            LayerCache::Attention(kv) => Ok(kv),
+            LayerCache::Recurrent(_) => Err(ModelError::BadInput(
+                "an attention layer was given a recurrent (GDN) layer cache".into(),
+            )),
+        }
+    }
+
+    pub fn recurrent(&self) -> ModelResult<&RecurrentLayer> {
+        match self {
+            LayerCache::Recurrent(r) => Ok(r),
+            LayerCache::Attention(_) => Err(ModelError::BadInput(
+                "a recurrent (GDN) layer was given an attention cache".into(),
+            )),
+        }
+    }
+}
+
+/// All layers' caches of one sequence plus the number of live positions.
+#[derive(Debug, Clone)]
+pub struct SequenceCache {
+    layers: Vec<LayerCache>,
+    len: usize,
+    capacity: usize,
+    /// Hybrid caches only: which rows the recurrent layers can still roll back.
+    rows: Option<RowTracker>,
+}
+
+impl SequenceCache {
+    pub fn new_attention(
+        num_layers: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let layers = (0..num_layers)
+            .map(|_| {
+                KvBuffer::new(num_kv_heads, capacity, head_dim, dtype, device)
+                    .map(LayerCache::Attention)
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            layers,
+            len: 0,
+            capacity,
+            rows: None,
+        })
+    }
+
+    /// A cache mixing attention and recurrent layers. Forwards of at most `rollback` rows keep
+    /// per-row recurrent states (so they can be truncated or compacted); longer ones settle.
+    pub fn new_hybrid(layers: Vec<LayerCache>, capacity: usize, rollback: usize) -> Self {
+        Self {
+            layers,
+            len: 0,
+            capacity,
+            rows: Some(RowTracker::new(rollback)),
+        }
+    }
+
+    /// Sets the largest forward (in rows) whose recurrent states are kept per row (so that it
+    /// can be truncated or compacted); longer forwards settle. Returns the previous value
+    /// (0 for attention-only caches, where it means nothing).
+    pub fn set_rollback(&mut self, rows: usize) -> usize {
+        match self.rows.as_mut() {
+            Some(t) => std::mem::replace(&mut t.rollback, rows),
+            None => 0,
+        }
+    }
+
+    /// The recurrent bookkeeping (None for pure attention caches).
+    pub fn row_tracker(&self) -> Option<&RowTracker> {
+        self.rows.as_ref()
+    }
+
+    /// Applies a successful forward's recurrent states and makes its `t` rows live. `parents`
+    /// (relative to the new rows) is given when the forward kept per-row states.
+    pub(crate) fn commit_recurrent(
+        &mut self,
+        t: usize,
+        parents: Option<&[Option<usize>]>,
+        staged: Vec<(usize, StagedState)>,
+    ) -> ModelResult<()> {
+        let tracker = self.rows.as_mut().ok_or_else(|| {
+            ModelError::BadCacheOp("recurrent states for a cache without recurrent layers".into())
+        })?;
+        tracker.record(self.len, t, parents);
+        for (li, st) in staged {
+            if let LayerCache::Recurrent(r) = &mut self.layers[li] {
+                r.apply(st);
+            }
+        }
+        self.len += t;
+        Ok(())
+    }
+
+    /// Folds every live row into the recurrent base states: nothing before `len` can be rolled
+    /// back afterwards, and the per-row states are freed (a no-op for attention-only caches).
+    pub fn settle(&mut self) -> ModelResult<()> {
+        if let Some(tracker) = self.rows.as_mut() {
+            let last = tracker.settle_all(self.len);
+            for layer in &mut self.layers {
+                if let LayerCache::Recurrent(r) = layer {
+                    r.settle_on(last)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn layer(&self, i: usize) -> &LayerCache {
+        &self.layers[i]
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Fails, changing nothing, when `n` more rows do not fit.
+    pub fn check_room(&self, n: usize) -> ModelResult<()> {
+        if self.len + n > self.capacity {
+            return Err(ModelError::CacheFull {
+                len: self.len,
+                requested: n,
+                capacity: self.capacity,
+            });
+        }
+        Ok(())
+    }
+
+    /// Marks `n` rows (already written by every layer) as live.
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+
+    /// Drops every row at or after `len`.
+    pub fn truncate(&mut self, len: usize) -> ModelResult<()> {
+        if len > self.len {
+            return Err(ModelError::BadCacheOp(format!(
+                "truncate to {len} but only {} rows are live",
+                self.len
+            )));
+        }
+        if let Some(tracker) = self.rows.as_mut() {
+            let keep = tracker.truncate(len)?;
+            for layer in &mut self.layers {
+                if let LayerCache::Recurrent(r) = layer {
+                    r.truncate_rows(keep);
+                }
+            }
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// Keeps rows `[0, start)` and the rows `keep` (ascending, in `[start, len)`), moved to
+    /// `[start, start + keep.len())`; drops the rest. Used to commit an accepted tree path.
+    /// In hybrid caches `keep` must be one path of the last forward, and compaction commits:
+    /// the recurrent layers settle on the state of its last row.
+    pub fn compact(&mut self, start: usize, keep: &[usize]) -> ModelResult<()> {
+        let ascending = keep.windows(2).all(|w| w[0] < w[1]);
+        if !ascending
+            || keep.first().is_some_and(|&r| r < start)
+            || keep.last().is_some_and(|&r| r >= self.len)
+        {
+            return Err(ModelError::BadCacheOp(format!(
+                "compact(start={start}, keep={keep:?}) needs ascending rows in [{start}, {})",
+                self.len
+            )));
+        }
+        let recurrent_last = match self.rows.as_mut() {
+            Some(tracker) => Some(tracker.compact(start, keep)?),
+            None => None,
+        };
+        for layer in &mut self.layers {
+            match layer {
+                LayerCache::Attention(kv) => kv.compact(start, keep)?,
+                LayerCache::Recurrent(r) => r.settle_on(recurrent_last.flatten())?,
+            }
+        }
+        self.len = start + keep.len();
+        Ok(())
+    }
+}

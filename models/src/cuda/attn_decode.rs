@@ -1,0 +1,231 @@
+//! Launch wrapper of attn_decode.cu: a layer's whole attention for forwards of few rows in
+//! one kernel — q/k norm + RoPE from the raw qkv GEMM output, the new K/V into the cache,
+//! split-K attention and the merge of the splits — instead of `qk_norm_rope_cache` followed
+//! by [`super::attention`] (three launches). Same results up to the f32 summation order of the
+//! attention partials (the q/k rows themselves are bit-identical).
+
+use std::sync::Mutex;
+
+use candle_core::cuda_backend::cudarc::driver::sys::{
+    CUfunction_attribute_enum, CUstreamCaptureStatus,
+};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDevice, DeviceId};
+use candle_core::{bail, DType, Result, Tensor};
+
+use super::attn_plan::{attn_plan, runtime_plan, CHUNK_KEYS, MAX_SHARED_BYTES};
+use super::kernels::{QkvRows, CHUNK};
+use super::launch::{alloc_bf16, alloc_f32, cuda, go, ptr};
+
+const _: () = assert!(CHUNK_KEYS == CHUNK);
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_decode.ptx"));
+const MODULE: &str = "dflash_attn_decode";
+
+/// Most new tokens of one sequence the fused kernel takes.
+pub const FUSED_ATTN_MAX_TOKENS: usize = 64;
+
+/// Whether the layer stack runs the attention of `t` new tokens through [`fused_attention`]:
+/// decode steps (one token; up to 16 query heads per KV head, one row tile). Measured on the
+/// H200, Qwen3-8B heads, one layer's attention in a CUDA graph (`kernel_checks.attention_us_*`
+/// of `dflash-serve bench`): one token over 1K / 8K keys 12.6 / 23.0 us fused against 14.2 /
+/// 50.1 us for `qk_norm_rope_cache` + [`super::attention`]; but 4 tokens 24.2 against 15.0 us,
+/// 16 tokens 41-80 against 18.4 us, 64 tokens 96-175 against 44.7 us (the merging block
+/// walks its rows' partials one row at a time), so wider forwards keep the two launches.
+pub fn fused_attention_fits(t: usize, nh: usize, nkv: usize) -> bool {
+    t == 1 && nkv > 0 && nh / nkv <= 16
+}
+
+/// Merge counters per device (each launch uses `kv_heads * row tiles` of them).
+const COUNTERS: usize = 1024;
+
+/// A device's split partials and merge counters, kept for the process's lifetime so that a
+/// launch adds no allocation or memset to a CUDA graph: launches on one device's stream run
+/// one after another, and the kernel re-arms every counter it uses. A larger partials buffer
+/// replaces a smaller one (shapes only, so the uncaptured first run of a graph body grows
+/// it); the old one stays allocated because captured graphs may still point at it.
+struct Scratch {
+    device: DeviceId,
+    partials: Tensor,
+    counters: Tensor,
+    retired: Vec<Tensor>,
+}
+
+static SCRATCH: Mutex<Vec<Scratch>> = Mutex::new(Vec::new());
+
+/// Device addresses of at least `floats` f32 partials and [`COUNTERS`] zeroed counters.
+fn scratch(dev: &CudaDevice, like: &Tensor, floats: usize) -> Result<(u64, u64)> {
+    let mut all = SCRATCH
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("fused_attention: scratch lock poisoned".into()))?;
+    let idx = match all.iter().position(|s| s.device == dev.id()) {
+        Some(i) => i,
+        None => {
+            all.push(Scratch {
+                device: dev.id(),
+                partials: alloc_f32(dev, floats.next_power_of_two())?,
+                counters: Tensor::zeros(COUNTERS, DType::U32, like.device())?,
+                retired: Vec::new(),
+            });
+            all.len() - 1
+        }
+    };
+    let s = &mut all[idx];
+    if s.partials.elem_count() < floats {
+        let status = dev
+            .cuda_stream()
+            .capture_status()
+            .map_err(|e| candle_core::Error::Msg(format!("fused_attention: {e}")))?;
+        if status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            bail!("fused_attention: scratch would grow during graph capture; run the body once uncaptured first")
+        }
+        let bigger = alloc_f32(dev, floats.next_power_of_two())?;
+        s.retired.push(std::mem::replace(&mut s.partials, bigger));
+    }
+    Ok((ptr(&s.partials)?, ptr(&s.counters)?))
+}
+
+/// The kernel's parameter block (`Args` in attn_decode.cu, same field order).
+#[repr(C)]
+struct Args {
+    qkv: u64,
+    qw: u64,
+    kw: u64,
+    cos: u64,
+    sin: u64,
+    positions: u64,
+    cache_len: u64,
+    kc: u64,
+    vc: u64,
+    tree_mask: u64,
+    acc: u64,
+    ml: u64,
+    counter: u64,
+    out: u64,
+    words: i32,
+    t: i32,
+    nh: i32,
+    nkv: i32,
+    cap: i32,
+    cps: i32,
+    scale: f32,
+    eps: f32,
+}
+
+// SAFETY: plain old data with the C layout the kernel declares.
+unsafe impl DeviceRepr for Args {}
+
+/// Attention of the `t` rows of `rows.qkv` (the raw GEMM output) over its cache: q/k RMSNorm
+/// and RoPE as `qk_norm_rope_cache` rounds them, the new K/V written at cache rows
+/// `cache_len[0] ..`, committed rows visible to every token and new token j visible
+/// to token i when `j <= i` (`tree` None) or bit j of `tree[i * words + j / 64]` is set.
+/// `split`: `(splits, key chunks per split)` covering the live keys (see
+/// [`super::split_plan`]). Returns `[t, nh * d]`.
+pub fn fused_attention(
+    rows: &QkvRows<'_>,
+    tree: Option<&Tensor>,
+    split: Option<(usize, usize)>,
+) -> Result<Tensor> {
+    fused_attention_rt(None, rows, tree, split)
+}
+
+/// [`fused_attention`] with the 16-row tiles per block forced to `rt` (1, 2 or 4; None: by
+/// the row count), for the checks and timings.
+pub(crate) fn fused_attention_rt(
+    rt: Option<usize>,
+    rows: &QkvRows<'_>,
+    tree: Option<&Tensor>,
+    split: Option<(usize, usize)>,
+) -> Result<Tensor> {
+    let QkvRows {
+        qkv,
+        q_norm,
+        k_norm,
+        cos,
+        sin,
+        positions,
+        cache_len,
+        kc,
+        vc,
+        heads: (nh, nkv, d),
+        eps,
+    } = *rows;
+    let (t, cap) = rows.check("fused_attention", true)?;
+    let dev = cuda(qkv)?;
+    if nh % nkv != 0 {
+        bail!("fused_attention: {nh} q heads are not a multiple of {nkv} KV heads")
+    }
+    if t == 0 || t > FUSED_ATTN_MAX_TOKENS {
+        bail!("fused_attention: {t} tokens, takes 1 to {FUSED_ATTN_MAX_TOKENS}")
+    }
+    let words = t.div_ceil(64);
+    let tree_mask = match tree {
+        Some(m) => {
+            if m.dims2()? != (t, words) || m.dtype() != DType::I64 {
+                bail!(
+                    "fused_attention: tree mask must be i64 [{t}, {words}], got {:?}",
+                    m.shape()
+                )
+            }
+            ptr(m)?
+        }
+        None => 0u64,
+    };
+    let rows = t * (nh / nkv);
+    let plan = match split {
+        Some(split) => attn_plan(rows, split, rt),
+        None => runtime_plan(rows, rt),
+    }
+    .map_err(|e| candle_core::Error::Msg(format!("fused_attention: {e}")))?;
+    let (rt, tiles, nsplit, cps) = (plan.rt, plan.tiles, plan.nsplit, plan.cps);
+    if nkv * tiles > COUNTERS {
+        bail!("fused_attention: {nkv} KV heads x {tiles} row tiles exceed {COUNTERS} counters")
+    }
+    let acc_floats = nsplit * t * nh * d;
+    let (acc, counter) = scratch(&dev, qkv, acc_floats + nsplit * t * nh * 2)?;
+    let ml = acc + (acc_floats * 4) as u64;
+    let out = alloc_bf16(&dev, (t, nh * d))?;
+    let args = Args {
+        qkv: ptr(qkv)?,
+        qw: ptr(q_norm)?,
+        kw: ptr(k_norm)?,
+        cos: ptr(cos)?,
+        sin: ptr(sin)?,
+        positions: ptr(positions)?,
+        cache_len: ptr(cache_len)?,
+        kc: ptr(kc)?,
+        vc: ptr(vc)?,
+        tree_mask,
+        acc,
+        ml,
+        counter,
+        out: ptr(&out)?,
+        words: words as i32,
+        t: t as i32,
+        nh: nh as i32,
+        nkv: nkv as i32,
+        cap: cap as i32,
+        cps: cps as i32,
+        scale: 1.0 / (d as f32).sqrt(),
+        eps: eps as f32,
+    };
+    let name = format!("attn_decode_rt{rt}");
+    let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    // Always the same value, so graphs captured earlier keep launching with theirs.
+    f.set_attribute(
+        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        MAX_SHARED_BYTES as i32,
+    )
+    .map_err(|e| {
+        candle_core::Error::Msg(format!("{name}: shared memory {MAX_SHARED_BYTES}: {e}"))
+    })?;
+    let cfg = LaunchConfig {
+        grid_dim: (nkv as u32, nsplit as u32, tiles as u32),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: plan.shared_bytes as u32,
+    };
+    let mut b = f.builder();
+    b.arg(&args);
+    go(&mut b, cfg, &name)?;
+    Ok(out)
+}

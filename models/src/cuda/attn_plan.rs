@@ -1,0 +1,160 @@
+//! Launch geometry of the one-launch attention (`attn_decode.cu`): row tiles per block, how
+//! the caller's key splits are regrouped and the shared memory a block needs. Free of CUDA so
+//! that its invariants are tested on every machine; `attn_decode.rs` launches what it says.
+// Without the `cuda` feature only the tests use it.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
+/// Keys per chunk (CH in attn_decode.cu, `cuda::CHUNK`).
+pub(crate) const CHUNK_KEYS: usize = 64;
+/// Bytes per shared K/V/q row (KPAD bf16 in attn_decode.cu).
+pub(crate) const ROW_BYTES: usize = 136 * 2;
+/// The most dynamic shared memory any launch asks for (two stages, four row tiles): the
+/// kernel's attribute is always set to this, so graphs captured earlier keep launching.
+pub(crate) const MAX_SHARED_BYTES: usize = 2 * 2 * CHUNK_KEYS * ROW_BYTES + 64 * ROW_BYTES;
+
+/// One launch: grid (KV heads, `nsplit`, `tiles`), blocks of `16 rt` query rows walking
+/// `cps` chunks of keys each, `stages` shared K/V buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct AttnPlan {
+    pub rt: usize,
+    pub tiles: usize,
+    pub nsplit: usize,
+    pub cps: usize,
+    pub stages: usize,
+    pub shared_bytes: usize,
+}
+
+/// The plan for `rows = tokens * groups` query rows per KV head and the caller's `(nsplit,
+/// cps)` split plan (which covers the live keys); `rt` forces the 16-row tiles per block (1, 2
+/// or 4), None picks by the row count. Splits are regrouped into at most 32 / 16 / 8 (for
+/// 1 / 2 / 4 tiles) of several chunks each, covering at least the keys the caller's plan did:
+/// the block that merges reads every split's partial of its rows, so their number bounds the
+/// merge's tail, and a block streams its chunks double buffered.
+pub(crate) fn attn_plan(
+    rows: usize,
+    (nsplit, cps): (usize, usize),
+    rt: Option<usize>,
+) -> Result<AttnPlan, String> {
+    if rows == 0 || nsplit == 0 || cps == 0 {
+        return Err(format!(
+            "{rows} query rows with split plan ({nsplit}, {cps}): nothing to launch"
+        ));
+    }
+    let rt = match (rt, rows) {
+        (Some(rt @ (1 | 2 | 4)), _) => rt,
+        (Some(rt), _) => return Err(format!("{rt} row tiles per block (1, 2 or 4)")),
+        (None, 0..=16) => 1,
+        (None, 17..=32) => 2,
+        (None, _) => 4,
+    };
+    let per = nsplit.div_ceil(max_splits(rt));
+    let (nsplit, cps) = ((nsplit * cps).div_ceil(cps * per), cps * per);
+    let stages = if cps > 1 { 2 } else { 1 };
+    let kv_bytes = stages * 2 * CHUNK_KEYS * ROW_BYTES;
+    // The merge stages two floats per (split, row) in the K/V buffers.
+    if 2 * 4 * nsplit * 16 * rt > kv_bytes {
+        return Err(format!(
+            "{nsplit} splits of {rt} row tiles exceed the merge's shared memory"
+        ));
+    }
+    Ok(AttnPlan {
+        rt,
+        tiles: rows.div_ceil(16 * rt),
+        nsplit,
+        cps,
+        stages,
+        shared_bytes: kv_bytes + 16 * rt * ROW_BYTES,
+    })
+}
+
+/// The most splits of a launch with `rt` row tiles per block: the block that merges reads
+/// every split's partial of its rows, so their number bounds the merge's tail.
+fn max_splits(rt: usize) -> usize {
+    match rt {
+        1 => 32,
+        2 => 16,
+        _ => 8,
+    }
+}
+
+/// The plan whose chunks per split the kernel sets at run time from the live length (`cps` 0:
+/// `ceil(live chunks / nsplit)`): the most splits for its row tiles, shared memory for two
+/// stages. One launch, or one CUDA graph, then fits every length and cache capacity, and an
+/// eager step and its replay add the same partials in the same order.
+pub(crate) fn runtime_plan(rows: usize, rt: Option<usize>) -> Result<AttnPlan, String> {
+    let p = attn_plan(rows, (1, 2), rt)?;
+    Ok(AttnPlan {
+        nsplit: max_splits(p.rt),
+        cps: 0,
+        ..p
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_cover_the_keys_with_bounded_splits_and_shared_memory() {
+        for rows in [1usize, 4, 8, 16, 17, 32, 33, 64, 100, 256, 320] {
+            for nsplit in 1..=260 {
+                for cps in 1..=4 {
+                    for rt in [None, Some(1), Some(2), Some(4)] {
+                        let p = attn_plan(rows, (nsplit, cps), rt).unwrap();
+                        let what = format!("rows {rows}, plan ({nsplit}, {cps}), rt {rt:?}: {p:?}");
+                        assert!(p.nsplit * p.cps >= nsplit * cps, "keys lost: {what}");
+                        // Regrouping adds less than one split's worth of (idle) chunks.
+                        assert!(p.nsplit * p.cps < nsplit * cps + p.cps, "{what}");
+                        assert!(p.nsplit <= [32, 16, 0, 8][p.rt - 1], "{what}");
+                        assert!(p.tiles * 16 * p.rt >= rows, "rows lost: {what}");
+                        assert!((p.tiles - 1) * 16 * p.rt < rows, "idle tile: {what}");
+                        assert_eq!(p.stages, if p.cps > 1 { 2 } else { 1 }, "{what}");
+                        assert!(p.shared_bytes <= MAX_SHARED_BYTES, "{what}");
+                        // The block partial (4 warps x 16 rows x 128 f32 + max/sum) and the
+                        // merge's (max, sum) table fit the K/V buffers they reuse.
+                        let kv = p.stages * 2 * CHUNK_KEYS * ROW_BYTES;
+                        assert!(4 * 16 * 128 * 4 + 4 * 16 * 2 * 4 <= kv, "{what}");
+                        assert!(2 * 4 * p.nsplit * 16 * p.rt <= kv, "{what}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn runtime_plans_take_the_most_splits_and_two_stages() {
+        for rows in [1usize, 4, 16, 17, 64, 256] {
+            let p = runtime_plan(rows, None).unwrap();
+            let fixed = attn_plan(rows, (1, 1), None).unwrap();
+            assert_eq!((p.rt, p.tiles), (fixed.rt, fixed.tiles), "rows {rows}");
+            assert_eq!(
+                (p.nsplit, p.cps, p.stages),
+                (max_splits(p.rt), 0, 2),
+                "rows {rows}"
+            );
+            assert_eq!(
+                p.shared_bytes,
+                2 * 2 * CHUNK_KEYS * ROW_BYTES + 16 * p.rt * ROW_BYTES
+            );
+            assert!(p.shared_bytes <= MAX_SHARED_BYTES);
+            assert!(2 * 4 * p.nsplit * 16 * p.rt <= p.stages * 2 * CHUNK_KEYS * ROW_BYTES);
+        }
+        assert!(runtime_plan(0, None).is_err());
+    }
+
+    #[test]
+    fn row_tiles_follow_the_row_count_unless_forced() {
+        let rt = |rows, forced| attn_plan(rows, (18, 1), forced).unwrap().rt;
+        assert_eq!(
+            (rt(4, None), rt(16, None), rt(17, None), rt(64, None)),
+            (1, 1, 2, 4)
+        );
+        assert_eq!(rt(64, Some(1)), 1);
+        assert!(attn_plan(64, (18, 1), Some(3)).is_err());
+        assert!(attn_plan(0, (18, 1), None).is_err());
+        assert!(attn_plan(4, (0, 1), None).is_err());
+        // A graph's plan over an 8K-key capacity: 130 one-chunk splits become 26 of 5.
+        let p = attn_plan(4, (130, 1), None).unwrap();
+        assert_eq!((p.nsplit, p.cps, p.stages), (26, 5, 2));
+    }
+}

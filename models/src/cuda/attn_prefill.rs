@@ -1,0 +1,141 @@
+//! Launch wrappers of attn_prefill.cu: attention in blocks of 64 query rows whose four warps
+//! share every K/V tile they stage in shared memory. Causal prefill pieces take one pass over
+//! the keys with the output written directly (no split partials, no combine launch); verify
+//! forwards and draft blocks (a few dozen rows over a long cache, causal or tree) split the
+//! keys over many blocks and leave partials for `attn_combine` (see `cuda::attention_split`).
+
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{bail, DType, Result, Tensor};
+
+use super::launch::{alloc_bf16, check_bf16, cuda, go, ptr};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_prefill.ptx"));
+const MODULE: &str = "dflash_attn_prefill";
+
+/// Kernel name, warps per block (16 query rows each), bf16 per shared K/V/Q row and keys per
+/// tile (PPAD and PCH in attn_prefill.cu).
+const KERNEL: &str = "attn_prefill";
+const SPLIT_KERNEL: &str = "attn_split_flash";
+const WARPS: usize = 4;
+const PPAD: usize = 136;
+const PCH: usize = 64;
+
+/// Fewest blocks (query tiles x KV heads) for which the one-pass kernel beats the split-K path.
+/// Measured on the H200 (Qwen3-8B heads, `check::attention_timings`): 128 new tokens over 4096
+/// cached ones (64 blocks) ran 0.204 ms against 0.194 ms split; 256 over 4096 (128 blocks)
+/// 0.212 against 0.346 ms; every wider or shorter-context case favoured it by 1.5-3.5x.
+pub const MIN_BLOCKS: usize = 128;
+
+/// Whether a causal forward of `t` new tokens should take [`attention_prefill`].
+pub fn worth_it(t: usize, nh: usize, nkv: usize) -> bool {
+    let rows = t * (nh / nkv.max(1));
+    rows.div_ceil(16 * WARPS) * nkv >= MIN_BLOCKS
+}
+
+/// Causal attention of q `[t, nh, d]` (d = 128) over cache rows `[0, cache_len[0] + t)` of
+/// `kc`, `vc` (`[nkv, cap, d]`): committed rows are visible to every token, new token j to
+/// token i when `j <= i`. Returns `[t, nh * d]` bf16.
+pub fn attention_prefill(
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    cache_len: &Tensor,
+) -> Result<Tensor> {
+    let dev = cuda(q)?;
+    check_bf16("q", q)?;
+    check_bf16("k cache", kc)?;
+    check_bf16("v cache", vc)?;
+    let (t, nh, d) = q.dims3()?;
+    let (nkv, cap, kd) = kc.dims3()?;
+    if d != 128 || kd != d || vc.dims3()? != (nkv, cap, d) || nkv == 0 || nh % nkv != 0 {
+        bail!(
+            "attention_prefill: q {:?}, caches {:?} / {:?} (head_dim 128, heads a multiple of kv heads)",
+            q.shape(),
+            kc.shape(),
+            vc.shape()
+        )
+    }
+    if cache_len.dtype() != DType::U32 || cache_len.elem_count() != 1 {
+        bail!("attention_prefill: cache_len must be one u32")
+    }
+    let out = alloc_bf16(&dev, (t, nh * d))?;
+    if t == 0 {
+        return Ok(out);
+    }
+    let args = [ptr(q)?, ptr(kc)?, ptr(vc)?, ptr(cache_len)?, ptr(&out)?];
+    let (ti, nhi, nkvi, capi) = (t as i32, nh as i32, nkv as i32, cap as i32);
+    let scale = 1.0f32 / (d as f32).sqrt();
+    let (f, cfg) = prepare(&dev, KERNEL, t * (nh / nkv), (nkv, 1))?;
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&f);
+    for a in &args {
+        b.arg(a);
+    }
+    b.arg(&ti).arg(&nhi).arg(&nkvi).arg(&capi).arg(&scale);
+    go(&mut b, cfg, KERNEL)?;
+    Ok(out)
+}
+
+/// Device addresses and shape of one split launch (`attn_split_flash`), checked by the caller
+/// (`cuda::attention_with`, which owns the partial buffers and the combine launch).
+pub(super) struct SplitArgs {
+    pub q: u64,
+    pub kc: u64,
+    pub vc: u64,
+    pub cache_len: u64,
+    /// 0: causal.
+    pub tree_mask: u64,
+    pub words: i32,
+    pub acc: u64,
+    pub ml: u64,
+    /// (t, nh, nkv, cap).
+    pub shape: (i32, i32, i32, i32),
+    pub scale: f32,
+    /// The most splits (the grid's z); the kernel sets the chunks per split from the live
+    /// length.
+    pub nsplit: usize,
+}
+
+/// Launches the split partials of `rows` query rows per KV head (at most `a.nsplit` splits),
+/// for `attn_combine` to merge.
+pub(super) fn launch_split(dev: &CudaDevice, a: &SplitArgs, rows: usize) -> Result<()> {
+    let (f, cfg) = prepare(dev, SPLIT_KERNEL, rows, (a.shape.2 as usize, a.nsplit))?;
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&f);
+    for p in [&a.q, &a.kc, &a.vc, &a.cache_len, &a.tree_mask] {
+        b.arg(p);
+    }
+    b.arg(&a.words).arg(&a.acc).arg(&a.ml);
+    let (t, nh, nkv, cap) = &a.shape;
+    b.arg(t).arg(nh).arg(nkv).arg(cap).arg(&a.scale);
+    go(&mut b, cfg, SPLIT_KERNEL)
+}
+
+/// The function `name` of this module, its shared-memory limit raised, and its launch over
+/// grid (KV heads, query tiles of `rows`, splits).
+fn prepare(
+    dev: &CudaDevice,
+    name: &str,
+    rows: usize,
+    (nkv, nsplit): (usize, usize),
+) -> Result<(CudaFunction, LaunchConfig)> {
+    let f = dev
+        .get_or_load_custom_func(name, MODULE, PTX)?
+        .into_cuda_function();
+    // K and V tiles and the block's Q rows: over the 48 KB static limit, so the function must be
+    // allowed that much dynamic shared memory (a per-function setting, cheap to repeat).
+    let smem = (2 * PCH + 16 * WARPS) * PPAD * 2;
+    f.set_attribute(
+        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .map_err(|e| candle_core::Error::Msg(format!("{name}: shared memory {smem} B: {e}")))?;
+    let cfg = LaunchConfig {
+        grid_dim: (nkv as u32, rows.div_ceil(16 * WARPS) as u32, nsplit as u32),
+        block_dim: ((32 * WARPS) as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    Ok((f, cfg))
+}

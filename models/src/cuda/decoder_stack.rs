@@ -1,0 +1,286 @@
+//! The decoder-layer stack through the fused kernels, shared by the target's forward
+//! (`qwen3/cuda.rs`) and the drafter's block (`dflash/cuda.rs`). Two forms of one layer:
+//!
+//! - up to [`cuda::GEMV_MAX_ROWS`] rows (decode, verification, draft blocks): four skinny
+//!   GEMMs with everything else fused around them — input norm + q/k/v, o-projection +
+//!   residual add (+ the sums of squares the next norm needs), post-attention norm + gate/up +
+//!   the SiLU product, down + residual add — plus q/k norm + RoPE + cache write and the
+//!   split-K attention (one launch for a decode step, [`cuda::fused_attention`]; three for
+//!   more tokens): 5 launches per layer for one row (the norms are applied as the input
+//!   streams in), 9 for 2 to 16 rows (the norms as their own launches);
+//! - wider (prefill chunks, wide trees): cuBLAS GEMMs, the SiLU product and residual add +
+//!   RMSNorm kernels around the same attention: 10 launches per layer.
+//!
+//! Both make no host-device copies, so a CUDA graph can capture them.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor};
+
+use crate::cache::SequenceCache;
+use crate::cuda::{self, RowNorm};
+use crate::error::{ModelError, ModelResult};
+use crate::layers::decoder_layer::DecoderLayer;
+use crate::layers::ops::{rms_norm, OpsMode};
+use crate::layers::rope::RotaryEmbedding;
+
+/// Leading bytes of a layer's gate/up weights that its o-projection pulls into L2 (one-row
+/// steps). Measured on the H200, Qwen3-8B shape, 1K decode in a CUDA graph: 8 MB took 4.81 to
+/// 4.77 ms, and 4.78 to 4.75 in a second sweep (4 / 16 / 24 MB: 4.76 / 4.75 / 4.76); elsewhere
+/// it lost: all of o_proj from the q/k/v GEMM (over the attention) +0.08 ms, 16 MB of down
+/// from gate/up +0.03, 16 MB of the next q/k/v from down +0.03, 4 MB of either +-0.015
+/// (deploy/bench/results/h200-2026-11-30-decode).
+const GATE_UP_PREFETCH: usize = 8 << 20;
+
+/// One sequence's rows in a fused layer pass.
+pub(crate) struct AttnSeq<'a> {
+    pub cache: &'a SequenceCache,
+    /// First row of this sequence in the stacked rows.
+    pub offset: usize,
+    pub tokens: usize,
+    /// `[1]` u32: committed cache rows before these tokens.
+    pub cache_len: &'a Tensor,
+    /// Ancestor bit rows (tree or full-block patterns); None: causal.
+    pub tree: Option<&'a Tensor>,
+}
+
+/// The weights a fused stack reads.
+pub(crate) struct Stack<'a> {
+    pub layers: &'a [DecoderLayer],
+    pub final_norm: &'a Tensor,
+    pub rope: &'a RotaryEmbedding,
+    pub eps: f64,
+    pub mode: OpsMode,
+    /// Most rows that take the skinny GEMMs.
+    pub gemv_rows: usize,
+}
+
+impl Stack<'_> {
+    /// Runs every layer over the embedded rows `x`, writing K/V into each sequence's cache at
+    /// its `cache_len` (caches are not advanced). Returns the final-normed rows and the
+    /// outputs of the layers in `taps`.
+    pub fn run(
+        &self,
+        x: Tensor,
+        positions: &Tensor,
+        seqs: &[AttnSeq<'_>],
+        taps: &[usize],
+    ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
+        if x.dim(0)? <= self.gemv_rows && self.skinny_shapes()? {
+            self.run_skinny(x, positions, seqs, taps)
+        } else {
+            self.run_wide(x, positions, seqs, taps)
+        }
+    }
+
+    /// Whether every projection fits the skinny kernels (`k % 256 == 0`, `n % 16 == 0`); true
+    /// for every published Qwen3 shape. Other shapes take the cuBLAS form.
+    fn skinny_shapes(&self) -> ModelResult<bool> {
+        for layer in self.layers {
+            let f = fused(layer)?;
+            for w in [&f.qkv, &f.gate_up, layer.o_proj(), layer.down_proj()] {
+                let (n, k) = w.dims2()?;
+                if k % 256 != 0 || n % 32 != 0 {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    fn run_skinny(
+        &self,
+        mut x: Tensor,
+        positions: &Tensor,
+        seqs: &[AttnSeq<'_>],
+        taps: &[usize],
+    ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
+        let eps = self.eps;
+        // o_proj's sums of squares feed gate/up's norm (its kernel is held to 40 registers and
+        // reads them). One row: q/k/v's blocks sum their input row themselves, so down makes
+        // none. More rows: the tensor-core residual kernel always makes them (it needs the
+        // counter), and they feed the next layer's q/k/v norm.
+        let one_row = x.dim(0)? == 1;
+        let counter = Tensor::zeros(1, DType::U32, x.device())?;
+        let mut tapped = HashMap::new();
+        let mut ss: Option<Tensor> = None;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let fused = fused(layer)?;
+            let (in_norm, post_norm, _, _) = layer.norm_weights();
+            let norm = RowNorm {
+                ss: ss.as_ref(),
+                weight: in_norm,
+                eps,
+            };
+            let qkv = cuda::gemv(&x, &fused.qkv, Some(norm))?;
+            let attn = self.attention(li, layer, &qkv, positions, seqs)?;
+            // The o-projection is short and leaves bandwidth unused; its blocks start the
+            // gate/up weights into L2 as they finish.
+            let warm = cuda::Prefetch {
+                weight: &fused.gate_up,
+                bytes: GATE_UP_PREFETCH,
+            };
+            let (x1, ss1) =
+                cuda::gemv_resid(&attn, layer.o_proj(), &x, Some(&counter), Some(warm))?;
+            let norm = RowNorm {
+                ss: ss1.as_ref(),
+                weight: post_norm,
+                eps,
+            };
+            let act = cuda::gemv_silu(&x1, &fused.gate_up, Some(norm))?;
+            let down_counter = (!one_row).then_some(&counter);
+            let (x2, ss2) = cuda::gemv_resid(&act, layer.down_proj(), &x1, down_counter, None)?;
+            x = x2;
+            ss = ss2;
+            if taps.contains(&li) {
+                tapped.insert(li, x.clone());
+            }
+        }
+        let h = cuda::rms_apply(
+            &x,
+            RowNorm {
+                ss: ss.as_ref(),
+                weight: self.final_norm,
+                eps,
+            },
+        )?;
+        Ok((h, tapped))
+    }
+
+    fn run_wide(
+        &self,
+        mut x: Tensor,
+        positions: &Tensor,
+        seqs: &[AttnSeq<'_>],
+        taps: &[usize],
+    ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
+        let eps = self.eps;
+        let mut h = rms_norm(&x, self.layers[0].norm_weights().0, eps, self.mode)?;
+        let mut tapped = HashMap::new();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let fused = fused(layer)?;
+            let post_norm = layer.norm_weights().1;
+            let qkv = cuda::linear(&h, &fused.qkv)?;
+            let attn = self.attention(li, layer, &qkv, positions, seqs)?;
+            let o = cuda::linear(&attn, layer.o_proj())?;
+            let (x1, h1) = cuda::add_rmsnorm(&x, &o, post_norm, eps)?;
+            let act = cuda::silu_mul(&cuda::linear(&h1, &fused.gate_up)?)?;
+            let down = cuda::linear(&act, layer.down_proj())?;
+            // The next layer's input norm, or the final norm after the last layer.
+            let next_norm = match self.layers.get(li + 1) {
+                Some(next) => next.norm_weights().0,
+                None => self.final_norm,
+            };
+            let (x2, h2) = cuda::add_rmsnorm(&x1, &down, next_norm, eps)?;
+            x = x2;
+            h = h2;
+            if taps.contains(&li) {
+                tapped.insert(li, x.clone());
+            }
+        }
+        Ok((h, tapped))
+    }
+
+    /// q/k norm + RoPE + cache write, then attention, per sequence; `[rows, heads * d]`: one
+    /// fused launch for a decode step (see [`cuda::fused_attention_fits`]), two otherwise.
+    fn attention(
+        &self,
+        li: usize,
+        layer: &DecoderLayer,
+        qkv: &Tensor,
+        positions: &Tensor,
+        seqs: &[AttnSeq<'_>],
+    ) -> ModelResult<Tensor> {
+        let (cos, sin) = self.rope.tables();
+        let (nh, nkv, d) = layer.heads();
+        let (_, _, q_norm, k_norm) = layer.norm_weights();
+        let mut outs = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            let kv = s.cache.layer(li).attention()?;
+            let (kc, vc) = kv.buffers();
+            let rows = qkv.narrow(0, s.offset, s.tokens)?;
+            let pos = positions.narrow(0, s.offset, s.tokens)?;
+            let new = cuda::QkvRows {
+                qkv: &rows,
+                q_norm,
+                k_norm,
+                cos,
+                sin,
+                positions: &pos,
+                cache_len: s.cache_len,
+                kc,
+                vc,
+                heads: (nh, nkv, d),
+                eps: self.eps,
+            };
+            if cuda::fused_attention_fits(s.tokens, nh, nkv) {
+                // A decode step: norm, RoPE, cache write, attention and merge in one launch,
+                // its key splits set on the device from the live length (the same for an
+                // eager step and a graph replay, whatever the cache's capacity).
+                outs.push(cuda::fused_attention(&new, s.tree, None)?);
+                continue;
+            }
+            let q = cuda::qk_norm_rope_cache(&new)?;
+            outs.push(cuda::attention(&q, kc, vc, s.cache_len, s.tree)?);
+        }
+        Ok(match outs.len() {
+            1 => outs.swap_remove(0),
+            _ => Tensor::cat(&outs, 0)?,
+        })
+    }
+}
+
+fn fused(layer: &DecoderLayer) -> ModelResult<&crate::layers::decoder_layer::FusedWeights> {
+    layer
+        .fused()
+        .ok_or_else(|| ModelError::BadInput("fused forward on unfused weights".into()))
+}
+
+/// Runs `body` once uncaptured — loading modules, letting cuBLAS pick and allocate its
+/// workspaces and filling candle's parameter cache for anything it would upload — then
+/// captures a second run as a CUDA graph on the device's stream.
+pub(crate) fn capture_graph(
+    device: &candle_core::Device,
+    body: impl Fn() -> ModelResult<()>,
+) -> ModelResult<candle_core::cuda_backend::cudarc::driver::CudaGraph> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let candle_core::Device::Cuda(cd) = device else {
+        return Err(ModelError::Unsupported(
+            "CUDA graphs need a CUDA device".into(),
+        ));
+    };
+    let _cache_guard = cd.enable_cuda_graph_htod_cache();
+    body()?;
+    device.synchronize()?;
+    let stream = cd.cuda_stream();
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| ModelError::Unsupported(format!("begin graph capture: {e}")))?;
+    let captured = body();
+    let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    captured?;
+    ended
+        .map_err(|e| ModelError::Unsupported(format!("end graph capture: {e}")))?
+        .ok_or_else(|| ModelError::Unsupported("graph capture produced no graph".into()))
+}
+
+/// A cache's identity for a captured graph, which bakes in the address of every layer's K
+/// and V buffer: a hash of all of them and the capacity (a new cache at the same addresses
+/// with the same layout is the same memory, so a graph stays valid for it).
+pub(crate) fn cache_key(cache: &SequenceCache) -> ModelResult<u64> {
+    // FNV-1a over the addresses.
+    let mut h: u64 = 0xcbf29ce484222325;
+    let mut eat = |v: u64| {
+        for b in v.to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+    };
+    eat(cache.capacity() as u64);
+    for i in 0..cache.num_layers() {
+        let (k, v) = cache.layer(i).attention()?.buffers();
+        eat(cuda::device_address(k)?);
+        eat(cuda::device_address(v)?);
+    }
+    Ok(h)
+}

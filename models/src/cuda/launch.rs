@@ -1,0 +1,115 @@
+//! What every kernel wrapper needs: the CUDA device and raw address of a candle tensor,
+//! uninitialised device buffers, launch configurations and error mapping, dtype checks, and
+//! host-to-device uploads of small inputs (stream-ordered, so CUDA graphs can replay them).
+
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchArgs, LaunchConfig};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+use candle_core::op::BackpropOp;
+use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
+use half::bf16;
+
+pub(super) fn cuda(t: &Tensor) -> Result<CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Ok(d.clone()),
+        _ => bail!("fast kernels need CUDA tensors"),
+    }
+}
+
+/// Device address of a contiguous tensor's first element.
+pub fn device_address(t: &Tensor) -> Result<u64> {
+    ptr(t)
+}
+
+pub(super) fn ptr(t: &Tensor) -> Result<u64> {
+    let (st, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*st else {
+        bail!("fast kernels need CUDA tensors")
+    };
+    let Some((start, _)) = layout.contiguous_offsets() else {
+        bail!("fast kernels need contiguous tensors, got {:?}", layout)
+    };
+    let stream = cs.device.cuda_stream();
+    let base = match t.dtype() {
+        DType::BF16 => cs.as_cuda_slice::<bf16>()?.device_ptr(&stream).0,
+        DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        DType::U32 => cs.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
+        DType::I64 => cs.as_cuda_slice::<i64>()?.device_ptr(&stream).0,
+        other => bail!("fast kernels: unsupported dtype {other:?}"),
+    };
+    Ok(base + (start * t.dtype().size_in_bytes()) as u64)
+}
+
+pub(super) fn alloc_bf16(dev: &CudaDevice, shape: impl Into<Shape>) -> Result<Tensor> {
+    let shape = shape.into();
+    // Every element is written by the kernel before it is read.
+    let s = unsafe { dev.alloc::<bf16>(shape.elem_count())? };
+    Ok(Tensor::from_storage(
+        Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
+        shape,
+        BackpropOp::none(),
+        false,
+    ))
+}
+
+pub(super) fn alloc_f32(dev: &CudaDevice, n: usize) -> Result<Tensor> {
+    let s = unsafe { dev.alloc::<f32>(n)? };
+    Ok(Tensor::from_storage(
+        Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
+        n,
+        BackpropOp::none(),
+        false,
+    ))
+}
+
+pub(super) fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+pub(super) fn go(b: &mut LaunchArgs<'_>, cfg: LaunchConfig, name: &str) -> Result<()> {
+    unsafe { b.launch(cfg) }.map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
+    Ok(())
+}
+
+pub(super) fn check_bf16(name: &str, t: &Tensor) -> Result<()> {
+    if t.dtype() != DType::BF16 || !t.is_contiguous() {
+        bail!("{name} must be contiguous bf16, got {:?}", t.dtype())
+    }
+    Ok(())
+}
+
+/// Writes `values` into the contiguous u32 CUDA tensor `dst` (stream-ordered, from pageable
+/// memory: the driver stages the bytes before returning, so `values` may go away at once).
+pub fn upload_u32(dst: &Tensor, values: &[u32]) -> Result<()> {
+    upload(dst, DType::U32, values)
+}
+
+/// As [`upload_u32`] for i64 tensors (the tree bit rows).
+pub fn upload_i64(dst: &Tensor, values: &[i64]) -> Result<()> {
+    upload(dst, DType::I64, values)
+}
+
+fn upload<T>(dst: &Tensor, dtype: DType, values: &[T]) -> Result<()> {
+    if dst.dtype() != dtype || dst.elem_count() != values.len() {
+        bail!(
+            "upload: {} values into {:?} {:?}",
+            values.len(),
+            dst.dtype(),
+            dst.shape()
+        )
+    }
+    let dev = cuda(dst)?;
+    let p = ptr(dst)?;
+    let stream = dev.cuda_stream();
+    unsafe {
+        candle_core::cuda_backend::cudarc::driver::result::memcpy_htod_async(
+            p,
+            values,
+            stream.cu_stream(),
+        )
+    }
+    .map_err(|e| candle_core::Error::Msg(format!("upload: {e}")))
+}

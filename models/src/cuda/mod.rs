@@ -1,0 +1,150 @@
+//! The CUDA wing of the crate (`cuda` feature): the kernels (`*.cu`, `common.cuh`) and their
+//! launch wrappers (`launch.rs` the shared helpers; `kernels.rs`, `gemv.rs`, `attn_*.rs`,
+//! `topk.rs`, `argmax.rs` one per kernel file), the decoder-layer stack the models' fused
+//! forwards run through (`decoder_stack.rs`), CUDA-graph capture and replay generic over the
+//! forward recorded (`graphs.rs`), and the kernel checks the GPU bench runs (`check*.rs`).
+//! Nothing here names a model; the models' CUDA forwards live in their folders (`cuda.rs`).
+//!
+//! Fused CUDA kernels for decode, speculative verification, drafting and prefill (bf16,
+//! head_dim 128): per-head q/k RMSNorm + RoPE + cache write in one kernel,
+//! split-K attention on tensor cores straight over the preallocated cache with the tree given
+//! as ancestor bit rows (no dense mask), for decode steps all of that in one launch
+//! (`fused_attention`), a one-pass FlashAttention-2-style causal attention for prefill
+//! pieces (`attn_prefill.cu`), SiLU-gate product, residual add + RMSNorm, and skinny
+//! GEMMs for up to [`GEMV_MAX_ROWS`] rows with the input norm, the residual add or the SiLU
+//! product fused around them (wider products stay on cuBLAS). [`crate::Qwen3Model`] and [`crate::DFlashDrafter`] use them when
+//! [`available`] (on by default there; `with_fast_kernels(false)` turns them off); causal
+//! forwards longer than [`MAX_FAST_TOKENS`] (prefills) run as consecutive pieces. CPU, f32,
+//! training (`OpsMode::Differentiable`) and batches of several long sequences take the plain
+//! candle path, which stays the reference the kernels are checked against (`check`).
+
+use candle_core::{DType, Device};
+
+use crate::layers::ops::OpsMode;
+
+#[cfg(feature = "cuda")]
+mod argmax;
+#[cfg(feature = "cuda")]
+pub use argmax::argmax_logprob;
+#[cfg(feature = "cuda")]
+mod attn_decode;
+mod attn_plan;
+#[cfg(feature = "cuda")]
+pub use attn_decode::{fused_attention, fused_attention_fits, FUSED_ATTN_MAX_TOKENS};
+#[cfg(feature = "cuda")]
+mod attn_prefill;
+#[cfg(feature = "cuda")]
+pub mod check;
+#[cfg(feature = "cuda")]
+mod check_attn;
+#[cfg(feature = "cuda")]
+pub(crate) mod decoder_stack;
+pub(crate) mod graphs;
+#[cfg(feature = "cuda")]
+mod kernels;
+#[cfg(feature = "cuda")]
+pub use kernels::{
+    add_rmsnorm, attention, kv_norm_rope_cache, linear, qk_norm_rope_cache, silu_mul, split_plan,
+    QkvRows, CHUNK,
+};
+#[cfg(feature = "cuda")]
+mod launch;
+#[cfg(feature = "cuda")]
+pub use launch::{device_address, upload_i64, upload_u32};
+#[cfg(feature = "cuda")]
+mod gemv;
+#[cfg(feature = "cuda")]
+mod topk;
+#[cfg(feature = "cuda")]
+pub use gemv::{
+    gemv, gemv_resid, gemv_silu, gemv_variant, project, rms_apply, row_sumsq, Prefetch, RowNorm,
+};
+#[cfg(feature = "cuda")]
+pub use topk::topk_rows;
+
+/// Most rows the skinny GEMMs (`gemv*`) take; wider products go to cuBLAS.
+pub const GEMV_MAX_ROWS: usize = 16;
+
+/// Most rows a fused forward sends through the skinny GEMMs by default: one-row decode steps.
+/// Measured on the H200 (Qwen3-8B shape, 1K context, CUDA graphs, one call,
+/// deploy/bench/results/h200-2026-11-30c/skinny_vs_wide_rows.json): 1 row 4.53 ms skinny
+/// against 5.22 on cuBLAS; 2 / 4 / 8 rows 5.16 / 5.32 / 5.63 skinny against 4.96 / 5.01 /
+/// 5.21 on cuBLAS with the vectorised residual add + RMSNorm between the products (before
+/// that, 8 rows favoured the skinny kernels: 5.8 against 6.2 ms).
+pub const GEMV_DEFAULT_ROWS: usize = 1;
+
+/// Longest per-sequence forward the fused path takes in one piece (and the longest CUDA-graph
+/// step); longer causal forwards (prefills) run as consecutive pieces.
+pub const MAX_FAST_TOKENS: usize = 4096;
+
+/// Default piece length of a fused prefill (see `Qwen3Model::with_prefill_chunk`). Measured on
+/// the H200 (Qwen3-8B shape, 4096-token prompt, one-pass prefill attention): pieces of 512 /
+/// 1024 / 2048 / 4096 tokens gave 28.1K / 30.6K / 31.7K / 32.3K tok/s (20.0K / 21.6K / 22.1K /
+/// 23.1K with the split-K attention).
+pub const PREFILL_CHUNK: usize = 4096;
+
+/// Whether the fused kernels can run a model of this device, dtype, head size and mode.
+pub fn available(device: &Device, dtype: DType, head_dim: usize, mode: OpsMode) -> bool {
+    cfg!(feature = "cuda")
+        && device.is_cuda()
+        && dtype == DType::BF16
+        && head_dim == 128
+        && mode == OpsMode::Fused
+}
+
+/// The tree pattern as bit rows: bit j of word `i * words + j / 64` is set when new token j is
+/// token i itself or one of its ancestors (`words = ceil(t / 64)`), the layout the attention
+/// kernel reads. Bits are built from the parent's row, valid because parents precede children.
+pub fn tree_bits(parents: &[Option<usize>]) -> Vec<i64> {
+    let t = parents.len();
+    let words = t.div_ceil(64);
+    let mut bits = vec![0u64; t * words];
+    for i in 0..t {
+        if let Some(p) = parents[i] {
+            let (done, rest) = bits.split_at_mut(i * words);
+            rest[..words].copy_from_slice(&done[p * words..p * words + words]);
+        }
+        bits[i * words + i / 64] |= 1u64 << (i % 64);
+    }
+    bits.into_iter().map(|w| w as i64).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layers::attention::AttnPattern;
+    use crate::speculative::tree::DraftTree;
+
+    #[test]
+    fn tree_bits_match_the_dense_mask_visibility() {
+        // 130 nodes: spans three 64-bit words; parent of i is (i - 1) / 3 (a ternary tree).
+        let parents: Vec<Option<usize>> = (0..130)
+            .map(|i| if i == 0 { None } else { Some((i - 1) / 3) })
+            .collect();
+        let t = parents.len();
+        let words = t.div_ceil(64);
+        let bits = tree_bits(&parents);
+        let tokens: Vec<u32> = (0..t as u32).collect();
+        let vis = DraftTree::from_parents(tokens, parents.clone())
+            .unwrap()
+            .visibility();
+        let mask = AttnPattern::Tree { parents }
+            .mask(0, t, &Device::Cpu)
+            .unwrap()
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        for i in 0..t {
+            for j in 0..t {
+                let bit = (bits[i * words + j / 64] as u64 >> (j % 64)) & 1 == 1;
+                assert_eq!(bit, vis[i * t + j], "node {i} sees {j} (tree)");
+                assert_eq!(bit, mask[i][j] == 0.0, "node {i} sees {j} (mask)");
+            }
+        }
+    }
+
+    #[test]
+    fn fused_kernels_are_never_chosen_on_cpu() {
+        assert!(!available(&Device::Cpu, DType::BF16, 128, OpsMode::Fused));
+    }
+}

@@ -1,0 +1,331 @@
+//! The Qwen3 decoder layer (HF `modeling_qwen3.py`: `Qwen3Attention`, `Qwen3MLP`,
+//! `Qwen3DecoderLayer`), shared by the target and the DFlash drafter, whose layers have the same
+//! weights and layout (z-lab `Qwen3DFlashDecoderLayer`). Only where K/V come from and which
+//! pattern the queries use differ; that lives with each model.
+
+use candle_core::{DType, Device, Result, Tensor};
+use dflash_common::{Qwen3Config, WeightFiles};
+
+use crate::error::ModelResult;
+use crate::layers::ops::{rms_norm, rope, OpsMode};
+use crate::random::WeightRng;
+
+/// `x @ wᵀ` for `x: [rows, in]`, `w: [out, in]` (a bias-free `nn.Linear`).
+pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    x.matmul(&w.t()?)
+}
+
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+    eps: f64,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    mode: OpsMode,
+    /// Concatenated projections for the fused CUDA path (see [`Self::fuse_projections`]).
+    fused: Option<FusedWeights>,
+}
+
+/// `[q; k; v]` and `[gate; up]` stacked along the output dimension: one GEMM each. The
+/// layer's own q/k/v/gate/up tensors become views into these, so no weight is stored twice.
+#[derive(Debug, Clone)]
+pub struct FusedWeights {
+    pub qkv: Tensor,
+    pub gate_up: Tensor,
+}
+
+impl DecoderLayer {
+    /// Loads `{prefix}.self_attn.*`, `{prefix}.mlp.*` and the two norms, checking every shape.
+    pub fn load(
+        w: &WeightFiles,
+        prefix: &str,
+        cfg: &Qwen3Config,
+        dtype: DType,
+        device: &Device,
+        mode: OpsMode,
+    ) -> ModelResult<Self> {
+        let h = cfg.hidden_size;
+        let (nh, nkv, d, i) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        );
+        let t = |name: &str, shape: &[usize]| {
+            w.tensor(&format!("{prefix}.{name}"), shape, dtype, device)
+        };
+        Ok(Self {
+            input_layernorm: t("input_layernorm.weight", &[h])?,
+            post_attention_layernorm: t("post_attention_layernorm.weight", &[h])?,
+            q_proj: t("self_attn.q_proj.weight", &[nh * d, h])?,
+            k_proj: t("self_attn.k_proj.weight", &[nkv * d, h])?,
+            v_proj: t("self_attn.v_proj.weight", &[nkv * d, h])?,
+            o_proj: t("self_attn.o_proj.weight", &[h, nh * d])?,
+            q_norm: t("self_attn.q_norm.weight", &[d])?,
+            k_norm: t("self_attn.k_norm.weight", &[d])?,
+            gate_proj: t("mlp.gate_proj.weight", &[i, h])?,
+            up_proj: t("mlp.up_proj.weight", &[i, h])?,
+            down_proj: t("mlp.down_proj.weight", &[h, i])?,
+            eps: cfg.rms_norm_eps,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: d,
+            mode,
+            fused: None,
+        })
+    }
+
+    /// A layer with seeded random weights of the config's shape.
+    pub fn random(
+        rng: &mut WeightRng,
+        cfg: &Qwen3Config,
+        dtype: DType,
+        device: &Device,
+        mode: OpsMode,
+    ) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let (nh, nkv, d, i) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        );
+        Ok(Self {
+            input_layernorm: rng.norm(h, dtype, device)?,
+            post_attention_layernorm: rng.norm(h, dtype, device)?,
+            q_proj: rng.linear(nh * d, h, dtype, device)?,
+            k_proj: rng.linear(nkv * d, h, dtype, device)?,
+            v_proj: rng.linear(nkv * d, h, dtype, device)?,
+            o_proj: rng.linear(h, nh * d, dtype, device)?,
+            q_norm: rng.norm(d, dtype, device)?,
+            k_norm: rng.norm(d, dtype, device)?,
+            gate_proj: rng.linear(i, h, dtype, device)?,
+            up_proj: rng.linear(i, h, dtype, device)?,
+            down_proj: rng.linear(h, i, dtype, device)?,
+            eps: cfg.rms_norm_eps,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: d,
+            mode,
+            fused: None,
+        })
+    }
+
+    /// A layer from already-materialised tensors (a trainer's parameters, for instance). `get`
+    /// receives each tensor's name relative to the layer prefix (see [`Self::TENSOR_NAMES`]) and
+    /// the shape `cfg` implies, and returns the tensor or an error naming it.
+    pub fn from_tensors(
+        cfg: &Qwen3Config,
+        mode: OpsMode,
+        mut get: impl FnMut(&str, &[usize]) -> ModelResult<Tensor>,
+    ) -> ModelResult<Self> {
+        let h = cfg.hidden_size;
+        let (nh, nkv, d, i) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        );
+        Ok(Self {
+            input_layernorm: get("input_layernorm.weight", &[h])?,
+            post_attention_layernorm: get("post_attention_layernorm.weight", &[h])?,
+            q_proj: get("self_attn.q_proj.weight", &[nh * d, h])?,
+            k_proj: get("self_attn.k_proj.weight", &[nkv * d, h])?,
+            v_proj: get("self_attn.v_proj.weight", &[nkv * d, h])?,
+            o_proj: get("self_attn.o_proj.weight", &[h, nh * d])?,
+            q_norm: get("self_attn.q_norm.weight", &[d])?,
+            k_norm: get("self_attn.k_norm.weight", &[d])?,
+            gate_proj: get("mlp.gate_proj.weight", &[i, h])?,
+            up_proj: get("mlp.up_proj.weight", &[i, h])?,
+            down_proj: get("mlp.down_proj.weight", &[h, i])?,
+            eps: cfg.rms_norm_eps,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: d,
+            mode,
+            fused: None,
+        })
+    }
+
+    /// The checkpoint names of a layer's tensors, relative to its prefix (HF / z-lab naming).
+    pub const TENSOR_NAMES: [&'static str; 11] = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ];
+
+    /// The shape `cfg` implies for each of [`Self::TENSOR_NAMES`], in the same order.
+    pub fn tensor_shapes(cfg: &Qwen3Config) -> [Vec<usize>; 11] {
+        let h = cfg.hidden_size;
+        let (nh, nkv, d, i) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        );
+        [
+            vec![h],
+            vec![h],
+            vec![nh * d, h],
+            vec![nkv * d, h],
+            vec![nkv * d, h],
+            vec![h, nh * d],
+            vec![d],
+            vec![d],
+            vec![i, h],
+            vec![i, h],
+            vec![h, i],
+        ]
+    }
+
+    /// This layer's tensors in [`Self::TENSOR_NAMES`] order.
+    pub fn tensors(&self) -> [&Tensor; 11] {
+        [
+            &self.input_layernorm,
+            &self.post_attention_layernorm,
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.o_proj,
+            &self.q_norm,
+            &self.k_norm,
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+        ]
+    }
+
+    pub fn input_norm(&self, x: &Tensor) -> Result<Tensor> {
+        rms_norm(x, &self.input_layernorm, self.eps, self.mode)
+    }
+
+    /// Per-head projection, per-head RMSNorm, then RoPE: `[rows, hidden]` -> `[heads, rows, d]`.
+    fn project(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        norm: Option<&Tensor>,
+        heads: usize,
+        rot: Option<(&Tensor, &Tensor)>,
+    ) -> Result<Tensor> {
+        let rows = x.dim(0)?;
+        let mut y = linear(x, w)?.reshape((rows, heads, self.head_dim))?;
+        if let Some(n) = norm {
+            y = rms_norm(&y, n, self.eps, self.mode)?;
+        }
+        if let Some((cos, sin)) = rot {
+            y = rope(&y, cos, sin, self.mode)?;
+        }
+        y.transpose(0, 1)?.contiguous()
+    }
+
+    /// Queries, keys and values of already-normed input `x: [rows, hidden]` at the positions
+    /// whose rotary rows are `cos`, `sin`: `[heads, rows, d]`, `[kv_heads, rows, d]` twice.
+    pub fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let q = self.project(
+            x,
+            &self.q_proj,
+            Some(&self.q_norm),
+            self.num_heads,
+            Some((cos, sin)),
+        )?;
+        let (k, v) = self.kv(x, cos, sin)?;
+        Ok((q, k, v))
+    }
+
+    /// Keys and values only (the DFlash context path: no query, no input norm).
+    pub fn kv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor)> {
+        let k = self.project(
+            x,
+            &self.k_proj,
+            Some(&self.k_norm),
+            self.num_kv_heads,
+            Some((cos, sin)),
+        )?;
+        let v = self.project(x, &self.v_proj, None, self.num_kv_heads, None)?;
+        Ok((k, v))
+    }
+
+    /// `residual + o_proj(attn)`, then the MLP block with its own residual.
+    pub fn finish(&self, residual: &Tensor, attn: &Tensor) -> Result<Tensor> {
+        let x = (residual + linear(attn, &self.o_proj)?)?;
+        let h = rms_norm(&x, &self.post_attention_layernorm, self.eps, self.mode)?;
+        let gate = linear(&h, &self.gate_proj)?.silu()?;
+        let up = linear(&h, &self.up_proj)?;
+        x + linear(&(gate * up)?, &self.down_proj)?
+    }
+
+    pub fn mode(&self) -> OpsMode {
+        self.mode
+    }
+
+    /// Stacks q/k/v and gate/up into [`FusedWeights`] and re-points the separate tensors at
+    /// views of them (same values, same memory). Inference only: a trainer's parameters must
+    /// stay separate variables.
+    pub fn fuse_projections(&mut self) -> Result<()> {
+        if self.fused.is_some() {
+            return Ok(());
+        }
+        let qkv = Tensor::cat(&[&self.q_proj, &self.k_proj, &self.v_proj], 0)?;
+        let gate_up = Tensor::cat(&[&self.gate_proj, &self.up_proj], 0)?;
+        let (nq, nk) = (self.q_proj.dim(0)?, self.k_proj.dim(0)?);
+        let i = self.gate_proj.dim(0)?;
+        self.q_proj = qkv.narrow(0, 0, nq)?;
+        self.k_proj = qkv.narrow(0, nq, nk)?;
+        self.v_proj = qkv.narrow(0, nq + nk, nk)?;
+        self.gate_proj = gate_up.narrow(0, 0, i)?;
+        self.up_proj = gate_up.narrow(0, i, i)?;
+        self.fused = Some(FusedWeights { qkv, gate_up });
+        Ok(())
+    }
+
+    pub fn fused(&self) -> Option<&FusedWeights> {
+        self.fused.as_ref()
+    }
+
+    /// (input norm, post-attention norm, q norm, k norm) weights.
+    pub fn norm_weights(&self) -> (&Tensor, &Tensor, &Tensor, &Tensor) {
+        (
+            &self.input_layernorm,
+            &self.post_attention_layernorm,
+            &self.q_norm,
+            &self.k_norm,
+        )
+    }
+
+    pub fn o_proj(&self) -> &Tensor {
+        &self.o_proj
+    }
+
+    pub fn down_proj(&self) -> &Tensor {
+        &self.down_proj
+    }
+
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+
+    /// (query heads, kv heads, head dim).
+    pub fn heads(&self) -> (usize, usize, usize) {
+        (self.num_heads, self.num_kv_heads, self.head_dim)
+    }
+}

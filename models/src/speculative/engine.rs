@@ -1,0 +1,579 @@
+//! The decoding engine. A step is a transaction per sequence:
+//! **propose** (one batched proposer call), **verify** (one batched target forward over every
+//! sequence's tree, chain or single token), **commit** (walk the tree with the target's own
+//! token at every node, keep the accepted path's K/V and features) and **roll back** the rest
+//! (cache compaction drops rejected rows; the proposer never sees them).
+//!
+//! Lossless by construction: every committed token is the target's own choice at a node whose
+//! context is exactly the committed prefix (argmax at T=0, a sample from the target's filtered
+//! distribution at T>0). Drafts only decide how many of those choices one forward can make.
+
+use std::time::Instant;
+
+use candle_core::Tensor;
+
+use crate::batch::SeqForward;
+use crate::cache::SequenceCache;
+use crate::error::ModelError;
+use crate::layers::attention::AttnPattern;
+use crate::speculative::proposer::{ProposeItem, Proposer, SeqId};
+use crate::speculative::sampling::Sampler;
+use crate::speculative::simulate::SimulatedAcceptance;
+use crate::speculative::spare::SpareCaches;
+use crate::speculative::stats::{RoundStats, SeqStats};
+use crate::speculative::tree::{build_ddtree, chain_tree, walk, DraftTree, TopK};
+use crate::speculative::{greedy, profile};
+use crate::target::{DraftTarget, Target};
+
+pub use crate::speculative::request::{
+    Algorithm, EngineConfig, EngineError, FinishReason, GenerationRequest, SeqEvent,
+};
+
+struct Sequence {
+    id: SeqId,
+    req: GenerationRequest,
+    cache: SequenceCache,
+    /// Prompt and generated tokens; once prefilled the last one is the bonus token, which is
+    /// not yet in the target cache (`cache.len() == tokens.len() - 1`).
+    tokens: Vec<u32>,
+    generated: usize,
+    sampler: Sampler,
+    /// Target features of committed positions the proposer has not seen.
+    pending_features: Option<Tensor>,
+    prefilled: bool,
+    stats: SeqStats,
+}
+
+pub struct Engine {
+    target: Target,
+    proposer: Option<Box<dyn Proposer>>,
+    config: EngineConfig,
+    seqs: Vec<Sequence>,
+    next_id: SeqId,
+    /// Benchmarks only: accept drafts by count instead of by the target (not lossless).
+    simulate: Option<SimulatedAcceptance>,
+    /// Target caches of finished sequences, for the next ones (their step graphs stay valid).
+    spare: SpareCaches,
+}
+
+impl Engine {
+    pub fn new(
+        target: impl Into<Target>,
+        proposer: Option<Box<dyn Proposer>>,
+        config: EngineConfig,
+    ) -> Self {
+        Self {
+            target: target.into(),
+            proposer,
+            config,
+            seqs: Vec::new(),
+            next_id: 0,
+            simulate: None,
+            spare: SpareCaches::default(),
+        }
+    }
+
+    /// Makes every later round accept drafts as `sim` says instead of checking them against
+    /// the target (SGLang's SGLANG_SIMULATE_ACC_LEN). Output is no longer the target's: use it
+    /// to measure system cost only.
+    pub fn simulate_acceptance(&mut self, sim: SimulatedAcceptance) {
+        self.simulate = Some(sim);
+    }
+
+    pub fn target(&self) -> &Target {
+        &self.target
+    }
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+    pub fn num_active(&self) -> usize {
+        self.seqs.len()
+    }
+    /// The committed tokens (the last one is the bonus token, not yet in the cache) and the
+    /// target cache of an active sequence: for inspection and for tests that recompute it.
+    pub fn sequence(&self, id: SeqId) -> Option<(&[u32], &SequenceCache)> {
+        self.seqs
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| (s.tokens.as_slice(), &s.cache))
+    }
+
+    /// Target caches kept from finished sequences for the next ones ([`SpareCaches`]).
+    pub fn spare_caches(&self) -> usize {
+        self.spare.len()
+    }
+
+    /// Drafts per round of the loaded proposer (0 without one).
+    pub fn max_depth(&self) -> usize {
+        self.proposer.as_ref().map_or(0, |p| p.max_depth())
+    }
+
+    fn verify_width(&self, algorithm: Algorithm) -> usize {
+        1 + match algorithm {
+            Algorithm::Plain => 0,
+            Algorithm::Chain => self.max_depth(),
+            Algorithm::DDTree { budget } => budget,
+        }
+    }
+
+    /// Validates and admits a request. Nothing changes on error.
+    pub fn add(&mut self, req: GenerationRequest) -> Result<SeqId, EngineError> {
+        let max_context = self.config.max_context;
+        if req.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if req.prompt.len() > max_context {
+            return Err(EngineError::PromptTooLong {
+                prompt: req.prompt.len(),
+                max_context,
+            });
+        }
+        if req.max_new_tokens == 0 {
+            return Err(EngineError::ZeroMaxNewTokens);
+        }
+        if req.prompt.len() + req.max_new_tokens > max_context {
+            return Err(EngineError::ContextExceeded {
+                prompt: req.prompt.len(),
+                max_new_tokens: req.max_new_tokens,
+                max_context,
+            });
+        }
+        let vocab = self.target.vocab_size();
+        if let Some(&token) = req
+            .prompt
+            .iter()
+            .chain(&req.stop_token_ids)
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(EngineError::TokenOutOfVocab { token, vocab });
+        }
+        req.sampling.validate()?;
+        match req.algorithm {
+            Algorithm::Plain => {}
+            Algorithm::Chain | Algorithm::DDTree { .. } if self.proposer.is_none() => {
+                return Err(EngineError::NoProposer(req.algorithm))
+            }
+            Algorithm::Chain => {}
+            Algorithm::DDTree { budget } => {
+                if budget == 0 || budget > self.config.max_ddtree_budget {
+                    return Err(EngineError::BadBudget {
+                        budget,
+                        max: self.config.max_ddtree_budget,
+                    });
+                }
+            }
+        }
+        let id = self.next_id;
+        let width = self.verify_width(req.algorithm);
+        let capacity = max_context + width;
+        // Hybrid targets keep a recurrent state per verify node so any accepted one commits.
+        let target = &self.target;
+        let cache = self
+            .spare
+            .take_or(capacity, || target.new_cache(capacity, width))?;
+        if let (Some(p), true) = (self.proposer.as_mut(), req.algorithm != Algorithm::Plain) {
+            if let Err(e) = p.open(id, capacity) {
+                self.spare.put(capacity, cache);
+                return Err(e.into());
+            }
+        }
+        self.next_id += 1;
+        let sampler = Sampler::new(
+            req.sampling.clone(),
+            self.config
+                .seed
+                .wrapping_add(id.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+        );
+        let depth = self.max_depth();
+        self.seqs.push(Sequence {
+            id,
+            tokens: req.prompt.clone(),
+            req,
+            cache,
+            generated: 0,
+            sampler,
+            pending_features: None,
+            prefilled: false,
+            stats: SeqStats::new(depth),
+        });
+        Ok(id)
+    }
+
+    /// Drops a sequence (abort). Unknown ids are an error so callers notice double removal.
+    pub fn remove(&mut self, id: SeqId) -> Result<(), EngineError> {
+        let i = self
+            .seqs
+            .iter()
+            .position(|s| s.id == id)
+            .ok_or(EngineError::UnknownSequence(id))?;
+        let seq = self.seqs.remove(i);
+        if let Some(p) = self.proposer.as_mut() {
+            if seq.req.algorithm != Algorithm::Plain {
+                p.close(id);
+            }
+        }
+        let capacity = self.config.max_context + self.verify_width(seq.req.algorithm);
+        self.spare.put(capacity, seq.cache);
+        Ok(())
+    }
+
+    fn taps(&self) -> Vec<usize> {
+        self.proposer
+            .as_ref()
+            .map_or_else(Vec::new, |p| p.target_layers())
+    }
+
+    /// Advances every sequence: prefills new ones, then runs one speculative round for all.
+    /// Finished sequences are removed after their final event.
+    pub fn step(&mut self) -> Result<Vec<SeqEvent>, EngineError> {
+        let mut events = Vec::new();
+        if self.seqs.iter().any(|s| !s.prefilled) {
+            self.prefill(&mut events)?;
+        }
+        if !self.seqs.is_empty() {
+            self.round(&mut events)?;
+        }
+        Ok(events)
+    }
+
+    fn prefill(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
+        let taps = self.taps();
+        let idx: Vec<usize> = (0..self.seqs.len())
+            .filter(|&i| !self.seqs[i].prefilled)
+            .collect();
+        let positions: Vec<Vec<u32>> = idx
+            .iter()
+            .map(|&i| (0..self.seqs[i].tokens.len() as u32).collect())
+            .collect();
+        let last_rows: Vec<[usize; 1]> = idx
+            .iter()
+            .map(|&i| [self.seqs[i].tokens.len() - 1])
+            .collect();
+        // Nothing in a prompt is ever rolled back: hybrid targets take the chunked delta rule
+        // and keep no per-token recurrent state for it.
+        let saved: Vec<usize> = self
+            .seqs
+            .iter_mut()
+            .filter(|s| !s.prefilled)
+            .map(|s| s.cache.set_rollback(0))
+            .collect();
+        let result = {
+            let mut batch: Vec<SeqForward<'_>> = Vec::with_capacity(idx.len());
+            let mut pos_iter = positions.iter().zip(&last_rows);
+            for seq in self.seqs.iter_mut().filter(|s| !s.prefilled) {
+                let (pos, rows) = pos_iter
+                    .next()
+                    .expect("one position list per unprefilled sequence");
+                batch.push(SeqForward {
+                    cache: &mut seq.cache,
+                    tokens: &seq.tokens,
+                    positions: pos,
+                    pattern: &AttnPattern::Causal,
+                    logit_rows: rows,
+                });
+            }
+            self.target.forward(&mut batch, &taps)
+        };
+        for (seq, &rows) in self.seqs.iter_mut().filter(|s| !s.prefilled).zip(&saved) {
+            seq.cache.set_rollback(rows);
+        }
+        let out = result?;
+        let logits = out
+            .logits
+            .ok_or_else(|| ModelError::BadInput("prefill returned no logits".into()))?;
+        let rows = logits.to_vec2::<f32>()?;
+        for (k, &i) in idx.iter().enumerate() {
+            let seq = &mut self.seqs[i];
+            seq.prefilled = true;
+            let token = seq.sampler.sample(&rows[k]);
+            if seq.req.algorithm != Algorithm::Plain {
+                if let Some(t) = &out.taps {
+                    let (a, b) = (out.token_offsets[k], out.token_offsets[k + 1]);
+                    seq.pending_features = Some(t.narrow(0, a, b - a)?);
+                }
+            }
+            let (emitted, finished) = commit_tokens(seq, &[token], &self.config.eos_token_ids);
+            events.push(SeqEvent {
+                id: seq.id,
+                tokens: emitted,
+                finished,
+                round: None,
+                stats: seq.stats.clone(),
+            });
+        }
+        self.reap(events);
+        Ok(())
+    }
+
+    fn round(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
+        let vocab = self.target.vocab_size();
+        let dev = self.target.device().clone();
+        profile::mark(&dev, "0_between_rounds");
+        let t_draft = Instant::now();
+        let spec: Vec<usize> = (0..self.seqs.len())
+            .filter(|&i| self.seqs[i].req.algorithm != Algorithm::Plain)
+            .collect();
+        let mut proposals = if spec.is_empty() {
+            Vec::new()
+        } else {
+            let features: Vec<Option<Tensor>> = spec
+                .iter()
+                .map(|&i| self.seqs[i].pending_features.take())
+                .collect();
+            let items: Vec<ProposeItem<'_>> = spec
+                .iter()
+                .zip(&features)
+                .map(|(&i, f)| {
+                    let s = &self.seqs[i];
+                    let top_k = match s.req.algorithm {
+                        Algorithm::DDTree { budget } => budget.min(vocab),
+                        _ => 1,
+                    };
+                    ProposeItem {
+                        seq: s.id,
+                        tokens: &s.tokens,
+                        features: f.as_ref(),
+                        top_k,
+                    }
+                })
+                .collect();
+            let proposer = self
+                .proposer
+                .as_mut()
+                .ok_or(EngineError::NoProposer(Algorithm::Chain))?;
+            let proposals = proposer.propose(&items)?;
+            profile::mark(&dev, "3c_propose_rest");
+            proposals
+        }
+        .into_iter();
+        let draft_time = t_draft.elapsed();
+        profile::mark(&dev, "3_draft_select");
+
+        let max_positions = self.target.max_positions();
+        let trees: Vec<DraftTree> = self
+            .seqs
+            .iter()
+            .map(|s| {
+                let bonus = *s
+                    .tokens
+                    .last()
+                    .expect("prefilled sequences hold a bonus token");
+                // Drafts past the length limit or the position table can never be committed.
+                let start = s.tokens.len() - 1;
+                let depth_cap = (s.req.max_new_tokens - s.generated)
+                    .saturating_sub(1)
+                    .min(max_positions.saturating_sub(start + 1));
+                match s.req.algorithm {
+                    Algorithm::Plain => DraftTree::root_only(bonus),
+                    Algorithm::Chain => {
+                        let mut drafts = proposals
+                            .next()
+                            .map(|p| p.argmax_tokens())
+                            .unwrap_or_default();
+                        drafts.truncate(depth_cap);
+                        chain_tree(bonus, &drafts)
+                    }
+                    Algorithm::DDTree { budget } => proposals.next().map_or_else(
+                        || DraftTree::root_only(bonus),
+                        |p| {
+                            let depths = p.depths().min(depth_cap);
+                            let capped =
+                                TopK::new((0..depths).map(|d| p.row(d).to_vec()).collect());
+                            build_ddtree(bonus, &capped, budget)
+                        },
+                    ),
+                }
+            })
+            .collect();
+
+        profile::mark(&dev, "4_tree");
+        let t_verify = Instant::now();
+        let taps = self.taps();
+        let starts: Vec<usize> = self.seqs.iter().map(|s| s.cache.len()).collect();
+        let padded: Vec<Option<DraftTree>> = self
+            .seqs
+            .iter()
+            .zip(&trees)
+            .map(|(s, t)| self.verify_padding(s, t))
+            .collect();
+        // What the target verifies: each tree, or its padded form.
+        let verified: Vec<&DraftTree> = trees
+            .iter()
+            .zip(&padded)
+            .map(|(t, p)| p.as_ref().unwrap_or(t))
+            .collect();
+        let positions: Vec<Vec<u32>> = verified
+            .iter()
+            .zip(&starts)
+            .map(|(t, &s)| t.positions(s))
+            .collect();
+        let patterns: Vec<AttnPattern> = verified
+            .iter()
+            .map(|t| {
+                if t.is_chain() {
+                    AttnPattern::Causal
+                } else {
+                    AttnPattern::Tree {
+                        parents: t.parents().to_vec(),
+                    }
+                }
+            })
+            .collect();
+        let rows: Vec<Vec<usize>> = verified.iter().map(|t| (0..t.len()).collect()).collect();
+        profile::mark(&dev, "5_verify_prepare");
+        let out = {
+            let mut batch: Vec<SeqForward<'_>> = self
+                .seqs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, s)| SeqForward {
+                    cache: &mut s.cache,
+                    tokens: &verified[i].tokens,
+                    positions: &positions[i],
+                    pattern: &patterns[i],
+                    logit_rows: &rows[i],
+                })
+                .collect();
+            self.target.forward(&mut batch, &taps)?
+        };
+        profile::mark(&dev, "6_verify_forward");
+        let logits = out
+            .logits
+            .ok_or_else(|| ModelError::BadInput("verify returned no logits".into()))?;
+        // Greedy rows only need the argmax, taken on the device; sampled rows come to the host.
+        let argmax = greedy::row_argmax(&logits)?;
+        let verify_time = t_verify.elapsed();
+        profile::mark(&dev, "7_verify_argmax");
+
+        let t_commit = Instant::now();
+        for (i, tree) in trees.iter().enumerate() {
+            // The tree's own rows: a padded verify has placeholder rows after them.
+            let a = out.logit_offsets[i];
+            let b = (a + tree.len()).min(out.logit_offsets[i + 1]);
+            let seq = &mut self.seqs[i];
+            let posterior: Vec<u32> = if seq.sampler.params().is_greedy() {
+                argmax[a..b].to_vec()
+            } else {
+                let rows = logits.narrow(0, a, b - a)?.to_vec2::<f32>()?;
+                rows.iter().map(|r| seq.sampler.sample(r)).collect()
+            };
+            let (accepted, next) = match self.simulate.as_mut() {
+                Some(sim) if seq.req.algorithm != Algorithm::Plain => sim.walk(tree, &posterior),
+                _ => walk(tree, &posterior),
+            };
+            let start = starts[i];
+            let keep: Vec<usize> = accepted.iter().map(|&n| start + n).collect();
+            seq.cache.compact(start, &keep)?;
+            if seq.req.algorithm != Algorithm::Plain {
+                if let Some(t) = &out.taps {
+                    let idx: Vec<u32> = accepted
+                        .iter()
+                        .map(|&n| (out.token_offsets[i] + n) as u32)
+                        .collect();
+                    let idx = Tensor::new(idx.as_slice(), t.device())?;
+                    seq.pending_features = Some(t.index_select(&idx, 0)?);
+                }
+            }
+            let mut new_tokens: Vec<u32> = accepted[1..].iter().map(|&n| tree.tokens[n]).collect();
+            new_tokens.push(next);
+            let (emitted, finished) = commit_tokens(seq, &new_tokens, &self.config.eos_token_ids);
+            let round = RoundStats {
+                tree_nodes: tree.num_nodes(),
+                max_depth: tree.depths.iter().copied().max().unwrap_or(0),
+                accepted_drafts: accepted.len() - 1,
+                committed: emitted.len(),
+                draft_time,
+                verify_time,
+                commit_time: t_commit.elapsed(),
+            };
+            seq.stats.record(&round);
+            events.push(SeqEvent {
+                id: seq.id,
+                tokens: emitted,
+                finished,
+                round: Some(round),
+                stats: seq.stats.clone(),
+            });
+        }
+        profile::mark(&dev, "8_commit");
+        self.reap(events);
+        Ok(())
+    }
+
+    /// On CUDA, where every verify size is a captured graph, a tree smaller than its
+    /// algorithm's full size (near a request's end, where drafts are capped) padded to that
+    /// size (see [`DraftTree::padded_to`]): the verify then replays the graph every other round
+    /// uses instead of running uncaptured and capturing one more size on its next use (about
+    /// 19 ms per capture for the 8B shape, and 8 graph slots per model). The placeholders come
+    /// after every real entry, so causal and ancestor masks keep them out of the real rows;
+    /// their K/V rows are dropped by the compaction and their logits never read. None: verify
+    /// the tree as it is (no room in the cache or the position table, or not on CUDA).
+    fn verify_padding(&self, s: &Sequence, tree: &DraftTree) -> Option<DraftTree> {
+        if !self.target.device().is_cuda() {
+            return None;
+        }
+        let full = match s.req.algorithm {
+            Algorithm::Plain => return None,
+            Algorithm::Chain => self.proposer.as_ref()?.max_depth() + 1,
+            Algorithm::DDTree { budget } => budget.min(self.target.vocab_size()) + 1,
+        };
+        let start = s.cache.len();
+        let deepest =
+            tree.depths.iter().copied().max().unwrap_or(0) + full.saturating_sub(tree.len());
+        if tree.len() >= full
+            || start + full > s.cache.capacity()
+            || start + deepest >= self.target.max_positions()
+        {
+            return None;
+        }
+        tree.padded_to(full).ok()
+    }
+
+    /// Removes the sequences whose final event is in `events`.
+    fn reap(&mut self, events: &[SeqEvent]) {
+        for e in events.iter().filter(|e| e.finished.is_some()) {
+            if self.seqs.iter().any(|s| s.id == e.id) {
+                let _ = self.remove(e.id);
+            }
+        }
+    }
+
+    /// Runs one request to completion alone (tests, the offline tools).
+    pub fn generate(
+        &mut self,
+        req: GenerationRequest,
+    ) -> Result<(Vec<u32>, SeqStats), EngineError> {
+        let id = self.add(req)?;
+        let mut out = Vec::new();
+        loop {
+            for e in self.step()? {
+                if e.id == id {
+                    out.extend_from_slice(&e.tokens);
+                    if e.finished.is_some() {
+                        return Ok((out, e.stats));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Appends `new` to the sequence until a stop condition; returns the emitted tokens and why it
+/// finished. A block is cut right after a stop token or at the length limit.
+fn commit_tokens(seq: &mut Sequence, new: &[u32], eos: &[u32]) -> (Vec<u32>, Option<FinishReason>) {
+    let mut emitted = Vec::with_capacity(new.len());
+    for &t in new {
+        seq.tokens.push(t);
+        seq.generated += 1;
+        emitted.push(t);
+        let is_stop =
+            seq.req.stop_token_ids.contains(&t) || (!seq.req.ignore_eos && eos.contains(&t));
+        if is_stop {
+            return (emitted, Some(FinishReason::Stop(t)));
+        }
+        if seq.generated >= seq.req.max_new_tokens {
+            return (emitted, Some(FinishReason::Length));
+        }
+    }
+    (emitted, None)
+}
