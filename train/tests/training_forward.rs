@@ -21,7 +21,7 @@ use dflash_common::{DFlashConfig, LayerType, Qwen3Config, RopeScaling};
 use dflash_models::{
     DFlashDrafter, DraftInput, OpsMode, Qwen3Model, TargetEmbeddingsAndHead, TrainSequence,
 };
-use dflash_train::train::data::Example;
+use dflash_train::train::dataset::Example;
 use dflash_train::train::loss::{weighted_cross_entropy, BlockTargets};
 
 const VOCAB: usize = 64;

@@ -1,4 +1,4 @@
-//! Chat datasets: JSONL (`{"messages": [...]}` per line), plain or `.xz`, rendered with the
+//! Loading datasets: chat JSONL (`{"messages": [...]}` per line), plain or `.xz`, rendered with the
 //! target's chat template and tokenized, with a loss mask on the final assistant turn.
 //!
 //! The mask follows `shared/fixtures/scripts/tokenize_corpus.py`, which made the tiny targets'
@@ -8,7 +8,9 @@
 //! what follows its last end-of-turn token (the template's trailing newline).
 //!
 //! A line that cannot be used (bad JSON, no final assistant turn, a template error) is skipped
-//! and counted; past `max_bad_lines` the load stops with the file and line.
+//! and counted; past `max_bad_lines` the load stops with the file and line. [`load_specs`]
+//! loads every `--dataset` value, chat files and synthetic specs alike, into one
+//! [`Dataset`] (the types in `dataset.rs`).
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -17,57 +19,10 @@ use dflash_common::chat::{ChatRenderInput, ChatTemplate};
 use dflash_common::tokenizer::Tokenizer;
 use serde_json::Value;
 
+use super::dataset::{DataOptions, DataStats, Dataset, Example};
 use super::error::{TrainError, TrainResult};
-
-/// One tokenized conversation.
-#[derive(Debug, Clone)]
-pub struct Example {
-    pub tokens: Vec<u32>,
-    /// 1 where the token is supervised (assistant output), per position.
-    pub loss_mask: Vec<u8>,
-}
-
-impl Example {
-    /// Positions usable as anchors: `a >= 1` with `loss_mask[a] = loss_mask[a + 1] = 1`
-    /// (SpecForge v2: the anchor and at least its first label are supervised).
-    pub fn anchor_candidates(&self) -> Vec<usize> {
-        (1..self.tokens.len().saturating_sub(1))
-            .filter(|&a| self.loss_mask[a] == 1 && self.loss_mask[a + 1] == 1)
-            .collect()
-    }
-
-    pub fn supervised(&self) -> usize {
-        self.loss_mask.iter().map(|&m| m as usize).sum()
-    }
-}
-
-#[derive(Debug, Clone)]
-pub struct DataOptions {
-    /// Sequences are cut to this many tokens.
-    pub max_len: usize,
-    /// Sequences with fewer supervised tokens (after the cut) are dropped.
-    pub min_supervised: usize,
-    /// Unreadable lines tolerated across all files before the load stops.
-    pub max_bad_lines: usize,
-    /// Read at most this many records in all (the first ones, in file order).
-    pub max_records: Option<usize>,
-}
-
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct DataStats {
-    pub records: usize,
-    pub bad_lines: usize,
-    pub too_little_supervision: usize,
-    pub truncated: usize,
-    pub tokens: usize,
-    pub supervised_tokens: usize,
-}
-
-#[derive(Debug)]
-pub struct Dataset {
-    pub examples: Vec<Example>,
-    pub stats: DataStats,
-}
+use super::synthetic::DatasetSpec;
+use super::target::Target;
 
 /// Reads a whole dataset file, decompressing `.xz`.
 pub fn read_text(path: &Path) -> TrainResult<String> {
@@ -216,12 +171,11 @@ pub fn load_datasets(
 /// Loads every `--dataset` value: chat files through the target's tokenizer and template,
 /// synthetic specs as random tokens over its vocabulary (never `mask`).
 pub fn load_specs(
-    specs: &[super::synthetic::DatasetSpec],
-    target: &super::target::Target,
+    specs: &[DatasetSpec],
+    target: &Target,
     mask: u32,
     opts: &DataOptions,
 ) -> TrainResult<Dataset> {
-    use super::synthetic::DatasetSpec;
     let files: Vec<PathBuf> = specs
         .iter()
         .filter_map(|s| match s {

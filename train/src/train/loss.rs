@@ -11,7 +11,7 @@ use rand::seq::index::sample;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use super::data::Example;
+use super::dataset::Example;
 
 /// gamma for the published block sizes (7 for 16; 5 for 10 and 4 for 8 as SpecForge
 /// suggests), and `7 * B / 16` otherwise.

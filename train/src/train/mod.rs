@@ -10,6 +10,7 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod dataset;
 pub mod error;
 pub mod flops;
 pub mod loss;

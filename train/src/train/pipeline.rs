@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor};
 use dflash_models::{AttnPattern, Qwen3Model, SeqForward};
 
-use super::data::Example;
+use super::dataset::Example;
 use super::error::{TrainError, TrainResult};
 
 /// One sequence of a computed batch.

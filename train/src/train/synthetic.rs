@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::data::{DataStats, Dataset, Example};
+use super::dataset::{DataStats, Dataset, Example};
 use super::error::{TrainError, TrainResult};
 
 /// One `--dataset` value.

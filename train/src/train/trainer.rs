@@ -16,7 +16,8 @@ use dflash_models::TrainSequence;
 use serde_json::{json, Map, Value};
 
 use super::checkpoint::{self, RunFingerprint, TrainerState};
-use super::data::{load_specs, DataOptions};
+use super::data::load_specs;
+use super::dataset::DataOptions;
 use super::error::{TrainError, TrainResult};
 use super::flops;
 use super::loss::{self, BlockTargets, Hits};
