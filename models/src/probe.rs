@@ -42,3 +42,17 @@ pub fn copy_bandwidth(dev: &Device, bytes: usize) -> candle_core::Result<f64> {
     let ms = time_ms(dev, 5, || dst.slice_set(&src, 0, 0))?;
     Ok(2.0 * (2 * n) as f64 / (ms / 1e3))
 }
+
+/// `(free, total)` bytes of `device`'s memory as the driver reports them; `None` on the CPU.
+pub fn device_memory(device: &Device) -> candle_core::Result<Option<(usize, usize)>> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => d
+            .cuda_stream()
+            .context()
+            .mem_get_info()
+            .map(Some)
+            .map_err(|e| candle_core::Error::Msg(format!("cuMemGetInfo: {e}"))),
+        _ => Ok(None),
+    }
+}

@@ -176,6 +176,14 @@ impl Target {
     /// A cache for `capacity` positions in which forwards of up to `rollback` tokens can be
     /// rolled back (attention caches can always be truncated; the argument only matters for
     /// recurrent layers).
+    /// Bytes of K/V one cached row of a sequence takes (attention layers only).
+    pub fn kv_bytes_per_row(&self) -> usize {
+        match self {
+            Target::Qwen3(m) => m.kv_bytes_per_row(),
+            Target::Hybrid(m) => m.kv_bytes_per_row(),
+        }
+    }
+
     pub fn new_cache(&self, capacity: usize, rollback: usize) -> ModelResult<SequenceCache> {
         match self {
             Target::Qwen3(m) => m.new_cache(capacity),

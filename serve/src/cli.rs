@@ -51,8 +51,9 @@ pub struct Args {
     /// Weight dtype; auto uses bfloat16 on CUDA and float32 on CPU
     #[arg(long, value_enum, default_value = "auto", help_heading = "Model")]
     pub dtype: DTypeArg,
-    /// Device: cpu, cuda or cuda:N
-    #[arg(long, default_value = "cpu", help_heading = "Model")]
+    /// Device: auto (the first CUDA device when built with CUDA and a GPU is present, else the
+    /// CPU, as SGLang needs no flag), cpu, cuda or cuda:N
+    #[arg(long, default_value = "auto", help_heading = "Model")]
     pub device: String,
     /// Context length [default: the model's max_position_embeddings]
     #[arg(long, help_heading = "Model")]
@@ -166,7 +167,7 @@ pub struct Args {
     /// No effect (no remote code is ever run); accepted so launch lines work
     #[arg(long, help_heading = "SGLang compatibility")]
     pub trust_remote_code: bool,
-    /// No effect yet (memory is sized per request); accepted with a warning
+    /// Fraction of GPU memory for the weights plus the K/V pool (SGLang's meaning) [default: SGLang's rule for the GPU, 0.892 on an H200 with a drafter]; no effect on the CPU
     #[arg(long, help_heading = "SGLang compatibility")]
     pub mem_fraction_static: Option<f64>,
     /// No effect (one attention implementation); accepted with a warning

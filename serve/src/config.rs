@@ -65,8 +65,12 @@ pub struct ServeConfig {
     pub context_length: Option<usize>,
     pub max_running_requests: usize,
     pub max_queued_requests: usize,
-    /// `--max-total-tokens`; `None` sizes it from the context length (see `total_tokens`).
+    /// `--max-total-tokens`; `None` sizes it from device memory on CUDA, else from the
+    /// context length (see `total_tokens`). On CUDA it caps the memory-sized pool.
     pub max_total_tokens: Option<usize>,
+    /// `--mem-fraction-static` (SGLang's meaning: weights + K/V pool over GPU memory); `None`
+    /// takes SGLang's default for the GPU (`engine::memory`). No effect on the CPU.
+    pub mem_fraction_static: Option<f64>,
     /// `--request-timeout`.
     pub request_timeout: Option<std::time::Duration>,
     pub api_key: Option<String>,
@@ -91,6 +95,7 @@ fn parse_device(s: &str) -> Result<DeviceSpec, ConfigError> {
         reason: reason.to_string(),
     };
     match s.to_ascii_lowercase().as_str() {
+        "auto" => Ok(auto_device()),
         "cpu" => Ok(DeviceSpec::Cpu),
         "cuda" => Ok(DeviceSpec::Cuda(0)),
         other => match other.strip_prefix("cuda:") {
@@ -98,8 +103,18 @@ fn parse_device(s: &str) -> Result<DeviceSpec, ConfigError> {
                 .parse()
                 .map(DeviceSpec::Cuda)
                 .map_err(|_| bad("expected cpu, cuda or cuda:N with N a GPU index")),
-            None => Err(bad("expected cpu, cuda or cuda:N")),
+            None => Err(bad("expected auto, cpu, cuda or cuda:N")),
         },
+    }
+}
+
+/// `--device auto`: CUDA device 0 when this binary was built with CUDA and the device opens,
+/// else the CPU (SGLang never needs the flag on a GPU machine).
+fn auto_device() -> DeviceSpec {
+    if candle_core::utils::cuda_is_available() && candle_core::Device::new_cuda(0).is_ok() {
+        DeviceSpec::Cuda(0)
+    } else {
+        DeviceSpec::Cpu
     }
 }
 
@@ -169,7 +184,6 @@ fn refuse(
 fn warn_no_effect(args: &Args) {
     let ignored = [
         (args.trust_remote_code, "--trust-remote-code"),
-        (args.mem_fraction_static.is_some(), "--mem-fraction-static"),
         (args.attention_backend.is_some(), "--attention-backend"),
         (args.cuda_graph_max_bs.is_some(), "--cuda-graph-max-bs"),
         (args.disable_cuda_graph, "--disable-cuda-graph"),
@@ -257,6 +271,15 @@ impl ServeConfig {
                 reason: "must be at least 1".into(),
             });
         }
+        if let Some(f) = args.mem_fraction_static {
+            if !(f > 0.0 && f <= 1.0) {
+                return Err(ConfigError::BadValue {
+                    flag: "--mem-fraction-static",
+                    value: f.to_string(),
+                    reason: "must be in (0, 1]: the fraction of GPU memory for the weights and the K/V pool".into(),
+                });
+            }
+        }
         let request_timeout = match args.request_timeout {
             None => None,
             Some(secs) if secs.is_finite() && secs > 0.0 => {
@@ -305,6 +328,7 @@ impl ServeConfig {
             max_running_requests,
             max_queued_requests: args.max_queued_requests,
             max_total_tokens: args.max_total_tokens,
+            mem_fraction_static: args.mem_fraction_static,
             request_timeout,
             api_key: args.api_key.clone(),
             chat_template: args.chat_template.clone(),
@@ -322,8 +346,9 @@ impl ServeConfig {
 }
 
 impl ServeConfig {
-    /// KV-cache tokens all running requests share: `--max-total-tokens`, or room for every
-    /// running slot to hold a full context.
+    /// KV-cache tokens all running requests share where the engine did not size a pool from
+    /// device memory (the CPU): `--max-total-tokens`, or room for every running slot to hold
+    /// a full context.
     pub fn total_tokens(&self, context_length: usize) -> usize {
         self.max_total_tokens
             .unwrap_or(context_length * self.max_running_requests)

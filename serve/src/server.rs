@@ -15,13 +15,17 @@ use crate::state::{AppState, ModelAssets};
 
 /// Starts the engine thread for `engine` and builds the handlers' state.
 pub fn build_state<E: StepEngine>(
-    config: ServeConfig,
+    mut config: ServeConfig,
     model: ModelAssets,
     engine: E,
 ) -> std::io::Result<AppState> {
     let metrics = Arc::new(ServerMetrics::new(&config.served_model_name));
     let info = engine.info();
-    let max_total_tokens = config.total_tokens(model.lower.context_length);
+    let max_total_tokens = engine
+        .kv_pool_tokens()
+        .unwrap_or_else(|| config.total_tokens(model.lower.context_length));
+    // What every reader (/server_info, admission) sees from here on is the effective pool.
+    config.max_total_tokens = Some(max_total_tokens);
     metrics.set_static(
         model.lower.context_length,
         max_total_tokens,

@@ -10,6 +10,10 @@ mod support;
 #[path = "binary_api/hybrid.rs"]
 mod hybrid;
 
+/// SGLang's SGLANG_SIMULATE_ACC_LEN benchmark mode.
+#[path = "binary_api/simulate.rs"]
+mod simulate;
+
 use std::path::PathBuf;
 
 use candle_core::{DType, Device};

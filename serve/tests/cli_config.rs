@@ -282,12 +282,24 @@ fn bad_device_names_the_flag() {
     let err = config(&["--device", "tpu"]).expect_err("refused");
     assert_eq!(
         err.to_string(),
-        "--device tpu: expected cpu, cuda or cuda:N"
+        "--device tpu: expected auto, cpu, cuda or cuda:N"
     );
     assert_eq!(
         config(&["--device", "cuda:1"]).expect("ok").device,
         DeviceSpec::Cuda(1)
     );
+}
+
+/// `--device auto` (the default) is the CPU in a build without CUDA, where CI runs; with CUDA
+/// it is device 0 when one opens (checked on the GPU machine, not here).
+#[test]
+fn the_default_device_is_auto_and_falls_back_to_the_cpu_without_cuda() {
+    let default = config(&[]).expect("ok").device;
+    let auto = config(&["--device", "auto"]).expect("ok").device;
+    assert_eq!(default, auto);
+    if !candle_core::utils::cuda_is_available() {
+        assert_eq!(auto, DeviceSpec::Cpu);
+    }
 }
 
 #[test]

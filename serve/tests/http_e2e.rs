@@ -355,6 +355,37 @@ async fn bad_requests_get_400_in_the_route_shape_and_the_server_keeps_serving() 
     );
 }
 
+/// A device error while admitting one request (the test engine's token 7778 fails as a CUDA
+/// out-of-memory would) is the server's fault: that request gets a 500 saying what happened,
+/// a request admitted beside it completes, and the server keeps serving.
+#[tokio::test]
+async fn a_device_error_at_admission_is_a_500_and_other_requests_go_on() {
+    let s = start(&[], 3).await;
+    let bad_body = json!({"input_ids": [7778]});
+    let good_body = json!({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}});
+    let (bad, good) = tokio::join!(
+        s.post("/generate", &bad_body),
+        s.post("/generate", &good_body)
+    );
+    assert_eq!(bad.status, 500, "{}", bad.body);
+    assert!(
+        bad.json()["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("CUDA_ERROR_OUT_OF_MEMORY")),
+        "{}",
+        bad.body
+    );
+    assert_eq!(good.status, 200, "{}", good.body);
+    assert_eq!(good.json()["meta_info"]["completion_tokens"], 4);
+    assert_eq!(s.get("/health").await.status, 200);
+    assert_eq!(
+        s.post("/v1/completions", &json!({"prompt": [7778]}))
+            .await
+            .status,
+        500
+    );
+}
+
 #[tokio::test]
 async fn oversized_bodies_get_413_in_the_flat_shape() {
     let s = start(&["--max-request-body-bytes", "64"], 3).await;

@@ -403,6 +403,12 @@ impl DFlashDrafter {
     }
 
     /// A context cache for up to `capacity` committed positions (plus the transient block rows).
+    /// Bytes of K/V one cached context row takes across the drafter's layers.
+    pub fn kv_bytes_per_row(&self) -> usize {
+        let c = &self.cfg.layers;
+        c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * self.dtype.size_in_bytes()
+    }
+
     pub fn new_cache(&self, capacity: usize) -> ModelResult<SequenceCache> {
         let c = &self.cfg.layers;
         Ok(SequenceCache::new_attention(

@@ -271,6 +271,16 @@ impl Qwen3Model {
     }
 
     /// A cache for one sequence holding up to `capacity` positions.
+    /// Bytes of K/V one cached row takes across every layer (what a cache of `capacity` rows
+    /// allocates per row), for sizing a K/V budget from device memory.
+    pub fn kv_bytes_per_row(&self) -> usize {
+        self.cfg.num_hidden_layers
+            * 2
+            * self.cfg.num_key_value_heads
+            * self.cfg.head_dim
+            * self.dtype.size_in_bytes()
+    }
+
     pub fn new_cache(&self, capacity: usize) -> ModelResult<SequenceCache> {
         Ok(SequenceCache::new_attention(
             self.cfg.num_hidden_layers,

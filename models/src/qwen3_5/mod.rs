@@ -287,6 +287,17 @@ impl Qwen35Model {
     }
 
     /// A cache whose forwards settle at once (no rollback): prefill and plain decoding.
+    /// Bytes of K/V one cached row takes across the full-attention layers (the Gated DeltaNet
+    /// layers keep a fixed-size state per sequence instead, see `new_cache_with_rollback`).
+    pub fn kv_bytes_per_row(&self) -> usize {
+        let full = self
+            .layers
+            .iter()
+            .filter(|l| matches!(l.mixer, Mixer::Full(_)))
+            .count();
+        full * 2 * self.cfg.num_key_value_heads * self.cfg.head_dim * self.dtype.size_in_bytes()
+    }
+
     pub fn new_cache(&self, capacity: usize) -> ModelResult<SequenceCache> {
         self.new_cache_with_rollback(capacity, 0)
     }

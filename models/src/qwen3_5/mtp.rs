@@ -110,6 +110,11 @@ impl MtpHead {
     }
 
     /// The head's own K/V cache (one attention layer).
+    /// Bytes of K/V one cached row of [`MtpHead::new_cache`] takes (its one attention layer).
+    pub fn kv_bytes_per_row(&self, dtype: DType) -> usize {
+        2 * self.num_kv_heads * self.head_dim * dtype.size_in_bytes()
+    }
+
     pub fn new_cache(
         &self,
         capacity: usize,

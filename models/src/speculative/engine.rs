@@ -29,10 +29,15 @@ pub use crate::speculative::request::{
     Algorithm, EngineConfig, EngineError, FinishReason, GenerationRequest, SeqEvent,
 };
 
+/// Smallest cache a sequence gets, in rows ([`Engine::cache_capacity`]).
+pub const MIN_CACHE_ROWS: usize = 256;
+
 struct Sequence {
     id: SeqId,
     req: GenerationRequest,
     cache: SequenceCache,
+    /// What the target cache (and the proposer's) was made for ([`Engine::cache_capacity`]).
+    capacity: usize,
     /// Prompt and generated tokens; once prefilled the last one is the bonus token, which is
     /// not yet in the target cache (`cache.len() == tokens.len() - 1`).
     tokens: Vec<u32>,
@@ -108,6 +113,37 @@ impl Engine {
         self.proposer.as_ref().map_or(0, |p| p.max_depth())
     }
 
+    /// Rows a sequence's caches are made for: its prompt plus `max_new_tokens`, rounded up to
+    /// a power of two of at least [`MIN_CACHE_ROWS`] (at most the context length), plus the
+    /// verify width. Rounding lets a finished sequence's cache (and the CUDA graphs captured
+    /// on it) serve the next request of a similar size; sizing by the request, not the whole
+    /// context, is what lets many sequences share a GPU's memory. A server admitting by K/V
+    /// memory reserves exactly this.
+    pub fn cache_capacity(
+        &self,
+        prompt_len: usize,
+        max_new_tokens: usize,
+        algorithm: Algorithm,
+    ) -> usize {
+        let need = prompt_len.saturating_add(max_new_tokens);
+        let rows = need
+            .max(MIN_CACHE_ROWS)
+            .checked_next_power_of_two()
+            .unwrap_or(usize::MAX)
+            .min(self.config.max_context.max(need));
+        rows + self.verify_width(algorithm)
+    }
+
+    /// Device bytes one cache row of a speculating sequence takes: the target's K/V plus the
+    /// proposer's (a DFlash drafter's context K/V), for sizing a K/V budget from memory.
+    pub fn kv_bytes_per_row(&self) -> usize {
+        self.target.kv_bytes_per_row()
+            + self
+                .proposer
+                .as_ref()
+                .map_or(0, |p| p.cache_bytes_per_row())
+    }
+
     fn verify_width(&self, algorithm: Algorithm) -> usize {
         1 + match algorithm {
             Algorithm::Plain => 0,
@@ -165,7 +201,7 @@ impl Engine {
         }
         let id = self.next_id;
         let width = self.verify_width(req.algorithm);
-        let capacity = max_context + width;
+        let capacity = self.cache_capacity(req.prompt.len(), req.max_new_tokens, req.algorithm);
         // Hybrid targets keep a recurrent state per verify node so any accepted one commits.
         let target = &self.target;
         let cache = self
@@ -190,6 +226,7 @@ impl Engine {
             tokens: req.prompt.clone(),
             req,
             cache,
+            capacity,
             generated: 0,
             sampler,
             pending_features: None,
@@ -212,8 +249,7 @@ impl Engine {
                 p.close(id);
             }
         }
-        let capacity = self.config.max_context + self.verify_width(seq.req.algorithm);
-        self.spare.put(capacity, seq.cache);
+        self.spare.put(seq.capacity, seq.cache);
         Ok(())
     }
 
@@ -577,3 +613,6 @@ fn commit_tokens(seq: &mut Sequence, new: &[u32], eos: &[u32]) -> (Vec<u32>, Opt
     }
     (emitted, None)
 }
+
+#[cfg(test)]
+mod tests;

@@ -89,6 +89,10 @@ impl Proposer for MtpProposer {
         vec![self.target.config().num_hidden_layers - 1]
     }
 
+    fn cache_bytes_per_row(&self) -> usize {
+        self.head.kv_bytes_per_row(self.target.dtype())
+    }
+
     fn open(&mut self, seq: SeqId, capacity: usize) -> ModelResult<()> {
         let cache = self.head.new_cache(
             capacity + self.depth,

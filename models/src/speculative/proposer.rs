@@ -41,6 +41,11 @@ pub trait Proposer: Send {
     fn propose(&mut self, batch: &[ProposeItem<'_>]) -> ModelResult<Vec<TopK>>;
     /// Drops per-sequence state.
     fn close(&mut self, seq: SeqId);
+    /// Device bytes per committed position of a sequence's proposer state (a drafter's K/V
+    /// cache rows), for sizing a K/V budget; 0 for proposers that keep none.
+    fn cache_bytes_per_row(&self) -> usize {
+        0
+    }
 }
 
 /// The DFlash drafter as a proposer: one batched drafter forward per round.
@@ -68,6 +73,10 @@ impl DFlashProposer {
 impl Proposer for DFlashProposer {
     fn max_depth(&self) -> usize {
         self.drafter.block_size() - 1
+    }
+
+    fn cache_bytes_per_row(&self) -> usize {
+        self.drafter.kv_bytes_per_row()
     }
 
     fn target_layers(&self) -> Vec<usize> {

@@ -66,6 +66,25 @@ pub enum EngineError {
     Model(#[from] ModelError),
 }
 
+impl EngineError {
+    /// Whether the request itself is at fault (a server answers 4xx and the client changes the
+    /// request), as opposed to the model or the device (a 5xx: the same request may succeed
+    /// later, e.g. after a CUDA out-of-memory while allocating its cache).
+    pub fn is_client_error(&self) -> bool {
+        match self {
+            EngineError::EmptyPrompt
+            | EngineError::PromptTooLong { .. }
+            | EngineError::ContextExceeded { .. }
+            | EngineError::ZeroMaxNewTokens
+            | EngineError::TokenOutOfVocab { .. }
+            | EngineError::Sampling(_)
+            | EngineError::BadBudget { .. }
+            | EngineError::NoProposer(_) => true,
+            EngineError::UnknownSequence(_) | EngineError::Model(_) => false,
+        }
+    }
+}
+
 impl From<candle_core::Error> for EngineError {
     fn from(e: candle_core::Error) -> Self {
         EngineError::Model(ModelError::Candle(e))

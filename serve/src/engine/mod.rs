@@ -5,6 +5,7 @@
 //! `dflash_models::speculative::engine::Engine` (see [`real`]); tests drive the same thread and HTTP
 //! layer with a deterministic scripted engine. No tensor crosses this boundary, and no JSON.
 
+pub mod memory;
 pub mod real;
 pub mod thread;
 
@@ -80,11 +81,32 @@ pub struct StepEvent {
     pub verify_rounds: usize,
 }
 
-/// The engine refused a request at admission; the message says what to change (HTTP 400).
+/// The engine could not admit a request: the request's fault (HTTP 400, the message says what
+/// to change) or the server's (HTTP 500: a device or model error such as a CUDA out-of-memory
+/// while allocating the sequence's cache, which is never a bad request).
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 #[error("{message}")]
 pub struct AdmitError {
     pub message: String,
+    pub server_fault: bool,
+}
+
+impl AdmitError {
+    /// The request is at fault.
+    pub fn client(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            server_fault: false,
+        }
+    }
+
+    /// The server is at fault.
+    pub fn server(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            server_fault: true,
+        }
+    }
 }
 
 /// A step failed; every active sequence is aborted with this message (HTTP 500).
@@ -110,6 +132,16 @@ pub trait StepEngine: Send + 'static {
     fn remove(&mut self, id: SeqId);
     fn num_active(&self) -> usize;
     fn info(&self) -> EngineInfo;
+    /// K/V-cache tokens a request holds while it runs (what admission reserves): by default
+    /// its prompt plus `max_new_tokens`; an engine that allocates more says so.
+    fn reservation(&self, prompt_len: usize, max_new_tokens: usize) -> usize {
+        prompt_len.saturating_add(max_new_tokens)
+    }
+    /// The K/V-cache tokens device memory holds for all running requests together, when the
+    /// engine sized that from the device (`--mem-fraction-static` on CUDA); `None` otherwise.
+    fn kv_pool_tokens(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl StepEngine for Box<dyn StepEngine> {
@@ -127,5 +159,11 @@ impl StepEngine for Box<dyn StepEngine> {
     }
     fn info(&self) -> EngineInfo {
         (**self).info()
+    }
+    fn reservation(&self, prompt_len: usize, max_new_tokens: usize) -> usize {
+        (**self).reservation(prompt_len, max_new_tokens)
+    }
+    fn kv_pool_tokens(&self) -> Option<usize> {
+        (**self).kv_pool_tokens()
     }
 }

@@ -10,12 +10,13 @@ use dflash_common::WeightFiles;
 use dflash_models::qwen3_5::MtpHead;
 use dflash_models::speculative::{
     Algorithm, DFlashProposer, Engine, EngineConfig, FinishReason, GenerationRequest, MtpProposer,
-    Proposer, SamplingParams,
+    Proposer, SamplingParams, SimulatedAcceptance,
 };
 use dflash_models::{DFlashDrafter, OpsMode, Target};
 
 use super::{
-    AdmitError, EngineFinish, EngineInfo, EngineRequest, SeqId, StepEngine, StepError, StepEvent,
+    memory, AdmitError, EngineFinish, EngineInfo, EngineRequest, SeqId, StepEngine, StepError,
+    StepEvent,
 };
 use crate::config::{DType, DeviceSpec, DraftSource, ServeConfig, SpeculativeConfig, VerifyMode};
 
@@ -35,11 +36,47 @@ pub enum LoadError {
     BlockSize { given: usize, block_size: usize },
     #[error("--speculative-algorithm NEXTN: {message}")]
     Mtp { message: String },
+    #[error("{SIMULATE_ACC_LEN}={value}: {message}")]
+    SimulateAccLen { value: String, message: String },
+}
+
+/// SGLang's benchmark switch: the verify walk accepts this many tokens per round on average
+/// (drafts plus the target's bonus token) instead of checking the drafts, so throughput at
+/// concurrency can be measured with random weights. Unset or <= 0 (SGLang's -1): off.
+pub const SIMULATE_ACC_LEN: &str = "SGLANG_SIMULATE_ACC_LEN";
+
+/// The simulated acceptance length from the environment: `None` when off.
+fn simulated_acceptance_length() -> Result<Option<f64>, LoadError> {
+    let Ok(value) = std::env::var(SIMULATE_ACC_LEN) else {
+        return Ok(None);
+    };
+    let bad = |message: &str| LoadError::SimulateAccLen {
+        value: value.clone(),
+        message: message.to_string(),
+    };
+    let v: f64 = value
+        .trim()
+        .parse()
+        .map_err(|_| bad("expected a number (an acceptance length such as 6.5, or -1 for off)"))?;
+    if !v.is_finite() {
+        return Err(bad("expected a finite number"));
+    }
+    if v <= 0.0 {
+        return Ok(None);
+    }
+    if v < 1.0 {
+        return Err(bad(
+            "an acceptance length counts the bonus token, so it is at least 1 (or <= 0 for off)",
+        ));
+    }
+    Ok(Some(v))
 }
 
 pub struct RealEngine {
     engine: Engine,
     algorithm: Algorithm,
+    /// The K/V pool sized from device memory (CUDA), in tokens.
+    pool_tokens: Option<usize>,
 }
 
 fn device(spec: DeviceSpec) -> Result<Device, LoadError> {
@@ -96,10 +133,14 @@ impl RealEngine {
                 }
             }
         };
+        // Recurrent (Gated DeltaNet) state is per sequence, not per token: reserved up front.
+        let mut fixed_bytes = 0;
         if let Target::Hybrid(m) = &target {
-            log_recurrent_memory(m.config(), dtype, algorithm, proposer.as_deref(), config);
+            fixed_bytes =
+                log_recurrent_memory(m.config(), dtype, algorithm, proposer.as_deref(), config);
         }
-        let engine = Engine::new(
+        let simulate = simulated_acceptance_length()?;
+        let mut engine = Engine::new(
             target,
             proposer,
             EngineConfig {
@@ -109,20 +150,83 @@ impl RealEngine {
                 seed: 0,
             },
         );
-        Ok(Self { engine, algorithm })
+        match (simulate, algorithm) {
+            (None, _) => {}
+            (Some(len), Algorithm::Plain) => tracing::warn!(
+                "{SIMULATE_ACC_LEN}={len} has no effect: the server decodes without speculation"
+            ),
+            (Some(len), _) => {
+                tracing::warn!(
+                    "{SIMULATE_ACC_LEN}={len}: BENCHMARK MODE, every verify accepts {:.2} drafts on average without checking them; the output is NOT the target model's",
+                    len - 1.0
+                );
+                engine.simulate_acceptance(SimulatedAcceptance::new(len - 1.0, 0));
+            }
+        }
+        let pool_tokens = kv_pool(&device, &engine, config, fixed_bytes)?;
+        Ok(Self {
+            engine,
+            algorithm,
+            pool_tokens,
+        })
     }
 }
 
+/// On CUDA, the K/V pool in tokens that `--mem-fraction-static` of the GPU leaves once the
+/// models are loaded (SGLang's sizing, `engine::memory`), capped by `--max-total-tokens`, and
+/// SGLang's start-up line stating it. `None` on the CPU (admission counts
+/// `ServeConfig::total_tokens` there).
+fn kv_pool(
+    device: &Device,
+    engine: &Engine,
+    config: &ServeConfig,
+    fixed_bytes: usize,
+) -> Result<Option<usize>, LoadError> {
+    let memory = dflash_models::probe::device_memory(device).map_err(|e| LoadError::Device {
+        device: format!("{device:?}"),
+        message: e.to_string(),
+    })?;
+    let Some((free, total)) = memory else {
+        return Ok(None);
+    };
+    let mib = total as f64 / (1u64 << 20) as f64;
+    let fraction = config.mem_fraction_static.unwrap_or_else(|| {
+        let (chunk, graphs) = memory::default_prefill_and_graph_sizes(mib);
+        memory::default_mem_fraction_static(mib, chunk, graphs, config.speculative.is_some())
+    });
+    let per_token = engine.kv_bytes_per_row();
+    let pool = memory::pool_tokens(free, total, fraction, fixed_bytes, per_token);
+    let tokens = config.max_total_tokens.map_or(pool, |cap| cap.min(pool));
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    tracing::info!(
+        "KV cache pool: max_total_num_tokens={tokens}, {:.2} GB of K/V at {per_token} bytes/token (target + drafter), mem_fraction_static={fraction}, GPU memory {:.1} GB of which {:.1} GB in use after loading",
+        gib(tokens as f64 * per_token as f64),
+        gib(total as f64),
+        gib(total.saturating_sub(free) as f64),
+    );
+    if tokens == 0 {
+        return Err(LoadError::Device {
+            device: format!("{device:?}"),
+            message: format!(
+                "no GPU memory is left for the K/V cache at --mem-fraction-static {fraction} ({:.1} GB in use after loading the models); raise --mem-fraction-static or use a smaller model",
+                gib(total.saturating_sub(free) as f64)
+            ),
+        });
+    }
+    Ok(Some(tokens))
+}
+
 /// Tells the operator what hybrid verification costs beyond the K/V cache: every verified row
-/// keeps its own recurrent state until the commit (147 MiB a row at the Qwen3.6-27B shape), and
-/// `--max-total-tokens` admission does not count it.
+/// keeps its own recurrent state until the commit (147 MiB a row at the Qwen3.6-27B shape).
+/// Returns those bytes for `--max-running-requests` sequences, which a memory-sized K/V pool
+/// sets aside.
 fn log_recurrent_memory(
     cfg: &dflash_common::HybridConfig,
     dtype: CandleDType,
     algorithm: Algorithm,
     proposer: Option<&dyn Proposer>,
     config: &ServeConfig,
-) {
+) -> usize {
     let per_row =
         cfg.num_linear_layers() * cfg.recurrent_state_bytes_per_layer(dtype.size_in_bytes());
     let rows = 1 + match algorithm {
@@ -140,6 +244,7 @@ fn log_recurrent_memory(
         gib(rows * per_row * config.max_running_requests),
         config.max_running_requests,
     );
+    rows * per_row * config.max_running_requests
 }
 
 /// The DFlash drafter for either target family; its taps may sit on any target layer,
@@ -210,9 +315,9 @@ impl StepEngine for RealEngine {
             ("presence_penalty", s.presence_penalty == 0.0),
         ] {
             if !unset {
-                return Err(AdmitError {
-                    message: format!("`{field}` is not supported by dflash-serve yet; remove it from the request"),
-                });
+                return Err(AdmitError::client(format!(
+                    "`{field}` is not supported by dflash-serve yet; remove it from the request"
+                )));
             }
         }
         let sampling = SamplingParams {
@@ -235,8 +340,12 @@ impl StepEngine for RealEngine {
                 algorithm: self.algorithm,
             })
             .map(|id| id as SeqId)
-            .map_err(|e| AdmitError {
-                message: e.to_string(),
+            .map_err(|e| {
+                if e.is_client_error() {
+                    AdmitError::client(e.to_string())
+                } else {
+                    AdmitError::server(format!("admitting the request failed: {e}"))
+                }
             })
     }
 
@@ -268,6 +377,15 @@ impl StepEngine for RealEngine {
 
     fn num_active(&self) -> usize {
         self.engine.num_active()
+    }
+
+    fn reservation(&self, prompt_len: usize, max_new_tokens: usize) -> usize {
+        self.engine
+            .cache_capacity(prompt_len, max_new_tokens, self.algorithm)
+    }
+
+    fn kv_pool_tokens(&self) -> Option<usize> {
+        self.pool_tokens
     }
 
     fn info(&self) -> EngineInfo {

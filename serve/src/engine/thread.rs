@@ -299,8 +299,9 @@ struct Running {
 }
 
 /// KV-cache tokens a request may occupy: its prompt plus its whole completion budget.
-fn reservation(req: &EngineRequest) -> usize {
-    req.prompt.len() + req.max_new_tokens
+/// K/V tokens `req` holds while it runs, as `engine` allocates them.
+fn reservation<E: StepEngine>(engine: &E, req: &EngineRequest) -> usize {
+    engine.reservation(req.prompt.len(), req.max_new_tokens)
 }
 
 impl<E: StepEngine> Worker<E> {
@@ -335,7 +336,7 @@ impl<E: StepEngine> Worker<E> {
                 events,
                 at,
             } => {
-                let needed = reservation(&req);
+                let needed = reservation(&self.engine, &req);
                 if needed > self.limits.max_total_tokens {
                     let _ = events.send(SeqUpdate::Failed(EngineFailure::TooLargeForCache {
                         needed,
@@ -432,7 +433,7 @@ impl<E: StepEngine> Worker<E> {
             let Some(head) = self.waiting.front() else {
                 break;
             };
-            let needed = reservation(&head.req);
+            let needed = reservation(&self.engine, &head.req);
             if !head.events.is_closed()
                 && self.reserved_tokens + needed > self.limits.max_total_tokens
             {
@@ -459,6 +460,12 @@ impl<E: StepEngine> Worker<E> {
                             reserved: needed,
                         },
                     );
+                }
+                Err(e) if e.server_fault => {
+                    tracing::error!("{} (request {})", e.message, w.rid);
+                    let _ = w
+                        .events
+                        .send(SeqUpdate::Failed(EngineFailure::Internal(e.message)));
                 }
                 Err(e) => {
                     let _ = w

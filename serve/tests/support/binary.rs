@@ -27,6 +27,11 @@ impl ServerProcess {
     /// Starts `dflash-serve ARGS --host 127.0.0.1 --port P` and waits for SGLang's readiness line
     /// and an HTTP answer on `GET /v1/models` (what bench_serving polls; 401 with --api-key).
     pub async fn start(args: &[&str]) -> Self {
+        Self::start_with_env(args, &[]).await
+    }
+
+    /// [`ServerProcess::start`] with extra environment variables for the server.
+    pub async fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
         let port = free_port();
         let log_path = std::env::temp_dir().join(format!(
             "dflash-serve-test-{}-{port}.log",
@@ -37,6 +42,7 @@ impl ServerProcess {
             .args(args)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::from(log.try_clone().expect("log handle")))
             .stderr(Stdio::from(log))
             .spawn()
