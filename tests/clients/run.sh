@@ -25,6 +25,9 @@ done
 URL=http://127.0.0.1:$PORT
 "$VENV/bin/python" tests/clients/openai_client.py "$URL"
 "$VENV/bin/python" tests/clients/bench_serving_client.py "$URL" 32 8
+# The load tool (deploy/bench/load.py, standard library only) at two small concurrency levels.
+python3 deploy/bench/load.py "$URL" --concurrency 1,4 --input-len 32 --output-len 16 \
+  --prompts-per-level 8 --require-no-failures --out "${TMPDIR:-/tmp}/dflash-load-ci.json"
 kill -TERM $PID
 wait $PID
 echo "clients OK; dflash-serve exited cleanly on SIGTERM"

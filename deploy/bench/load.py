@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Load test of a running dflash-serve (or SGLang) server over HTTP, as `python -m
+sglang.bench_serving --backend sglang --dataset-name random` drives one: streaming POST
+/generate with `input_ids` of `--input-len` random tokens, `max_new_tokens` = `--output-len`,
+`ignore_eos`, greedy; per concurrency level, `--prompts-per-level` requests (default `--waves`
+= 4 per client, at least 8) kept `concurrency` in flight. Standard library only, so it runs on the GPU
+machine (no network there) and in CI.
+
+Per level it reports (JSON, `--out`): output tok/s over the level's wall time, per-request
+decode tok/s (output tokens after the first / time after the first), TTFT and ITL percentiles
+(ITL = gap between chunks / new tokens in the chunk, as bench_serving computes it), failed
+requests with their first errors, `num_retractions` summed from meta_info (0 where the server
+does not report it), `cached_tokens` summed from meta_info, and the mean spec_accept_length.
+
+Usage:
+  deploy/bench/load.py http://127.0.0.1:30000 --concurrency 1,8,32 --input-len 512 \\
+      --output-len 256 --out load.json
+"""
+
+import argparse
+import http.client
+import json
+import random
+import sys
+import threading
+import time
+import urllib.parse
+
+
+def percentiles(xs, ps=(50, 90, 99)):
+    if not xs:
+        return {f"p{p}": None for p in ps}
+    s = sorted(xs)
+    return {f"p{p}": s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] for p in ps}
+
+
+def connect(base, timeout):
+    u = urllib.parse.urlparse(base)
+    return http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
+
+
+def get_json(base, path, timeout=30):
+    c = connect(base, timeout)
+    try:
+        c.request("GET", path)
+        r = c.getresponse()
+        body = r.read()
+        return r.status, (json.loads(body) if body else None)
+    finally:
+        c.close()
+
+
+def wait_ready(base, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            status, body = get_json(base, "/v1/models", 5)
+            if status == 200:
+                return body["data"][0]["id"]
+        except (OSError, http.client.HTTPException, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{base}/v1/models is not ready after {timeout} s")
+
+
+def one_request(base, input_ids, output_len, timeout):
+    """One streaming /generate; what bench_serving's sglang backend records."""
+    payload = {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True},
+        "stream": True,
+        "return_logprob": False,
+        "logprob_start_len": -1,
+    }
+    out = {"success": False, "ttft": None, "itl": [], "output_len": 0, "error": "",
+           "retractions": 0, "cached_tokens": 0, "accept_length": None}
+    st = time.perf_counter()
+    c = connect(base, timeout)
+    try:
+        c.request("POST", "/generate", body=json.dumps(payload),
+                  headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+            out["error"] = f"HTTP {r.status}: {r.read()[:300]!r}"
+            return out
+        last, last_len = st, 0
+        for raw in r:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            ev = json.loads(data)
+            if "error" in ev:
+                out["error"] = json.dumps(ev)[:300]
+                return out
+            meta = ev.get("meta_info") or {}
+            n = meta.get("completion_tokens", last_len)
+            out["retractions"] = meta.get("num_retractions", out["retractions"]) or 0
+            out["cached_tokens"] = meta.get("cached_tokens", out["cached_tokens"]) or 0
+            if meta.get("spec_accept_length") is not None:
+                out["accept_length"] = meta["spec_accept_length"]
+            if n > last_len:
+                ts = time.perf_counter()
+                if out["ttft"] is None:
+                    out["ttft"] = ts - st
+                else:
+                    out["itl"].extend([(ts - last) / (n - last_len)] * (n - last_len))
+                last, last_len = ts, n
+        out["output_len"] = last_len
+        out["latency"] = time.perf_counter() - st
+        out["success"] = last_len == output_len
+        if not out["success"]:
+            out["error"] = f"stream ended after {last_len} of {output_len} tokens"
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        c.close()
+    return out
+
+
+def run_level(base, concurrency, n, input_len, output_len, vocab, seed, timeout):
+    rng = random.Random(seed + concurrency)
+    reqs = [[rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(n)]
+    outs, lock, nxt = [], threading.Lock(), [0]
+
+    def client():
+        while True:
+            with lock:
+                if nxt[0] >= len(reqs):
+                    return
+                i = nxt[0]
+                nxt[0] += 1
+            o = one_request(base, reqs[i], output_len, timeout)
+            with lock:
+                outs.append(o)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    ok = [o for o in outs if o["success"]]
+    tokens = sum(o["output_len"] for o in outs)
+    per_req = [(o["output_len"] - 1) / (o["latency"] - o["ttft"]) for o in ok
+               if o["output_len"] > 1 and o["latency"] > o["ttft"]]
+    itl = [x for o in ok for x in o["itl"]]
+    acc = [o["accept_length"] for o in ok if o["accept_length"] is not None]
+    return {
+        "concurrency": concurrency,
+        "requests": len(outs),
+        "failed": len(outs) - len(ok),
+        "errors": sorted({o["error"] for o in outs if not o["success"]})[:5],
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tok_per_s": tokens / wall if wall > 0 else 0.0,
+        "per_request_tok_per_s": percentiles(per_req) | {"mean": sum(per_req) / len(per_req) if per_req else None},
+        "ttft_ms": {k: (v * 1e3 if v is not None else None) for k, v in percentiles([o["ttft"] for o in ok]).items()},
+        "itl_ms": {k: (v * 1e3 if v is not None else None) for k, v in percentiles(itl).items()},
+        "retractions": sum(o["retractions"] for o in outs),
+        "cached_tokens": sum(o["cached_tokens"] for o in outs),
+        "mean_spec_accept_length": sum(acc) / len(acc) if acc else None,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("url")
+    ap.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--prompts-per-level", type=int, default=0,
+                    help="requests per level (default: --waves per client, at least 8)")
+    ap.add_argument("--waves", type=int, default=4,
+                    help="requests per client at each level when --prompts-per-level is 0")
+    ap.add_argument("--vocab", type=int, default=0,
+                    help="random token ids below this (default: the server's vocab_size from /model_info, else 8192)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+    ap.add_argument("--ready-timeout", type=float, default=600.0)
+    ap.add_argument("--out", help="write the JSON report here too")
+    ap.add_argument("--require-no-failures", action="store_true",
+                    help="exit 1 if any request at any level failed")
+    a = ap.parse_args()
+    base = a.url.rstrip("/")
+    model = wait_ready(base, a.ready_timeout)
+    vocab = a.vocab
+    if not vocab:
+        try:
+            _, info = get_json(base, "/model_info")
+            vocab = int((info or {}).get("vocab_size") or 8192)
+        except (OSError, http.client.HTTPException, ValueError, TypeError):
+            vocab = 8192
+    warm = one_request(base, [11] * min(a.input_len, 16), 4, a.timeout)
+    if not warm["success"]:
+        raise SystemExit(f"warm-up request failed: {warm['error']}")
+    _, server_info = get_json(base, "/server_info")
+    levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
+    report = {"url": base, "model": model, "input_len": a.input_len, "output_len": a.output_len,
+              "vocab": vocab, "command": " ".join(sys.argv), "levels": []}
+    for c in levels:
+        n = a.prompts_per_level or max(8, a.waves * c)
+        lvl = run_level(base, c, n, a.input_len, a.output_len, vocab, a.seed, a.timeout)
+        report["levels"].append(lvl)
+        print(f"concurrency {c:4d}: {lvl['requests']} requests, {lvl['failed']} failed, "
+              f"{lvl['output_tok_per_s']:.1f} output tok/s, per-request "
+              f"{lvl['per_request_tok_per_s']['p50'] or 0:.1f} tok/s (p50), TTFT p50 "
+              f"{lvl['ttft_ms']['p50'] or 0:.0f} ms, ITL p50 {lvl['itl_ms']['p50'] or 0:.1f} ms, "
+              f"retractions {lvl['retractions']}", flush=True)
+    report["server_info"] = {k: server_info.get(k) for k in
+                             ("max_total_num_tokens", "max_running_requests", "device",
+                              "speculative_algorithm", "context_length") if isinstance(server_info, dict)}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
+    if a.require_no_failures and any(l["failed"] for l in report["levels"]):
+        raise SystemExit("some requests failed")
+
+
+if __name__ == "__main__":
+    main()
