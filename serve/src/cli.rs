@@ -89,10 +89,16 @@ pub struct Args {
     /// Sequences decoded together [default: 48 when speculating, else 64]
     #[arg(long, help_heading = "Scheduling")]
     pub max_running_requests: Option<usize>,
-    /// KV-cache tokens shared by all running requests; each reserves prompt + max_new_tokens
-    /// and waits until that fits [default: context length x max running requests]
+    /// KV-cache tokens shared by all running requests; each reserves its cache (prompt +
+    /// max_new_tokens rounded up) and waits until that fits [default: sized from GPU memory
+    /// with --mem-fraction-static on CUDA; context length x max running requests on the CPU]
     #[arg(long, help_heading = "Scheduling")]
     pub max_total_tokens: Option<usize>,
+    /// Most prompt tokens prefilled per step, so long prompts are prefilled in chunks between
+    /// the running requests' decode steps; -1 prefills every prompt whole [default: SGLang's
+    /// rule for the GPU (8192 on an H200), 4096 on the CPU]
+    #[arg(long, allow_negative_numbers = true, help_heading = "Scheduling")]
+    pub chunked_prefill_size: Option<i64>,
     /// End a request that has not finished this many seconds after it arrived (finish reason
     /// `abort`, with the text generated so far) [default: no limit]
     #[arg(long, value_name = "SECONDS", help_heading = "Scheduling")]

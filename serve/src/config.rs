@@ -68,6 +68,9 @@ pub struct ServeConfig {
     /// `--max-total-tokens`; `None` sizes it from device memory on CUDA, else from the
     /// context length (see `total_tokens`). On CUDA it caps the memory-sized pool.
     pub max_total_tokens: Option<usize>,
+    /// `--chunked-prefill-size`: `None` takes the default for the device, `Some(None)` (-1)
+    /// prefills prompts whole.
+    pub chunked_prefill_size: Option<Option<usize>>,
     /// `--mem-fraction-static` (SGLang's meaning: weights + K/V pool over GPU memory); `None`
     /// takes SGLang's default for the GPU (`engine::memory`). No effect on the CPU.
     pub mem_fraction_static: Option<f64>,
@@ -271,6 +274,19 @@ impl ServeConfig {
                 reason: "must be at least 1".into(),
             });
         }
+        let chunked_prefill_size = match args.chunked_prefill_size {
+            None => None,
+            Some(-1) => Some(None),
+            Some(n) if n > 0 => Some(Some(n as usize)),
+            Some(n) => {
+                return Err(ConfigError::BadValue {
+                    flag: "--chunked-prefill-size",
+                    value: n.to_string(),
+                    reason: "must be a positive number of tokens, or -1 to prefill prompts whole"
+                        .into(),
+                })
+            }
+        };
         if let Some(f) = args.mem_fraction_static {
             if !(f > 0.0 && f <= 1.0) {
                 return Err(ConfigError::BadValue {
@@ -329,6 +345,7 @@ impl ServeConfig {
             max_queued_requests: args.max_queued_requests,
             max_total_tokens: args.max_total_tokens,
             mem_fraction_static: args.mem_fraction_static,
+            chunked_prefill_size,
             request_timeout,
             api_key: args.api_key.clone(),
             chat_template: args.chat_template.clone(),

@@ -327,3 +327,38 @@ fn default_chat_template_kwargs_must_be_a_json_object() {
         Some(&serde_json::json!(false))
     );
 }
+
+#[test]
+fn chunked_prefill_size_takes_sglangs_values() {
+    assert_eq!(config(&[]).expect("ok").chunked_prefill_size, None);
+    assert_eq!(
+        config(&["--chunked-prefill-size", "512"])
+            .expect("ok")
+            .chunked_prefill_size,
+        Some(Some(512))
+    );
+    assert_eq!(
+        config(&["--chunked-prefill-size", "-1"])
+            .expect("ok")
+            .chunked_prefill_size,
+        Some(None),
+        "-1 prefills prompts whole"
+    );
+    let err = config(&["--chunked-prefill-size", "0"]).expect_err("refused");
+    assert!(
+        err.to_string().starts_with("--chunked-prefill-size 0:"),
+        "{err}"
+    );
+}
+
+#[test]
+fn mem_fraction_static_must_be_a_fraction() {
+    assert_eq!(
+        config(&["--mem-fraction-static", "0.8"])
+            .expect("ok")
+            .mem_fraction_static,
+        Some(0.8)
+    );
+    let err = config(&["--mem-fraction-static", "1.5"]).expect_err("refused");
+    assert!(err.to_string().contains("--mem-fraction-static"), "{err}");
+}

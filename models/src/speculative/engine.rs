@@ -45,6 +45,8 @@ struct Sequence {
     sampler: Sampler,
     /// Target features of committed positions the proposer has not seen.
     pending_features: Option<Tensor>,
+    /// Prompt tokens already in the target cache while the prompt is prefilled in chunks.
+    prefill_done: usize,
     prefilled: bool,
     stats: SeqStats,
 }
@@ -57,6 +59,8 @@ pub struct Engine {
     next_id: SeqId,
     /// Benchmarks only: accept drafts by count instead of by the target (not lossless).
     simulate: Option<SimulatedAcceptance>,
+    /// Most prompt tokens prefilled per step ([`Engine::set_chunked_prefill`]).
+    prefill_chunk: Option<usize>,
     /// Target caches of finished sequences, for the next ones (their step graphs stay valid).
     spare: SpareCaches,
 }
@@ -74,6 +78,7 @@ impl Engine {
             seqs: Vec::new(),
             next_id: 0,
             simulate: None,
+            prefill_chunk: None,
             spare: SpareCaches::default(),
         }
     }
@@ -83,6 +88,14 @@ impl Engine {
     /// to measure system cost only.
     pub fn simulate_acceptance(&mut self, sim: SimulatedAcceptance) {
         self.simulate = Some(sim);
+    }
+
+    /// Prefills prompts in chunks of at most `tokens` tokens per step across all new sequences
+    /// (SGLang's `--chunked-prefill-size`), so a long prompt is prefilled over several steps
+    /// interleaved with the decode and verify rounds of the running sequences instead of
+    /// stalling them; `None` (the default) prefills every new prompt whole in one step.
+    pub fn set_chunked_prefill(&mut self, tokens: Option<usize>) {
+        self.prefill_chunk = tokens.filter(|&t| t > 0);
     }
 
     pub fn target(&self) -> &Target {
@@ -230,6 +243,7 @@ impl Engine {
             generated: 0,
             sampler,
             pending_features: None,
+            prefill_done: 0,
             prefilled: false,
             stats: SeqStats::new(depth),
         });
@@ -266,68 +280,103 @@ impl Engine {
         if self.seqs.iter().any(|s| !s.prefilled) {
             self.prefill(&mut events)?;
         }
-        if !self.seqs.is_empty() {
-            self.round(&mut events)?;
-        }
+        // Sequences whose prompt is still being prefilled (chunked) sit out the round.
+        let (ready, prefilling): (Vec<Sequence>, Vec<Sequence>) = std::mem::take(&mut self.seqs)
+            .into_iter()
+            .partition(|s| s.prefilled);
+        self.seqs = ready;
+        let result = if self.seqs.is_empty() {
+            Ok(())
+        } else {
+            self.round(&mut events)
+        };
+        self.seqs.extend(prefilling);
+        result?;
         Ok(events)
     }
 
+    /// Prefills new prompts: whole, or (with a chunk size) the next chunk of each in order
+    /// until the step's token budget is spent. A sequence whose prompt is complete samples its
+    /// first token; the proposer's features accumulate over the chunks.
     fn prefill(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
         let taps = self.taps();
-        let idx: Vec<usize> = (0..self.seqs.len())
-            .filter(|&i| !self.seqs[i].prefilled)
-            .collect();
-        let positions: Vec<Vec<u32>> = idx
+        let mut budget = self.prefill_chunk.unwrap_or(usize::MAX);
+        // (sequence index, first prompt token of this chunk, tokens in it)
+        let mut chunks: Vec<(usize, usize, usize)> = Vec::new();
+        for (i, s) in self.seqs.iter().enumerate() {
+            if s.prefilled || budget == 0 {
+                continue;
+            }
+            let n = (s.tokens.len() - s.prefill_done).min(budget);
+            budget -= n;
+            chunks.push((i, s.prefill_done, n));
+        }
+        let positions: Vec<Vec<u32>> = chunks
             .iter()
-            .map(|&i| (0..self.seqs[i].tokens.len() as u32).collect())
+            .map(|&(_, from, n)| (from as u32..(from + n) as u32).collect())
             .collect();
-        let last_rows: Vec<[usize; 1]> = idx
+        // Logits only for a chunk that completes its prompt (its last row).
+        let logit_rows: Vec<Vec<usize>> = chunks
             .iter()
-            .map(|&i| [self.seqs[i].tokens.len() - 1])
+            .map(|&(i, from, n)| {
+                if from + n == self.seqs[i].tokens.len() {
+                    vec![n - 1]
+                } else {
+                    Vec::new()
+                }
+            })
             .collect();
+        let in_chunk = |i: usize| chunks.iter().position(|c| c.0 == i);
         // Nothing in a prompt is ever rolled back: hybrid targets take the chunked delta rule
         // and keep no per-token recurrent state for it.
-        let saved: Vec<usize> = self
-            .seqs
-            .iter_mut()
-            .filter(|s| !s.prefilled)
-            .map(|s| s.cache.set_rollback(0))
-            .collect();
+        let mut saved = Vec::with_capacity(chunks.len());
+        for &(i, _, _) in &chunks {
+            saved.push(self.seqs[i].cache.set_rollback(0));
+        }
         let result = {
-            let mut batch: Vec<SeqForward<'_>> = Vec::with_capacity(idx.len());
-            let mut pos_iter = positions.iter().zip(&last_rows);
-            for seq in self.seqs.iter_mut().filter(|s| !s.prefilled) {
-                let (pos, rows) = pos_iter
-                    .next()
-                    .expect("one position list per unprefilled sequence");
+            let mut batch: Vec<SeqForward<'_>> = Vec::with_capacity(chunks.len());
+            for (i, seq) in self.seqs.iter_mut().enumerate() {
+                let Some(k) = in_chunk(i) else { continue };
+                let (_, from, n) = chunks[k];
                 batch.push(SeqForward {
                     cache: &mut seq.cache,
-                    tokens: &seq.tokens,
-                    positions: pos,
+                    tokens: &seq.tokens[from..from + n],
+                    positions: &positions[k],
                     pattern: &AttnPattern::Causal,
-                    logit_rows: rows,
+                    logit_rows: &logit_rows[k],
                 });
             }
             self.target.forward(&mut batch, &taps)
         };
-        for (seq, &rows) in self.seqs.iter_mut().filter(|s| !s.prefilled).zip(&saved) {
-            seq.cache.set_rollback(rows);
+        for (&(i, _, _), &rows) in chunks.iter().zip(&saved) {
+            self.seqs[i].cache.set_rollback(rows);
         }
         let out = result?;
-        let logits = out
-            .logits
-            .ok_or_else(|| ModelError::BadInput("prefill returned no logits".into()))?;
-        let rows = logits.to_vec2::<f32>()?;
-        for (k, &i) in idx.iter().enumerate() {
+        let rows = match &out.logits {
+            Some(l) => l.to_vec2::<f32>()?,
+            None => Vec::new(),
+        };
+        for (k, &(i, from, n)) in chunks.iter().enumerate() {
             let seq = &mut self.seqs[i];
-            seq.prefilled = true;
-            let token = seq.sampler.sample(&rows[k]);
             if seq.req.algorithm != Algorithm::Plain {
                 if let Some(t) = &out.taps {
                     let (a, b) = (out.token_offsets[k], out.token_offsets[k + 1]);
-                    seq.pending_features = Some(t.narrow(0, a, b - a)?);
+                    let part = t.narrow(0, a, b - a)?;
+                    seq.pending_features = Some(match seq.pending_features.take() {
+                        Some(prev) => Tensor::cat(&[&prev, &part], 0)?,
+                        None => part,
+                    });
                 }
             }
+            seq.prefill_done = from + n;
+            if seq.prefill_done < seq.tokens.len() {
+                continue;
+            }
+            let row = rows
+                .get(out.logit_offsets[k])
+                .ok_or_else(|| ModelError::BadInput("prefill returned no logits".into()))?;
+            seq.prefilled = true;
+            let token = seq.sampler.sample(row);
             let (emitted, finished) = commit_tokens(seq, &[token], &self.config.eos_token_ids);
             events.push(SeqEvent {
                 id: seq.id,

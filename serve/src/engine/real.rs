@@ -163,6 +163,14 @@ impl RealEngine {
                 engine.simulate_acceptance(SimulatedAcceptance::new(len - 1.0, 0));
             }
         }
+        let chunk = chunked_prefill(&device, config)?;
+        tracing::info!(
+            "chunked prefill: {}",
+            chunk.map_or("off (prompts prefilled whole)".to_string(), |c| format!(
+                "at most {c} prompt tokens per step"
+            ))
+        );
+        engine.set_chunked_prefill(chunk);
         let pool_tokens = kv_pool(&device, &engine, config, fixed_bytes)?;
         Ok(Self {
             engine,
@@ -170,6 +178,21 @@ impl RealEngine {
             pool_tokens,
         })
     }
+}
+
+/// `--chunked-prefill-size`, or SGLang's default for the device: its rule for the GPU's
+/// memory (8192 tokens on an H200), its 4096-token fallback elsewhere.
+fn chunked_prefill(device: &Device, config: &ServeConfig) -> Result<Option<usize>, LoadError> {
+    if let Some(given) = config.chunked_prefill_size {
+        return Ok(given);
+    }
+    let memory = dflash_models::probe::device_memory(device).map_err(|e| LoadError::Device {
+        device: format!("{device:?}"),
+        message: e.to_string(),
+    })?;
+    Ok(Some(memory.map_or(4096, |(_, total)| {
+        memory::default_prefill_and_graph_sizes(total as f64 / (1u64 << 20) as f64).0
+    })))
 }
 
 /// On CUDA, the K/V pool in tokens that `--mem-fraction-static` of the GPU leaves once the
