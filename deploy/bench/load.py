@@ -166,6 +166,68 @@ def run_level(base, concurrency, n, input_len, output_len, vocab, seed, timeout)
     }
 
 
+def stream_times(base, input_ids, output_len, timeout, times):
+    """One streaming request that appends (time, new tokens) per chunk to `times`."""
+    payload = {"input_ids": input_ids, "stream": True,
+               "sampling_params": {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}}
+    c = connect(base, timeout)
+    try:
+        c.request("POST", "/generate", body=json.dumps(payload), headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        last = 0
+        for raw in r:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            n = (json.loads(line[5:]).get("meta_info") or {}).get("completion_tokens", last)
+            if n > last:
+                times.append((time.perf_counter(), n - last))
+                last = n
+        return r.status
+    finally:
+        c.close()
+
+
+def interference(base, streams, long_len, output_len, vocab, seed, timeout):
+    """`streams` requests decode; once they are steady, one prompt of `long_len` tokens
+    arrives. Reports the streams' inter-token latency before it (steady) and while it is
+    prefilled (from its arrival to its first token), as SGLang's chunked prefill is judged."""
+    rng = random.Random(seed)
+    per = [[] for _ in range(streams)]
+    threads = [threading.Thread(target=stream_times, args=(
+        base, [rng.randrange(10, vocab) for _ in range(512)], output_len, timeout, per[i]))
+        for i in range(streams)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    while min(len(p) for p in per) < 8:  # every stream decoding
+        time.sleep(0.05)
+    steady_from = time.perf_counter()
+    time.sleep(2.0)
+    long_ids = [rng.randrange(10, vocab) for _ in range(long_len)]
+    t0 = time.perf_counter()
+    long_times = []
+    status = stream_times(base, long_ids, 1, timeout, long_times)
+    t1 = long_times[0][0] if long_times else time.perf_counter()
+    for t in threads:
+        t.join()
+
+    def gaps(lo, hi):
+        """Per-token gaps of the streams' chunks whose interval overlaps [lo, hi]."""
+        return [(b - a) / n for p in per for (a, _), (b, n) in zip(p, p[1:])
+                if a < hi and b > lo for _ in range(n)]
+
+    steady = [g for p in per for (a, _), (b, n) in zip(p, p[1:]) if steady_from <= a and b <= t0
+              for g in [(b - a) / n] * n]
+    during = gaps(t0, t1)
+    pct = lambda xs: {k: (v * 1e3 if v is not None else None) for k, v in percentiles(xs).items()}
+    med = percentiles(steady)["p50"]
+    return {"streams": streams, "long_prompt_tokens": long_len, "long_status": status,
+            "long_prefill_ms": (t1 - t0) * 1e3, "steady_itl_ms": pct(steady),
+            "itl_during_prefill_ms": pct(during) | {"max": max(during) * 1e3 if during else None},
+            "max_during_over_steady_p50": (max(during) / med) if during and med else None}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("url")
@@ -182,6 +244,10 @@ def main():
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument("--out", help="write the JSON report here too")
+    ap.add_argument("--interference", type=int, default=0, metavar="LONG_LEN",
+                    help="instead of the levels: --interference-streams streams decode and one "
+                         "prompt of LONG_LEN tokens arrives; report their ITL during its prefill")
+    ap.add_argument("--interference-streams", type=int, default=16)
     ap.add_argument("--require-no-failures", action="store_true",
                     help="exit 1 if any request at any level failed")
     a = ap.parse_args()
@@ -198,6 +264,15 @@ def main():
     if not warm["success"]:
         raise SystemExit(f"warm-up request failed: {warm['error']}")
     _, server_info = get_json(base, "/server_info")
+    if a.interference:
+        r = interference(base, a.interference_streams, a.interference, a.output_len, vocab,
+                         a.seed, a.timeout)
+        r["command"] = " ".join(sys.argv)
+        print(json.dumps(r, indent=1))
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(r, f, indent=1)
+        return
     levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
     report = {"url": base, "model": model, "input_len": a.input_len, "output_len": a.output_len,
               "vocab": vocab, "command": " ".join(sys.argv), "levels": []}
