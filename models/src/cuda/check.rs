@@ -5,7 +5,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use crate::layers::attention::{attend, AttnPattern};
-use crate::layers::ops::{rms_norm, rope, OpsMode};
+use crate::layers::ops::{rms_norm, OpsMode};
 
 use super::check_attn::{max_err, plain_norm_rope};
 use super::{attn_prefill, gemv, kernels};

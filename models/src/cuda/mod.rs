@@ -39,7 +39,7 @@ pub mod check;
 mod check_attn;
 #[cfg(feature = "cuda")]
 pub(crate) mod decoder_stack;
-pub(crate) mod graphs;
+pub mod graphs;
 #[cfg(feature = "cuda")]
 mod kernels;
 #[cfg(feature = "cuda")]
