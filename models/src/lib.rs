@@ -9,6 +9,7 @@
 //! - [`error`], [`random`], [`probe`]: errors, seeded weights, device probes;
 //! - [`layers`]: ops, RoPE, attention patterns, the decoder layer;
 //! - [`cache`]: per-sequence K/V and recurrent caches; [`batch`]: the batched-forward types;
+//!   [`taps`]: what a tap on a target layer is (HF `hidden_states[i + 1]`);
 //! - [`cuda`]: the fused kernels, the fused decoder-layer stack, CUDA-graph capture/replay;
 //! - a folder per model: [`qwen3`], [`qwen3_5`] (hybrids, dense and MoE, with the MTP head),
 //!   [`dflash`] (inference, CUDA block, training forward); [`target`]: the verifier enum;
@@ -25,6 +26,7 @@ pub mod qwen3;
 pub mod qwen3_5;
 pub mod random;
 pub mod speculative;
+pub mod taps;
 pub mod target;
 
 pub use batch::{ForwardOutput, SeqForward};
@@ -39,4 +41,5 @@ pub use qwen3::Qwen3Model;
 #[cfg(feature = "cuda")]
 pub use qwen3::StepGraph;
 pub use qwen3_5::Qwen35Model;
+pub use taps::tap_is_final_normed;
 pub use target::{DraftTarget, Target};

@@ -47,24 +47,25 @@ fn qwen3_logits_and_taps_match_transformers_f32() {
     assert!(d < TOL, "logits differ by {d}");
     let taps = out.taps.unwrap();
     let h = m.config().hidden_size;
-    let layer_outputs = &exp["layer_outputs"];
+    // Layer 0's tap is its raw output; layer 1's (the last) is HF's hidden_states[2], the
+    // final-normed output (dflash_models::taps), not the raw layer_outputs[1].
+    let d = max_abs_diff(
+        &taps.narrow(1, 0, h).unwrap(),
+        &exp["layer_outputs"].get(0).unwrap().squeeze(0).unwrap(),
+    );
+    assert!(d < TOL, "tap of layer 0 differs from its raw output by {d}");
+    let hs = &exp["hidden_states"];
     for l in 0..2 {
         let d = max_abs_diff(
             &taps.narrow(1, l * h, h).unwrap(),
-            &layer_outputs.get(l).unwrap().squeeze(0).unwrap(),
+            &hs.get(l + 1).unwrap().squeeze(0).unwrap(),
         );
-        assert!(d < TOL, "tap of layer {l} differs by {d}");
+        assert!(
+            d < TOL,
+            "tap of layer {l} differs from hidden_states[{}] by {d}",
+            l + 1
+        );
     }
-    // HF's hidden_states tuple: [1] is layer 0's output, [2] is norm(layer 1's output).
-    let hs = &exp["hidden_states"];
-    let d = max_abs_diff(
-        &taps.narrow(1, 0, h).unwrap(),
-        &hs.get(1).unwrap().squeeze(0).unwrap(),
-    );
-    assert!(d < TOL, "hidden_states[1] differs by {d}");
-    let normed = m.final_norm(&taps.narrow(1, h, h).unwrap()).unwrap();
-    let d = max_abs_diff(&normed, &hs.get(2).unwrap().squeeze(0).unwrap());
-    assert!(d < TOL, "hidden_states[2] differs by {d}");
     let d = max_abs_diff(
         &m.embed(&tokens).unwrap(),
         &hs.get(0).unwrap().squeeze(0).unwrap(),

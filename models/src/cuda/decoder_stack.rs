@@ -13,8 +13,6 @@
 //!
 //! Both make no host-device copies, so a CUDA graph can capture them.
 
-use std::collections::HashMap;
-
 use candle_core::{DType, Tensor};
 
 use crate::cache::SequenceCache;
@@ -23,6 +21,7 @@ use crate::error::{ModelError, ModelResult};
 use crate::layers::decoder_layer::DecoderLayer;
 use crate::layers::ops::{rms_norm, OpsMode};
 use crate::layers::rope::RotaryEmbedding;
+use crate::taps::TapCollector;
 
 /// Leading bytes of a layer's gate/up weights that its o-projection pulls into L2 (one-row
 /// steps). Measured on the H200, Qwen3-8B shape, 1K decode in a CUDA graph: 8 MB took 4.81 to
@@ -57,15 +56,15 @@ pub(crate) struct Stack<'a> {
 
 impl Stack<'_> {
     /// Runs every layer over the embedded rows `x`, writing K/V into each sequence's cache at
-    /// its `cache_len` (caches are not advanced). Returns the final-normed rows and the
-    /// outputs of the layers in `taps`.
+    /// its `cache_len` (caches are not advanced). Returns the final-normed rows (every row:
+    /// the kernels norm as they go) and offers each layer's raw output to `taps`.
     pub fn run(
         &self,
         x: Tensor,
         positions: &Tensor,
         seqs: &[AttnSeq<'_>],
-        taps: &[usize],
-    ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
+        taps: &mut TapCollector<'_>,
+    ) -> ModelResult<Tensor> {
         if x.dim(0)? <= self.gemv_rows && self.skinny_shapes()? {
             self.run_skinny(x, positions, seqs, taps)
         } else {
@@ -93,8 +92,8 @@ impl Stack<'_> {
         mut x: Tensor,
         positions: &Tensor,
         seqs: &[AttnSeq<'_>],
-        taps: &[usize],
-    ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
+        taps: &mut TapCollector<'_>,
+    ) -> ModelResult<Tensor> {
         let eps = self.eps;
         // o_proj's sums of squares feed gate/up's norm (its kernel is held to 40 registers and
         // reads them). One row: q/k/v's blocks sum their input row themselves, so down makes
@@ -102,7 +101,6 @@ impl Stack<'_> {
         // counter), and they feed the next layer's q/k/v norm.
         let one_row = x.dim(0)? == 1;
         let counter = Tensor::zeros(1, DType::U32, x.device())?;
-        let mut tapped = HashMap::new();
         let mut ss: Option<Tensor> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             let fused = fused(layer)?;
@@ -132,9 +130,7 @@ impl Stack<'_> {
             let (x2, ss2) = cuda::gemv_resid(&act, layer.down_proj(), &x1, down_counter, None)?;
             x = x2;
             ss = ss2;
-            if taps.contains(&li) {
-                tapped.insert(li, x.clone());
-            }
+            taps.layer_output(li, &x);
         }
         let h = cuda::rms_apply(
             &x,
@@ -144,7 +140,7 @@ impl Stack<'_> {
                 eps,
             },
         )?;
-        Ok((h, tapped))
+        Ok(h)
     }
 
     fn run_wide(
@@ -152,11 +148,10 @@ impl Stack<'_> {
         mut x: Tensor,
         positions: &Tensor,
         seqs: &[AttnSeq<'_>],
-        taps: &[usize],
-    ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
+        taps: &mut TapCollector<'_>,
+    ) -> ModelResult<Tensor> {
         let eps = self.eps;
         let mut h = rms_norm(&x, self.layers[0].norm_weights().0, eps, self.mode)?;
-        let mut tapped = HashMap::new();
         for (li, layer) in self.layers.iter().enumerate() {
             let fused = fused(layer)?;
             let post_norm = layer.norm_weights().1;
@@ -174,11 +169,9 @@ impl Stack<'_> {
             let (x2, h2) = cuda::add_rmsnorm(&x1, &down, next_norm, eps)?;
             x = x2;
             h = h2;
-            if taps.contains(&li) {
-                tapped.insert(li, x.clone());
-            }
+            taps.layer_output(li, &x);
         }
-        Ok((h, tapped))
+        Ok(h)
     }
 
     /// q/k norm + RoPE + cache write, then attention, per sequence; `[rows, heads * d]`: one

@@ -11,6 +11,7 @@ use crate::cuda::decoder_stack::{cache_key, capture_graph, AttnSeq, Stack};
 use crate::cuda::graphs::Key;
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
+use crate::taps::TapCollector;
 
 impl DFlashDrafter {
     /// Final-normed hidden states of every block slot, `[batch * block_size, hidden]`, for
@@ -70,7 +71,8 @@ impl DFlashDrafter {
             gemv_rows: self.gemv_rows(),
         };
         let x = self.embed_weight().index_select(ids, 0)?;
-        Ok(stack.run(x, pos, &seqs, &[])?.0)
+        // The drafter's own stack: no taps.
+        stack.run(x, pos, &seqs, &mut TapCollector::new(&[], 0))
     }
 
     /// The context path fused: per layer one q/k/v GEMM over the new context rows and the

@@ -6,8 +6,6 @@
 //! model's graph cache, `cuda/graphs.rs`), so every caller gets single-launch decode and
 //! verify steps without managing graphs.
 
-use std::collections::HashMap;
-
 use candle_core::Tensor;
 
 use crate::batch::{ForwardOutput, SeqForward, StackedBatch};
@@ -18,6 +16,7 @@ use crate::cuda::graphs::{GraphObject, Key, GRAPH_MAX_TOKENS};
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::AttnPattern;
 use crate::qwen3::Qwen3Model;
+use crate::taps::TapCollector;
 
 /// Per-sequence device inputs of one fused forward.
 struct SeqInputs {
@@ -72,11 +71,10 @@ impl Qwen3Model {
         for seq in batch.iter_mut() {
             seq.cache.advance(seq.tokens.len());
         }
-        let taps = if taps.is_empty() {
+        let taps = if tapped.is_empty() {
             None
         } else {
-            let parts: Vec<&Tensor> = taps.iter().map(|l| &tapped[l]).collect();
-            Some(Tensor::cat(&parts, 1)?)
+            Some(Tensor::cat(&tapped, 1)?)
         };
         // `h` already holds the final norm of every row.
         let logits = if logit_rows.is_empty() {
@@ -181,8 +179,9 @@ impl Qwen3Model {
     }
 
     /// The layers over already-uploaded inputs; writes K/V into the caches but does not
-    /// advance them. Returns the final-normed hidden rows and the tapped layer outputs. Makes
-    /// no host-device copies, so a CUDA graph can capture it.
+    /// advance them. Returns the final-normed hidden rows and the taps in the order asked
+    /// ([`crate::taps`]: a last-layer tap is those normed rows). Makes no host-device copies,
+    /// so a CUDA graph can capture it.
     fn run_layers(
         &self,
         ids: &Tensor,
@@ -190,7 +189,7 @@ impl Qwen3Model {
         caches: &[&SequenceCache],
         inputs: &[SeqInputs],
         taps: &[usize],
-    ) -> ModelResult<(Tensor, HashMap<usize, Tensor>)> {
+    ) -> ModelResult<(Tensor, Vec<Tensor>)> {
         let seqs: Vec<AttnSeq<'_>> = caches
             .iter()
             .zip(inputs)
@@ -211,7 +210,10 @@ impl Qwen3Model {
             gemv_rows: self.gemv_rows(),
         };
         let x = self.embed_weight().index_select(ids, 0)?;
-        stack.run(x, positions, &seqs, taps)
+        let mut tapped = TapCollector::new(taps, self.layers.len());
+        let h = stack.run(x, positions, &seqs, &mut tapped)?;
+        let parts = tapped.parts(Some(&h))?;
+        Ok((h, parts))
     }
 }
 
@@ -311,10 +313,7 @@ impl Qwen3Model {
             let out = self.lm_head(&h)?;
             logits.slice_set(&out, 0, 0)?;
             if let Some(dst) = &taps_out {
-                for (i, l) in taps.iter().enumerate() {
-                    let part = tapped
-                        .get(l)
-                        .ok_or_else(|| ModelError::BadInput(format!("layer {l} was not tapped")))?;
+                for (i, part) in tapped.iter().enumerate() {
                     dst.slice_set(part, 1, i * self.cfg.hidden_size)?;
                 }
             }

@@ -5,10 +5,10 @@
 //! One forward takes a batch of sequences, each with its own cache, new tokens, absolute
 //! positions and attention pattern. All tokens are flattened into one `[tokens, hidden]` matrix
 //! so every projection is one GEMM; only attention runs per sequence. It returns logits only
-//! for the rows asked for and the raw residual-stream output of the layers asked for (taps:
-//! the output of decoder layer i is HF `hidden_states[i + 1]`, before any final norm).
+//! for the rows asked for and the taps of the layers asked for, HF `hidden_states[i + 1]` as
+//! [`crate::taps`] defines them (raw decoder-layer outputs, the last layer's after the final
+//! norm).
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
@@ -25,6 +25,7 @@ use crate::layers::decoder_layer::{linear, DecoderLayer};
 use crate::layers::ops::{rms_norm, OpsMode};
 use crate::layers::rope::RotaryEmbedding;
 use crate::random::WeightRng;
+use crate::taps::TapCollector;
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -358,7 +359,7 @@ impl Qwen3Model {
         let (cos, sin) = self.rope.gather(&positions)?;
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
         let mut x = self.embed(&all_tokens)?;
-        let mut tapped: HashMap<usize, Tensor> = HashMap::new();
+        let mut tapped = TapCollector::new(taps, self.layers.len());
         for (li, layer) in self.layers.iter().enumerate() {
             let h = layer.input_norm(&x)?;
             let (q, k, v) = layer.qkv(&h, &cos, &sin)?;
@@ -383,29 +384,26 @@ impl Qwen3Model {
                 Tensor::cat(&outs, 0)?
             };
             x = layer.finish(&x, &attn)?;
-            if taps.contains(&li) {
-                tapped.insert(li, x.clone());
-            }
+            tapped.layer_output(li, &x);
         }
         for seq in batch.iter_mut() {
             seq.cache.advance(seq.tokens.len());
         }
-        let taps = if taps.is_empty() {
-            None
-        } else {
-            let parts: Vec<&Tensor> = taps.iter().map(|l| &tapped[l]).collect();
-            Some(Tensor::cat(&parts, 1)?)
-        };
+        // A tap on the last layer takes the final norm of every row; the logit rows are then
+        // read from it (the norm is row-wise, so the values are the same).
+        let normed = tapped
+            .wants_final_norm()
+            .then(|| self.final_norm(&x))
+            .transpose()?;
+        let taps = tapped.finish(normed.as_ref())?;
         let logits = if logit_rows.is_empty() {
             None
         } else {
             let rows = Tensor::new(logit_rows.as_slice(), &self.device)?;
-            let h = rms_norm(
-                &x.index_select(&rows, 0)?,
-                &self.norm,
-                self.cfg.rms_norm_eps,
-                self.mode,
-            )?;
+            let h = match &normed {
+                Some(n) => n.index_select(&rows, 0)?,
+                None => self.final_norm(&x.index_select(&rows, 0)?)?,
+            };
             Some(self.lm_head(&h)?)
         };
         Ok(ForwardOutput {

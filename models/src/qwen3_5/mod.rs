@@ -1,8 +1,10 @@
 //! Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid text model (HF `Qwen3_5ForCausalLM`,
 //! `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`; sparse-MoE MLPs in [`moe`]), built for
-//! speculative decoding like [`Qwen3Model`]: one forward over a batch of sequences with per-token positions, causal or tree patterns,
-//! logits for the rows asked and taps (raw decoder-layer outputs) of any layer, recurrent ones
-//! included. This folder: the model and its forward (`mod.rs`), the Gated DeltaNet layer
+//! speculative decoding like [`Qwen3Model`]: one forward over a batch of sequences with
+//! per-token positions, causal or tree patterns, logits for the rows asked and taps of any
+//! layer, recurrent ones included (HF `hidden_states[i + 1]` as [`crate::taps`] defines them:
+//! the last layer's after the final norm). This folder: the model and its forward (`mod.rs`),
+//! the Gated DeltaNet layer
 //! (`gdn.rs`) and its chunked / recurrent delta rule (`delta_rule.rs`), gated full attention
 //! and the dense MLP (`gated_attention.rs`), the sparse-MoE MLP (`moe.rs`), the MTP head
 //! (`mtp.rs`).
@@ -20,7 +22,6 @@ pub mod gdn;
 pub mod moe;
 pub mod mtp;
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
@@ -35,6 +36,7 @@ use crate::layers::ops::{rms_norm, OpsMode};
 use crate::layers::rope::RotaryEmbedding;
 use crate::qwen3_5::delta_rule::Forest;
 use crate::random::WeightRng;
+use crate::taps::TapCollector;
 pub use gated_attention::{one_plus, GatedAttention, Mlp};
 pub use gdn::{DeltaForm, GatedDeltaNet};
 pub use moe::{FeedForward, SparseMoe};
@@ -429,7 +431,7 @@ impl Qwen35Model {
         let (cos, sin) = self.rope.gather(&positions)?;
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
         let mut x = self.embed(&all_tokens)?;
-        let mut tapped: HashMap<usize, Tensor> = HashMap::new();
+        let mut tapped = TapCollector::new(taps, self.layers.len());
         let mut staged: Vec<Vec<(usize, StagedState)>> = batch.iter().map(|_| Vec::new()).collect();
         for (li, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.input_norm, self.cfg.rms_norm_eps, self.mode)?;
@@ -496,9 +498,7 @@ impl Qwen35Model {
             let x1 = (x + mixed)?;
             let h2 = rms_norm(&x1, &layer.post_norm, self.cfg.rms_norm_eps, self.mode)?;
             x = (&x1 + layer.mlp.forward(&h2)?)?;
-            if taps.contains(&li) {
-                tapped.insert(li, x.clone());
-            }
+            tapped.layer_output(li, &x);
         }
         for (s, seq) in batch.iter_mut().enumerate() {
             let t = seq.tokens.len();
@@ -506,17 +506,21 @@ impl Qwen35Model {
             seq.cache
                 .commit_recurrent(t, parents, std::mem::take(&mut staged[s]))?;
         }
-        let taps = if taps.is_empty() {
-            None
-        } else {
-            let parts: Vec<&Tensor> = taps.iter().map(|l| &tapped[l]).collect();
-            Some(Tensor::cat(&parts, 1)?)
-        };
+        // As in the dense forward: a last-layer tap norms every row, the logit rows reuse it.
+        let normed = tapped
+            .wants_final_norm()
+            .then(|| self.final_norm(&x))
+            .transpose()?;
+        let taps = tapped.finish(normed.as_ref())?;
         let logits = if logit_rows.is_empty() {
             None
         } else {
             let rows = Tensor::new(logit_rows.as_slice(), &self.device)?;
-            Some(self.lm_head(&self.final_norm(&x.index_select(&rows, 0)?)?)?)
+            let h = match &normed {
+                Some(n) => n.index_select(&rows, 0)?,
+                None => self.final_norm(&x.index_select(&rows, 0)?)?,
+            };
+            Some(self.lm_head(&h)?)
         };
         Ok(ForwardOutput {
             logits,

@@ -4,8 +4,8 @@
 //!
 //! Per sequence the head keeps its own K/V cache with one row per committed pair
 //! (token p+1, target hidden p). Each round it first appends the pairs the last verify
-//! committed (the engine hands over the target's last-layer output for the accepted rows; the
-//! final norm is applied here), then drafts token by token, feeding back its own output, and
+//! committed (the engine hands over the target's last-layer tap for the accepted rows, which
+//! [`crate::taps`] defines as the final-normed output), then drafts token by token, feeding back its own output, and
 //! finally rolls its cache back to the committed pairs.
 
 use std::collections::HashMap;
@@ -48,13 +48,12 @@ impl MtpProposer {
         let mut per_depth = Vec::with_capacity(self.depth);
         if let Some(f) = item.features.filter(|_| m > 0) {
             // Pairs (token p+1, hidden p) for the newly committed positions p = n-m .. n-1.
-            let hidden = self.target.final_norm(f)?;
             let positions: Vec<u32> = ((n - m) as u32..n as u32).collect();
             let (mut out, mut logits) = self.head.forward(
                 &self.target,
                 cache,
                 &item.tokens[n - m + 1..=n],
-                &hidden,
+                f,
                 &positions,
             )?;
             let k = item.top_k.min(vocab);
@@ -83,8 +82,7 @@ impl Proposer for MtpProposer {
         self.depth
     }
 
-    /// The last layer's output; the final norm is applied here, giving the post-norm hidden
-    /// state SGLang and vLLM feed the head.
+    /// The last layer's tap: the post-norm hidden state SGLang and vLLM feed the head.
     fn target_layers(&self) -> Vec<usize> {
         vec![self.target.config().num_hidden_layers - 1]
     }
