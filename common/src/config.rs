@@ -61,7 +61,8 @@ pub struct DFlashConfig {
     pub layers: Qwen3Config,
     pub block_size: usize,
     pub mask_token_id: u32,
-    /// 0-based target layers whose *output* (HF `hidden_states[id + 1]`) feeds `fc`.
+    /// 0-based target layers whose *output* (HF `hidden_states[id + 1]`, so the last layer's
+    /// after the final norm: `dflash_models::taps`) feeds `fc`.
     pub target_layer_ids: Vec<usize>,
 }
 
@@ -376,16 +377,48 @@ fn round_half_even(x: f64) -> f64 {
     }
 }
 
-/// The default DFlash tap rule (z-lab, SpecForge, SGLang agree): one feature takes the middle
-/// layer; several are spread evenly from layer 1 to layer L-3 inclusive.
-pub fn default_target_layer_ids(num_target_layers: usize, num_features: usize) -> Vec<usize> {
+/// The published DFlash tap rule (z-lab `build_target_layer_ids`, SpecForge, SGLang agree):
+/// one feature takes the middle layer; several are spread evenly from layer 1 to layer L-3
+/// inclusive. A checkpoint without `target_layer_ids` was made with it, so loading one uses it
+/// unchanged (for L >= 4, as SGLang requires).
+pub fn zlab_target_layer_ids(num_target_layers: usize, num_features: usize) -> Vec<usize> {
     if num_features == 1 {
         return vec![num_target_layers / 2];
     }
-    let span = num_target_layers as f64 - 4.0;
-    (0..num_features)
-        .map(|i| round_half_even(1.0 + i as f64 * span / (num_features as f64 - 1.0)) as usize)
+    spread(1, num_target_layers as f64 - 3.0, num_features)
+}
+
+/// `n` layers evenly spaced from `lo` to `hi` inclusive, rounded as Python does.
+fn spread(lo: usize, hi: f64, n: usize) -> Vec<usize> {
+    let span = hi - lo as f64;
+    (0..n)
+        .map(|i| round_half_even(lo as f64 + i as f64 * span / (n as f64 - 1.0)) as usize)
         .collect()
+}
+
+/// The taps a new drafter gets when none are given. The published rule where it gives distinct
+/// layers short of the last, i.e. on every target of at least `num_features + 3` layers (every
+/// published one). On shallower targets it repeats layers (layer 1 twice for 2 features on the
+/// 4-layer tiny-coder-demo) or, below 4 layers, leaves the target; there the features are spread
+/// over layers 1..=L-2 (0..=L-2 when that is too few), still never the last layer. A tap on the
+/// last layer is the final-normed output in transformers and z-lab (`dflash_models::taps`) but
+/// not in SGLang or vLLM, so only taps below it are served alike by every engine. Only when the
+/// target has no more layers than features does the last layer (and then repeats) come in.
+pub fn default_target_layer_ids(num_target_layers: usize, num_features: usize) -> Vec<usize> {
+    let l = num_target_layers;
+    if num_features == 1 {
+        return vec![(l / 2).min(l.saturating_sub(2))];
+    }
+    if l >= num_features + 3 {
+        return zlab_target_layer_ids(l, num_features);
+    }
+    if l >= num_features + 2 {
+        return spread(1, l as f64 - 2.0, num_features);
+    }
+    if l > num_features {
+        return spread(0, l as f64 - 2.0, num_features);
+    }
+    spread(0, l as f64 - 1.0, num_features)
 }
 
 impl Qwen3Config {
@@ -452,7 +485,7 @@ impl DFlashConfig {
                         format!("{n} is too small for the default layer rule (needs at least 4)"),
                     ));
                 }
-                default_target_layer_ids(n, layers.num_hidden_layers)
+                zlab_target_layer_ids(n, layers.num_hidden_layers)
             }
         };
         Ok(Self {
@@ -464,7 +497,8 @@ impl DFlashConfig {
     }
 
     /// A config for a fresh drafter of `num_layers` full-attention layers shaped like `target`;
-    /// `target_layer_ids` defaults to the published rule.
+    /// `target_layer_ids` defaults to [`default_target_layer_ids`] (the published rule on
+    /// every target deep enough for it).
     pub fn for_target(
         target: &Qwen3Config,
         num_layers: usize,
@@ -567,11 +601,42 @@ mod tests {
 
     #[test]
     fn default_layer_rule_matches_published_drafters() {
-        assert_eq!(default_target_layer_ids(36, 5), vec![1, 9, 17, 25, 33]);
-        assert_eq!(default_target_layer_ids(32, 5), vec![1, 8, 15, 22, 29]);
-        assert_eq!(default_target_layer_ids(40, 5), vec![1, 10, 19, 28, 37]);
-        assert_eq!(default_target_layer_ids(64, 5), vec![1, 16, 31, 46, 61]);
-        assert_eq!(default_target_layer_ids(36, 1), vec![18]);
+        for rule in [zlab_target_layer_ids, default_target_layer_ids] {
+            assert_eq!(rule(36, 5), vec![1, 9, 17, 25, 33]);
+            assert_eq!(rule(32, 5), vec![1, 8, 15, 22, 29]);
+            assert_eq!(rule(40, 5), vec![1, 10, 19, 28, 37]);
+            assert_eq!(rule(64, 5), vec![1, 16, 31, 46, 61]);
+            assert_eq!(rule(36, 1), vec![18]);
+            assert_eq!(rule(8, 5), vec![1, 2, 3, 4, 5]);
+        }
+    }
+
+    #[test]
+    fn shallow_targets_get_distinct_taps_below_the_last_layer() {
+        // The published rule repeats layer 1 on the 4-layer demo target.
+        assert_eq!(zlab_target_layer_ids(4, 2), vec![1, 1]);
+        assert_eq!(default_target_layer_ids(4, 2), vec![1, 2]);
+        assert_eq!(default_target_layer_ids(4, 3), vec![0, 1, 2]);
+        assert_eq!(default_target_layer_ids(7, 5), vec![1, 2, 3, 4, 5]);
+        assert_eq!(default_target_layer_ids(3, 2), vec![0, 1]);
+        assert_eq!(default_target_layer_ids(2, 1), vec![0]);
+        assert_eq!(default_target_layer_ids(4, 1), vec![2]);
+        for l in 2..12 {
+            for n in 1..l {
+                let ids = default_target_layer_ids(l, n);
+                assert_eq!(ids.len(), n);
+                assert!(
+                    ids.iter().all(|&i| i + 1 < l),
+                    "{l} layers, {n} taps: {ids:?}"
+                );
+                assert!(
+                    ids.windows(2).all(|w| w[0] < w[1]),
+                    "{l} layers, {n} taps: {ids:?}"
+                );
+            }
+        }
+        // No room below the last layer: every layer, the last included.
+        assert_eq!(default_target_layer_ids(2, 2), vec![0, 1]);
     }
 
     #[test]

@@ -6,4 +6,5 @@
 pub mod eval;
 pub mod observe;
 pub mod regenerate;
+pub mod tap_compat;
 pub mod train;

@@ -32,7 +32,9 @@ use super::error::{CacheError, EvalError};
 use super::identity::{short, weights_change, CacheSpec, PromptSetIdentity, TargetIdentity};
 use super::prompts::TokenizedPrompt;
 
-pub const CACHE_FORMAT: u32 = 1;
+/// 2: a tap on the target's last layer is the final-normed output (`dflash_models::taps`);
+/// format-1 caches hold the raw one there, so they are refused rather than replayed.
+pub const CACHE_FORMAT: u32 = 2;
 const MANIFEST: &str = "manifest.json";
 const FEATURES: &str = "features.safetensors";
 /// One cached prompt's bookkeeping (the tensors live in `features.safetensors`).
@@ -181,7 +183,7 @@ impl EvalCache {
             return Err(rerr(
                 &manifest_path,
                 format!(
-                    "format {} (this build reads {CACHE_FORMAT})",
+                    "format {} (this build reads {CACHE_FORMAT}); rebuild it (`dflash-train eval --rebuild-cache`)",
                     manifest.format
                 ),
             ));

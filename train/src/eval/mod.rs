@@ -29,6 +29,7 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use crate::tap_compat::last_layer_tap_warning;
 use anyhow::Context;
 use candle_core::{DType, Device};
 use dflash_common::Qwen3Config;
@@ -236,6 +237,12 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         .iter()
         .map(|d| d.load(&target).map(|m| (d.clone(), m)))
         .collect::<Result<_, _>>()?;
+    for (a, d) in &drafters {
+        let layers = target.config().num_hidden_layers;
+        if let Some(w) = last_layer_tap_warning(&d.target_layer_ids(), layers) {
+            tracing::warn!("drafter `{}`: {w}", a.name);
+        }
+    }
     let spec = CacheSpec::prepare(CacheRequest {
         target_dir: &target_dir,
         target_source: &target_spec,

@@ -12,6 +12,7 @@ use dflash_models::{DFlashDrafter, OpsMode, TargetEmbeddingsAndHead};
 
 use super::error::{TrainError, TrainResult};
 use super::{ComputeDtype, TrainArgs};
+use crate::tap_compat::last_layer_tap_warning;
 
 /// HF's `initializer_range` for Qwen3: linear weights start as N(0, 0.02), norms as ones.
 const INIT_STD: f32 = 0.02;
@@ -94,11 +95,6 @@ pub fn fresh_config(
                 message: "must name at least one layer".into(),
             });
         }
-    } else if target.num_hidden_layers < 4 && args.num_draft_layers > 1 {
-        return Err(TrainError::DrafterMismatch(format!(
-            "the default target-layer rule needs a target of at least 4 layers (it has {}); pass --target-layer-ids",
-            target.num_hidden_layers
-        )));
     }
     let mut cfg = DFlashConfig::for_target(
         target,
@@ -111,6 +107,14 @@ pub fn fresh_config(
         cfg.layers.intermediate_size = i;
     }
     Ok(cfg)
+}
+
+/// Warns when the drafter taps the target's last layer, which SGLang and vLLM would serve
+/// otherwise than this project does ([`crate::tap_compat`]).
+pub fn warn_on_last_layer_tap(cfg: &DFlashConfig, target: &Qwen3Config) {
+    if let Some(w) = last_layer_tap_warning(&cfg.target_layer_ids, target.num_hidden_layers) {
+        tracing::warn!("{w}");
+    }
 }
 
 /// The target's embedding and LM head, loaded straight onto the drafter device.

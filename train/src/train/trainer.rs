@@ -190,6 +190,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         "drafter: {} layers, block {b}, taps {:?}, mask {}, {n_params} parameters; {total_steps} steps, gamma {gamma}",
         cfg.layers.num_hidden_layers, cfg.target_layer_ids, cfg.mask_token_id
     );
+    setup::warn_on_last_layer_tap(&cfg, &target_cfg);
 
     let workers = target.load_workers(&args.target_devices, args.compute_dtype, args.max_len)?;
     let parts = target.embeddings_and_head(&workers, dtype, &drafter_device, args.max_len)?;
