@@ -101,9 +101,10 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
     };
     let data = load_specs(&dataset_specs, &target, cfg.mask_token_id, &opts)?;
     tracing::info!(
-        "data: {} sequences, {} tokens ({} supervised); {} records, {} unreadable lines, {} truncated, {} with too little supervision",
+        "data: {} sequences, {} tokens ({} supervised); {} records, {} unreadable lines, {} without a final assistant turn, {} truncated, {} with too little supervision",
         data.examples.len(), data.stats.tokens, data.stats.supervised_tokens, data.stats.records,
-        data.stats.bad_lines, data.stats.truncated, data.stats.too_little_supervision
+        data.stats.bad_lines, data.stats.no_final_assistant_turn, data.stats.truncated,
+        data.stats.too_little_supervision
     );
     let plan_cfg = PlanConfig {
         seed: args.seed,
