@@ -9,8 +9,8 @@
 //!
 //! A line that cannot be used (bad JSON, no messages, a template error) is skipped and counted;
 //! past `max_bad_lines` the load stops with the file and line. A well-formed record whose last
-//! message is not an assistant turn (a prompt) is not damage: it is skipped and counted apart. [`load_specs`]
-//! loads every `--dataset` value, chat files and synthetic specs alike, into one
+//! message is not an assistant turn (a prompt) is not damage: it is skipped and counted apart.
+//! [`load_specs`] loads every `--dataset` value, chat files and synthetic specs alike, into one
 //! [`Dataset`] (the types in `dataset.rs`).
 
 use std::io::Read;
