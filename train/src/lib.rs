@@ -3,6 +3,7 @@
 //! datasets, the target-worker -> hidden-state queue -> trainer pipeline, checkpoints in the
 //! z-lab format, and `dflash-train eval`.
 
+pub mod durable;
 pub mod eval;
 pub mod observe;
 pub mod regenerate;

@@ -87,6 +87,33 @@ fn unreadable_lines_are_skipped_until_the_threshold_then_named() {
 }
 
 #[test]
+fn records_without_a_final_assistant_turn_are_counted_apart_from_unreadable_lines() {
+    let dir = scratch("prompts");
+    let data = dir.join("data.jsonl");
+    let prompt = r#"{"messages": [{"role": "user", "content": "Write a function."}]}"#;
+    std::fs::write(
+        &data,
+        [GOOD, prompt, "{not json", prompt, prompt].join("\n"),
+    )
+    .unwrap();
+    // Three prompts and one bad line: only the bad line counts against --max-bad-lines 1.
+    let out = dir.join("out");
+    let s = train(&args(
+        &data,
+        &out,
+        &["--max-bad-lines", "1", "--max-steps", "1"],
+    ))
+    .unwrap();
+    assert_eq!(s.steps, 1);
+    let log: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("training_log.json")).unwrap())
+            .unwrap();
+    assert_eq!(log["data"]["bad_lines"], 1, "{}", log["data"]);
+    assert_eq!(log["data"]["no_final_assistant_turn"], 3, "{}", log["data"]);
+    assert_eq!(log["data"]["records"], 1, "{}", log["data"]);
+}
+
+#[test]
 fn dataset_with_no_supervised_tokens_is_refused_naming_the_file() {
     let dir = scratch("nosup");
     let data = dir.join("short.jsonl");

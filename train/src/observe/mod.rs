@@ -3,6 +3,7 @@
 //! background NVML thread. Every value reaching here is already on the host.
 
 pub mod gpu;
+pub mod jsonl;
 pub mod tfevents;
 
 use std::fs::File;
@@ -30,7 +31,8 @@ pub struct Reporter {
 }
 
 impl Reporter {
-    /// Opens `dir/metrics.jsonl` (appended: a resumed run continues it) and `dir/tensorboard/`.
+    /// Opens `dir/metrics.jsonl`, cut back to the records of steps up to `start` and appended
+    /// from there (`jsonl.rs`: one record per step across resumes), and `dir/tensorboard/`.
     /// The bar spans `total` steps and starts at `start`; it draws only on a terminal.
     pub fn new(
         dir: &Path,
@@ -39,10 +41,7 @@ impl Reporter {
         cuda: &[usize],
         gpu_every: Duration,
     ) -> std::io::Result<Self> {
-        let jsonl = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(dir.join("metrics.jsonl"))?;
+        let jsonl = jsonl::open_from_step(&dir.join("metrics.jsonl"), start)?;
         let events = match EventWriter::create(&dir.join("tensorboard")) {
             Ok(w) => Some(w),
             Err(e) => {
@@ -87,7 +86,10 @@ impl Reporter {
             m.insert(k.clone(), json_f64(*v));
         }
         m.extend(extra);
-        let _ = writeln!(self.jsonl, "{}", Value::Object(m));
+        // One write per record: a crash tears at most the last line, which a resume drops.
+        let _ = self
+            .jsonl
+            .write_all(format!("{}\n", Value::Object(m)).as_bytes());
     }
 
     /// Scalars to TensorBoard as `prefix/name`.

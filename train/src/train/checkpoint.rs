@@ -5,11 +5,13 @@
 //! `num_target_layers`, `layer_types`) and `model.safetensors` with z-lab names (`fc.weight`,
 //! `hidden_norm.weight`, `layers.N.*`, `norm.weight`), which `DFlashDrafter::load` and the
 //! serving engines read. A checkpoint directory `checkpoint-NNNNNNNN` adds
-//! `optimizer.safetensors` (f32 master weights and both AdamW moments) and
-//! `trainer_state.json` (step, batches consumed, the settings that fix the data order).
+//! `optimizer.safetensors` (f32 master weights and both AdamW moments),
+//! `trainer_state.json` (step, batches consumed, the settings that fix the data order) and,
+//! written last, `manifest.json` (size and SHA-256 of the others; `manifest.rs`).
 //!
-//! Every file is written under a temporary name and renamed; a checkpoint directory is built
-//! as `.checkpoint-N.tmp` and renamed whole, so a crash leaves the previous one intact.
+//! A checkpoint is built as `.checkpoint-N.tmp`, every file fsynced, then the directory fsynced
+//! and renamed whole, so a crash leaves the previous checkpoint intact and a complete one on
+//! disk. Loading takes a directory that `resume.rs` chose and verified.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -19,11 +21,17 @@ use dflash_common::{DFlashConfig, LayerType, RopeScaling};
 use serde_json::{json, Value};
 
 use super::error::{TrainError, TrainResult};
+use super::manifest::{self, Manifest, MANIFEST_FILE};
 use super::optim::AdamW;
+use crate::durable;
 
 pub const STATE_FILE: &str = "trainer_state.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-const CHECKPOINT_PREFIX: &str = "checkpoint-";
+pub const CONFIG_FILE: &str = "config.json";
+pub const MODEL_FILE: &str = "model.safetensors";
+/// The files every checkpoint's manifest must list.
+pub const CHECKPOINT_FILES: [&str; 4] = [CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE];
+pub const CHECKPOINT_PREFIX: &str = "checkpoint-";
 
 /// What must match for a resumed run to see the same data in the same order.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -58,15 +66,9 @@ fn ckpt_err(path: &Path, message: impl Into<String>) -> TrainError {
     }
 }
 
-/// Writes `bytes` to `path` through a temporary file and a rename.
+/// Writes `bytes` to `path` durably (`durable::write_atomic`); the error names the file.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> TrainResult<()> {
-    let tmp = path.with_extension(format!(
-        "{}.tmp",
-        path.extension().and_then(|e| e.to_str()).unwrap_or("")
-    ));
-    std::fs::write(&tmp, bytes)
-        .and_then(|_| std::fs::rename(&tmp, path))
-        .map_err(|e| ckpt_err(path, format!("cannot write: {e}")))
+    durable::write_atomic(path, bytes).map_err(|e| ckpt_err(path, format!("cannot write: {e}")))
 }
 
 fn rope_scaling_json(r: &RopeScaling) -> Value {
@@ -160,6 +162,20 @@ fn safetensors_bytes(
         .map_err(|e| ckpt_err(path, format!("cannot serialize: {e}")))
 }
 
+/// `config.json` and `model.safetensors` of a drafter, as the bytes to write.
+fn drafter_files(
+    cfg: &DFlashConfig,
+    num_target_layers: usize,
+    tensors: &[(String, Tensor)],
+    dtype: DType,
+    dir: &Path,
+) -> TrainResult<[(&'static str, Vec<u8>); 2]> {
+    let config = serde_json::to_string_pretty(&zlab_config(cfg, num_target_layers, dtype))
+        .expect("config serializes");
+    let model = safetensors_bytes(tensors, Some(dtype), &dir.join(MODEL_FILE))?;
+    Ok([(MODEL_FILE, model), (CONFIG_FILE, config.into_bytes())])
+}
+
 /// Writes `config.json` and `model.safetensors` of a drafter into `dir` (which must exist).
 pub fn write_drafter(
     dir: &Path,
@@ -168,11 +184,10 @@ pub fn write_drafter(
     tensors: &[(String, Tensor)],
     dtype: DType,
 ) -> TrainResult<()> {
-    let config = serde_json::to_string_pretty(&zlab_config(cfg, num_target_layers, dtype))
-        .expect("config serializes");
-    let model = dir.join("model.safetensors");
-    write_atomic(&model, &safetensors_bytes(tensors, Some(dtype), &model)?)?;
-    write_atomic(&dir.join("config.json"), config.as_bytes())
+    for (name, bytes) in drafter_files(cfg, num_target_layers, tensors, dtype, dir)? {
+        write_atomic(&dir.join(name), &bytes)?;
+    }
+    Ok(())
 }
 
 /// Writes a full checkpoint under `out/checkpoint-{step}` and keeps the newest `keep` ones.
@@ -196,25 +211,42 @@ pub fn save_checkpoint(
         .iter()
         .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
         .collect();
-    write_drafter(&tmp, cfg, num_target_layers, &params, save_dtype)?;
+    let mut files = Vec::from(drafter_files(
+        cfg,
+        num_target_layers,
+        &params,
+        save_dtype,
+        &tmp,
+    )?);
     let mut opt_tensors = Vec::with_capacity(params.len() * 3);
     for (i, (n, p)) in params.iter().enumerate() {
         opt_tensors.push((format!("param.{n}"), p.clone()));
         opt_tensors.push((format!("m.{n}"), opt.m[i].clone()));
         opt_tensors.push((format!("v.{n}"), opt.v[i].clone()));
     }
-    let opt_path = tmp.join(OPTIMIZER_FILE);
-    write_atomic(
-        &opt_path,
-        &safetensors_bytes(&opt_tensors, Some(DType::F32), &opt_path)?,
-    )?;
+    let opt_bytes = safetensors_bytes(&opt_tensors, Some(DType::F32), &tmp.join(OPTIMIZER_FILE))?;
+    files.push((OPTIMIZER_FILE, opt_bytes));
     let state_json = serde_json::to_string_pretty(state).expect("state serializes");
-    write_atomic(&tmp.join(STATE_FILE), state_json.as_bytes())?;
+    files.push((STATE_FILE, state_json.into_bytes()));
+    // The manifest digests the very bytes handed to the file system, and is written only once
+    // they are all on disk: a manifest never vouches for a file that was not fully written.
+    let mut manifest = Manifest::default();
+    for (file, bytes) in &files {
+        let path = tmp.join(file);
+        durable::write_synced(&path, bytes)
+            .map_err(|e| ckpt_err(&path, format!("cannot write: {e}")))?;
+        manifest.add(file, bytes);
+    }
+    let manifest_path = tmp.join(MANIFEST_FILE);
+    durable::write_synced(&manifest_path, manifest.to_json().as_bytes())
+        .and_then(|_| durable::sync_dir(&tmp))
+        .map_err(|e| ckpt_err(&manifest_path, format!("cannot write: {e}")))?;
     if fin.exists() {
         std::fs::remove_dir_all(&fin)
             .map_err(|e| ckpt_err(&fin, format!("cannot replace: {e}")))?;
     }
     std::fs::rename(&tmp, &fin)
+        .and_then(|_| durable::sync_dir(out))
         .map_err(|e| ckpt_err(&fin, format!("cannot rename into place: {e}")))?;
     let mut all = list_checkpoints(out);
     while all.len() > keep.max(1) {
@@ -226,6 +258,25 @@ pub fn save_checkpoint(
     Ok(fin)
 }
 
+/// The step of a `checkpoint-N` directory name (`None` for anything else, `.corrupt` included).
+pub fn checkpoint_step(name: &str) -> Option<usize> {
+    name.strip_prefix(CHECKPOINT_PREFIX)?.parse().ok()
+}
+
+/// Checks `dir` against its manifest (see `manifest.rs`).
+pub fn verify_checkpoint(dir: &Path) -> Result<Manifest, manifest::IntegrityError> {
+    manifest::verify(dir, &CHECKPOINT_FILES)
+}
+
+/// The newest checkpoint in `out` that verifies: what "the last good checkpoint" means.
+pub fn newest_verified(out: &Path) -> Option<PathBuf> {
+    list_checkpoints(out)
+        .into_iter()
+        .rev()
+        .map(|(_, dir)| dir)
+        .find(|dir| verify_checkpoint(dir).is_ok())
+}
+
 /// `checkpoint-N` directories in `out`, oldest first.
 pub fn list_checkpoints(out: &Path) -> Vec<(usize, PathBuf)> {
     let mut v: Vec<(usize, PathBuf)> = std::fs::read_dir(out)
@@ -233,8 +284,7 @@ pub fn list_checkpoints(out: &Path) -> Vec<(usize, PathBuf)> {
         .flatten()
         .flatten()
         .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let step = name.strip_prefix(CHECKPOINT_PREFIX)?.parse().ok()?;
+            let step = checkpoint_step(&e.file_name().to_string_lossy())?;
             Some((step, e.path()))
         })
         .collect();
@@ -251,27 +301,15 @@ pub struct LoadedCheckpoint {
     pub state: TrainerState,
 }
 
-/// Loads `path` (a checkpoint directory, or an output directory: its newest checkpoint).
-pub fn load_checkpoint(path: &Path, device: &Device) -> TrainResult<LoadedCheckpoint> {
-    let dir = if path.join(STATE_FILE).exists() {
-        path.to_path_buf()
-    } else {
-        list_checkpoints(path)
-            .pop()
-            .map(|(_, p)| p)
-            .ok_or_else(|| {
-                ckpt_err(
-                    path,
-                    format!("no {STATE_FILE} and no {CHECKPOINT_PREFIX}* directory to resume from"),
-                )
-            })?
-    };
+/// Loads the checkpoint directory `dir` (verified first by the caller: see `resume.rs`).
+pub fn load_checkpoint(dir: &Path, device: &Device) -> TrainResult<LoadedCheckpoint> {
+    let dir = dir.to_path_buf();
     let state_path = dir.join(STATE_FILE);
     let text = std::fs::read_to_string(&state_path)
         .map_err(|e| ckpt_err(&state_path, format!("cannot read: {e}")))?;
     let state: TrainerState = serde_json::from_str(&text)
         .map_err(|e| ckpt_err(&state_path, format!("corrupt trainer state: {e}")))?;
-    let cfg = DFlashConfig::from_file(dir.join("config.json"))?;
+    let cfg = DFlashConfig::from_file(dir.join(CONFIG_FILE))?;
     let opt_path = dir.join(OPTIMIZER_FILE);
     let mut tensors = candle_core::safetensors::load(&opt_path, device)
         .map_err(|e| ckpt_err(&opt_path, format!("corrupt optimizer state: {e}")))?;

@@ -7,9 +7,10 @@
 //! where the prompt is encoded alone) and concatenated; the mask is 1 on the completion except
 //! what follows its last end-of-turn token (the template's trailing newline).
 //!
-//! A line that cannot be used (bad JSON, no final assistant turn, a template error) is skipped
-//! and counted; past `max_bad_lines` the load stops with the file and line. [`load_specs`]
-//! loads every `--dataset` value, chat files and synthetic specs alike, into one
+//! A line that cannot be used (bad JSON, no messages, a template error) is skipped and counted;
+//! past `max_bad_lines` the load stops with the file and line. A well-formed record whose last
+//! message is not an assistant turn (a prompt) is not damage: it is skipped and counted apart.
+//! [`load_specs`] loads every `--dataset` value, chat files and synthetic specs alike, into one
 //! [`Dataset`] (the types in `dataset.rs`).
 
 use std::io::Read;
@@ -43,27 +44,47 @@ pub fn read_text(path: &Path) -> TrainResult<String> {
     String::from_utf8(raw).map_err(|e| err(format!("not UTF-8: {e}")))
 }
 
-/// Renders and tokenizes one record; the error says what is wrong with the line.
+/// Why a line gives no example.
+enum Skip {
+    /// A well-formed conversation that ends on another role than the assistant.
+    NoFinalAssistantTurn,
+    /// What is wrong with the line.
+    Unreadable(String),
+}
+
+impl From<String> for Skip {
+    fn from(message: String) -> Self {
+        Self::Unreadable(message)
+    }
+}
+
+impl From<&str> for Skip {
+    fn from(message: &str) -> Self {
+        Self::Unreadable(message.into())
+    }
+}
+
+/// Renders and tokenizes one record.
 fn encode_record(
     line: &str,
     tok: &Tokenizer,
     template: &ChatTemplate,
     eos: &[u32],
-) -> Result<Example, String> {
+) -> Result<Example, Skip> {
     let value: Value = serde_json::from_str(line).map_err(|e| format!("not valid JSON: {e}"))?;
     let messages = value
         .get("messages")
         .and_then(Value::as_array)
         .ok_or("no `messages` array")?;
     let last = messages.last().ok_or("`messages` is empty")?;
-    if last.get("role").and_then(Value::as_str) != Some("assistant") {
-        return Err("the last message is not an assistant turn (nothing to supervise)".into());
-    }
     if messages
         .iter()
         .any(|m| m.get("content").and_then(Value::as_str).is_none())
     {
         return Err("a message has no string `content`".into());
+    }
+    if last.get("role").and_then(Value::as_str) != Some("assistant") {
+        return Err(Skip::NoFinalAssistantTurn);
     }
     let render = |msgs: &[Value], gen: bool| {
         template
@@ -113,7 +134,8 @@ pub fn load_datasets(
                 continue;
             }
             match encode_record(line, tok, template, &eos) {
-                Err(message) => {
+                Err(Skip::NoFinalAssistantTurn) => stats.no_final_assistant_turn += 1,
+                Err(Skip::Unreadable(message)) => {
                     stats.bad_lines += 1;
                     if stats.bad_lines > opts.max_bad_lines {
                         return Err(TrainError::TooManyBadLines {
@@ -151,6 +173,12 @@ pub fn load_datasets(
     if stats.bad_lines > 0 {
         tracing::warn!("skipped {} unreadable lines", stats.bad_lines);
     }
+    if stats.no_final_assistant_turn > 0 {
+        tracing::info!(
+            "skipped {} records whose last message is not an assistant turn (nothing to supervise)",
+            stats.no_final_assistant_turn
+        );
+    }
     if examples.is_empty() {
         let paths = paths
             .iter()
@@ -160,8 +188,8 @@ pub fn load_datasets(
         return Err(TrainError::NoSupervisedTokens {
             paths,
             detail: format!(
-                "{} records read ({} unreadable lines); {} had fewer than {} supervised (assistant) tokens after the cut to --max-len {}",
-                stats.records, stats.bad_lines, stats.too_little_supervision, opts.min_supervised.max(1), opts.max_len
+                "{} records read ({} unreadable lines, {} without a final assistant turn); {} had fewer than {} supervised (assistant) tokens after the cut to --max-len {}",
+                stats.records, stats.bad_lines, stats.no_final_assistant_turn, stats.too_little_supervision, opts.min_supervised.max(1), opts.max_len
             ),
         });
     }
@@ -209,6 +237,7 @@ pub fn load_specs(
         let (a, b) = (&mut all.stats, d.stats);
         a.records += b.records;
         a.bad_lines += b.bad_lines;
+        a.no_final_assistant_turn += b.no_final_assistant_turn;
         a.too_little_supervision += b.too_little_supervision;
         a.truncated += b.truncated;
         a.tokens += b.tokens;

@@ -39,8 +39,14 @@ pub struct DataOptions {
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct DataStats {
+    /// Records read for training (those below included), not counting the two skips after them.
     pub records: usize,
+    /// Lines that are not a usable record (bad JSON, no `messages`, a template error); past
+    /// `--max-bad-lines` the load stops.
     pub bad_lines: usize,
+    /// Well-formed records whose last message is not an assistant turn (prompts, e.g. a
+    /// `regenerate` input): nothing to supervise, skipped, and never counted as bad lines.
+    pub no_final_assistant_turn: usize,
     pub too_little_supervision: usize,
     pub truncated: usize,
     pub tokens: usize,

@@ -7,6 +7,8 @@ use dflash_common::tokenizer::TokenizerError;
 use dflash_common::{ConfigError, WeightError};
 use dflash_models::ModelError;
 
+use super::manifest::IntegrityError;
+
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
     #[error("invalid {flag}: {message}")]
@@ -29,7 +31,13 @@ pub enum TrainError {
     OutputDir { path: PathBuf, message: String },
     #[error("checkpoint {path}: {message}")]
     Checkpoint { path: PathBuf, message: String },
-    #[error("stopping: {count} steps in a row had a non-finite loss or gradient (last at step {step}, {total} skipped in all; limit --max-nonfinite-steps {limit}); the last good checkpoint is {last_good}")]
+    #[error("checkpoint {dir} failed verification: {problem}; {fix}")]
+    UnverifiedCheckpoint {
+        dir: PathBuf,
+        problem: IntegrityError,
+        fix: String,
+    },
+    #[error("stopping: {count} steps in a row had a non-finite loss or gradient (last at step {step}, {total} skipped in all; limit --max-nonfinite-steps {limit}); the last good (verified) checkpoint is {last_good}")]
     NonFinite {
         count: usize,
         step: usize,

@@ -5,7 +5,8 @@
 //! Stages: [`data`] (chat JSONL -> tokens and loss masks), [`plan`] (which sequences form each
 //! batch, deterministically), [`pipeline`] (target workers and the host-RAM buffer), [`loss`]
 //! (anchors, labels, decayed cross-entropy), [`optim`] (AdamW, schedule, clipping),
-//! [`checkpoint`] (z-lab layout plus resume state) and [`trainer`] (the loop). The model math
+//! [`checkpoint`] (z-lab layout plus resume state, checked by its [`manifest`]), [`resume`]
+//! (which checkpoint `--resume` continues from) and [`trainer`] (the loop). The model math
 //! is `dflash_models`' drafter, run with `OpsMode::Differentiable`.
 
 pub mod checkpoint;
@@ -14,10 +15,12 @@ pub mod dataset;
 pub mod error;
 pub mod flops;
 pub mod loss;
+pub mod manifest;
 pub mod optim;
 pub mod periodic_eval;
 pub mod pipeline;
 pub mod plan;
+pub mod resume;
 pub mod setup;
 pub mod synthetic;
 pub mod target;
@@ -97,9 +100,16 @@ pub struct TrainArgs {
     /// (random targets have no tokenizer: use --dataset synthetic:...).
     #[arg(long, value_name = "DIR|random:SHAPE", help_heading = "Models")]
     pub target_model: TargetSpec,
-    /// Resume from a checkpoint directory, or from the newest checkpoint in an output directory.
+    /// Resume from a checkpoint directory, or from the newest checkpoint in an output directory;
+    /// it is verified against its manifest.json first. A directory with no checkpoint yet starts
+    /// a fresh run, so a wrapper can always pass this flag.
     #[arg(long, value_name = "DIR", help_heading = "Models")]
     pub resume: Option<PathBuf>,
+    /// When the checkpoint to resume fails verification, resume from the newest older one that
+    /// passes; the failing ones are renamed checkpoint-N.corrupt. Without it the run stops and
+    /// names the damaged file.
+    #[arg(long, requires = "resume", help_heading = "Models")]
+    pub resume_fallback: bool,
     /// Start a fresh drafter from this z-lab config.json instead of the shape flags below.
     #[arg(
         long,

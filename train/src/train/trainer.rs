@@ -25,6 +25,7 @@ use super::optim::{global_norm, learning_rate, AdamW, AdamWConfig};
 use super::periodic_eval::PeriodicEval;
 use super::pipeline::{ComputedBatch, Pipeline};
 use super::plan::{BatchPlan, PlanConfig};
+use super::resume;
 use super::setup;
 use super::target::Target;
 use super::window::{describe, MfuBasis, Stage, StageClock, Window};
@@ -77,11 +78,8 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         target.require_dir("--init-from-target-layers")?;
     }
 
-    let resumed = args
-        .resume
-        .as_ref()
-        .map(|p| checkpoint::load_checkpoint(p, &drafter_device))
-        .transpose()?;
+    let resumed = resume::resume_point(args, &drafter_device)?;
+    let resumed_from = resumed.as_ref().map(|r| r.dir.clone());
     let cfg = match &resumed {
         Some(r) => {
             let path = r.dir.join("config.json");
@@ -103,9 +101,10 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
     };
     let data = load_specs(&dataset_specs, &target, cfg.mask_token_id, &opts)?;
     tracing::info!(
-        "data: {} sequences, {} tokens ({} supervised); {} records, {} unreadable lines, {} truncated, {} with too little supervision",
+        "data: {} sequences, {} tokens ({} supervised); {} records, {} unreadable lines, {} without a final assistant turn, {} truncated, {} with too little supervision",
         data.examples.len(), data.stats.tokens, data.stats.supervised_tokens, data.stats.records,
-        data.stats.bad_lines, data.stats.truncated, data.stats.too_little_supervision
+        data.stats.bad_lines, data.stats.no_final_assistant_turn, data.stats.truncated,
+        data.stats.too_little_supervision
     );
     let plan_cfg = PlanConfig {
         seed: args.seed,
@@ -136,26 +135,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
     };
 
     let (params, mut state) = match resumed {
-        Some(r) => {
-            if r.state.fingerprint != fingerprint {
-                return Err(TrainError::Checkpoint {
-                    path: r.dir.join(checkpoint::STATE_FILE),
-                    message: format!(
-                        "was trained with different data settings; resume with the same --dataset, --max-records, --max-len, --min-supervised, --seed, --batch-size, --min-ready, --bucket-width, --epochs/--max-steps, --num-anchors and --grad-accum.\n  checkpoint: {:?}\n  now:        {:?}",
-                        r.state.fingerprint, fingerprint
-                    ),
-                });
-            }
-            tracing::info!("resuming from {} at step {}", r.dir.display(), r.state.step);
-            let mut state = r.state;
-            state.total_steps = total_steps;
-            let vars = setup::to_vars(r.params)?;
-            let mut opt = AdamW::new(adam_cfg(args), vars)?;
-            opt.m = r.m;
-            opt.v = r.v;
-            opt.t = state.adam_t;
-            (opt, state)
-        }
+        Some(r) => resume::restore(r, &fingerprint, total_steps, adam_cfg(args))?,
         None => {
             let params = match &args.init_drafter {
                 Some(dir) => setup::load_params(&cfg, dir, &drafter_device)?,
@@ -423,12 +403,11 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                     step: state.step + 1,
                     total: state.skipped_steps,
                     limit: args.max_nonfinite_steps,
-                    last_good: last_checkpoint
-                        .as_ref()
-                        .or(checkpoint::list_checkpoints(&args.output_dir)
-                            .last()
-                            .map(|(_, p)| p))
-                        .map_or("none yet".into(), |p: &PathBuf| p.display().to_string()),
+                    // Verified, not merely the newest: a damaged one is no place to go back to.
+                    // The one resumed from was verified at startup (it may lie elsewhere).
+                    last_good: checkpoint::newest_verified(&args.output_dir)
+                        .or_else(|| resumed_from.clone())
+                        .map_or("none yet".into(), |p| p.display().to_string()),
                 });
             }
         }
@@ -504,7 +483,6 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             reporter.tensorboard("train", state.step, &scalars);
             curve.push(json!({"step": state.step, "loss": get("loss"), "accuracy": get("accuracy"), "tau_estimate": get("tau_estimate"), "tokens_per_s": get("tokens_per_s"), "mfu": get("mfu")}));
             window = Window::default();
-        } else {
         }
         if let Some(pe) = periodic.as_ref().filter(|pe| pe.due(state.step, last)) {
             let taus = pe.run(&cfg, &opt.params, &parts)?;
