@@ -9,10 +9,10 @@
 //! and whenever it goes idle with a trim pending.
 //!
 //! Measured on the demo model (serve/tests/binary_limits.rs, `rss_returns_near_idle_after_a_burst`:
-//! a 48-request burst sets the idle level, then two bursts of 64 streaming requests with a few
-//! 600 KB /tokenize bodies): without trimming RSS went from 661 MiB idle to 1,828 MiB; with it,
-//! from 442 MiB to 524 MiB. jemalloc was not measured: it is not in the dependency tree (no
-//! `tikv-jemallocator` in Cargo.lock) and the CI machine builds offline.
+//! a warm-up burst sets the idle level, then two bursts of 64 streaming requests with a few
+//! 600 KB /tokenize bodies): without trimming RSS went from 661 MiB idle to 1,828 MiB (+177%);
+//! with it, from 475 MiB to 534 MiB (+12%). jemalloc was not measured: it is not in the
+//! dependency tree (no `tikv-jemallocator` in Cargo.lock) and the CI machine builds offline.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -125,7 +125,7 @@ async fn burst(p: &ServerProcess, clients: usize) {
         let s = p.server.clone();
         tasks.push(tokio::spawn(async move {
             let body = json!({"text": format!("def f{i}(x):"), "stream": true,
-                "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": true}});
+                "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": true}});
             let r = s.post("/generate", &body).await;
             assert_eq!(r.status, 200, "burst request {i}: {}", r.body);
             if i % 8 == 0 {
@@ -159,8 +159,9 @@ async fn settled_rss(p: &ServerProcess, window: Duration, target: f64) -> f64 {
 #[tokio::test]
 async fn rss_returns_near_idle_after_a_burst() {
     let p = ServerProcess::start(&[]).await;
-    // The first burst sizes the thread pools and lazily built tables; that level is "idle".
-    burst(&p, 48).await;
+    // A first burst of the same shape sizes the thread pools and lazily built tables; the
+    // level after it is "idle".
+    burst(&p, 64).await;
     let idle = settled_rss(&p, Duration::from_secs(3), 0.0).await;
     for _ in 0..2 {
         burst(&p, 64).await;

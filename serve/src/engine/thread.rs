@@ -457,10 +457,7 @@ impl<E: StepEngine> Worker<E> {
                 return;
             }
         };
-        for probe in self.probes.drain(..) {
-            let _ = probe.send(());
-        }
-        self.steps_tx.send_modify(|n| *n += 1);
+
         let (mut tokens, mut spec_tokens, mut rounds, mut accepted) = (0u64, 0u64, 0u64, 0u64);
         for ev in &events {
             let n = ev.tokens.len() as u64;
@@ -493,6 +490,11 @@ impl<E: StepEngine> Worker<E> {
             outgoing.push((tx, ev));
         }
         self.publish_state();
+        // After the gauges, so a health answer never shows its own probe still running.
+        for probe in self.probes.drain(..) {
+            let _ = probe.send(());
+        }
+        self.steps_tx.send_modify(|n| *n += 1);
         for (tx, ev) in outgoing {
             let (id, finished) = (ev.id, ev.finished.is_some());
             let sent = tx.send(SeqUpdate::Step {
