@@ -168,6 +168,9 @@ async fn a_request_aborted_while_queued_gets_the_abort_body_shape() {
     let p = ServerProcess::start(&[
         "--max-running-requests",
         "1",
+        // Room for the long request's K/V reservation (rounded up, plus drafting headroom).
+        "--max-total-tokens",
+        "65536",
         "--queued-request-timeout",
         "2",
         "--skip-server-warmup",
