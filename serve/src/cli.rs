@@ -82,9 +82,46 @@ pub struct Args {
     /// Serve Prometheus metrics at /metrics
     #[arg(long, help_heading = "HTTP")]
     pub enable_metrics: bool,
-    /// Largest accepted request body, in bytes
-    #[arg(long, default_value_t = 32 * 1024 * 1024, help_heading = "HTTP")]
-    pub max_request_body_bytes: usize,
+    /// Largest accepted request body, in bytes [default: what a full-context prompt can take,
+    /// 4 x context length x the longest token's bytes, at least 1 MiB]
+    #[arg(long, help_heading = "HTTP")]
+    pub max_request_body_bytes: Option<usize>,
+    /// Close a connection whose request headers have not fully arrived this many seconds after
+    /// it began waiting for them (slowloris); 0 turns it off
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 10.0,
+        help_heading = "HTTP"
+    )]
+    pub header_read_timeout: f64,
+    /// Answer 408 and close when a request body has not fully arrived this many seconds after
+    /// its headers; 0 turns it off
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 30.0,
+        help_heading = "HTTP"
+    )]
+    pub body_read_timeout: f64,
+    /// Close a keep-alive connection idle this long between requests (uvicorn's default, 5);
+    /// 0 turns it off
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 5.0,
+        help_heading = "HTTP"
+    )]
+    pub keep_alive_timeout: f64,
+    /// On SIGTERM, once running requests are done, how long connections still open (a response
+    /// being written, a half-sent request) get before they are closed
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 5.0,
+        help_heading = "HTTP"
+    )]
+    pub shutdown_grace_period: f64,
 
     /// Sequences decoded together [default: 48 when speculating, else 64]
     #[arg(long, help_heading = "Scheduling")]
@@ -103,9 +140,22 @@ pub struct Args {
     /// `abort`, with the text generated so far) [default: no limit]
     #[arg(long, value_name = "SECONDS", help_heading = "Scheduling")]
     pub request_timeout: Option<f64>,
-    /// Requests allowed to wait for a slot before new ones get 503
+    /// Sequences (prompts x n) allowed to wait for a slot before new requests get 503
     #[arg(long, default_value_t = 1024, help_heading = "Scheduling")]
     pub max_queued_requests: usize,
+    /// Most sequences (prompts x n) one request may ask for; more is a 400 naming this flag
+    /// (capped by --max-queued-requests, since a larger request could never be queued)
+    #[arg(long, default_value_t = 256, help_heading = "Scheduling")]
+    pub max_sequences_per_request: usize,
+    /// End a request still waiting for a running slot this many seconds after it arrived
+    /// (finish reason `abort`, no output); 0 turns it off
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 300.0,
+        help_heading = "Scheduling"
+    )]
+    pub queued_request_timeout: f64,
     /// Log a decode line every N engine steps
     #[arg(long, default_value_t = 40, help_heading = "Scheduling")]
     pub decode_log_interval: usize,

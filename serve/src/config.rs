@@ -81,7 +81,12 @@ pub struct ServeConfig {
     pub hf_chat_template_name: Option<String>,
     pub default_chat_template_kwargs: Map<String, Value>,
     pub enable_metrics: bool,
-    pub max_request_body_bytes: usize,
+    /// `--max-request-body-bytes`; `None` sizes it from the context (see `state::RequestLimits`).
+    pub max_request_body_bytes: Option<usize>,
+    pub http: HttpTimeouts,
+    pub max_sequences_per_request: usize,
+    /// `--queued-request-timeout`; `None`: off.
+    pub queue_timeout: Option<std::time::Duration>,
     pub decode_log_interval: usize,
     pub log_level: String,
     pub speculative: Option<SpeculativeConfig>,
@@ -89,6 +94,35 @@ pub struct ServeConfig {
     pub reasoning_parser: Option<ReasoningParserKind>,
     /// Run one short generation before announcing readiness (off with --skip-server-warmup).
     pub warmup: bool,
+}
+
+/// Connection timeouts (`--header-read-timeout`, `--body-read-timeout`, `--keep-alive-timeout`,
+/// `--shutdown-grace-period`); `None` is off.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HttpTimeouts {
+    pub header_read: Option<std::time::Duration>,
+    pub body_read: Option<std::time::Duration>,
+    pub keep_alive: Option<std::time::Duration>,
+    pub shutdown_grace: std::time::Duration,
+}
+
+/// A seconds flag: finite and not negative; 0 means off where `zero_is_off`.
+fn seconds(
+    flag: &'static str,
+    secs: f64,
+    zero_is_off: bool,
+) -> Result<Option<std::time::Duration>, ConfigError> {
+    if !secs.is_finite() || secs < 0.0 || secs > 1e9 {
+        return Err(ConfigError::BadValue {
+            flag,
+            value: secs.to_string(),
+            reason: "must be a number of seconds, 0 or more".into(),
+        });
+    }
+    if secs == 0.0 && zero_is_off {
+        return Ok(None);
+    }
+    Ok(Some(std::time::Duration::from_secs_f64(secs)))
 }
 
 fn parse_device(s: &str) -> Result<DeviceSpec, ConfigError> {
@@ -309,6 +343,40 @@ impl ServeConfig {
                 })
             }
         };
+        let http = HttpTimeouts {
+            header_read: seconds("--header-read-timeout", args.header_read_timeout, true)?,
+            body_read: seconds("--body-read-timeout", args.body_read_timeout, true)?,
+            keep_alive: seconds("--keep-alive-timeout", args.keep_alive_timeout, true)?,
+            shutdown_grace: seconds("--shutdown-grace-period", args.shutdown_grace_period, false)?
+                .unwrap_or_default(),
+        };
+        let queue_timeout = seconds(
+            "--queued-request-timeout",
+            args.queued_request_timeout,
+            true,
+        )?;
+        for (flag, v) in [
+            (
+                "--max-sequences-per-request",
+                args.max_sequences_per_request,
+            ),
+            ("--max-queued-requests", args.max_queued_requests),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::BadValue {
+                    flag,
+                    value: "0".into(),
+                    reason: "must be at least 1".into(),
+                });
+            }
+        }
+        if args.max_request_body_bytes == Some(0) {
+            return Err(ConfigError::BadValue {
+                flag: "--max-request-body-bytes",
+                value: "0".into(),
+                reason: "must be at least 1".into(),
+            });
+        }
         let default_chat_template_kwargs = match &args.default_chat_template_kwargs {
             None => Map::new(),
             Some(text) => match serde_json::from_str::<Value>(text) {
@@ -353,6 +421,9 @@ impl ServeConfig {
             default_chat_template_kwargs,
             enable_metrics: args.enable_metrics,
             max_request_body_bytes: args.max_request_body_bytes,
+            http,
+            max_sequences_per_request: args.max_sequences_per_request.min(args.max_queued_requests),
+            queue_timeout,
             decode_log_interval: args.decode_log_interval,
             log_level: args.log_level.clone(),
             speculative,

@@ -33,6 +33,11 @@ pub enum ApiError {
     Unauthorized,
     #[error("The request body is larger than the limit of {limit} bytes (--max-request-body-bytes); send a smaller request or raise the limit")]
     PayloadTooLarge { limit: usize },
+    #[error("The request body did not arrive within {secs} s (--body-read-timeout); send it promptly or raise the limit")]
+    BodyTimeout { secs: f64 },
+    /// Broken HTTP framing (a malformed chunk size, a body cut short).
+    #[error("{0}")]
+    BadFraming(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -52,7 +57,9 @@ impl ApiError {
             ApiError::Validation(_)
             | ApiError::BadJson(_)
             | ApiError::MediaType
+            | ApiError::BadFraming(_)
             | ApiError::Template(_) => StatusCode::BAD_REQUEST,
+            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::Tokenizer(TokenizerError::Encode { .. }) => StatusCode::BAD_REQUEST,
             ApiError::Tokenizer(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
@@ -61,9 +68,11 @@ impl ApiError {
             ) => StatusCode::BAD_REQUEST,
             // SGLang answers a request ended by /abort_request with its partial output; the
             // status only shows in `finish_reason.status_code`.
-            ApiError::Engine(EngineFailure::Aborted | EngineFailure::TimedOut { .. }) => {
-                StatusCode::OK
-            }
+            ApiError::Engine(
+                EngineFailure::Aborted
+                | EngineFailure::TimedOut { .. }
+                | EngineFailure::QueueTimedOut { .. },
+            ) => StatusCode::OK,
             ApiError::Engine(EngineFailure::Overloaded { .. } | EngineFailure::ShuttingDown) => {
                 StatusCode::SERVICE_UNAVAILABLE
             }

@@ -1,13 +1,19 @@
-//! Assembling and running the server: metrics, the engine thread, the router, and graceful
-//! shutdown (on SIGTERM or Ctrl-C new requests get 503 while running ones finish).
+//! Assembling and running the server: metrics, the engine thread, the router, the accept loop
+//! (`connection` drives each connection with its timeouts), and graceful shutdown (on SIGTERM
+//! or Ctrl-C new requests get 503 while running ones finish).
+
+mod connection;
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
 
 use crate::config::ServeConfig;
-use crate::engine::thread::SchedulerLimits;
+use crate::engine::handle::SchedulerLimits;
 use crate::engine::{spawn_engine_thread, StepEngine};
 use crate::metrics::ServerMetrics;
 use crate::routes;
@@ -35,8 +41,9 @@ pub fn build_state<E: StepEngine>(
     let limits = SchedulerLimits {
         max_running_requests: config.max_running_requests,
         max_total_tokens,
-        max_queued_requests: config.max_queued_requests,
+        max_queued_sequences: config.max_queued_requests,
         request_timeout: config.request_timeout,
+        queue_timeout: config.queue_timeout,
         decode_log_interval: config.decode_log_interval,
     };
     let handle = spawn_engine_thread(engine, limits, metrics.clone())?;
@@ -72,25 +79,73 @@ pub async fn warm_up(state: &AppState) -> Result<std::time::Duration, String> {
     Err("the engine stopped during warm-up".into())
 }
 
-/// Serves until `shutdown` resolves, then refuses new requests and drains running ones.
+/// Serves until `shutdown` resolves, then refuses new requests (503, health included) and
+/// drains running ones; once the engine is idle, open connections are told to close, and any
+/// still open after `--shutdown-grace-period` (a half-sent request, a client not reading its
+/// response) are dropped so the process can exit.
 pub async fn serve(
     listener: TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let app = routes::router(state.clone());
-    let draining = state.clone();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
+    let timeouts = state.config.http.clone();
+    let (close_tx, close_rx) = watch::channel(false);
+    let mut connections = JoinSet::new();
+    let drained = {
+        let state = state.clone();
+        async move {
             shutdown.await;
             tracing::info!("shutting down: refusing new requests, finishing running ones");
-            draining.engine.begin_shutdown();
-            // Keep serving (503 for new requests, health included) until the running and
-            // waiting requests are done; only then stop accepting connections.
-            draining.engine.idle().await;
-            tracing::info!("all requests finished; exiting");
-        })
-        .await
+            state.engine.begin_shutdown();
+            state.engine.idle().await;
+        }
+    };
+    tokio::pin!(drained);
+    loop {
+        tokio::select! {
+            () = &mut drained => break,
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => {
+                    let _ = tcp.set_nodelay(true);
+                    connections.spawn(connection::serve_connection(
+                        tcp,
+                        app.clone(),
+                        timeouts.clone(),
+                        close_rx.clone(),
+                    ));
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: wait instead of spinning.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    drop(listener);
+    let _ = close_tx.send(true);
+    let grace = tokio::time::sleep(timeouts.shutdown_grace);
+    tokio::pin!(grace);
+    loop {
+        tokio::select! {
+            () = &mut grace => {
+                if !connections.is_empty() {
+                    tracing::info!(
+                        "closing {} connections still open after the {:?} grace period",
+                        connections.len(),
+                        timeouts.shutdown_grace
+                    );
+                }
+                connections.shutdown().await;
+                break;
+            }
+            next = connections.join_next() => if next.is_none() { break },
+        }
+    }
+    tracing::info!("all requests finished; exiting");
+    Ok(())
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

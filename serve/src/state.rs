@@ -24,6 +24,9 @@ pub struct ModelAssets {
     pub lower: LowerContext,
     pub model_type: String,
     pub architectures: Vec<String>,
+    /// The most text bytes one token can stand for (the longest decoded vocabulary entry), so
+    /// that a text's byte length bounds its token count from below before tokenizing it.
+    pub max_token_bytes: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -89,7 +92,14 @@ impl ModelAssets {
             eos_token_ids: tokenizer.eos_token_ids().to_vec(),
             defaults,
         };
+        let max_token_bytes = (0..tokenizer.vocab_size() as u32)
+            .filter_map(|id| tokenizer.decode(&[id], false).ok())
+            .map(|t| t.len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
         Ok(Self {
+            max_token_bytes,
             tokenizer: Arc::new(tokenizer),
             template,
             lower,
@@ -111,9 +121,43 @@ fn read_json<T: for<'de> Deserialize<'de> + Default>(path: &Path) -> Result<T, A
     serde_json::from_str(&text).map_err(|e| err(e.to_string()))
 }
 
+/// Size limits applied before any work is done on a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// Largest request body (`--max-request-body-bytes`, or sized from the context).
+    pub body_bytes: usize,
+    pub prompt: crate::generation::limits::PromptLimits,
+    /// Most sequences (prompts x n) per request (`--max-sequences-per-request`).
+    pub max_sequences: usize,
+}
+
+/// The smallest default body limit: room for chat requests with many short messages.
+const MIN_DEFAULT_BODY_BYTES: usize = 1 << 20;
+
+impl RequestLimits {
+    pub fn new(config: &ServeConfig, model: &ModelAssets) -> Self {
+        let prompt = crate::generation::limits::PromptLimits::new(
+            model.lower.context_length,
+            model.max_token_bytes,
+        );
+        // Twice the longest possible prompt leaves room for JSON escaping and the other fields.
+        let derived = prompt
+            .max_text_bytes
+            .saturating_mul(2)
+            .max(MIN_DEFAULT_BODY_BYTES);
+        Self {
+            body_bytes: config.max_request_body_bytes.unwrap_or(derived),
+            prompt,
+            max_sequences: config.max_sequences_per_request,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct AppInner {
     pub config: ServeConfig,
+    pub limits: RequestLimits,
+    pub tokenizer_pool: crate::generation::limits::TokenizerPool,
     pub model: ModelAssets,
     pub engine: EngineHandle,
     pub metrics: Arc<ServerMetrics>,
@@ -132,6 +176,8 @@ impl AppState {
         metrics: Arc<ServerMetrics>,
     ) -> Self {
         Self(Arc::new(AppInner {
+            limits: RequestLimits::new(&config, &model),
+            tokenizer_pool: crate::generation::limits::TokenizerPool::new(),
             config,
             model,
             engine,

@@ -17,6 +17,14 @@ pub enum ValidationError {
     BadMessage { index: usize, problem: String },
     #[error("`{field}` must be a finite number >= 0. Given: {value}")]
     Temperature { field: &'static str, value: f64 },
+    #[error("`{field}` must be a finite number within ±3.4e38 (it is used as a 32-bit float). Given: {value:e}")]
+    NotF32 { field: &'static str, value: f64 },
+    #[error("The request asks for {requested} sequences (prompts x n); at most {max} are allowed per request (--max-sequences-per-request); split it into smaller requests")]
+    TooManySequences { requested: usize, max: usize },
+    #[error(
+        "The input (at least {at_least} tokens) is longer than the model's context length ({context} tokens)."
+    )]
+    PromptTooLongAtLeast { at_least: usize, context: usize },
     #[error("`{field}` must be in (0, 1]. Given: {value}")]
     TopP { field: &'static str, value: f64 },
     #[error("`{field}` must be -1 (disable) or at least 1. Given: {value}")]
@@ -83,6 +91,25 @@ pub enum ValidationError {
 pub const MAX_STOP_STRINGS: usize = 32;
 /// The most parallel samples (`n`) one request may ask for.
 pub const MAX_N: i64 = 64;
+
+/// Sampling values travel to the engine as `f32`: a finite `f64` beyond its range (1e39)
+/// would silently become infinity there, so it is refused here with the value as given.
+pub fn check_f32(field: &'static str, v: Option<f64>) -> Result<(), ValidationError> {
+    match v {
+        Some(value) if !value.is_finite() || !(value as f32).is_finite() => {
+            Err(ValidationError::NotF32 { field, value })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A request's sequences (prompts x n) against the per-request cap.
+pub fn check_sequences(requested: usize, max: usize) -> Result<(), ValidationError> {
+    if requested > max {
+        return Err(ValidationError::TooManySequences { requested, max });
+    }
+    Ok(())
+}
 
 pub fn check_temperature(field: &'static str, v: Option<f64>) -> Result<(), ValidationError> {
     match v {

@@ -5,11 +5,13 @@
 //! `dflash_models::speculative::engine::Engine` (see [`real`]); tests drive the same thread and HTTP
 //! layer with a deterministic scripted engine. No tensor crosses this boundary, and no JSON.
 
+pub mod handle;
 pub mod memory;
 pub mod real;
 pub mod thread;
 
-pub use thread::{spawn_engine_thread, EngineFailure, EngineHandle, EngineStats, SeqUpdate};
+pub use handle::{EngineFailure, EngineHandle, EngineStats, SeqUpdate};
+pub use thread::spawn_engine_thread;
 
 /// Identifies one sequence inside an engine.
 pub type SeqId = u64;

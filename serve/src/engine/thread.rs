@@ -2,219 +2,29 @@
 //! `--max-running-requests`, steps all running sequences together (continuous batching: new
 //! sequences join between steps), and sends each sequence's tokens to its request.
 //!
+//! Admission is fair between requests: the next sequence admitted belongs to the waiting request
+//! with the fewest sequences running, so one large batch cannot hold every slot while another
+//! client's single prompt waits behind all of it. Within a request, sequences go in order.
+//!
 //! Cancellation is by channel: when a request's event receiver is dropped (client disconnect,
 //! stop string matched), the next step removes the sequence. Nothing here blocks on the async
 //! runtime; sends to tokio's unbounded channels never block.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc as tmpsc, oneshot};
+use tokio::sync::{mpsc as tmpsc, oneshot, watch};
 
-use super::{EngineFinish, EngineInfo, EngineRequest, SeqId, StepEngine};
+use super::handle::{Command, Submission};
+pub use super::handle::{
+    EngineFailure, EngineHandle, EngineStats, SchedulerLimits, SeqUpdate, StatsSnapshot,
+};
+use super::{EngineRequest, EngineSampling, SeqId, StepEngine};
+use crate::memory::Trimmer;
 use crate::metrics::ServerMetrics;
-
-/// What a request hears from the engine.
-#[derive(Debug, Clone, PartialEq)]
-pub enum SeqUpdate {
-    /// The request left the queue and the engine accepted it.
-    Admitted {
-        queue_time: Duration,
-    },
-    Step {
-        tokens: Vec<u32>,
-        finished: Option<EngineFinish>,
-        accepted_drafts: usize,
-        verify_rounds: usize,
-    },
-    Failed(EngineFailure),
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum EngineFailure {
-    /// The engine refused the request at admission (HTTP 400).
-    #[error("{0}")]
-    Rejected(String),
-    /// The waiting queue is full (HTTP 503).
-    #[error("the server is overloaded: {queued} requests are already waiting (--max-queued-requests); retry later")]
-    Overloaded { queued: usize },
-    /// Graceful shutdown has begun (HTTP 503).
-    #[error("the server is shutting down and accepts no new requests")]
-    ShuttingDown,
-    /// `/abort_request` named this request (or all); it ends with finish reason `abort`.
-    #[error("aborted by /abort_request")]
-    Aborted,
-    /// The request ran past `--request-timeout`; it ends with finish reason `abort`.
-    #[error("the request did not finish within --request-timeout ({} s)", *millis as f64 / 1000.0)]
-    TimedOut { millis: u64 },
-    /// The request needs more KV-cache tokens than the server has in total.
-    #[error("the request needs {needed} KV-cache tokens (prompt + max_new_tokens) but the server holds {capacity} in total (--max-total-tokens); shorten the prompt or max_new_tokens")]
-    TooLargeForCache { needed: usize, capacity: usize },
-    /// A step failed (HTTP 500).
-    #[error("{0}")]
-    Internal(String),
-}
-
-/// Scheduler limits, from `ServeConfig`.
-#[derive(Debug, Clone)]
-pub struct SchedulerLimits {
-    pub max_running_requests: usize,
-    /// KV-cache tokens all running sequences may reserve together (prompt + max_new_tokens
-    /// each); a request waits until its reservation fits.
-    pub max_total_tokens: usize,
-    pub max_queued_requests: usize,
-    /// Wall-clock limit per request from submission (`--request-timeout`); `None`: no limit.
-    pub request_timeout: Option<Duration>,
-    /// Log the decode line every this many steps (SGLang's `--decode-log-interval`).
-    pub decode_log_interval: usize,
-}
-
-/// Cumulative statistics for `/server_info` and health.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct StatsSnapshot {
-    pub num_running: usize,
-    pub num_waiting: usize,
-    /// KV-cache tokens reserved by running sequences.
-    pub reserved_tokens: usize,
-    pub steps: u64,
-    pub generated_tokens: u64,
-    /// Tokens committed by steps that verified drafts, and those verify rounds (for accept length).
-    pub spec_tokens: u64,
-    pub verify_rounds: u64,
-    pub accepted_drafts: u64,
-    pub last_gen_throughput: f64,
-    pub drafts_per_round: usize,
-}
-
-impl StatsSnapshot {
-    /// Tokens per verify round, bonus included (1.0 when nothing was verified yet).
-    pub fn avg_spec_accept_length(&self) -> f64 {
-        if self.verify_rounds == 0 {
-            1.0
-        } else {
-            self.spec_tokens as f64 / self.verify_rounds as f64
-        }
-    }
-}
-
-#[derive(Debug, Default)]
-pub struct EngineStats {
-    inner: Mutex<StatsSnapshot>,
-}
-
-impl EngineStats {
-    pub fn snapshot(&self) -> StatsSnapshot {
-        match self.inner.lock() {
-            Ok(g) => g.clone(),
-            Err(poisoned) => poisoned.into_inner().clone(),
-        }
-    }
-
-    fn update(&self, f: impl FnOnce(&mut StatsSnapshot)) {
-        match self.inner.lock() {
-            Ok(mut g) => f(&mut g),
-            Err(poisoned) => f(&mut poisoned.into_inner()),
-        }
-    }
-}
-
-enum Command {
-    Submit {
-        rid: String,
-        req: EngineRequest,
-        events: tmpsc::UnboundedSender<SeqUpdate>,
-        at: Instant,
-    },
-    /// Replies `true` when nothing is running or waiting (there is no prefix cache to drop yet).
-    Flush(oneshot::Sender<bool>),
-    /// `/abort_request`: one request id, or every request when `None`.
-    Abort(Option<String>),
-}
-
-/// The handlers' side of the engine thread. Cheap to clone.
-#[derive(Clone)]
-pub struct EngineHandle {
-    tx: mpsc::Sender<Command>,
-    stats: Arc<EngineStats>,
-    shutting_down: Arc<AtomicBool>,
-    info: EngineInfo,
-}
-
-impl std::fmt::Debug for EngineHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EngineHandle").finish_non_exhaustive()
-    }
-}
-
-impl EngineHandle {
-    /// Queues `req`; its updates (or one `Failed`) arrive on the returned receiver. Dropping the
-    /// receiver cancels the request.
-    pub fn submit(&self, rid: &str, req: EngineRequest) -> tmpsc::UnboundedReceiver<SeqUpdate> {
-        let (events, rx) = tmpsc::unbounded_channel();
-        if self.shutting_down.load(Ordering::SeqCst) {
-            let _ = events.send(SeqUpdate::Failed(EngineFailure::ShuttingDown));
-            return rx;
-        }
-        let cmd = Command::Submit {
-            rid: rid.to_string(),
-            req,
-            events: events.clone(),
-            at: Instant::now(),
-        };
-        if self.tx.send(cmd).is_err() {
-            let _ = events.send(SeqUpdate::Failed(EngineFailure::Internal(
-                "the engine thread has stopped; restart the server".into(),
-            )));
-        }
-        rx
-    }
-
-    /// True when the engine was idle (and so "flushed").
-    pub async fn flush_cache(&self) -> bool {
-        let (tx, rx) = oneshot::channel();
-        if self.tx.send(Command::Flush(tx)).is_err() {
-            return false;
-        }
-        rx.await.unwrap_or(false)
-    }
-
-    /// Ends the running or waiting request `rid` (every request when `None`) with finish reason
-    /// `abort`. Unknown ids are ignored, as SGLang does.
-    pub fn abort(&self, rid: Option<String>) {
-        let _ = self.tx.send(Command::Abort(rid));
-    }
-
-    /// Resolves once nothing is running or waiting (for the graceful-shutdown drain).
-    pub async fn idle(&self) {
-        loop {
-            let s = self.stats.snapshot();
-            if s.num_running == 0 && s.num_waiting == 0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    pub fn stats(&self) -> StatsSnapshot {
-        self.stats.snapshot()
-    }
-
-    pub fn info(&self) -> &EngineInfo {
-        &self.info
-    }
-
-    /// Refuse new requests from now on; running ones finish.
-    pub fn begin_shutdown(&self) {
-        self.shutting_down.store(true, Ordering::SeqCst);
-    }
-
-    pub fn is_shutting_down(&self) -> bool {
-        self.shutting_down.load(Ordering::SeqCst)
-    }
-}
 
 /// Starts the engine thread. It exits when every [`EngineHandle`] is dropped and no sequence is
 /// left.
@@ -227,6 +37,8 @@ pub fn spawn_engine_thread<E: StepEngine>(
     let stats = Arc::new(EngineStats::default());
     let info = engine.info();
     stats.update(|s| s.drafts_per_round = info.drafts_per_round);
+    let trim_wanted = Arc::new(AtomicBool::new(false));
+    let (steps_tx, steps) = watch::channel(0u64);
     let worker = Worker {
         engine,
         limits,
@@ -234,8 +46,13 @@ pub fn spawn_engine_thread<E: StepEngine>(
         stats: stats.clone(),
         waiting: VecDeque::new(),
         running: HashMap::new(),
+        running_per_group: HashMap::new(),
+        next_group: 0,
         reserved_tokens: 0,
         window: Window::new(),
+        probes: Vec::new(),
+        trimmer: Trimmer::new(trim_wanted.clone()),
+        steps_tx,
     };
     std::thread::Builder::new()
         .name("dflash-engine".into())
@@ -244,12 +61,19 @@ pub fn spawn_engine_thread<E: StepEngine>(
         tx,
         stats,
         shutting_down: Arc::new(AtomicBool::new(false)),
+        trim_wanted,
+        steps,
         info,
     })
 }
 
+/// Identifies the HTTP request a sequence came from, for fair admission.
+type GroupId = u64;
+
 struct Waiting {
+    group: GroupId,
     deadline: Option<Instant>,
+    queue_deadline: Option<Instant>,
     rid: String,
     req: EngineRequest,
     events: tmpsc::UnboundedSender<SeqUpdate>,
@@ -286,29 +110,51 @@ struct Worker<E> {
     stats: Arc<EngineStats>,
     waiting: VecDeque<Waiting>,
     running: HashMap<SeqId, Running>,
+    running_per_group: HashMap<GroupId, usize>,
+    next_group: GroupId,
     reserved_tokens: usize,
     window: Window,
+    /// `/health` probes waiting for the next completed step.
+    probes: Vec<oneshot::Sender<()>>,
+    trimmer: Trimmer,
+    steps_tx: watch::Sender<u64>,
 }
 
 struct Running {
+    group: GroupId,
     deadline: Option<Instant>,
     rid: String,
     events: tmpsc::UnboundedSender<SeqUpdate>,
     /// KV-cache tokens this sequence reserved at admission.
     reserved: usize,
+    /// A health probe's own receiver, kept so the probe is not mistaken for a gone client.
+    _probe_rx: Option<tmpsc::UnboundedReceiver<SeqUpdate>>,
 }
 
-/// KV-cache tokens a request may occupy: its prompt plus its whole completion budget.
 /// K/V tokens `req` holds while it runs, as `engine` allocates them.
 fn reservation<E: StepEngine>(engine: &E, req: &EngineRequest) -> usize {
     engine.reservation(req.prompt.len(), req.max_new_tokens)
+}
+
+/// SGLang's health probe: one greedy token from token id 0.
+fn probe_request() -> EngineRequest {
+    EngineRequest {
+        prompt: vec![0],
+        max_new_tokens: 1,
+        sampling: EngineSampling::greedy(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: true,
+    }
 }
 
 impl<E: StepEngine> Worker<E> {
     fn run(mut self, rx: mpsc::Receiver<Command>) {
         loop {
             if self.running.is_empty() && self.waiting.is_empty() {
-                match rx.recv_timeout(Duration::from_secs(1)) {
+                // Idle: memory the last requests freed goes back to the OS now, not at the next
+                // burst (glibc keeps freed arenas otherwise, and RSS only ratchets up).
+                self.trimmer.on_idle();
+                match rx.recv_timeout(Duration::from_millis(500)) {
                     Ok(cmd) => self.handle(cmd),
                     Err(RecvTimeoutError::Timeout) => continue,
                     Err(RecvTimeoutError::Disconnected) => return,
@@ -325,43 +171,91 @@ impl<E: StepEngine> Worker<E> {
                 self.step();
                 self.publish_state();
             }
+            self.trimmer.after_step();
         }
     }
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit {
-                rid,
-                req,
-                events,
-                at,
-            } => {
-                let needed = reservation(&self.engine, &req);
-                if needed > self.limits.max_total_tokens {
-                    let _ = events.send(SeqUpdate::Failed(EngineFailure::TooLargeForCache {
-                        needed,
-                        capacity: self.limits.max_total_tokens,
-                    }));
-                    return;
-                }
-                if self.waiting.len() >= self.limits.max_queued_requests {
-                    let _ = events.send(SeqUpdate::Failed(EngineFailure::Overloaded {
-                        queued: self.waiting.len(),
-                    }));
-                    return;
-                }
-                self.waiting.push_back(Waiting {
-                    deadline: self.limits.request_timeout.map(|t| at + t),
-                    rid,
-                    req,
-                    events,
-                    at,
-                });
-            }
+            Command::Submit { seqs, at } => self.enqueue(seqs, at),
             Command::Flush(reply) => {
                 let _ = reply.send(self.running.is_empty() && self.waiting.is_empty());
             }
             Command::Abort(rid) => self.abort(rid.as_deref()),
+            Command::Probe(reply) => self.probe(reply),
+        }
+    }
+
+    fn enqueue(&mut self, seqs: Vec<Submission>, at: Instant) {
+        let fail_all = |seqs: Vec<Submission>, f: EngineFailure| {
+            for s in seqs {
+                let _ = s.events.send(SeqUpdate::Failed(f.clone()));
+            }
+        };
+        if let Some(needed) = seqs
+            .iter()
+            .map(|s| reservation(&self.engine, &s.req))
+            .find(|&n| n > self.limits.max_total_tokens)
+        {
+            let capacity = self.limits.max_total_tokens;
+            return fail_all(seqs, EngineFailure::TooLargeForCache { needed, capacity });
+        }
+        let limit = self.limits.max_queued_sequences;
+        if self.waiting.len() + seqs.len() > limit {
+            let f = EngineFailure::Overloaded {
+                queued: self.waiting.len(),
+                adding: seqs.len(),
+                limit,
+            };
+            return fail_all(seqs, f);
+        }
+        let group = self.next_group;
+        self.next_group += 1;
+        for s in seqs {
+            self.waiting.push_back(Waiting {
+                group,
+                deadline: self.limits.request_timeout.map(|t| at + t),
+                queue_deadline: self.limits.queue_timeout.map(|t| at + t),
+                rid: s.rid,
+                req: s.req,
+                events: s.events,
+                at,
+            });
+        }
+    }
+
+    /// A busy engine answers after its next step; an idle one runs the probe itself, ahead of
+    /// anything queued (there is nothing running, so it takes no slot from a user).
+    fn probe(&mut self, reply: oneshot::Sender<()>) {
+        self.probes.push(reply);
+        if !self.running.is_empty() {
+            return;
+        }
+        let req = probe_request();
+        let reserved = reservation(&self.engine, &req);
+        match self.engine.add(req) {
+            Ok(id) => {
+                let (events, rx) = tmpsc::unbounded_channel();
+                self.reserved_tokens += reserved;
+                let group = self.next_group;
+                self.next_group += 1;
+                *self.running_per_group.entry(group).or_default() += 1;
+                self.running.insert(
+                    id,
+                    Running {
+                        group,
+                        deadline: None,
+                        rid: "HEALTH_CHECK".into(),
+                        events,
+                        reserved,
+                        _probe_rx: Some(rx),
+                    },
+                );
+            }
+            Err(e) => {
+                tracing::error!("the health probe was refused by the engine: {e}");
+                self.probes.clear();
+            }
         }
     }
 
@@ -388,15 +282,20 @@ impl<E: StepEngine> Worker<E> {
         });
     }
 
-    /// Ends requests past their `--request-timeout` deadline, running or still waiting.
+    /// Ends requests past their `--request-timeout` deadline, running or still waiting, and
+    /// waiting ones past `--queued-request-timeout`.
     fn expire(&mut self) {
-        let Some(limit) = self.limits.request_timeout else {
+        if self.limits.request_timeout.is_none() && self.limits.queue_timeout.is_none() {
             return;
-        };
+        }
         let now = Instant::now();
         let late = |d: &Option<Instant>| d.is_some_and(|d| now >= d);
-        let failure = EngineFailure::TimedOut {
-            millis: limit.as_millis() as u64,
+        let millis = |d: Option<Duration>| d.map_or(0, |d| d.as_millis() as u64);
+        let timed_out = EngineFailure::TimedOut {
+            millis: millis(self.limits.request_timeout),
+        };
+        let queue_timed_out = EngineFailure::QueueTimedOut {
+            millis: millis(self.limits.queue_timeout),
         };
         let ids: Vec<SeqId> = self
             .running
@@ -407,15 +306,19 @@ impl<E: StepEngine> Worker<E> {
         for id in ids {
             self.engine.remove(id);
             if let Some(r) = self.release(id) {
-                let _ = r.events.send(SeqUpdate::Failed(failure.clone()));
+                let _ = r.events.send(SeqUpdate::Failed(timed_out.clone()));
             }
         }
         self.waiting.retain(|w| {
-            let keep = !late(&w.deadline);
-            if !keep {
-                let _ = w.events.send(SeqUpdate::Failed(failure.clone()));
-            }
-            keep
+            let failure = if late(&w.deadline) {
+                &timed_out
+            } else if late(&w.queue_deadline) {
+                &queue_timed_out
+            } else {
+                return true;
+            };
+            let _ = w.events.send(SeqUpdate::Failed(failure.clone()));
+            false
         });
     }
 
@@ -423,23 +326,52 @@ impl<E: StepEngine> Worker<E> {
     fn release(&mut self, id: SeqId) -> Option<Running> {
         let r = self.running.remove(&id)?;
         self.reserved_tokens -= r.reserved;
+        if let Some(n) = self.running_per_group.get_mut(&r.group) {
+            *n -= 1;
+            if *n == 0 {
+                self.running_per_group.remove(&r.group);
+            }
+        }
+        self.trimmer.released();
         Some(r)
     }
 
-    /// First come, first served: the head of the queue waits until both a running slot and its
-    /// KV reservation are free, so a long request is never starved by short ones behind it.
+    /// The waiting sequence to admit next: the first one of the request with the fewest
+    /// sequences running (ties go to the earliest), so requests share the slots.
+    fn next_candidate(&self) -> Option<usize> {
+        let mut best: Option<(usize, usize)> = None;
+        let mut seen: Vec<GroupId> = Vec::new();
+        for (i, w) in self.waiting.iter().enumerate() {
+            if seen.contains(&w.group) {
+                continue;
+            }
+            seen.push(w.group);
+            let running = self.running_per_group.get(&w.group).copied().unwrap_or(0);
+            if best.is_none_or(|(_, r)| running < r) {
+                best = Some((i, running));
+                if running == 0 {
+                    break;
+                }
+            }
+        }
+        best.map(|(i, _)| i)
+    }
+
+    /// The chosen candidate waits until both a running slot and its KV reservation are free,
+    /// so a long request is never starved by short ones behind it.
     fn admit(&mut self) {
         while self.running.len() < self.limits.max_running_requests {
-            let Some(head) = self.waiting.front() else {
+            let Some(i) = self.next_candidate() else {
                 break;
             };
+            let head = &self.waiting[i];
             let needed = reservation(&self.engine, &head.req);
             if !head.events.is_closed()
                 && self.reserved_tokens + needed > self.limits.max_total_tokens
             {
                 break;
             }
-            let Some(w) = self.waiting.pop_front() else {
+            let Some(w) = self.waiting.remove(i) else {
                 break;
             };
             if w.events.is_closed() {
@@ -451,13 +383,16 @@ impl<E: StepEngine> Worker<E> {
                     self.metrics.queue_time(queue_time);
                     let _ = w.events.send(SeqUpdate::Admitted { queue_time });
                     self.reserved_tokens += needed;
+                    *self.running_per_group.entry(w.group).or_default() += 1;
                     self.running.insert(
                         id,
                         Running {
+                            group: w.group,
                             deadline: w.deadline,
                             rid: w.rid,
                             events: w.events,
                             reserved: needed,
+                            _probe_rx: None,
                         },
                     );
                 }
@@ -515,9 +450,14 @@ impl<E: StepEngine> Worker<E> {
                         .send(SeqUpdate::Failed(EngineFailure::Internal(e.to_string())));
                 }
                 self.reserved_tokens = 0;
+                self.running_per_group.clear();
+                // Dropping the probes' senders answers /health with 503.
+                self.probes.clear();
+                self.trimmer.released();
                 return;
             }
         };
+
         let (mut tokens, mut spec_tokens, mut rounds, mut accepted) = (0u64, 0u64, 0u64, 0u64);
         for ev in &events {
             let n = ev.tokens.len() as u64;
@@ -550,6 +490,11 @@ impl<E: StepEngine> Worker<E> {
             outgoing.push((tx, ev));
         }
         self.publish_state();
+        // After the gauges, so a health answer never shows its own probe still running.
+        for probe in self.probes.drain(..) {
+            let _ = probe.send(());
+        }
+        self.steps_tx.send_modify(|n| *n += 1);
         for (tx, ev) in outgoing {
             let (id, finished) = (ev.id, ev.finished.is_some());
             let sent = tx.send(SeqUpdate::Step {

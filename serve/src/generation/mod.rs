@@ -7,6 +7,7 @@
 //! boundary accepts.
 
 pub mod finish;
+pub mod limits;
 pub mod reasoning;
 pub mod run;
 
@@ -46,6 +47,16 @@ pub struct SamplingInput {
 
 /// The rules every endpoint applies to its sampling values.
 pub fn check_sampling(s: &SamplingInput) -> Result<(), ValidationError> {
+    for (field, value) in [
+        ("temperature", s.temperature),
+        ("top_p", s.top_p),
+        ("min_p", s.min_p),
+        ("frequency_penalty", s.frequency_penalty),
+        ("presence_penalty", s.presence_penalty),
+        ("repetition_penalty", s.repetition_penalty),
+    ] {
+        v::check_f32(field, value)?;
+    }
     v::check_temperature("temperature", s.temperature)?;
     v::check_top_p("top_p", s.top_p)?;
     v::check_top_k("top_k", s.top_k)?;

@@ -58,17 +58,39 @@ pub struct Generation {
     last_chunk: Instant,
     queue_time: Option<Duration>,
     reported: bool,
+    /// Ended before its first token (aborted while queued): streams still owe the client one
+    /// chunk carrying the finish reason.
+    final_chunk_pending: bool,
 }
 
 impl Generation {
-    /// Submits `req` to the engine.
-    pub fn start(state: &AppState, req: PreparedRequest) -> Self {
+    /// Submits every request of one HTTP request to the engine together, so they are queued
+    /// or refused as one.
+    pub fn start_all(state: &AppState, reqs: Vec<PreparedRequest>) -> Vec<Self> {
+        let submit: Vec<(String, crate::engine::EngineRequest)> = reqs
+            .iter()
+            .filter(|r| r.max_new_tokens > 0)
+            .map(|r| (r.rid.clone(), r.engine_request()))
+            .collect();
+        let mut rxs = state.engine.submit_all(submit).into_iter();
+        reqs.into_iter()
+            .map(|req| {
+                let rx = if req.max_new_tokens == 0 {
+                    None
+                } else {
+                    rxs.next()
+                };
+                Self::with_receiver(state, req, rx)
+            })
+            .collect()
+    }
+
+    fn with_receiver(
+        state: &AppState,
+        req: PreparedRequest,
+        rx: Option<UnboundedReceiver<SeqUpdate>>,
+    ) -> Self {
         state.metrics.request_received(req.prompt_ids.len());
-        let rx = if req.max_new_tokens == 0 {
-            None
-        } else {
-            Some(state.engine.submit(&req.rid, req.engine_request()))
-        };
         let now = Instant::now();
         let mut g = Self {
             decoder: IncrementalDecoder::new(req.skip_special_tokens),
@@ -88,6 +110,7 @@ impl Generation {
             last_chunk: now,
             queue_time: None,
             reported: false,
+            final_chunk_pending: false,
         };
         if g.rx.is_none() {
             g.set_finish(Finish::Length { length: 0 });
@@ -156,6 +179,13 @@ impl Generation {
                 self.queue_time = Some(queue_time);
                 Ok(())
             }
+            // Aborted (or timed out) while still queued: a normal end with no output and
+            // finish reason `abort`, the same answer a running request gets.
+            Some(SeqUpdate::Failed(f)) if f.is_abort() => {
+                self.abort(&f);
+                self.final_chunk_pending = true;
+                Ok(())
+            }
             Some(SeqUpdate::Failed(f)) => {
                 self.abort(&f);
                 Err(ApiError::Engine(f))
@@ -168,6 +198,12 @@ impl Generation {
 
     /// The next chunk, or `None` once finished.
     pub async fn next_chunk(&mut self) -> Option<Result<Chunk, ApiError>> {
+        if std::mem::take(&mut self.final_chunk_pending) {
+            return Some(Ok(Chunk {
+                finish: self.finish.clone(),
+                ..Chunk::default()
+            }));
+        }
         if self.finish.is_some() {
             return None;
         }
@@ -187,9 +223,7 @@ impl Generation {
                     self.count_spec(accepted_drafts, verify_rounds);
                     return Some(self.absorb(&tokens, finished));
                 }
-                Some(SeqUpdate::Failed(
-                    f @ (EngineFailure::Aborted | EngineFailure::TimedOut { .. }),
-                )) => {
+                Some(SeqUpdate::Failed(f)) if f.is_abort() => {
                     // Ended by /abort_request or the timeout: a normal end with what was
                     // generated so far and finish reason `abort`.
                     let mut chunk = Chunk {

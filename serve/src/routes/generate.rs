@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use tracing::Instrument;
 
 use super::stream::{self, RenderChunk};
-use crate::error::{ApiError, ErrorShape, NativeError};
+use crate::error::{ErrorShape, NativeError};
 use crate::generation::{Chunk, Generation};
 use crate::state::AppState;
 
@@ -24,9 +24,14 @@ pub async fn handle(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, NativeError> {
-    let req: types::GenerateRequest =
-        super::parse_json(&headers, body, state.config.max_request_body_bytes, false)?;
+    let req: types::GenerateRequest = super::parse_json(
+        &headers,
+        body,
+        state.limits.body_bytes,
+        super::BodyKind::Native,
+    )?;
     let valid = validate::validate(&req, state.model.lower.vocab_size)?;
+    validate::check_limits(&valid, &state.limits)?;
     let (batch, streaming) = (valid.batch, valid.stream);
     let span = tracing::info_span!(
         "generate",
@@ -35,9 +40,10 @@ pub async fn handle(
     );
     async move {
         let worker = state.clone();
-        let prepared = tokio::task::spawn_blocking(move || convert::lower_generate(&worker, valid))
-            .await
-            .map_err(|e| ApiError::Internal(format!("tokenizer worker failed: {e}")))??;
+        let prepared = state
+            .tokenizer_pool
+            .run(move || convert::lower_generate(&worker, valid))
+            .await?;
         if let Some(first) = prepared.first() {
             tracing::Span::current().record("request_id", first.rid.as_str());
         }

@@ -1,4 +1,4 @@
-//! Operational routes: health (a real one-token generation, as SGLang probes), readiness, model
+//! Operational routes: health (engine progress, as SGLang probes), readiness, model
 //! and server info (flattened settings plus a non-empty `internal_states` with
 //! `avg_spec_accept_length`, which benchmark tools index without guards), cache flush, metrics.
 
@@ -12,7 +12,6 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::config::{DraftSource, VerifyMode};
-use crate::engine::{EngineRequest, EngineSampling, SeqUpdate};
 use crate::state::AppState;
 
 /// SGLANG_HEALTH_CHECK_TIMEOUT's default.
@@ -20,33 +19,26 @@ const HEALTH_TIMEOUT: Duration = Duration::from_secs(20);
 /// Version reported in /server_info: the SGLang API level this server follows.
 pub const SGLANG_API_VERSION: &str = "0.5.23";
 
+/// `/health` and `/health_generate` as SGLang defines them: healthy when the scheduler makes
+/// progress after the probe arrived. A busy engine proves that with its next completed step; an
+/// idle one runs a one-token probe generation ahead of any queue. Either way the probe never
+/// waits behind user requests, so a loaded server stays healthy.
 pub async fn health(State(state): State<AppState>) -> Response {
     if state.engine.is_shutting_down() {
         return StatusCode::SERVICE_UNAVAILABLE.into_response();
     }
-    let rid = format!("HEALTH_CHECK_{}", crate::generation::new_rid());
-    let mut rx = state.engine.submit(
-        &rid,
-        EngineRequest {
-            prompt: vec![0],
-            max_new_tokens: 1,
-            sampling: EngineSampling::greedy(),
-            stop_token_ids: Vec::new(),
-            ignore_eos: true,
-        },
-    );
-    let probe = async {
-        loop {
-            match rx.recv().await {
-                Some(SeqUpdate::Admitted { .. }) => continue,
-                Some(SeqUpdate::Step { .. }) => return true,
-                Some(SeqUpdate::Failed(_)) | None => return false,
-            }
+    match tokio::time::timeout(HEALTH_TIMEOUT, state.engine.probe()).await {
+        Ok(Ok(())) => StatusCode::OK.into_response(),
+        Ok(Err(e)) => {
+            tracing::warn!("health check failed: {e}");
+            StatusCode::SERVICE_UNAVAILABLE.into_response()
         }
-    };
-    match tokio::time::timeout(HEALTH_TIMEOUT, probe).await {
-        Ok(true) => StatusCode::OK.into_response(),
-        _ => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+        Err(_) => {
+            tracing::warn!(
+                "health check failed: no engine step completed within {HEALTH_TIMEOUT:?}"
+            );
+            StatusCode::SERVICE_UNAVAILABLE.into_response()
+        }
     }
 }
 
@@ -109,6 +101,8 @@ fn server_args(state: &AppState) -> serde_json::Map<String, Value> {
         "max_running_requests": c.max_running_requests,
         "max_total_tokens": c.max_total_tokens,
         "max_queued_requests": c.max_queued_requests,
+        "max_sequences_per_request": c.max_sequences_per_request,
+        "max_request_body_bytes": state.limits.body_bytes,
         "tp_size": 1, "dp_size": 1, "pp_size": 1,
         "kv_cache_dtype": "auto",
         "enable_metrics": c.enable_metrics,

@@ -2,6 +2,7 @@
 //! beside it), the router, and API-key auth. Handlers never see a tensor: they lower requests to
 //! `PreparedRequest` and talk to the engine thread through `Generation`.
 
+pub mod body;
 pub mod generate;
 pub mod info;
 pub mod openai;
@@ -24,7 +25,7 @@ use crate::error::{ApiError, ErrorShape};
 use crate::state::AppState;
 
 pub fn router(state: AppState) -> Router {
-    let limit = state.config.max_request_body_bytes;
+    let limit = state.limits.body_bytes;
     Router::new()
         .route("/generate", post(generate::handle).put(generate::handle))
         .route(
@@ -61,6 +62,7 @@ pub fn router(state: AppState) -> Router {
             get(tools::profile_unavailable).post(tools::profile_unavailable),
         )
         .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn_with_state(state.clone(), body::guard))
         .layer(DefaultBodyLimit::max(limit))
         .layer(CorsLayer::permissive())
         .with_state(state)
@@ -104,22 +106,49 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Reads a JSON body: content type (when `require_json`), size limit, then serde with the path of
-/// the offending field in the message.
+/// Which request content types a JSON route takes. Absent is fine everywhere but the OpenAI
+/// routes (SGLang's FastAPI answers those 400); `application/x-www-form-urlencoded` is what
+/// `curl -d` sends, so the native routes take it as SGLang's docs' curl lines rely on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyKind {
+    /// `/v1/*`: `application/json` (or `application/*+json`) required.
+    OpenAi,
+    /// `/generate` and the utility routes.
+    Native,
+}
+
+fn content_type_ok(headers: &HeaderMap, kind: BodyKind) -> bool {
+    let Some(value) = headers.get(header::CONTENT_TYPE) else {
+        return kind == BodyKind::Native;
+    };
+    let Ok(value) = value.to_str() else {
+        return false;
+    };
+    let essence = value
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    match essence.split_once('/') {
+        Some(("application", "json")) => true,
+        Some(("application", sub)) if sub.ends_with("+json") => true,
+        Some(("application", "x-www-form-urlencoded")) => kind == BodyKind::Native,
+        _ => false,
+    }
+}
+
+/// Reads a JSON body (already bounded and buffered by `body::guard`): content type, UTF-8, then
+/// serde with the path of the offending field in the message; anything after the JSON value
+/// but whitespace is refused.
 pub fn parse_json<T: DeserializeOwned>(
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
     limit: usize,
-    require_json: bool,
+    kind: BodyKind,
 ) -> Result<T, ApiError> {
-    if require_json {
-        let ct = headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("");
-        if !ct.to_ascii_lowercase().starts_with("application/json") {
-            return Err(ApiError::MediaType);
-        }
+    if !content_type_ok(headers, kind) {
+        return Err(ApiError::MediaType);
     }
     let body = body.map_err(|e| match e {
         BytesRejection::FailedToBufferBody(_) => ApiError::PayloadTooLarge { limit },
@@ -131,8 +160,8 @@ pub fn parse_json<T: DeserializeOwned>(
             e.valid_up_to()
         )));
     }
-    let de = &mut serde_json::Deserializer::from_slice(&body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let mut de = serde_json::Deserializer::from_slice(&body);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         let malformed = matches!(
@@ -148,5 +177,11 @@ pub fn parse_json<T: DeserializeOwned>(
         } else {
             ApiError::BadJson(format!("Invalid request: `{path}`: {inner}"))
         }
-    })
+    })?;
+    de.end().map_err(|e| {
+        ApiError::BadJson(format!(
+            "Invalid JSON body (send exactly one JSON value): {e}"
+        ))
+    })?;
+    Ok(value)
 }

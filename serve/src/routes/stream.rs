@@ -125,10 +125,7 @@ pub async fn start_all(
     state: &crate::state::AppState,
     prepared: Vec<crate::generation::PreparedRequest>,
 ) -> Result<Vec<Generation>, ApiError> {
-    let mut gens: Vec<Generation> = prepared
-        .into_iter()
-        .map(|p| Generation::start(state, p))
-        .collect();
+    let mut gens = Generation::start_all(state, prepared);
     for g in gens.iter_mut() {
         g.admitted().await?;
     }

@@ -36,21 +36,30 @@ pub async fn tokenize(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, OpenAiError> {
-    let req: TokenizeRequest =
-        super::parse_json(&headers, body, state.config.max_request_body_bytes, false)?;
+    let req: TokenizeRequest = super::parse_json(
+        &headers,
+        body,
+        state.limits.body_bytes,
+        super::BodyKind::Native,
+    )?;
     let tokenizer = state.model.tokenizer.clone();
     let batch = matches!(req.prompt, OneOrMany::Many(_));
     let prompts = req.prompt.to_vec();
     let add = req.add_special_tokens;
-    let ids = tokio::task::spawn_blocking(move || {
-        prompts
-            .iter()
-            .map(|p| tokenizer.encode(p, add))
-            .collect::<Result<Vec<_>, _>>()
-    })
-    .await
-    .map_err(|e| ApiError::Internal(format!("tokenizer worker failed: {e}")))?
-    .map_err(ApiError::from)?;
+    // Tokenizing costs many times the text's size in memory; a text that cannot fit the
+    // context is refused from its length instead.
+    for p in &prompts {
+        state.limits.prompt.check_bytes(p.len())?;
+    }
+    let ids = state
+        .tokenizer_pool
+        .run(move || {
+            prompts
+                .iter()
+                .map(|p| tokenizer.encode(p, add).map_err(ApiError::from))
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await?;
     let max_model_len = state.model.lower.context_length;
     Ok(Json(if batch {
         let counts: Vec<usize> = ids.iter().map(Vec::len).collect();
@@ -82,8 +91,12 @@ pub async fn detokenize(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, OpenAiError> {
-    let req: DetokenizeRequest =
-        super::parse_json(&headers, body, state.config.max_request_body_bytes, false)?;
+    let req: DetokenizeRequest = super::parse_json(
+        &headers,
+        body,
+        state.limits.body_bytes,
+        super::BodyKind::Native,
+    )?;
     let vocab = state.model.lower.vocab_size;
     let (lists, batch) = match req.tokens {
         TokenLists::One(t) => (vec![t], false),
@@ -94,15 +107,15 @@ pub async fn detokenize(
         .map(|l| crate::validation::check_token_ids("tokens", l, vocab))
         .collect::<Result<Vec<_>, ValidationError>>()?;
     let tokenizer = state.model.tokenizer.clone();
-    let texts = tokio::task::spawn_blocking(move || {
-        lists
-            .iter()
-            .map(|ids| tokenizer.decode(ids, true))
-            .collect::<Result<Vec<_>, _>>()
-    })
-    .await
-    .map_err(|e| ApiError::Internal(format!("tokenizer worker failed: {e}")))?
-    .map_err(ApiError::from)?;
+    let texts = state
+        .tokenizer_pool
+        .run(move || {
+            lists
+                .iter()
+                .map(|ids| tokenizer.decode(ids, true).map_err(ApiError::from))
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await?;
     Ok(Json(if batch {
         json!({"text": texts})
     } else {
@@ -125,8 +138,12 @@ pub async fn abort_request(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<StatusCode, NativeError> {
-    let req: AbortRequest =
-        super::parse_json(&headers, body, state.config.max_request_body_bytes, false)?;
+    let req: AbortRequest = super::parse_json(
+        &headers,
+        body,
+        state.limits.body_bytes,
+        super::BodyKind::Native,
+    )?;
     if req.abort_all {
         state.engine.abort(None);
     } else if !req.rid.is_empty() {
@@ -148,8 +165,12 @@ pub async fn separate_reasoning(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, NativeError> {
-    let req: SeparateReasoningRequest =
-        super::parse_json(&headers, body, state.config.max_request_body_bytes, false)?;
+    let req: SeparateReasoningRequest = super::parse_json(
+        &headers,
+        body,
+        state.limits.body_bytes,
+        super::BodyKind::Native,
+    )?;
     let kind = match req.reasoning_parser.as_deref() {
         Some(name) => ReasoningParserKind::parse(name).ok_or_else(|| {
             ApiError::BadJson(format!(

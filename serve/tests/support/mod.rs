@@ -5,6 +5,7 @@
 
 pub mod binary;
 pub mod hybrid;
+pub mod raw;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -18,7 +18,12 @@ pub fn lower_generate(
     for p in valid.prompts {
         let ids = match p.prompt {
             PromptInput::Ids(ids) => ids,
-            PromptInput::Text(text) => state.model.tokenizer.encode(&text, true)?,
+            PromptInput::Text(text) => {
+                state
+                    .limits
+                    .prompt
+                    .encode(&state.model.tokenizer, &text, true)?
+            }
         };
         let rid = p.rid.unwrap_or_else(new_rid);
         let prepared = lower(

@@ -152,6 +152,22 @@ pub fn validate(
     })
 }
 
+/// Limits checked before any tokenization: the request's sequences (prompts x n) against
+/// `--max-sequences-per-request`, and each text prompt's bytes against what the context holds.
+pub fn check_limits(
+    valid: &ValidGenerate,
+    limits: &crate::state::RequestLimits,
+) -> Result<(), ValidationError> {
+    let sequences = valid.prompts.iter().map(|p| p.n).sum();
+    v::check_sequences(sequences, limits.max_sequences)?;
+    for p in &valid.prompts {
+        if let PromptInput::Text(text) = &p.prompt {
+            limits.prompt.check_bytes(text.len())?;
+        }
+    }
+    Ok(())
+}
+
 /// A per-prompt list: one entry for every prompt, or one shared by all.
 fn per_prompt<T: Clone>(
     field: &'static str,

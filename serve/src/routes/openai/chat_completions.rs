@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use tracing::Instrument;
 
 use super::{counts_of, spec_tokens_details, usage, usage_chunk};
-use crate::error::{ApiError, ErrorShape, OpenAiError};
+use crate::error::{ErrorShape, OpenAiError};
 use crate::generation::reasoning::split_whole;
 use crate::generation::{new_rid, Chunk, Generation};
 use crate::routes::stream::{self, RenderChunk};
@@ -31,18 +31,23 @@ pub async fn handle(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, OpenAiError> {
-    let req: types::ChatRequest =
-        crate::routes::parse_json(&headers, body, state.config.max_request_body_bytes, true)?;
+    let req: types::ChatRequest = crate::routes::parse_json(
+        &headers,
+        body,
+        state.limits.body_bytes,
+        crate::routes::BodyKind::OpenAi,
+    )?;
     let valid = validate::validate(&req)?;
+    validate::check_limits(&req, &valid, &state.limits)?;
     super::check_model(&state, req.common.model.as_deref())?;
     let rid = req.common.rid.clone().unwrap_or_else(new_rid);
     let span = tracing::info_span!("chat_completions", request_id = %rid, model = %state.config.served_model_name);
     async move {
         let (worker, req2, rid2) = (state.clone(), req.clone(), rid.clone());
-        let prepared =
-            tokio::task::spawn_blocking(move || convert::lower_chat(&worker, &req2, valid, &rid2))
-                .await
-                .map_err(|e| ApiError::Internal(format!("tokenizer worker failed: {e}")))??;
+        let prepared = state
+            .tokenizer_pool
+            .run(move || convert::lower_chat(&worker, &req2, valid, &rid2))
+            .await?;
         let mut gens = stream::start_all(&state, prepared).await?;
         let reasoning = state.config.reasoning_parser.filter(|kind| {
             kind.applies(

@@ -45,7 +45,10 @@ pub fn lower_chat(
         add_generation_prompt: true,
         kwargs: Some(&kwargs),
     })?;
-    let ids = state.model.tokenizer.encode(&prompt, false)?;
+    let ids = state
+        .limits
+        .prompt
+        .encode(&state.model.tokenizer, &prompt, false)?;
     let (max, field) = req.max();
     let sampling = req.common.sampling(max, field);
     let prepared = lower(

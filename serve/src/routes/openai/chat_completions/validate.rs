@@ -40,6 +40,24 @@ fn flatten_content(index: usize, content: &Value) -> Result<Value, ValidationErr
     }
 }
 
+/// Limits checked before the template is rendered: `n` against
+/// `--max-sequences-per-request`, and the messages' text bytes (summed) against what the
+/// context holds, so an 8 MiB message is refused without rendering or tokenizing it.
+pub fn check_limits(
+    req: &ChatRequest,
+    valid: &ValidChat,
+    limits: &crate::state::RequestLimits,
+) -> Result<(), ValidationError> {
+    v::check_sequences(req.common.n(), limits.max_sequences)?;
+    let bytes: usize = valid
+        .messages
+        .iter()
+        .filter_map(|m| m.get("content").and_then(Value::as_str))
+        .map(str::len)
+        .sum();
+    limits.prompt.check_bytes(bytes)
+}
+
 pub fn validate(req: &ChatRequest) -> Result<ValidChat, ValidationError> {
     if req.messages.is_empty() {
         return Err(ValidationError::EmptyMessages);

@@ -21,7 +21,10 @@ pub fn lower_completion(
     for (i, p) in prompts.into_iter().enumerate() {
         let ids = match p {
             PromptInput::Ids(ids) => ids,
-            PromptInput::Text(t) => state.model.tokenizer.encode(&t, true)?,
+            PromptInput::Text(t) => state
+                .limits
+                .prompt
+                .encode(&state.model.tokenizer, &t, true)?,
         };
         let prepared = lower(
             format!("{rid}-{i}"),

@@ -4,6 +4,21 @@ use super::types::{CompletionRequest, PromptField};
 use crate::routes::generate::validate::PromptInput;
 use crate::validation::{self as v, ValidationError};
 
+/// Limits checked before any tokenization (see `generate::validate::check_limits`).
+pub fn check_limits(
+    prompts: &[PromptInput],
+    n: usize,
+    limits: &crate::state::RequestLimits,
+) -> Result<(), ValidationError> {
+    v::check_sequences(prompts.len().saturating_mul(n), limits.max_sequences)?;
+    for p in prompts {
+        if let PromptInput::Text(text) = p {
+            limits.prompt.check_bytes(text.len())?;
+        }
+    }
+    Ok(())
+}
+
 pub fn validate(
     req: &CompletionRequest,
     vocab_size: usize,
