@@ -268,7 +268,7 @@ fn eval_every_logs_chain_and_ddtree_tau_equal_to_offline_eval_of_the_saved_draft
             "--init-drafter",
             demo_drafter.to_str().unwrap(),
             "--lr",
-            "3e-4",
+            "2e-3",
             "--max-steps",
             "4",
             "--eval-every",
@@ -300,7 +300,8 @@ fn eval_every_logs_chain_and_ddtree_tau_equal_to_offline_eval_of_the_saved_draft
         // The bundled drafter accepts drafts on these prompts (chain tau 1.37 on the coding set).
         assert!(tau(e, "tau_ddtree8") > 1.1, "{e}");
     }
-    // Steps 2 and 4 evaluate different weights (measured: DDTree-8 1.319 -> 1.348).
+    // Steps 2 and 4 evaluate different weights (at the demo drafter's own lr; at 3e-4 the
+    // CPU-trained demo drafter's tau did not move in two steps).
     assert_ne!(
         evals[0]["tau_ddtree8"], evals[1]["tau_ddtree8"],
         "{evals:?}"
