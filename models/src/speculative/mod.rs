@@ -18,6 +18,40 @@ pub mod spare;
 pub mod stats;
 pub mod tree;
 
+/// A tiny random Qwen3 target (2 layers, hidden 32, vocab 64) for the engine's unit tests.
+#[cfg(test)]
+pub(crate) fn tiny_test_target(max_positions: usize, seed: u64) -> crate::Qwen3Model {
+    use dflash_common::{LayerType, Qwen3Config, RopeScaling};
+    let cfg = Qwen3Config {
+        vocab_size: 64,
+        hidden_size: 32,
+        intermediate_size: 64,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 8,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::Default,
+        max_position_embeddings: max_positions,
+        tie_word_embeddings: true,
+        eos_token_ids: vec![],
+        bos_token_id: None,
+        layer_types: vec![LayerType::FullAttention; 2],
+        sliding_window: None,
+    };
+    let cpu = candle_core::Device::Cpu;
+    crate::Qwen3Model::random(
+        cfg,
+        seed,
+        candle_core::DType::F32,
+        &cpu,
+        max_positions,
+        crate::OpsMode::Fused,
+    )
+    .expect("random tiny target")
+}
+
 pub use engine::{
     Algorithm, Engine, EngineConfig, EngineError, FinishReason, GenerationRequest, SeqEvent,
 };

@@ -163,7 +163,12 @@ impl RealEngine {
                 engine.simulate_acceptance(SimulatedAcceptance::new(len - 1.0, 0));
             }
         }
-        let chunk = chunked_prefill(&device, config)?;
+        let memory =
+            dflash_models::probe::device_memory(&device).map_err(|e| LoadError::Device {
+                device: format!("{device:?}"),
+                message: e.to_string(),
+            })?;
+        let chunk = chunked_prefill(memory, config);
         tracing::info!(
             "chunked prefill: {}",
             chunk.map_or("off (prompts prefilled whole)".to_string(), |c| format!(
@@ -171,7 +176,7 @@ impl RealEngine {
             ))
         );
         engine.set_chunked_prefill(chunk);
-        let pool_tokens = kv_pool(&device, &engine, config, fixed_bytes)?;
+        let pool_tokens = kv_pool(&device, memory, &engine, config, fixed_bytes)?;
         Ok(Self {
             engine,
             algorithm,
@@ -182,17 +187,13 @@ impl RealEngine {
 
 /// `--chunked-prefill-size`, or SGLang's default for the device: its rule for the GPU's
 /// memory (8192 tokens on an H200), its 4096-token fallback elsewhere.
-fn chunked_prefill(device: &Device, config: &ServeConfig) -> Result<Option<usize>, LoadError> {
+fn chunked_prefill(memory: Option<(usize, usize)>, config: &ServeConfig) -> Option<usize> {
     if let Some(given) = config.chunked_prefill_size {
-        return Ok(given);
+        return given;
     }
-    let memory = dflash_models::probe::device_memory(device).map_err(|e| LoadError::Device {
-        device: format!("{device:?}"),
-        message: e.to_string(),
-    })?;
-    Ok(Some(memory.map_or(4096, |(_, total)| {
+    Some(memory.map_or(4096, |(_, total)| {
         memory::default_prefill_and_graph_sizes(total as f64 / (1u64 << 20) as f64).0
-    })))
+    }))
 }
 
 /// On CUDA, the K/V pool in tokens that `--mem-fraction-static` of the GPU leaves once the
@@ -201,14 +202,11 @@ fn chunked_prefill(device: &Device, config: &ServeConfig) -> Result<Option<usize
 /// `ServeConfig::total_tokens` there).
 fn kv_pool(
     device: &Device,
+    memory: Option<(usize, usize)>,
     engine: &Engine,
     config: &ServeConfig,
     fixed_bytes: usize,
 ) -> Result<Option<usize>, LoadError> {
-    let memory = dflash_models::probe::device_memory(device).map_err(|e| LoadError::Device {
-        device: format!("{device:?}"),
-        message: e.to_string(),
-    })?;
     let Some((free, total)) = memory else {
         return Ok(None);
     };

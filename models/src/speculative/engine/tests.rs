@@ -1,44 +1,11 @@
 //! The engine sizes each sequence's caches by its request (rounded up), not by the context.
 
-use candle_core::{DType, Device};
-use dflash_common::{LayerType, Qwen3Config, RopeScaling};
-
 use super::*;
 use crate::speculative::sampling::SamplingParams;
 
-fn tiny_target(max_positions: usize) -> crate::Qwen3Model {
-    let cfg = Qwen3Config {
-        vocab_size: 64,
-        hidden_size: 32,
-        intermediate_size: 64,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
-        rope_scaling: RopeScaling::Default,
-        max_position_embeddings: max_positions,
-        tie_word_embeddings: true,
-        eos_token_ids: vec![],
-        bos_token_id: None,
-        layer_types: vec![LayerType::FullAttention; 2],
-        sliding_window: None,
-    };
-    crate::Qwen3Model::random(
-        cfg,
-        3,
-        DType::F32,
-        &Device::Cpu,
-        max_positions,
-        crate::OpsMode::Fused,
-    )
-    .expect("random target")
-}
-
 fn engine(max_context: usize) -> Engine {
     Engine::new(
-        tiny_target(max_context + 64),
+        crate::speculative::tiny_test_target(max_context + 64, 3),
         None,
         EngineConfig {
             max_context,

@@ -86,29 +86,7 @@ fn simulated_walk_follows_the_best_ranked_path_of_a_tree() {
 }
 
 fn tiny_engine(depth: usize) -> crate::speculative::Engine {
-    use candle_core::{DType, Device};
-    use dflash_common::{LayerType, Qwen3Config, RopeScaling};
-    let cfg = Qwen3Config {
-        vocab_size: 64,
-        hidden_size: 32,
-        intermediate_size: 64,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
-        rope_scaling: RopeScaling::Default,
-        max_position_embeddings: 256,
-        tie_word_embeddings: true,
-        eos_token_ids: vec![],
-        bos_token_id: None,
-        layer_types: vec![LayerType::FullAttention; 2],
-        sliding_window: None,
-    };
-    let target =
-        crate::Qwen3Model::random(cfg, 1, DType::F32, &Device::Cpu, 256, crate::OpsMode::Fused)
-            .unwrap();
+    let target = crate::speculative::tiny_test_target(256, 1);
     struct Drafts(usize);
     impl Proposer for Drafts {
         fn max_depth(&self) -> usize {
