@@ -14,6 +14,12 @@ pub enum ModelError {
         requested: usize,
         capacity: usize,
     },
+    #[error("the K/V pool has {free} free pages of {total}, {pages} needed")]
+    PoolExhausted {
+        pages: usize,
+        free: usize,
+        total: usize,
+    },
     #[error("position {position} is beyond the rotary table ({max} positions); raise the context length")]
     PositionOutOfRange { position: usize, max: usize },
     #[error("bad cache operation: {0}")]

@@ -191,6 +191,25 @@ impl Target {
         }
     }
 
+    /// A shared K/V pool of `pages` pages ([`crate::cache::KvPool`]).
+    pub fn new_kv_pool(&self, pages: usize) -> ModelResult<crate::cache::KvPool> {
+        both!(self, m => m.new_kv_pool(pages))
+    }
+
+    /// [`Target::new_cache`] with the attention rows in pages of `pool`; fails, taking
+    /// nothing, when too few pages are free.
+    pub fn new_cache_in(
+        &self,
+        pool: &crate::cache::KvPool,
+        capacity: usize,
+        rollback: usize,
+    ) -> ModelResult<SequenceCache> {
+        match self {
+            Target::Qwen3(m) => m.new_cache_in(pool, capacity),
+            Target::Hybrid(m) => m.new_cache_in(pool, capacity, rollback),
+        }
+    }
+
     /// The Qwen3 model, for callers that only support that family.
     pub fn as_qwen3(&self) -> Option<&Qwen3Model> {
         match self {

@@ -154,3 +154,41 @@ fn running_sequences_decode_every_step_while_a_long_prompt_is_prefilled() {
     assert_eq!(long_tokens, alone[..long_tokens.len()].to_vec());
     assert!(long_tokens.len() >= 4);
 }
+
+/// `Engine::set_prefill_while_decoding` (the server's `--prefill-tokens-while-decoding`): with
+/// a sequence decoding, a long prompt is prefilled at most that many tokens per step, though
+/// the chunk size would allow it whole; alone (nothing decoding) it takes the whole chunk.
+#[test]
+fn a_prompt_arriving_while_others_decode_is_prefilled_in_the_smaller_budget() {
+    let t = target();
+    let cases = greedy_cases("tiny-coder-demo");
+    let long: Vec<u32> = cases
+        .iter()
+        .flat_map(|c| c.input_ids.clone())
+        .take(100)
+        .collect();
+    let alone = Engine::new(t.clone(), None, config())
+        .generate(request(&long, 8, Algorithm::Plain))
+        .unwrap()
+        .0;
+    let mut e = Engine::new(t.clone(), None, config());
+    e.set_chunked_prefill(Some(4096));
+    e.set_prefill_while_decoding(Some(30));
+    // Nothing decodes yet: the whole 100-token prompt is prefilled in the first step.
+    let first = e.add(request(&long, 40, Algorithm::Plain)).unwrap();
+    assert!(e.step().unwrap().iter().any(|ev| ev.id == first));
+    let second = e.add(request(&long, 8, Algorithm::Plain)).unwrap();
+    let mut tokens = Vec::new();
+    let mut first_step = None;
+    for step in 1..=8 {
+        let events = e.step().unwrap();
+        assert!(events.iter().any(|ev| ev.id == first && !ev.tokens.is_empty()));
+        for ev in events.iter().filter(|ev| ev.id == second) {
+            first_step.get_or_insert(step);
+            tokens.extend(&ev.tokens);
+        }
+    }
+    // 100 tokens at 30 per step: the 4th step completes the prompt.
+    assert_eq!(first_step, Some(4));
+    assert_eq!(tokens, alone[..tokens.len()].to_vec());
+}

@@ -90,9 +90,9 @@ fn check_against_recompute(m: &Qwen35Model, tokens: &[u32], cache: &SequenceCach
                     "{what}: layer {li} state after {n} tokens differs from recomputation (conv {d_conv}, ssm {d_ssm})"
                 );
             }
-            (LayerCache::Attention(a), LayerCache::Attention(b)) => {
-                let (ka, va) = a.view(n).unwrap();
-                let (kb, vb) = b.view(n).unwrap();
+            (LayerCache::Attention(_), LayerCache::Attention(_)) => {
+                let (ka, va) = cache.view_kv(li, n).unwrap();
+                let (kb, vb) = fresh.view_kv(li, n).unwrap();
                 let d = max_abs_diff(&ka, &kb).max(max_abs_diff(&va, &vb));
                 assert!(d < 1e-4, "{what}: layer {li} K/V differ by {d}");
             }
@@ -155,7 +155,7 @@ fn chain_and_ddtree_greedy_on_a_hybrid_target_match_plain_with_recomputed_states
             ),
         ];
         for (name, proposer, algorithm) in runs {
-            let mut e = Engine::new(m.clone(), Some(proposer), config());
+            let mut e = pooled(Engine::new(m.clone(), Some(proposer), config()));
             let what = format!("prompt {p}, {name}");
             let got = generate_checked(&mut e, &m, request(prompt, algorithm, 40), &what);
             assert_eq!(
@@ -179,7 +179,7 @@ fn a_batch_mixing_algorithms_on_a_hybrid_target_matches_plain() {
                 .0
         })
         .collect();
-    let mut e = Engine::new(m.clone(), Some(noisy(&m, 3)), config());
+    let mut e = pooled(Engine::new(m.clone(), Some(noisy(&m, 3)), config()));
     let algos = [
         Algorithm::Chain,
         Algorithm::DDTree { budget: 16 },
@@ -303,11 +303,11 @@ fn dflash_drafter_tapping_recurrent_layers_keeps_hybrid_greedy_output() {
             .0;
         for algorithm in [Algorithm::Chain, Algorithm::DDTree { budget: 16 }] {
             let drafter = DFlashDrafter::random(cfg.clone(), &m, 9, OpsMode::Fused).unwrap();
-            let mut e = Engine::new(
+            let mut e = pooled(Engine::new(
                 m.clone(),
                 Some(Box::new(DFlashProposer::new(drafter))),
                 config(),
-            );
+            ));
             let what = format!("prompt {p}, dflash {algorithm:?}");
             let got = generate_checked(&mut e, &m, request(prompt, algorithm, 24), &what);
             assert_eq!(got, want, "{what}");
@@ -342,7 +342,7 @@ fn mtp_head_chain_and_tree_on_a_hybrid_target_match_plain() {
             )
             .unwrap();
             let proposer = MtpProposer::new(m.clone(), head, 3);
-            let mut e = Engine::new(m.clone(), Some(Box::new(proposer)), config());
+            let mut e = pooled(Engine::new(m.clone(), Some(Box::new(proposer)), config()));
             let what = format!("prompt {p}, mtp {algorithm:?}");
             let id = e.add(request(prompt, algorithm, 24)).unwrap();
             let mut got = Vec::new();
@@ -510,7 +510,7 @@ fn chain_and_ddtree_greedy_on_a_moe_hybrid_target_match_plain() {
         ),
     ];
     for (name, proposer, algorithm) in runs {
-        let mut e = Engine::new(m.clone(), Some(proposer), config());
+        let mut e = pooled(Engine::new(m.clone(), Some(proposer), config()));
         let what = format!("moe {name}");
         let got = generate_checked(&mut e, &m, request(prompt, algorithm, 24), &what);
         assert_eq!(
@@ -518,4 +518,11 @@ fn chain_and_ddtree_greedy_on_a_moe_hybrid_target_match_plain() {
             "{what}: speculative output differs from plain greedy"
         );
     }
+}
+
+/// The speculative engines run on a paged K/V pool (the plain references in caches of their
+/// own), so every comparison also checks K/V read and compacted through page tables.
+fn pooled(mut e: Engine) -> Engine {
+    e.use_kv_pool(16 * 160).expect("K/V pool");
+    e
 }

@@ -65,7 +65,11 @@ fn engine_config() -> EngineConfig {
 }
 
 fn engine(t: &Qwen3Model, which: Which) -> Engine {
-    Engine::new(t.clone(), Some(proposer(t, which)), engine_config())
+    pooled(Engine::new(
+        t.clone(),
+        Some(proposer(t, which)),
+        engine_config(),
+    ))
 }
 
 fn request(prompt: &[u32], n: usize, algorithm: Algorithm) -> GenerationRequest {
@@ -144,9 +148,10 @@ fn check_alone(which: Which, algs: &[Algorithm]) {
         }
     }
     assert_eq!(e.num_active(), 0);
-    // Every request after the first ran on a finished one's cache (stale rows past its
-    // length), and still matched plain greedy.
-    assert!(e.spare_caches() >= 1, "finished caches are kept for reuse");
+    // Every request after the first ran on pages a finished one left (stale rows past its
+    // length), and still matched plain greedy; all of them are back in the pool.
+    assert!(e.kv_pool_tokens().is_some());
+    assert_eq!(e.kv_pool_free_tokens(), e.kv_pool_tokens(), "pages returned");
 }
 
 // One test per proposer (and the costly DDTree-256 of the random drafter on its own), so the
@@ -255,4 +260,11 @@ fn noisy_oracle_chain_and_ddtree_64_match_plain_greedy_and_the_tree_accepts_more
         tree > chain + 0.5,
         "DDTree tau {tree} should exceed chain tau {chain}"
     );
+}
+
+/// The speculative engines run on a paged K/V pool (the plain references in caches of their
+/// own), so every comparison also checks K/V read and compacted through page tables.
+fn pooled(mut e: Engine) -> Engine {
+    e.use_kv_pool(8 * 512).expect("K/V pool");
+    e
 }

@@ -9,8 +9,11 @@
 //! the recurrent (Gated DeltaNet) layers of the hybrid targets keep a state per rollback-able
 //! row ([`super::recurrent`]), with the same truncate/compact contract.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Result, Tensor};
 
+use crate::cache::pool::{pages_for, KvPool, PageTable};
 use crate::cache::recurrent::{RecurrentLayer, RowTracker, StagedState};
 use crate::error::{ModelError, ModelResult};
 
@@ -36,36 +39,65 @@ impl KvBuffer {
         })
     }
 
-    /// Writes `k`, `v` (`[num_kv_heads, n, head_dim]`) at rows `[at, at + n)`.
-    pub fn write(&self, at: usize, k: &Tensor, v: &Tensor) -> Result<()> {
-        self.k.slice_set(&k.contiguous()?, 1, at)?;
-        self.v.slice_set(&v.contiguous()?, 1, at)
+    /// Writes `k`, `v` (`[num_kv_heads, n, head_dim]`) at logical rows `[at, at + n)` of the
+    /// sequence whose rows `table` places.
+    fn write(&self, table: &PageTable, at: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        let (k, v) = (k.contiguous()?, v.contiguous()?);
+        for (logical, physical, n) in table.runs(at, k.dim(1)?) {
+            let (kr, vr) = if n == k.dim(1)? {
+                (k.clone(), v.clone())
+            } else {
+                (
+                    k.narrow(1, logical - at, n)?.contiguous()?,
+                    v.narrow(1, logical - at, n)?.contiguous()?,
+                )
+            };
+            self.k.slice_set(&kr, 1, physical)?;
+            self.v.slice_set(&vr, 1, physical)?;
+        }
+        Ok(())
     }
 
-    /// The whole preallocated K and V buffers `[num_kv_heads, capacity, head_dim]` (the fused
-    /// kernels write and read rows in place).
+    /// The whole K and V buffers `[num_kv_heads, rows, head_dim]` (a pool's: every
+    /// sequence's pages; the fused kernels write and read rows in place through page tables).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn buffers(&self) -> (&Tensor, &Tensor) {
         (&self.k, &self.v)
     }
 
-    /// Views of rows `[0, len)`: `[num_kv_heads, len, head_dim]`.
-    pub fn view(&self, len: usize) -> Result<(Tensor, Tensor)> {
-        Ok((self.k.narrow(1, 0, len)?, self.v.narrow(1, 0, len)?))
+    /// Logical rows `[0, len)`: `[num_kv_heads, len, head_dim]` (a view when they are
+    /// consecutive in the buffer, else a gathered copy).
+    fn view(&self, table: &PageTable, len: usize) -> Result<(Tensor, Tensor)> {
+        let runs = table.runs(0, len);
+        match runs.as_slice() {
+            [] => Ok((self.k.narrow(1, 0, 0)?, self.v.narrow(1, 0, 0)?)),
+            [(_, p, n)] => Ok((self.k.narrow(1, *p, *n)?, self.v.narrow(1, *p, *n)?)),
+            many => {
+                let ks: Vec<Tensor> = many
+                    .iter()
+                    .map(|&(_, p, n)| self.k.narrow(1, p, n))
+                    .collect::<Result<_>>()?;
+                let vs: Vec<Tensor> = many
+                    .iter()
+                    .map(|&(_, p, n)| self.v.narrow(1, p, n))
+                    .collect::<Result<_>>()?;
+                Ok((Tensor::cat(&ks, 1)?, Tensor::cat(&vs, 1)?))
+            }
+        }
     }
 
-    /// Moves rows `keep` (absolute, ascending, all `>= start`) to `[start, start + keep.len())`.
-    fn compact(&self, start: usize, keep: &[usize]) -> Result<()> {
+    /// Moves logical rows `keep` (ascending, all `>= start`) to `[start, start + keep.len())`.
+    fn compact(&self, table: &PageTable, start: usize, keep: &[usize]) -> Result<()> {
         let contiguous = keep.iter().enumerate().all(|(i, &r)| r == start + i);
         if contiguous || keep.is_empty() {
             return Ok(());
         }
-        let idx: Vec<u32> = keep.iter().map(|&r| r as u32).collect();
+        let idx: Vec<u32> = keep.iter().map(|&r| table.physical(r) as u32).collect();
         let idx = Tensor::new(idx.as_slice(), self.k.device())?;
-        // index_select materialises the rows before slice_set overwrites any of them.
+        // index_select materialises the rows before any of them is overwritten.
         let k = self.k.index_select(&idx, 1)?;
         let v = self.v.index_select(&idx, 1)?;
-        self.write(start, &k, &v)
+        self.write(table, start, &k, &v)
     }
 }
 
@@ -102,6 +134,8 @@ pub struct SequenceCache {
     layers: Vec<LayerCache>,
     len: usize,
     capacity: usize,
+    /// Where the attention layers' rows live (shared by every layer).
+    table: Arc<PageTable>,
     /// Hybrid caches only: which rows the recurrent layers can still roll back.
     rows: Option<RowTracker>,
 }
@@ -125,8 +159,81 @@ impl SequenceCache {
             layers,
             len: 0,
             capacity,
+            table: Arc::new(PageTable::contiguous()),
             rows: None,
         })
+    }
+
+    /// A cache of `capacity` rows in pages of `pool`: `kinds[i]` is layer i's cache, `None`
+    /// for an attention layer (the next of the pool's layers), a recurrent layer otherwise.
+    /// `rollback` as [`SequenceCache::new_hybrid`] (ignored without recurrent layers). Fails,
+    /// taking nothing, when the pool has too few free pages.
+    pub fn new_paged(
+        pool: &KvPool,
+        kinds: Vec<Option<RecurrentLayer>>,
+        capacity: usize,
+        rollback: usize,
+    ) -> ModelResult<Self> {
+        let attention = kinds.iter().filter(|k| k.is_none()).count();
+        if attention != pool.num_layers() {
+            return Err(ModelError::BadInput(format!(
+                "a paged cache with {attention} attention layers from a pool of {}",
+                pool.num_layers()
+            )));
+        }
+        let table = pool.allocate(pages_for(capacity))?;
+        let mut next = 0;
+        let mut hybrid = false;
+        let layers = kinds
+            .into_iter()
+            .map(|k| match k {
+                Some(r) => {
+                    hybrid = true;
+                    LayerCache::Recurrent(r)
+                }
+                None => {
+                    next += 1;
+                    LayerCache::Attention(pool.layer(next - 1).expect("counted above").clone())
+                }
+            })
+            .collect();
+        Ok(Self {
+            layers,
+            len: 0,
+            capacity,
+            table: Arc::new(table),
+            rows: hybrid.then(|| RowTracker::new(rollback)),
+        })
+    }
+
+    /// Where the attention rows live (page ids and their device table, or contiguous).
+    pub fn page_table(&self) -> &PageTable {
+        &self.table
+    }
+
+    /// Writes `k`, `v` (`[num_kv_heads, n, head_dim]`) at rows `[at, at + n)` of attention
+    /// layer `li` (not made live: see [`SequenceCache::advance`]).
+    pub fn write_kv(&self, li: usize, at: usize, k: &Tensor, v: &Tensor) -> ModelResult<()> {
+        let n = k.dim(1)?;
+        if at + n > self.capacity {
+            return Err(ModelError::CacheFull {
+                len: at,
+                requested: n,
+                capacity: self.capacity,
+            });
+        }
+        Ok(self.layers[li].attention()?.write(&self.table, at, k, v)?)
+    }
+
+    /// Rows `[0, len)` of attention layer `li`: `[num_kv_heads, len, head_dim]`.
+    pub fn view_kv(&self, li: usize, len: usize) -> ModelResult<(Tensor, Tensor)> {
+        if len > self.capacity {
+            return Err(ModelError::BadCacheOp(format!(
+                "view of {len} rows of a {}-row cache",
+                self.capacity
+            )));
+        }
+        Ok(self.layers[li].attention()?.view(&self.table, len)?)
     }
 
     /// A cache mixing attention and recurrent layers. Forwards of at most `rollback` rows keep
@@ -136,6 +243,7 @@ impl SequenceCache {
             layers,
             len: 0,
             capacity,
+            table: Arc::new(PageTable::contiguous()),
             rows: Some(RowTracker::new(rollback)),
         }
     }
@@ -268,7 +376,7 @@ impl SequenceCache {
         };
         for layer in &mut self.layers {
             match layer {
-                LayerCache::Attention(kv) => kv.compact(start, keep)?,
+                LayerCache::Attention(kv) => kv.compact(&self.table, start, keep)?,
                 LayerCache::Recurrent(r) => r.settle_on(recurrent_last.flatten())?,
             }
         }

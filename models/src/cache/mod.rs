@@ -1,10 +1,14 @@
 //! Per-sequence caches: [`SequenceCache`] holds a sequence's committed rows for every layer,
 //! K/V buffers for attention layers (`kv.rs`) and per-row recurrent states for the Gated
 //! DeltaNet layers of the hybrid targets (`recurrent.rs`), with one truncate/compact contract
-//! so a verify's accepted rows can be kept and its rejected rows dropped.
+//! so a verify's accepted rows can be kept and its rejected rows dropped; the attention rows
+//! live in pages of a shared pool (`pool.rs`) or, for a cache made on its own, in buffers of
+//! its own.
 
 pub mod kv;
+pub mod pool;
 pub mod recurrent;
 
 pub use kv::{KvBuffer, LayerCache, SequenceCache};
+pub use pool::{pages_for, KvPool, PageTable, PAGE_SIZE};
 pub use recurrent::{GdnState, RecurrentLayer, RowTracker, StagedState};

@@ -4,7 +4,8 @@
 // last block to finish — what qk_norm_rope_cache + attn_split_flash (attn_prefill.cu) +
 // attn_combine (kernels.cu) do in three launches. Compiled to PTX by models/build.rs.
 //
-// Grid (KV head, key split, row tile), 4 warps per block. A block owns TR = 16 RT query rows
+// Grid (KV head, key split, sequence x row tile), 4 warps per block; the sequences of a batch
+// (t new tokens each) read their rows through their page tables. A block owns TR = 16 RT query rows
 // (row = token * groups + g) and `cps` chunks of CH keys from key split * cps * CH; its warps
 // split the rows into RT tiles of 16 and each chunk's keys into KS = 4 / RT parts, so a
 // decode block (one tile) has four warps on 16 keys each. Chunks stream through shared memory
@@ -101,6 +102,7 @@ struct Args {
     const float* sin_t;
     const u32* positions;
     const u32* cache_len;
+    const u32* pt;  // page tables [seqs, pt_stride] (null: one sequence, rows in order)
     bf16_t* kc;
     bf16_t* vc;
     const u64* tree_mask;
@@ -109,8 +111,25 @@ struct Args {
     u32* counter;
     bf16_t* out;
     int words, t, nh, nkv, cap, cps;
+    int pt_stride, tiles;  // page-table entries per sequence; row tiles per sequence
     float scale, eps;
 };
+
+// A batch of sequences with t new tokens each runs in one launch, grid z = sequence x row
+// tile: the block's sequence's inputs and outputs, as a one-sequence launch sees them.
+__device__ __forceinline__ Args for_sequence(Args a, int s) {
+    const size_t rows = (size_t)a.t * a.nh;
+    const size_t splits = gridDim.y;
+    a.qkv += (size_t)s * a.t * (a.nh + 2 * a.nkv) * D;
+    a.positions += (size_t)s * a.t;
+    a.cache_len += s;
+    if (a.pt) a.pt += (size_t)s * a.pt_stride;
+    if (a.tree_mask) a.tree_mask += (size_t)s * a.t * a.words;
+    a.acc += (size_t)s * splits * rows * D;
+    a.ml += (size_t)s * splits * rows * 2;
+    a.out += (size_t)s * rows * D;
+    return a;
+}
 
 // The block's first batches: q rows [0, nq) of the block (norm + RoPE into qs) and the new
 // keys [kfirst, kfirst + nk) of its first chunk (k-norm + RoPE and V into kb/vb at row
@@ -161,7 +180,7 @@ __device__ __forceinline__ void heads(const Args& a, int kvh, int r0, int nq, bf
                 continue;
             }
             int key = dst[b];
-            size_t off = ((size_t)kvh * a.cap + key) * D;
+            size_t off = ((size_t)kvh * a.cap + kv_row(a.pt, key)) * D;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 if (kb) {
@@ -185,7 +204,7 @@ __device__ __forceinline__ void load_committed(const Args& a, int kvh, int k0, i
     for (int e = threadIdx.x; e < CH * (D / 8); e += NW * 32) {
         int j = e >> 4, p = e & 15, key = k0 + j;
         if (key < c) {
-            size_t off = ((size_t)kvh * a.cap + key) * D + 8 * p;
+            size_t off = ((size_t)kvh * a.cap + kv_row(a.pt, key)) * D + 8 * p;
             cp_async16(kb + j * KPAD + 8 * p, a.kc + off);
             cp_async16(vb + j * KPAD + 8 * p, a.vc + off);
         } else if (key >= L) {
@@ -207,7 +226,7 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     const int stages = a.cps == 1 ? 1 : 2;
     bf16_t* kvbuf = (bf16_t*)smem;  // stages x {K, V} x CH x KPAD
     bf16_t* qs = kvbuf + stages * 2 * CH * KPAD;  // TR x KPAD
-    const int kvh = blockIdx.x, split = blockIdx.y, z = blockIdx.z;
+    const int kvh = blockIdx.x, split = blockIdx.y, z = blockIdx.z % a.tiles;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
     const int groups = a.nh / a.nkv;
     const int c = (int)(*a.cache_len);
@@ -219,7 +238,7 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     const int rows_total = a.t * groups;
     const int r0 = z * TR;
     const size_t nrows = (size_t)a.t * a.nh;
-    u32* cnt = a.counter + (size_t)kvh * gridDim.z + z;
+    u32* cnt = a.counter + (size_t)kvh * gridDim.z + blockIdx.z;
 
     if (kbeg < L) {
         // Chunks with a visible key for some row of the block (causal: none past the block's
@@ -448,7 +467,7 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
 
 #define ATTN_DECODE(RT)                                                                          \
     extern "C" __global__ void __launch_bounds__(NW * 32) attn_decode_rt##RT(Args a) {           \
-        attn_decode_impl<RT>(a);                                                                 \
+        attn_decode_impl<RT>(for_sequence(a, blockIdx.z / a.tiles));                             \
     }
 ATTN_DECODE(1)
 ATTN_DECODE(2)

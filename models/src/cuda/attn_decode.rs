@@ -15,7 +15,7 @@ use candle_core::{bail, DType, Result, Tensor};
 
 use super::attn_plan::{attn_plan, runtime_plan, CHUNK_KEYS, MAX_SHARED_BYTES};
 use super::kernels::{QkvRows, CHUNK};
-use super::launch::{alloc_bf16, alloc_f32, cuda, go, ptr};
+use super::launch::{alloc_bf16, alloc_f32, cuda, go, opt_ptr, page_stride, ptr};
 
 const _: () = assert!(CHUNK_KEYS == CHUNK);
 
@@ -36,8 +36,11 @@ pub fn fused_attention_fits(t: usize, nh: usize, nkv: usize) -> bool {
     t == 1 && nkv > 0 && nh / nkv <= 16
 }
 
-/// Merge counters per device (each launch uses `kv_heads * row tiles` of them).
-const COUNTERS: usize = 1024;
+/// Blocks a batched launch aims at (see `fused_attention_rt`).
+const BATCH_SPLIT_BLOCKS: usize = 1024;
+
+/// Merge counters per device (each launch uses `kv_heads * sequences * row tiles` of them).
+const COUNTERS: usize = 16384;
 
 /// A device's split partials and merge counters, kept for the process's lifetime so that a
 /// launch adds no allocation or memset to a CUDA graph: launches on one device's stream run
@@ -95,6 +98,7 @@ struct Args {
     sin: u64,
     positions: u64,
     cache_len: u64,
+    pt: u64,
     kc: u64,
     vc: u64,
     tree_mask: u64,
@@ -108,6 +112,8 @@ struct Args {
     nkv: i32,
     cap: i32,
     cps: i32,
+    pt_stride: i32,
+    tiles: i32,
     scale: f32,
     eps: f32,
 }
@@ -120,7 +126,9 @@ unsafe impl DeviceRepr for Args {}
 /// `cache_len[0] ..`, committed rows visible to every token and new token j visible
 /// to token i when `j <= i` (`tree` None) or bit j of `tree[i * words + j / 64]` is set.
 /// `split`: `(splits, key chunks per split)` covering the live keys (see
-/// [`super::split_plan`]). Returns `[t, nh * d]`.
+/// [`super::split_plan`]). Returns `[t, nh * d]`. A batch (`rows.cache_len` of `seqs` > 1
+/// lengths, `rows.pages` their page tables) runs `t / seqs` rows of each sequence in the same
+/// launch, the rows of sequence s being `[s t / seqs, (s + 1) t / seqs)`.
 pub fn fused_attention(
     rows: &QkvRows<'_>,
     tree: Option<&Tensor>,
@@ -147,10 +155,14 @@ pub(crate) fn fused_attention_rt(
         cache_len,
         kc,
         vc,
+        pages,
         heads: (nh, nkv, d),
         eps,
     } = *rows;
-    let (t, cap) = rows.check("fused_attention", true)?;
+    let (total, cap) = rows.check("fused_attention", true)?;
+    let seqs = rows.seqs();
+    let t = total / seqs;
+    let pt_stride = page_stride(pages, seqs, "fused_attention")?;
     let dev = cuda(qkv)?;
     if nh % nkv != 0 {
         bail!("fused_attention: {nh} q heads are not a multiple of {nkv} KV heads")
@@ -161,9 +173,9 @@ pub(crate) fn fused_attention_rt(
     let words = t.div_ceil(64);
     let tree_mask = match tree {
         Some(m) => {
-            if m.dims2()? != (t, words) || m.dtype() != DType::I64 {
+            if m.dims2()? != (total, words) || m.dtype() != DType::I64 {
                 bail!(
-                    "fused_attention: tree mask must be i64 [{t}, {words}], got {:?}",
+                    "fused_attention: tree mask must be i64 [{total}, {words}], got {:?}",
                     m.shape()
                 )
             }
@@ -177,14 +189,22 @@ pub(crate) fn fused_attention_rt(
         None => runtime_plan(rows, rt),
     }
     .map_err(|e| candle_core::Error::Msg(format!("fused_attention: {e}")))?;
-    let (rt, tiles, nsplit, cps) = (plan.rt, plan.tiles, plan.nsplit, plan.cps);
-    if nkv * tiles > COUNTERS {
-        bail!("fused_attention: {nkv} KV heads x {tiles} row tiles exceed {COUNTERS} counters")
+    let (rt, tiles, cps) = (plan.rt, plan.tiles, plan.cps);
+    // A batch fills the GPU with its sequences: fewer splits each (every block of a split
+    // past the live keys still takes part in the merge's count), about BATCH_SPLIT_BLOCKS
+    // blocks in all. The kernel sets the chunks per split from each sequence's length.
+    let nsplit = if seqs > 1 && cps == 0 {
+        (BATCH_SPLIT_BLOCKS / (nkv * tiles * seqs)).clamp(1, plan.nsplit)
+    } else {
+        plan.nsplit
+    };
+    if nkv * tiles * seqs > COUNTERS {
+        bail!("fused_attention: {nkv} KV heads x {seqs} sequences x {tiles} row tiles exceed {COUNTERS} counters")
     }
-    let acc_floats = nsplit * t * nh * d;
-    let (acc, counter) = scratch(&dev, qkv, acc_floats + nsplit * t * nh * 2)?;
+    let acc_floats = seqs * nsplit * t * nh * d;
+    let (acc, counter) = scratch(&dev, qkv, acc_floats + seqs * nsplit * t * nh * 2)?;
     let ml = acc + (acc_floats * 4) as u64;
-    let out = alloc_bf16(&dev, (t, nh * d))?;
+    let out = alloc_bf16(&dev, (total, nh * d))?;
     let args = Args {
         qkv: ptr(qkv)?,
         qw: ptr(q_norm)?,
@@ -193,6 +213,7 @@ pub(crate) fn fused_attention_rt(
         sin: ptr(sin)?,
         positions: ptr(positions)?,
         cache_len: ptr(cache_len)?,
+        pt: opt_ptr(pages)?,
         kc: ptr(kc)?,
         vc: ptr(vc)?,
         tree_mask,
@@ -206,6 +227,8 @@ pub(crate) fn fused_attention_rt(
         nkv: nkv as i32,
         cap: cap as i32,
         cps: cps as i32,
+        pt_stride: pt_stride as i32,
+        tiles: tiles as i32,
         scale: 1.0 / (d as f32).sqrt(),
         eps: eps as f32,
     };
@@ -220,7 +243,7 @@ pub(crate) fn fused_attention_rt(
         candle_core::Error::Msg(format!("{name}: shared memory {MAX_SHARED_BYTES}: {e}"))
     })?;
     let cfg = LaunchConfig {
-        grid_dim: (nkv as u32, nsplit as u32, tiles as u32),
+        grid_dim: (nkv as u32, nsplit as u32, (tiles * seqs) as u32),
         block_dim: (128, 1, 1),
         shared_mem_bytes: plan.shared_bytes as u32,
     };

@@ -59,16 +59,17 @@ __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u
 
 // Stages keys [k0, k0 + PCH) of one KV head (rows >= L as zeros) into `dst` (PCH x PPAD).
 template <int NW>
-__device__ __forceinline__ void load_tile(bf16_t* dst, const bf16_t* __restrict__ src, int k0, int L) {
+__device__ __forceinline__ void load_tile(bf16_t* dst, const bf16_t* __restrict__ src,
+                                          const u32* __restrict__ pt, int k0, int L) {
     for (int e = threadIdx.x; e < PCH * (PD / 8); e += NW * 32) {
         int j = e / (PD / 8), p = e % (PD / 8);
         bool live = k0 + j < L;
-        const bf16_t* s = src + (size_t)(live ? k0 + j : 0) * PD + 8 * p;
+        const bf16_t* s = src + kv_row(pt, live ? k0 + j : 0) * PD + 8 * p;
         cp_async16(smem_addr(dst + j * PPAD + 8 * p), s, live ? 16 : 0);
     }
 }
 
-// q [t, nh, d], kc/vc [nkv, cap, d]. Grid (nkv, ceil(t * groups / (16 NW)), nsplit), block
+// q [t, nh, d], kc/vc [nkv, cap, d] (rows through the page table pt; null: in order). Grid (nkv, ceil(t * groups / (16 NW)), nsplit), block
 // 32 NW threads. Blocks run the last tiles (the most keys) first, for a short tail.
 // SPLIT = false: one pass over every visible key (blockIdx.z = 0), out [t, nh * d] = bf16(O / l).
 // SPLIT = true: split blockIdx.z walks key tiles [z cps, (z + 1) cps) (cps from the live
@@ -82,15 +83,30 @@ __device__ __forceinline__ void load_tile(bf16_t* dst, const bf16_t* __restrict_
 template <int NW, bool SPLIT>
 __device__ __forceinline__ void flash_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
-    const u32* __restrict__ cache_len, const u64* __restrict__ tree_mask, int words,
-    bf16_t* __restrict__ out, float* __restrict__ acc_out, float* __restrict__ ml_out, int t,
-    int nh, int nkv, int cap, float scale) {
+    const u32* __restrict__ cache_len, const u32* __restrict__ pt,
+    const u64* __restrict__ tree_mask, int words, bf16_t* __restrict__ out,
+    float* __restrict__ acc_out, float* __restrict__ ml_out, int t, int nh, int nkv, int cap,
+    float scale, int pt_stride) {
     extern __shared__ __align__(16) bf16_t dyn_smem[];
     bf16_t* ks = dyn_smem;
     bf16_t* vs = dyn_smem + PCH * PPAD;
     bf16_t* qs = dyn_smem + 2 * PCH * PPAD;
     const int d = PD;
-    int kvh = blockIdx.x;
+    // A batch of sequences of t tokens each: grid x = sequence x KV head.
+    int kvh = blockIdx.x % nkv;
+    {
+        const size_t s = blockIdx.x / nkv;
+        q += s * t * nh * PD;
+        cache_len += s;
+        if (pt) pt += s * pt_stride;
+        if (tree_mask) tree_mask += s * t * words;
+        if (SPLIT) {
+            acc_out += s * gridDim.z * t * nh * PD;
+            ml_out += s * gridDim.z * t * nh * 2;
+        } else {
+            out += s * t * nh * PD;
+        }
+    }
     int tile = gridDim.y - 1 - blockIdx.y;
     int groups = nh / nkv;
     int c = (int)(*cache_len);
@@ -119,7 +135,7 @@ __device__ __forceinline__ void flash_body(
 
     // The first K tile and the block's query rows (zeros past the last) in one group; nothing
     // when the split holds none of the block's visible keys (no copy may be left in flight).
-    if (kt_begin < kt_end) load_tile<NW>(ks, kbase, kt_begin * PCH, L);
+    if (kt_begin < kt_end) load_tile<NW>(ks, kbase, pt, kt_begin * PCH, L);
     for (int e = threadIdx.x; kt_begin < kt_end && e < 16 * NW * (PD / 8); e += NW * 32) {
         int r = e / (PD / 8), p = e % (PD / 8), row = rb + r;
         bool live = row < rows_total;
@@ -146,7 +162,7 @@ __device__ __forceinline__ void flash_body(
         int k0 = kt * PCH;
         cp_async_wait_all();
         __syncthreads();  // K[kt] landed; every warp is done with V[kt - 1]
-        load_tile<NW>(vs, vbase, k0, L);
+        load_tile<NW>(vs, vbase, pt, k0, L);
         cp_async_commit();
         bool active = warp_live && (tree_mask || k0 <= c + last_tok);
         float s[8][4];
@@ -169,7 +185,7 @@ __device__ __forceinline__ void flash_body(
         cp_async_wait_all();
         __syncthreads();  // V[kt] landed; every warp is done with K[kt]
         if (kt + 1 < kt_end) {
-            load_tile<NW>(ks, kbase, k0 + PCH, L);
+            load_tile<NW>(ks, kbase, pt, k0 + PCH, L);
             cp_async_commit();
         }
         if (!active) continue;
@@ -260,19 +276,19 @@ __device__ __forceinline__ void flash_body(
 // (128 registers, spilling).
 extern "C" __global__ void __launch_bounds__(128, 3) attn_prefill(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
-    const u32* __restrict__ cache_len, bf16_t* __restrict__ out, int t, int nh, int nkv, int cap,
-    float scale) {
-    flash_body<4, false>(q, kc, vc, cache_len, nullptr, 0, out, nullptr, nullptr, t, nh, nkv,
-                         cap, scale);
+    const u32* __restrict__ cache_len, const u32* __restrict__ pt, bf16_t* __restrict__ out, int t,
+    int nh, int nkv, int cap, float scale, int pt_stride) {
+    flash_body<4, false>(q, kc, vc, cache_len, pt, nullptr, 0, out, nullptr, nullptr, t, nh, nkv,
+                         cap, scale, pt_stride);
 }
 
 // Split-K partials of the same blocks (see flash_body) for verification forwards and draft
 // blocks: a few dozen query rows over a long cache need the keys spread over many blocks.
 extern "C" __global__ void __launch_bounds__(128, 3) attn_split_flash(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
-    const u32* __restrict__ cache_len, const u64* __restrict__ tree_mask, int words,
-    float* __restrict__ acc_out, float* __restrict__ ml_out, int t, int nh, int nkv, int cap,
-    float scale) {
-    flash_body<4, true>(q, kc, vc, cache_len, tree_mask, words, nullptr, acc_out, ml_out, t, nh,
-                        nkv, cap, scale);
+    const u32* __restrict__ cache_len, const u32* __restrict__ pt,
+    const u64* __restrict__ tree_mask, int words, float* __restrict__ acc_out,
+    float* __restrict__ ml_out, int t, int nh, int nkv, int cap, float scale, int pt_stride) {
+    flash_body<4, true>(q, kc, vc, cache_len, pt, tree_mask, words, nullptr, acc_out, ml_out, t, nh,
+                        nkv, cap, scale, pt_stride);
 }

@@ -9,7 +9,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, Push
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::launch::{alloc_bf16, check_bf16, cuda, go, ptr};
+use super::launch::{alloc_bf16, check_bf16, cuda, go, opt_ptr, page_stride, ptr};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_prefill.ptx"));
 const MODULE: &str = "dflash_attn_prefill";
@@ -35,21 +35,31 @@ pub fn worth_it(t: usize, nh: usize, nkv: usize) -> bool {
 }
 
 /// Causal attention of q `[t, nh, d]` (d = 128) over cache rows `[0, cache_len[0] + t)` of
-/// `kc`, `vc` (`[nkv, cap, d]`): committed rows are visible to every token, new token j to
-/// token i when `j <= i`. Returns `[t, nh * d]` bf16.
+/// `kc`, `vc` (`[nkv, cap, d]`; rows placed by the page table `pages`, u32 `[1, n]`, or in
+/// order): committed rows are visible to every token, new token j to token i when `j <= i`.
+/// Returns `[t, nh * d]` bf16.
 pub fn attention_prefill(
     q: &Tensor,
     kc: &Tensor,
     vc: &Tensor,
+    pages: Option<&Tensor>,
     cache_len: &Tensor,
 ) -> Result<Tensor> {
     let dev = cuda(q)?;
     check_bf16("q", q)?;
     check_bf16("k cache", kc)?;
     check_bf16("v cache", vc)?;
-    let (t, nh, d) = q.dims3()?;
+    let (total, nh, d) = q.dims3()?;
     let (nkv, cap, kd) = kc.dims3()?;
-    if d != 128 || kd != d || vc.dims3()? != (nkv, cap, d) || nkv == 0 || nh % nkv != 0 {
+    let seqs = cache_len.elem_count().max(1);
+    let t = total / seqs;
+    if d != 128
+        || kd != d
+        || vc.dims3()? != (nkv, cap, d)
+        || nkv == 0
+        || nh % nkv != 0
+        || total % seqs != 0
+    {
         bail!(
             "attention_prefill: q {:?}, caches {:?} / {:?} (head_dim 128, heads a multiple of kv heads)",
             q.shape(),
@@ -57,23 +67,31 @@ pub fn attention_prefill(
             vc.shape()
         )
     }
-    if cache_len.dtype() != DType::U32 || cache_len.elem_count() != 1 {
-        bail!("attention_prefill: cache_len must be one u32")
+    if cache_len.dtype() != DType::U32 {
+        bail!("attention_prefill: cache_len must be u32, one per sequence")
     }
-    let out = alloc_bf16(&dev, (t, nh * d))?;
+    let out = alloc_bf16(&dev, (total, nh * d))?;
     if t == 0 {
         return Ok(out);
     }
-    let args = [ptr(q)?, ptr(kc)?, ptr(vc)?, ptr(cache_len)?, ptr(&out)?];
+    let pt_stride = page_stride(pages, seqs, "attention_prefill")? as i32;
+    let args = [
+        ptr(q)?,
+        ptr(kc)?,
+        ptr(vc)?,
+        ptr(cache_len)?,
+        opt_ptr(pages)?,
+        ptr(&out)?,
+    ];
     let (ti, nhi, nkvi, capi) = (t as i32, nh as i32, nkv as i32, cap as i32);
     let scale = 1.0f32 / (d as f32).sqrt();
-    let (f, cfg) = prepare(&dev, KERNEL, t * (nh / nkv), (nkv, 1))?;
+    let (f, cfg) = prepare(&dev, KERNEL, t * (nh / nkv), (nkv * seqs, 1))?;
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&f);
     for a in &args {
         b.arg(a);
     }
-    b.arg(&ti).arg(&nhi).arg(&nkvi).arg(&capi).arg(&scale);
+    b.arg(&ti).arg(&nhi).arg(&nkvi).arg(&capi).arg(&scale).arg(&pt_stride);
     go(&mut b, cfg, KERNEL)?;
     Ok(out)
 }
@@ -85,6 +103,8 @@ pub(super) struct SplitArgs {
     pub kc: u64,
     pub vc: u64,
     pub cache_len: u64,
+    /// The page table (0: rows in order).
+    pub pt: u64,
     /// 0: causal.
     pub tree_mask: u64,
     pub words: i32,
@@ -96,20 +116,24 @@ pub(super) struct SplitArgs {
     /// The most splits (the grid's z); the kernel sets the chunks per split from the live
     /// length.
     pub nsplit: usize,
+    /// Sequences of `shape.0` tokens each (the grid's x is sequence x KV head).
+    pub seqs: usize,
+    /// Page-table entries per sequence.
+    pub pt_stride: i32,
 }
 
 /// Launches the split partials of `rows` query rows per KV head (at most `a.nsplit` splits),
 /// for `attn_combine` to merge.
 pub(super) fn launch_split(dev: &CudaDevice, a: &SplitArgs, rows: usize) -> Result<()> {
-    let (f, cfg) = prepare(dev, SPLIT_KERNEL, rows, (a.shape.2 as usize, a.nsplit))?;
+    let (f, cfg) = prepare(dev, SPLIT_KERNEL, rows, (a.shape.2 as usize * a.seqs, a.nsplit))?;
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&f);
-    for p in [&a.q, &a.kc, &a.vc, &a.cache_len, &a.tree_mask] {
+    for p in [&a.q, &a.kc, &a.vc, &a.cache_len, &a.pt, &a.tree_mask] {
         b.arg(p);
     }
     b.arg(&a.words).arg(&a.acc).arg(&a.ml);
     let (t, nh, nkv, cap) = &a.shape;
-    b.arg(t).arg(nh).arg(nkv).arg(cap).arg(&a.scale);
+    b.arg(t).arg(nh).arg(nkv).arg(cap).arg(&a.scale).arg(&a.pt_stride);
     go(&mut b, cfg, SPLIT_KERNEL)
 }
 

@@ -51,6 +51,7 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         cache_len: &len,
         kc: &kc,
         vc: &vc,
+        pages: None,
         heads: (nh, nkv, d),
         eps,
     };
@@ -77,6 +78,7 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         qkv: &kv_rows,
         kc: &kc2,
         vc: &vc2,
+        pages: None,
         ..full_rows
     })?;
     for (name, a, b) in [("k", &kc2, &kc), ("v", &vc2, &vc)] {
@@ -128,10 +130,10 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
             };
             let ns = (c + t).div_ceil(kernels::CHUNK);
             // One chunk per split (at most ns splits), three (at most ceil(ns / 3)).
-            let fast = kernels::attention_split(&q, &kc, &vc, &len, bits.as_ref(), Some(ns))?;
+            let fast = kernels::attention_split(&q, &kc, &vc, None, &len, bits.as_ref(), Some(ns))?;
             let multi =
-                kernels::attention_split(&q, &kc, &vc, &len, bits.as_ref(), Some(ns.div_ceil(3)))?;
-            let simt = kernels::attention_simt(&q, &kc, &vc, &len, bits.as_ref(), ns)?;
+                kernels::attention_split(&q, &kc, &vc, None, &len, bits.as_ref(), Some(ns.div_ceil(3)))?;
+            let simt = kernels::attention_simt(&q, &kc, &vc, None, &len, bits.as_ref(), ns)?;
             let mask = pattern.mask(c, t, dev)?;
             let plain = attend(
                 &q.transpose(0, 1)?.contiguous()?,
@@ -166,9 +168,9 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
                 mask.as_ref(),
                 OpsMode::Fused,
             )?;
-            let old = kernels::attention_split(&q, &kc, &vc, &len, None, None)?;
+            let old = kernels::attention_split(&q, &kc, &vc, None, &len, None, None)?;
             let tag = format!("attention_prefill:h{nh}_kv{nkv}:t{t}_c{c}");
-            let fast = attn_prefill::attention_prefill(&q, &kc, &vc, &len)?;
+            let fast = attn_prefill::attention_prefill(&q, &kc, &vc, None, &len)?;
             let (e, s) = max_err(&fast, &plain)?;
             out.push((format!("{tag}:vs_plain"), e, s));
             let (e, s) = max_err(&fast, &old)?;
@@ -322,9 +324,9 @@ pub fn attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>> {
         let len = Tensor::new(&[c as u32], dev)?;
         let pairs = (t * c + t * (t + 1) / 2) as f64;
         let tflops = |ms: f64| 4.0 * (d * nh) as f64 * pairs / ms / 1e9;
-        let ms = time(&|| kernels::attention_split(&q, &kc, &vc, &len, None, None))?;
+        let ms = time(&|| kernels::attention_split(&q, &kc, &vc, None, &len, None, None))?;
         out.push((format!("t{t}_c{c}:split_kernel"), ms, tflops(ms)));
-        let ms = time(&|| attn_prefill::attention_prefill(&q, &kc, &vc, &len))?;
+        let ms = time(&|| attn_prefill::attention_prefill(&q, &kc, &vc, None, &len))?;
         out.push((format!("t{t}_c{c}:prefill_kernel"), ms, tflops(ms)));
     }
     Ok(out)

@@ -127,11 +127,12 @@ pub(super) fn fused_attention_errors(
             cache_len: &len,
             kc: &kc2,
             vc: &vc2,
+            pages: None,
             heads: (nh, nkv, d),
             eps,
         };
         let q = kernels::qk_norm_rope_cache(&rows)?;
-        let two = kernels::attention(&q, &kc2, &vc2, &len, bits.as_ref())?;
+        let two = kernels::attention(&q, &kc2, &vc2, None, &len, bits.as_ref())?;
         // One launch, twice on fresh copies of the cache.
         let mut fused = Vec::new();
         for _ in 0..2 {
@@ -141,6 +142,7 @@ pub(super) fn fused_attention_errors(
                 &kernels::QkvRows {
                     kc: &kc1,
                     vc: &vc1,
+                    pages: None,
                     ..rows
                 },
                 bits.as_ref(),
@@ -257,13 +259,14 @@ pub fn decode_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64)>>
             cache_len: &len,
             kc: &kc,
             vc: &vc,
+            pages: None,
             heads: (nh, nkv, d),
             eps,
         };
         let two = || -> crate::error::ModelResult<()> {
             for _ in 0..20 {
                 let q = kernels::qk_norm_rope_cache(&rows)?;
-                kernels::attention(&q, &kc, &vc, &len, bits.as_ref())?;
+                kernels::attention(&q, &kc, &vc, None, &len, bits.as_ref())?;
             }
             Ok(())
         };

@@ -6,6 +6,15 @@ typedef unsigned short bf16_t;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+// Rows per page of the paged K/V pool (cache::PAGE_SIZE): a 64-key attention tile is a page.
+#define KV_PAGE 64
+
+// Buffer row of a sequence's logical cache row r: through its page table `pt` (page ids of
+// KV_PAGE rows in the pool), or r itself for a cache in buffers of its own (pt null).
+__device__ __forceinline__ size_t kv_row(const u32* __restrict__ pt, int r) {
+    return pt ? (size_t)pt[r / KV_PAGE] * KV_PAGE + (r % KV_PAGE) : (size_t)r;
+}
+
 __device__ __forceinline__ float bf2f(bf16_t x) { return __uint_as_float(((u32)x) << 16); }
 
 // Round to nearest even, NaN kept quiet (matches __float2bfloat16_rn).

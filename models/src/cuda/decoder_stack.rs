@@ -41,11 +41,25 @@ pub(crate) struct AttnSeq<'a> {
     pub cache_len: &'a Tensor,
     /// Ancestor bit rows (tree or full-block patterns); None: causal.
     pub tree: Option<&'a Tensor>,
+    /// The cache's page table (u32 `[1, pages]`; None: rows in order in its own buffers).
+    pub pages: Option<&'a Tensor>,
+}
+
+/// A step of several sequences in one shared pool with the same number of new tokens each,
+/// whose attention runs as one set of launches per layer for all of them: every sequence's
+/// committed length (u32 `[seqs]`), page table (u32 `[seqs, stride]`) and, for trees, the
+/// ancestor bits stacked (i64 `[seqs t, words]`), in batch order.
+pub(crate) struct PooledBatch<'a> {
+    pub cache_len: &'a Tensor,
+    pub pages: &'a Tensor,
+    pub tree: Option<&'a Tensor>,
 }
 
 /// The weights a fused stack reads.
 pub(crate) struct Stack<'a> {
     pub layers: &'a [DecoderLayer],
+    /// Set when the sequences share one pool and their token count (see [`PooledBatch`]).
+    pub pooled: Option<PooledBatch<'a>>,
     pub final_norm: &'a Tensor,
     pub rope: &'a RotaryEmbedding,
     pub eps: f64,
@@ -187,6 +201,37 @@ impl Stack<'_> {
         let (cos, sin) = self.rope.tables();
         let (nh, nkv, d) = layer.heads();
         let (_, _, q_norm, k_norm) = layer.norm_weights();
+        if let (Some(pooled), Some(first)) = (&self.pooled, seqs.first()) {
+            // Every sequence's K/V in the same pool buffers: one launch for the batch.
+            let kv = first.cache.layer(li).attention()?;
+            let (kc, vc) = kv.buffers();
+            let new = cuda::QkvRows {
+                qkv,
+                q_norm,
+                k_norm,
+                cos,
+                sin,
+                positions,
+                cache_len: pooled.cache_len,
+                kc,
+                vc,
+                pages: Some(pooled.pages),
+                heads: (nh, nkv, d),
+                eps: self.eps,
+            };
+            if first.tokens == 1 && cuda::fused_attention_fits(1, nh, nkv) {
+                return Ok(cuda::fused_attention(&new, pooled.tree, None)?);
+            }
+            let q = cuda::qk_norm_rope_cache(&new)?;
+            return Ok(cuda::attention(
+                &q,
+                kc,
+                vc,
+                Some(pooled.pages),
+                pooled.cache_len,
+                pooled.tree,
+            )?);
+        }
         let mut outs = Vec::with_capacity(seqs.len());
         for s in seqs {
             let kv = s.cache.layer(li).attention()?;
@@ -203,6 +248,7 @@ impl Stack<'_> {
                 cache_len: s.cache_len,
                 kc,
                 vc,
+                pages: s.pages,
                 heads: (nh, nkv, d),
                 eps: self.eps,
             };
@@ -214,7 +260,7 @@ impl Stack<'_> {
                 continue;
             }
             let q = cuda::qk_norm_rope_cache(&new)?;
-            outs.push(cuda::attention(&q, kc, vc, s.cache_len, s.tree)?);
+            outs.push(cuda::attention(&q, kc, vc, s.pages, s.cache_len, s.tree)?);
         }
         Ok(match outs.len() {
             1 => outs.swap_remove(0),
@@ -258,8 +304,8 @@ pub(crate) fn capture_graph(
 }
 
 /// A cache's identity for a captured graph, which bakes in the address of every layer's K
-/// and V buffer: a hash of all of them and the capacity (a new cache at the same addresses
-/// with the same layout is the same memory, so a graph stays valid for it).
+/// and V buffer: a hash of all of them, the capacity and the page count (a new cache at the
+/// same addresses with the same layout is the same memory, so a graph stays valid for it).
 pub(crate) fn cache_key(cache: &SequenceCache) -> ModelResult<u64> {
     // FNV-1a over the addresses.
     let mut h: u64 = 0xcbf29ce484222325;
@@ -269,7 +315,14 @@ pub(crate) fn cache_key(cache: &SequenceCache) -> ModelResult<u64> {
             h = h.wrapping_mul(0x100000001b3);
         }
     };
-    eat(cache.capacity() as u64);
+    // Caches of one pool share its buffers, and a graph reads the page table as an input
+    // (padded to a fixed width), so one graph serves every cache of the pool whatever its
+    // capacity; a cache in buffers of its own is known by them and its capacity.
+    if cache.page_table().is_contiguous() {
+        eat(cache.capacity() as u64);
+    } else {
+        eat(u64::MAX);
+    }
     for i in 0..cache.num_layers() {
         let (k, v) = cache.layer(i).attention()?.buffers();
         eat(cuda::device_address(k)?);

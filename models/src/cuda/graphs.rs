@@ -19,15 +19,17 @@ use crate::error::{ModelError, ModelResult};
 /// Widest forward replayed from a graph (each graph keeps `[tokens, vocab]` f32 logits).
 pub const GRAPH_MAX_TOKENS: usize = 128;
 /// Graphs kept per model (least recently used dropped first).
-pub const GRAPH_SLOTS: usize = 8;
+pub const GRAPH_SLOTS: usize = 24;
 
 /// What a graph was captured for.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Key {
     /// [`cache_key`] of the sequence cache.
     pub cache: u64,
-    /// New tokens (drafter: new context rows).
+    /// New tokens per sequence (drafter: new context rows).
     pub tokens: usize,
+    /// Sequences in the batch (a batched graph's padded size; 1 otherwise).
+    pub seqs: usize,
     pub tree: bool,
     pub taps: Vec<usize>,
 }
@@ -196,6 +198,7 @@ mod tests {
         Key {
             cache: 7,
             tokens,
+            seqs: 1,
             tree: false,
             taps: vec![1, 2],
         }

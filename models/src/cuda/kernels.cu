@@ -13,14 +13,18 @@ __device__ __forceinline__ void norm_rope_cache(
     const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ qw, const bf16_t* __restrict__ kw,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t,
     const u32* __restrict__ positions, const u32* __restrict__ cache_len,
-    bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, bf16_t* __restrict__ q_out,
-    int nq, int nh, int nkv, int d, int cap, float eps) {
+    const u32* __restrict__ pt, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
+    bf16_t* __restrict__ q_out, int nq, int nh, int nkv, int d, int cap, float eps, int t_per,
+    int pt_stride) {
     __shared__ float red[32];
     __shared__ float normed[256];
     int head = blockIdx.x + nh - nq, tok = blockIdx.y, i = threadIdx.x;
     int width = (nq + 2 * nkv) * d;
     float x = bf2f(qkv[(size_t)tok * width + (size_t)blockIdx.x * d + i]);
-    int row = (int)(*cache_len) + tok;
+    // A batch of sequences of t_per tokens each (one sequence: t_per = its tokens).
+    const int seq = tok / t_per;
+    size_t row =
+        kv_row(pt ? pt + (size_t)seq * pt_stride : nullptr, (int)cache_len[seq] + tok % t_per);
     if (head >= nh + nkv) {  // V: copy into the cache
         int kvh = head - nh - nkv;
         vc[((size_t)kvh * cap + row) * d + i] = f2bf(x);
@@ -50,20 +54,22 @@ extern "C" __global__ void qk_norm_rope_cache(
     const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ qw, const bf16_t* __restrict__ kw,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t,
     const u32* __restrict__ positions, const u32* __restrict__ cache_len,
-    bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, bf16_t* __restrict__ q_out,
-    int nh, int nkv, int d, int cap, float eps) {
-    norm_rope_cache(qkv, qw, kw, cos_t, sin_t, positions, cache_len, kc, vc, q_out, nh, nh, nkv,
-                    d, cap, eps);
+    const u32* __restrict__ pt, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
+    bf16_t* __restrict__ q_out, int nh, int nkv, int d, int cap, float eps, int t_per,
+    int pt_stride) {
+    norm_rope_cache(qkv, qw, kw, cos_t, sin_t, positions, cache_len, pt, kc, vc, q_out, nh, nh,
+                    nkv, d, cap, eps, t_per, pt_stride);
 }
 
 // The same for rows without q heads (the drafter's context rows only provide K/V).
 extern "C" __global__ void kv_norm_rope_cache(
     const bf16_t* __restrict__ kv, const bf16_t* __restrict__ kw, const float* __restrict__ cos_t,
     const float* __restrict__ sin_t, const u32* __restrict__ positions,
-    const u32* __restrict__ cache_len, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, int nh,
-    int nkv, int d, int cap, float eps) {
-    norm_rope_cache(kv, nullptr, kw, cos_t, sin_t, positions, cache_len, kc, vc, nullptr, 0, nh,
-                    nkv, d, cap, eps);
+    const u32* __restrict__ cache_len, const u32* __restrict__ pt, bf16_t* __restrict__ kc,
+    bf16_t* __restrict__ vc, int nh, int nkv, int d, int cap, float eps, int t_per,
+    int pt_stride) {
+    norm_rope_cache(kv, nullptr, kw, cos_t, sin_t, positions, cache_len, pt, kc, vc, nullptr, 0,
+                    nh, nkv, d, cap, eps, t_per, pt_stride);
 }
 
 // Split-K attention over the cache for t new tokens, one KV head per blockIdx.x, one chunk of
@@ -76,9 +82,9 @@ extern "C" __global__ void kv_norm_rope_cache(
 #define DMAX 128
 extern "C" __global__ void attn_partial(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
-    const u32* __restrict__ cache_len, const u64* __restrict__ tree_mask, int words,
-    float* __restrict__ acc_out, float* __restrict__ ml_out,
-    int t, int nh, int nkv, int cap, float scale) {
+    const u32* __restrict__ cache_len, const u32* __restrict__ pt,
+    const u64* __restrict__ tree_mask, int words, float* __restrict__ acc_out,
+    float* __restrict__ ml_out, int t, int nh, int nkv, int cap, float scale) {
     __shared__ u32 ks[CH][DMAX / 2 + 1];  // K chunk as bf16 pairs, padded against bank conflicts
     __shared__ u32 vs[CH][DMAX / 2];
     __shared__ float qs[ROWS][DMAX];
@@ -104,7 +110,7 @@ extern "C" __global__ void attn_partial(
             int j = e / (d / 2), p = e % (d / 2);
             u32 kv = 0, vv = 0;
             if (k0 + j < kend) {
-                size_t off = ((size_t)kvh * cap + k0 + j) * d + 2 * p;
+                size_t off = ((size_t)kvh * cap + kv_row(pt, k0 + j)) * d + 2 * p;
                 kv = *(const u32*)(kc + off);
                 vv = *(const u32*)(vc + off);
             }
@@ -222,9 +228,14 @@ extern "C" __global__ void attn_combine(
     __shared__ float wsh[COMBINE_SMEM];
     __shared__ float lsh[COMBINE_SMEM];
     __shared__ float red[32];
-    size_t orow = blockIdx.x;
     size_t nrows = (size_t)t * nh;
-    int L = (int)(*cache_len) + t;
+    // A batch of sequences of t tokens each: block x is sequence x row.
+    const size_t seq = blockIdx.x / nrows;
+    size_t orow = blockIdx.x % nrows;
+    acc += seq * nsplit * nrows * d;
+    ml += seq * nsplit * nrows * 2;
+    out += seq * nrows * d;
+    int L = (int)cache_len[seq] + t;
     // cps 0: chunks per split set from the live length, as attn_split_flash sets them.
     if (cps == 0) cps = chunks_per_split(L, CH, nsplit);
     int used = min(nsplit, (L + CH * cps - 1) / (CH * cps));

@@ -5,7 +5,7 @@
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, ptr};
+use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, opt_ptr, page_stride, ptr};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fast.ptx"));
 const MODULE: &str = "dflash_fast";
@@ -17,7 +17,10 @@ const ROWS: usize = 16;
 /// One forward's q/k/v GEMM output `qkv` (`[t, (nh + 2 nkv) d]`) with what its per-head q/k
 /// RMSNorm, RoPE and cache write read: the norm weights, the f32 RoPE tables
 /// (`[max_pos, d/2]`) and the positions (u32 `[t]`), the committed length (u32 `[1]`) and the
-/// cache buffers `kc`, `vc` (`[nkv, cap, d]`) the new K/V go into at rows `cache_len[0] ..`.
+/// cache buffers `kc`, `vc` (`[nkv, cap, d]`) the new K/V go into at rows `cache_len[0] ..`
+/// (through the page table `pages`, u32 `[1, n]`, when the buffers are a shared pool's). The
+/// one-launch attention ([`super::fused_attention`]) also takes a batch: `seqs` sequences of
+/// `t / seqs` rows each, `cache_len` u32 `[seqs]` and `pages` `[seqs, n]`.
 #[derive(Clone, Copy)]
 pub struct QkvRows<'a> {
     pub qkv: &'a Tensor,
@@ -29,6 +32,8 @@ pub struct QkvRows<'a> {
     pub cache_len: &'a Tensor,
     pub kc: &'a Tensor,
     pub vc: &'a Tensor,
+    /// Page tables of the sequences (None: one sequence whose rows are in order).
+    pub pages: Option<&'a Tensor>,
     /// (q heads, KV heads, head dim).
     pub heads: (usize, usize, usize),
     pub eps: f64,
@@ -75,7 +80,20 @@ impl QkvRows<'_> {
         {
             bail!("{who}: RoPE tables must be f32 [max_pos, {}]", d / 2)
         }
+        let seqs = self.seqs();
+        if self.cache_len.dtype() != DType::U32 || seqs == 0 || t % seqs != 0 {
+            bail!(
+                "{who}: cache_len must be u32 [sequences] dividing the {t} rows, got {:?}",
+                self.cache_len.shape()
+            )
+        }
+        page_stride(self.pages, seqs, who)?;
         Ok((t, cap))
+    }
+
+    /// Sequences in the batch (one committed length each).
+    pub(super) fn seqs(&self) -> usize {
+        self.cache_len.elem_count()
     }
 }
 
@@ -107,6 +125,7 @@ fn norm_rope_cache(rows: &QkvRows<'_>, with_q: bool) -> Result<Option<Tensor>> {
         cache_len,
         kc,
         vc,
+        pages,
         heads: (nh, nkv, d),
         eps,
     } = *rows;
@@ -116,6 +135,9 @@ fn norm_rope_cache(rows: &QkvRows<'_>, with_q: bool) -> Result<Option<Tensor>> {
         "kv_norm_rope_cache"
     };
     let (t, cap) = rows.check(name, with_q)?;
+    let seqs = rows.seqs();
+    let pt_stride = page_stride(pages, seqs, name)? as i32;
+    let t_per = (t / seqs) as i32;
     let dev = cuda(qkv)?;
     let q = with_q.then(|| alloc_bf16(&dev, (t, nh, d))).transpose()?;
     // Kernel parameters in order (kernels.cu): the q pointers only for rows with q heads.
@@ -123,7 +145,11 @@ fn norm_rope_cache(rows: &QkvRows<'_>, with_q: bool) -> Result<Option<Tensor>> {
     if with_q {
         args.push(ptr(q_norm)?);
     }
-    for x in [k_norm, cos, sin, positions, cache_len, kc, vc] {
+    for x in [k_norm, cos, sin, positions, cache_len] {
+        args.push(ptr(x)?);
+    }
+    args.push(opt_ptr(pages)?);
+    for x in [kc, vc] {
         args.push(ptr(x)?);
     }
     if let Some(q) = &q {
@@ -137,28 +163,34 @@ fn norm_rope_cache(rows: &QkvRows<'_>, with_q: bool) -> Result<Option<Tensor>> {
         b.arg(a);
     }
     b.arg(&nh).arg(&nkv).arg(&d).arg(&cap).arg(&eps);
+    b.arg(&t_per).arg(&pt_stride);
     go(&mut b, cfg((heads as u32, t as u32, 1), d as u32), name)?;
     Ok(q)
 }
 
-/// Attention of q `[t, nh, d]` over cache rows `[0, cache_len[0] + t)`: committed rows are
+/// Attention of q `[t, nh, d]` over cache rows `[0, cache_len[0] + t)` (placed by the page
+/// table `pages`, u32 `[1, n]`, or in order when None): committed rows are
 /// visible to every token; new token j is visible to token i when `j <= i` (`tree_mask` None)
 /// or when bit j of `tree_mask[i * words + j / 64]` is set (`[t, words]` i64 bit rows).
 /// Returns `[t, nh * d]`. Causal forwards with enough query rows (prefill pieces) take the
 /// one-pass kernel of `attn_prefill.cu`; the rest the split-K path of [`attention_split`].
+/// A batch (`cache_len` u32 `[seqs]`, `pages` `[seqs, n]`) attends `t / seqs` rows of each
+/// sequence in the same launches, sequence s owning rows `[s t / seqs, (s + 1) t / seqs)`.
 pub fn attention(
     q: &Tensor,
     kc: &Tensor,
     vc: &Tensor,
+    pages: Option<&Tensor>,
     cache_len: &Tensor,
     tree_mask: Option<&Tensor>,
 ) -> Result<Tensor> {
     let (t, nh, _) = q.dims3()?;
     let nkv = kc.dims3()?.0;
-    if tree_mask.is_none() && super::attn_prefill::worth_it(t, nh, nkv) {
-        return super::attn_prefill::attention_prefill(q, kc, vc, cache_len);
+    let seqs = cache_len.elem_count().max(1);
+    if tree_mask.is_none() && super::attn_prefill::worth_it(t / seqs, nh, nkv * seqs) {
+        return super::attn_prefill::attention_prefill(q, kc, vc, pages, cache_len);
     }
-    attention_split(q, kc, vc, cache_len, tree_mask, None)
+    attention_split(q, kc, vc, pages, cache_len, tree_mask, None)
 }
 
 /// Blocks the split-K attention aims at: at most `SPLIT_BLOCKS / (query tiles x KV heads)`
@@ -178,21 +210,24 @@ pub(super) fn attention_split(
     q: &Tensor,
     kc: &Tensor,
     vc: &Tensor,
+    pages: Option<&Tensor>,
     cache_len: &Tensor,
     tree_mask: Option<&Tensor>,
     max_splits: Option<usize>,
 ) -> Result<Tensor> {
     let (t, nh, _) = q.dims3()?;
     let nkv = kc.dims3()?.0.max(1);
-    let tiles = (t * (nh / nkv)).div_ceil(64).max(1);
+    let seqs = cache_len.elem_count().max(1);
+    let tiles = ((t / seqs) * (nh / nkv)).div_ceil(64).max(1);
     let splits = max_splits
-        .unwrap_or(SPLIT_BLOCKS / (tiles * nkv))
+        .unwrap_or(SPLIT_BLOCKS / (tiles * nkv * seqs))
         .clamp(1, COMBINE_SPLITS);
     attention_with(
         SplitKernel::Flash,
         q,
         kc,
         vc,
+        pages,
         cache_len,
         tree_mask,
         splits,
@@ -216,6 +251,7 @@ pub fn attention_simt(
     q: &Tensor,
     kc: &Tensor,
     vc: &Tensor,
+    pages: Option<&Tensor>,
     cache_len: &Tensor,
     tree_mask: Option<&Tensor>,
     nsplit: usize,
@@ -225,6 +261,7 @@ pub fn attention_simt(
         q,
         kc,
         vc,
+        pages,
         cache_len,
         tree_mask,
         nsplit,
@@ -238,24 +275,32 @@ fn attention_with(
     q: &Tensor,
     kc: &Tensor,
     vc: &Tensor,
+    pages: Option<&Tensor>,
     cache_len: &Tensor,
     tree_mask: Option<&Tensor>,
     nsplit: usize,
     cps: usize,
 ) -> Result<Tensor> {
     let dev = cuda(q)?;
+    let seqs = cache_len.elem_count();
+    let pt_stride = page_stride(pages, seqs, "attention")?;
+    let pt = opt_ptr(pages)?;
     check_bf16("q", q)?;
-    let (t, nh, d) = q.dims3()?;
+    let (total, nh, d) = q.dims3()?;
     let (nkv, cap, _) = kc.dims3()?;
-    if d != 128 || nh % nkv != 0 {
-        bail!("attention: head_dim {d} (needs 128), heads {nh}/{nkv}")
+    if d != 128 || nh % nkv != 0 || cache_len.dtype() != DType::U32 || total % seqs != 0 {
+        bail!("attention: head_dim {d} (needs 128), heads {nh}/{nkv}, {total} rows over {seqs} u32 cache lengths")
     }
+    if kernel == SplitKernel::CudaCores && seqs != 1 {
+        bail!("attention_simt: one sequence per launch")
+    }
+    let t = total / seqs;
     let words = t.div_ceil(64);
     let mask_ptr = match tree_mask {
         Some(m) => {
-            if m.dims2()? != (t, words) || m.dtype() != DType::I64 {
+            if m.dims2()? != (total, words) || m.dtype() != DType::I64 {
                 bail!(
-                    "attention: tree mask must be i64 [{t}, {words}], got {:?}",
+                    "attention: tree mask must be i64 [{total}, {words}], got {:?}",
                     m.shape()
                 )
             }
@@ -264,9 +309,9 @@ fn attention_with(
         None => 0u64,
     };
     let rows = t * (nh / nkv);
-    let acc = alloc_f32(&dev, nsplit * t * nh * d)?;
-    let ml = alloc_f32(&dev, nsplit * t * nh * 2)?;
-    let out = alloc_bf16(&dev, (t, nh * d))?;
+    let acc = alloc_f32(&dev, seqs * nsplit * t * nh * d)?;
+    let ml = alloc_f32(&dev, seqs * nsplit * t * nh * 2)?;
+    let out = alloc_bf16(&dev, (total, nh * d))?;
     let args = [ptr(q)?, ptr(kc)?, ptr(vc)?, ptr(cache_len)?, mask_ptr];
     let (acc_p, ml_p, out_p) = (ptr(&acc)?, ptr(&ml)?, ptr(&out)?);
     let (words, ti, nhi, nkvi, capi) = (words as i32, t as i32, nh as i32, nkv as i32, cap as i32);
@@ -279,6 +324,7 @@ fn attention_with(
             kc: args[1],
             vc: args[2],
             cache_len: args[3],
+            pt,
             tree_mask: mask_ptr,
             words,
             acc: acc_p,
@@ -286,6 +332,8 @@ fn attention_with(
             shape: (ti, nhi, nkvi, capi),
             scale,
             nsplit,
+            seqs,
+            pt_stride: pt_stride as i32,
         };
         super::attn_prefill::launch_split(&dev, &a, rows)?;
     } else {
@@ -293,9 +341,10 @@ fn attention_with(
         let name = "attn_partial";
         let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let mut b = f.builder();
-        for a in &args {
+        for a in &args[..4] {
             b.arg(a);
         }
+        b.arg(&pt).arg(&args[4]);
         b.arg(&words).arg(&acc_p).arg(&ml_p);
         b.arg(&ti).arg(&nhi).arg(&nkvi).arg(&capi).arg(&scale);
         let grid = (nkv as u32, nsplit as u32, rows.div_ceil(ROWS) as u32);
@@ -309,7 +358,7 @@ fn attention_with(
     b.arg(&ti).arg(&nhi).arg(&di).arg(&ns).arg(&cpsi);
     go(
         &mut b,
-        cfg(((t * nh) as u32, 1, 1), d as u32),
+        cfg(((seqs * t * nh) as u32, 1, 1), d as u32),
         "attn_combine",
     )?;
     // acc/ml are freed stream-ordered after the combine kernel.

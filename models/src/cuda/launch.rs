@@ -20,6 +20,32 @@ pub fn device_address(t: &Tensor) -> Result<u64> {
     ptr(t)
 }
 
+/// [`ptr`] of an optional tensor; 0 (a null pointer) for none.
+pub(super) fn opt_ptr(t: Option<&Tensor>) -> Result<u64> {
+    t.map_or(Ok(0), ptr)
+}
+
+/// Checks a batch's page tables (u32 `[seqs, pages]`) against `seqs` sequences and returns
+/// the entries per sequence (0 without tables, which only a one-sequence launch may lack:
+/// its rows are then in order in the buffers).
+pub(super) fn page_stride(pages: Option<&Tensor>, seqs: usize, who: &str) -> Result<usize> {
+    match pages {
+        None if seqs == 1 => Ok(0),
+        None => bail!("{who}: {seqs} sequences in one launch need their page tables"),
+        Some(p) => {
+            let (n, stride) = p.dims2()?;
+            if n != seqs || p.dtype() != candle_core::DType::U32 || stride == 0 {
+                bail!(
+                    "{who}: page tables must be u32 [{seqs}, pages], got {:?} {:?}",
+                    p.dtype(),
+                    p.shape()
+                )
+            }
+            Ok(stride)
+        }
+    }
+}
+
 pub(super) fn ptr(t: &Tensor) -> Result<u64> {
     let (st, layout) = t.storage_and_layout();
     let Storage::Cuda(cs) = &*st else {

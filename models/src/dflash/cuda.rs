@@ -60,9 +60,11 @@ impl DFlashDrafter {
                 tokens: b,
                 cache_len: &lens[s],
                 tree: Some(full),
+                pages: None,
             })
             .collect();
         let stack = Stack {
+            pooled: None,
             layers: self.layers(),
             final_norm: self.final_norm_weight(),
             rope: self.rotary(),
@@ -140,6 +142,7 @@ impl DFlashDrafter {
                     cache_len: len,
                     kc,
                     vc,
+                    pages: None,
                     heads: (nh, nkv, d),
                     eps,
                 })?;
@@ -174,6 +177,7 @@ impl DFlashDrafter {
         let key = Key {
             cache: cache_key(item.cache)?,
             tokens: n,
+            seqs: 1,
             tree: false,
             taps: Vec::new(),
         };

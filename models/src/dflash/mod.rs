@@ -491,10 +491,10 @@ impl DFlashDrafter {
             let mut outs = Vec::with_capacity(batch.len());
             for (s, item) in batch.iter().enumerate() {
                 let len = item.cache.len();
-                let kv = item.cache.layer(li).attention()?;
                 // Block rows are written past the committed context and never made live.
-                kv.write(len, &k.narrow(1, s * b, b)?, &v.narrow(1, s * b, b)?)?;
-                let (kc, vc) = kv.view(len + b)?;
+                item.cache
+                    .write_kv(li, len, &k.narrow(1, s * b, b)?, &v.narrow(1, s * b, b)?)?;
+                let (kc, vc) = item.cache.view_kv(li, len + b)?;
                 let pattern = match self.cfg.layers.layer_types[li] {
                     LayerType::FullAttention => AttnPattern::Full,
                     LayerType::SlidingAttention => AttnPattern::Sliding {
@@ -591,8 +591,8 @@ impl DFlashDrafter {
             for item in batch.iter() {
                 let Some(c) = item.context else { continue };
                 let n = c.dim(0)?;
-                let kv = item.cache.layer(li).attention()?;
-                kv.write(
+                item.cache.write_kv(
+                    li,
                     item.cache.len(),
                     &k.narrow(1, off, n)?,
                     &v.narrow(1, off, n)?,

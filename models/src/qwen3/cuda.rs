@@ -11,7 +11,7 @@ use candle_core::Tensor;
 use crate::batch::{ForwardOutput, SeqForward, StackedBatch};
 use crate::cache::SequenceCache;
 use crate::cuda;
-use crate::cuda::decoder_stack::{cache_key, capture_graph, AttnSeq, Stack};
+use crate::cuda::decoder_stack::{cache_key, capture_graph, AttnSeq, PooledBatch, Stack};
 use crate::cuda::graphs::{GraphObject, Key, GRAPH_MAX_TOKENS};
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::AttnPattern;
@@ -19,12 +19,81 @@ use crate::qwen3::Qwen3Model;
 use crate::taps::TapCollector;
 
 /// Per-sequence device inputs of one fused forward.
-struct SeqInputs {
-    offset: usize,
-    tokens: usize,
+pub(super) struct SeqInputs {
+    pub offset: usize,
+    pub tokens: usize,
     /// `[1]` u32: committed rows before this forward.
-    cache_len: Tensor,
-    tree: Option<Tensor>,
+    pub cache_len: Tensor,
+    pub tree: Option<Tensor>,
+    /// The cache's page table (u32 `[1, pages]`; None: its own buffers, rows in order).
+    pub pages: Option<Tensor>,
+}
+
+/// A batch's committed lengths, page tables and (trees) ancestor bits as one upload each, when
+/// its sequences share a pool and a token count (their attention is then one set of launches
+/// per layer, see `PooledBatch`).
+pub(super) struct PooledInputs {
+    pub cache_len: Tensor,
+    pub pages: Tensor,
+    pub tree: Option<Tensor>,
+}
+
+/// [`PooledInputs`] for `batch` when it qualifies: more than one sequence, all paged in one
+/// pool, the same number of new tokens each, all causal or all trees.
+fn pooled_inputs(
+    batch: &[SeqForward<'_>],
+    dev: &candle_core::Device,
+) -> ModelResult<Option<PooledInputs>> {
+    let caches: Vec<&SequenceCache> = batch.iter().map(|s| &*s.cache).collect();
+    let t = batch.first().map_or(0, |s| s.tokens.len());
+    let trees: Vec<Option<&[Option<usize>]>> = batch
+        .iter()
+        .map(|s| match s.pattern {
+            AttnPattern::Tree { parents } => Some(parents.as_slice()),
+            _ => None,
+        })
+        .collect();
+    if caches.len() < 2
+        || batch.iter().any(|s| s.tokens.len() != t)
+        || trees.iter().any(|p| p.is_some() != trees[0].is_some())
+    {
+        return Ok(None);
+    }
+    let Some(pool) = caches[0].page_table().pool() else {
+        return Ok(None);
+    };
+    if !caches
+        .iter()
+        .all(|c| c.page_table().pool().is_some_and(|p| p.same(pool)))
+    {
+        return Ok(None);
+    }
+    let stride = caches
+        .iter()
+        .map(|c| c.page_table().pages().len())
+        .max()
+        .unwrap_or(1);
+    let mut table = vec![0u32; caches.len() * stride];
+    for (row, c) in table.chunks_mut(stride).zip(&caches) {
+        let pages = c.page_table().pages();
+        row[..pages.len()].copy_from_slice(pages);
+    }
+    let lens: Vec<u32> = caches.iter().map(|c| c.len() as u32).collect();
+    let tree = match trees[0] {
+        Some(_) => {
+            let bits: Vec<i64> = trees
+                .iter()
+                .flat_map(|p| cuda::tree_bits(p.unwrap_or_default()))
+                .collect();
+            Some(Tensor::from_vec(bits, (caches.len() * t, t.div_ceil(64)), dev)?)
+        }
+        None => None,
+    };
+    Ok(Some(PooledInputs {
+        cache_len: Tensor::new(lens.as_slice(), dev)?,
+        pages: Tensor::from_vec(table, (caches.len(), stride), dev)?,
+        tree,
+    }))
 }
 
 impl Qwen3Model {
@@ -41,8 +110,9 @@ impl Qwen3Model {
             token_offsets,
             logit_offsets,
         } = StackedBatch::new(batch);
+        let pooled = pooled_inputs(batch, &dev)?;
         let mut inputs = Vec::with_capacity(batch.len());
-        for (seq, &off) in batch.iter().zip(&token_offsets) {
+        for (s, (seq, &off)) in batch.iter().zip(&token_offsets).enumerate() {
             let t = seq.tokens.len();
             let len = seq.cache.len();
             let tree = match seq.pattern {
@@ -60,14 +130,19 @@ impl Qwen3Model {
             inputs.push(SeqInputs {
                 offset: off,
                 tokens: t,
-                cache_len: Tensor::new(&[len as u32], &dev)?,
+                cache_len: match &pooled {
+                    Some(p) => p.cache_len.narrow(0, s, 1)?,
+                    None => Tensor::new(&[len as u32], &dev)?,
+                },
                 tree,
+                pages: seq.cache.page_table().device_table().cloned(),
             });
         }
         let positions = Tensor::new(all_positions.as_slice(), &dev)?;
         let ids = Tensor::new(all_tokens.as_slice(), &dev)?;
         let caches: Vec<&SequenceCache> = batch.iter().map(|s| &*s.cache).collect();
-        let (h, tapped) = self.run_layers(&ids, &positions, &caches, &inputs, taps)?;
+        let (h, tapped) =
+            self.run_layers(&ids, &positions, &caches, &inputs, pooled.as_ref(), taps)?;
         for seq in batch.iter_mut() {
             seq.cache.advance(seq.tokens.len());
         }
@@ -182,12 +257,13 @@ impl Qwen3Model {
     /// advance them. Returns the final-normed hidden rows and the taps in the order asked
     /// ([`crate::taps`]: a last-layer tap is those normed rows). Makes no host-device copies,
     /// so a CUDA graph can capture it.
-    fn run_layers(
+    pub(super) fn run_layers(
         &self,
         ids: &Tensor,
         positions: &Tensor,
         caches: &[&SequenceCache],
         inputs: &[SeqInputs],
+        pooled: Option<&PooledInputs>,
         taps: &[usize],
     ) -> ModelResult<(Tensor, Vec<Tensor>)> {
         let seqs: Vec<AttnSeq<'_>> = caches
@@ -199,9 +275,15 @@ impl Qwen3Model {
                 tokens: inp.tokens,
                 cache_len: &inp.cache_len,
                 tree: inp.tree.as_ref(),
+                pages: inp.pages.as_ref(),
             })
             .collect();
         let stack = Stack {
+            pooled: pooled.map(|p| PooledBatch {
+                cache_len: &p.cache_len,
+                pages: &p.pages,
+                tree: p.tree.as_ref(),
+            }),
             layers: &self.layers,
             final_norm: &self.norm,
             rope: &self.rope,
@@ -229,7 +311,7 @@ pub struct StepGraph {
     /// Keeps the weights the graph reads alive (None for graphs the model itself holds).
     _model: Option<Qwen3Model>,
     tokens: usize,
-    /// u32 [tokens (t), positions (t), cache_len].
+    /// u32 [tokens (t), positions (t), cache_len, page table (a pooled cache's pages)].
     inputs: Tensor,
     /// i64 `[t, ceil(t / 64)]` ancestor bits (tree graphs).
     tree: Option<Tensor>,
@@ -278,6 +360,11 @@ impl Qwen3Model {
         let mut init: Vec<u32> = vec![0; t];
         init.extend((0..t as u32).map(|i| len + i));
         init.push(len);
+        // A pooled cache's page table is an input too: the graph serves any cache of the pool
+        // with as many pages.
+        let pages = self.graph_page_width(cache)?;
+        init.extend_from_slice(cache.page_table().pages());
+        init.resize(2 * t + 1 + pages, 0);
         let inputs = Tensor::new(init.as_slice(), &dev)?;
         let tree_bits = if tree {
             let chain: Vec<Option<usize>> = (0..t).map(|i| i.checked_sub(1)).collect();
@@ -304,12 +391,23 @@ impl Qwen3Model {
             tokens: t,
             cache_len: inputs.narrow(0, 2 * t, 1)?,
             tree: tree_bits.clone(),
+            pages: if cache.page_table().is_contiguous() {
+                None
+            } else {
+                Some(inputs.narrow(0, 2 * t + 1, pages)?.reshape((1, pages))?)
+            },
         };
         let ids = inputs.narrow(0, 0, t)?;
         let positions = inputs.narrow(0, t, t)?;
         let body = || -> ModelResult<()> {
-            let (h, tapped) =
-                self.run_layers(&ids, &positions, &[cache], std::slice::from_ref(&seq), taps)?;
+            let (h, tapped) = self.run_layers(
+                &ids,
+                &positions,
+                &[cache],
+                std::slice::from_ref(&seq),
+                None,
+                taps,
+            )?;
             let out = self.lm_head(&h)?;
             logits.slice_set(&out, 0, 0)?;
             if let Some(dst) = &taps_out {
@@ -330,6 +428,25 @@ impl Qwen3Model {
             taps_out,
             cache_key: cache_key(cache)?,
         })
+    }
+}
+
+impl Qwen3Model {
+    /// Page-table entries a step graph of `cache` reads: none for a cache in buffers of its
+    /// own; for a pooled one, enough for any sequence the model can hold (every graph of the
+    /// pool then has the same width, whatever the capacity of the cache it was captured on).
+    pub(super) fn graph_page_width(&self, cache: &SequenceCache) -> ModelResult<usize> {
+        if cache.page_table().is_contiguous() {
+            return Ok(0);
+        }
+        let width = crate::cache::pages_for(self.rope.max_positions() + cuda::MAX_FAST_TOKENS);
+        if cache.page_table().pages().len() > width {
+            return Err(ModelError::Unsupported(format!(
+                "a cache of {} pages is beyond the step graphs' {width}",
+                cache.page_table().pages().len()
+            )));
+        }
+        Ok(width)
     }
 }
 
@@ -391,10 +508,20 @@ impl StepGraph {
                 ))
             }
         }
-        let mut host: Vec<u32> = Vec::with_capacity(2 * t + 1);
+        let pages = cache.page_table().pages();
+        let width = self.inputs.elem_count() - (2 * t + 1);
+        if pages.len() > width {
+            return Err(ModelError::BadInput(format!(
+                "step graph for page tables of {width} pages replayed on a cache of {}",
+                pages.len()
+            )));
+        }
+        let mut host: Vec<u32> = Vec::with_capacity(2 * t + 1 + width);
         host.extend_from_slice(tokens);
         host.extend_from_slice(positions);
         host.push(cache.len() as u32);
+        host.extend_from_slice(pages);
+        host.resize(2 * t + 1 + width, 0);
         cuda::upload_u32(&self.inputs, &host)?;
         self.graph
             .launch()
@@ -441,6 +568,7 @@ impl Qwen3Model {
         let key = Key {
             cache: cache_key(seq.cache)?,
             tokens: t,
+            seqs: 1,
             tree,
             taps: taps.to_vec(),
         };

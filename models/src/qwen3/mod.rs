@@ -28,6 +28,8 @@ use crate::random::WeightRng;
 use crate::taps::TapCollector;
 
 #[cfg(feature = "cuda")]
+mod batch_graph;
+#[cfg(feature = "cuda")]
 mod cuda;
 
 #[cfg(feature = "cuda")]
@@ -282,6 +284,27 @@ impl Qwen3Model {
             * self.dtype.size_in_bytes()
     }
 
+    /// A K/V pool of `pages` pages of [`crate::cache::PAGE_SIZE`] rows for every layer.
+    pub fn new_kv_pool(&self, pages: usize) -> ModelResult<crate::cache::KvPool> {
+        Ok(crate::cache::KvPool::new(
+            self.cfg.num_hidden_layers,
+            self.cfg.num_key_value_heads,
+            self.cfg.head_dim,
+            pages,
+            self.dtype,
+            &self.device,
+        )?)
+    }
+
+    /// A cache for `capacity` positions in pages of `pool` (made by [`Self::new_kv_pool`]).
+    pub fn new_cache_in(
+        &self,
+        pool: &crate::cache::KvPool,
+        capacity: usize,
+    ) -> ModelResult<SequenceCache> {
+        SequenceCache::new_paged(pool, vec![None; self.cfg.num_hidden_layers], capacity, 0)
+    }
+
     pub fn new_cache(&self, capacity: usize) -> ModelResult<SequenceCache> {
         Ok(SequenceCache::new_attention(
             self.cfg.num_hidden_layers,
@@ -330,6 +353,9 @@ impl Qwen3Model {
         self.check(batch, taps)?;
         #[cfg(feature = "cuda")]
         if self.fast {
+            if let Some(out) = self.forward_batch_graph(batch, taps)? {
+                return Ok(out);
+            }
             if let Some(out) = self.forward_graph(batch, taps)? {
                 return Ok(out);
             }
@@ -367,9 +393,9 @@ impl Qwen3Model {
             for (s, seq) in batch.iter().enumerate() {
                 let (off, t) = (token_offsets[s], seq.tokens.len());
                 let len = seq.cache.len();
-                let kv = seq.cache.layer(li).attention()?;
-                kv.write(len, &k.narrow(1, off, t)?, &v.narrow(1, off, t)?)?;
-                let (kc, vc) = kv.view(len + t)?;
+                seq.cache
+                    .write_kv(li, len, &k.narrow(1, off, t)?, &v.narrow(1, off, t)?)?;
+                let (kc, vc) = seq.cache.view_kv(li, len + t)?;
                 outs.push(attend(
                     &q.narrow(1, off, t)?,
                     &kc,

@@ -300,6 +300,44 @@ impl Qwen35Model {
         full * 2 * self.cfg.num_key_value_heads * self.cfg.head_dim * self.dtype.size_in_bytes()
     }
 
+    /// A K/V pool of `pages` pages for the full-attention layers (the Gated DeltaNet layers
+    /// keep per-sequence recurrent states instead).
+    pub fn new_kv_pool(&self, pages: usize) -> ModelResult<crate::cache::KvPool> {
+        let attention = self
+            .layers
+            .iter()
+            .filter(|l| matches!(l.mixer, Mixer::Full(_)))
+            .count();
+        Ok(crate::cache::KvPool::new(
+            attention,
+            self.cfg.num_key_value_heads,
+            self.cfg.head_dim,
+            pages,
+            self.dtype,
+            &self.device,
+        )?)
+    }
+
+    /// [`Self::new_cache_with_rollback`] with the attention rows in pages of `pool`.
+    pub fn new_cache_in(
+        &self,
+        pool: &crate::cache::KvPool,
+        capacity: usize,
+        rollback: usize,
+    ) -> ModelResult<SequenceCache> {
+        let kinds = self
+            .layers
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::Linear(g) => Ok(Some(crate::cache::RecurrentLayer::new(
+                    g.zero_state(self.dtype, &self.device)?,
+                ))),
+                Mixer::Full(_) => Ok(None),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        SequenceCache::new_paged(pool, kinds, capacity, rollback)
+    }
+
     pub fn new_cache(&self, capacity: usize) -> ModelResult<SequenceCache> {
         self.new_cache_with_rollback(capacity, 0)
     }
@@ -442,9 +480,13 @@ impl Qwen35Model {
                     for (s, seq) in batch.iter().enumerate() {
                         let (off, t) = (token_offsets[s], seq.tokens.len());
                         let len = seq.cache.len();
-                        let kv = seq.cache.layer(li).attention()?;
-                        kv.write(len, &k.narrow(1, off, t)?, &v.narrow(1, off, t)?)?;
-                        let (kc, vc) = kv.view(len + t)?;
+                        seq.cache.write_kv(
+                            li,
+                            len,
+                            &k.narrow(1, off, t)?,
+                            &v.narrow(1, off, t)?,
+                        )?;
+                        let (kc, vc) = seq.cache.view_kv(li, len + t)?;
                         outs.push(attend(
                             &q.narrow(1, off, t)?,
                             &kc,

@@ -158,9 +158,8 @@ impl MtpHead {
         let hn = rms_norm(&x, &self.input_norm, self.eps, self.mode)?;
         let (q, k, v, gate) = self.attn.qkv_gate(&hn, &cos, &sin)?;
         let len = cache.len();
-        let kv = cache.layer(0).attention()?;
-        kv.write(len, &k, &v)?;
-        let (kc, vc) = kv.view(len + n)?;
+        cache.write_kv(0, len, &k, &v)?;
+        let (kc, vc) = cache.view_kv(0, len + n)?;
         let mask = AttnPattern::Causal.mask(len, n, target.device())?;
         let a = attend(&q, &kc, &vc, mask.as_ref(), self.mode)?;
         let x = (x + self.attn.out(&a, &gate)?)?;

@@ -13,7 +13,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 
 use crate::batch::SeqForward;
-use crate::cache::SequenceCache;
+use crate::cache::{pages_for, KvPool, SequenceCache, PAGE_SIZE};
 use crate::error::ModelError;
 use crate::layers::attention::AttnPattern;
 use crate::speculative::proposer::{ProposeItem, Proposer, SeqId};
@@ -61,8 +61,15 @@ pub struct Engine {
     simulate: Option<SimulatedAcceptance>,
     /// Most prompt tokens prefilled per step ([`Engine::set_chunked_prefill`]).
     prefill_chunk: Option<usize>,
+    /// Most prompt tokens prefilled in a step while other sequences decode
+    /// ([`Engine::set_prefill_while_decoding`]).
+    prefill_while_decoding: Option<usize>,
     /// Target caches of finished sequences, for the next ones (their step graphs stay valid).
+    /// Not used with a pool: a finished sequence's pages go back to it.
     spare: SpareCaches,
+    /// The shared paged K/V pool of the target ([`Engine::use_kv_pool`]); None: each sequence
+    /// gets a cache of its own.
+    pool: Option<KvPool>,
 }
 
 impl Engine {
@@ -80,6 +87,8 @@ impl Engine {
             simulate: None,
             prefill_chunk: None,
             spare: SpareCaches::default(),
+            pool: None,
+            prefill_while_decoding: None,
         }
     }
 
@@ -94,6 +103,13 @@ impl Engine {
     /// (SGLang's `--chunked-prefill-size`), so a long prompt is prefilled over several steps
     /// interleaved with the decode and verify rounds of the running sequences instead of
     /// stalling them; `None` (the default) prefills every new prompt whole in one step.
+    /// Bounds the prompt tokens prefilled in a step in which other sequences also decode (a
+    /// long prompt then stretches their inter-token latency by about one such chunk per
+    /// step); `None`: only the chunk size bounds it. Outputs do not change.
+    pub fn set_prefill_while_decoding(&mut self, tokens: Option<usize>) {
+        self.prefill_while_decoding = tokens.map(|t| t.max(1));
+    }
+
     pub fn set_chunked_prefill(&mut self, tokens: Option<usize>) {
         self.prefill_chunk = tokens.filter(|&t| t > 0);
     }
@@ -132,6 +148,10 @@ impl Engine {
     /// on it) serve the next request of a similar size; sizing by the request, not the whole
     /// context, is what lets many sequences share a GPU's memory. A server admitting by K/V
     /// memory reserves exactly this.
+    ///
+    /// With a pool ([`Engine::use_kv_pool`]) a sequence takes exactly what it can fill,
+    /// prompt + max_new_tokens + the verify width, in whole pages: the pool's step graphs
+    /// serve every capacity.
     pub fn cache_capacity(
         &self,
         prompt_len: usize,
@@ -139,6 +159,9 @@ impl Engine {
         algorithm: Algorithm,
     ) -> usize {
         let need = prompt_len.saturating_add(max_new_tokens);
+        if self.pool.is_some() {
+            return pages_for(need + self.verify_width(algorithm)) * PAGE_SIZE;
+        }
         let rows = need
             .max(MIN_CACHE_ROWS)
             .checked_next_power_of_two()
@@ -155,6 +178,40 @@ impl Engine {
                 .proposer
                 .as_ref()
                 .map_or(0, |p| p.cache_bytes_per_row())
+    }
+
+    /// Puts the target's K/V in one paged pool of `tokens` rows (rounded down to whole
+    /// pages), allocated now, from which every sequence admitted later takes its pages; a
+    /// server sizes it from device memory and admits by [`Engine::cache_capacity`] against
+    /// [`Engine::kv_pool_tokens`], so a sequence's pages are always there. Only before any
+    /// sequence is admitted.
+    pub fn use_kv_pool(&mut self, tokens: usize) -> Result<(), EngineError> {
+        if !self.seqs.is_empty() {
+            return Err(EngineError::Model(ModelError::BadCacheOp(
+                "the K/V pool is set before any sequence is admitted".into(),
+            )));
+        }
+        let pages = tokens / PAGE_SIZE;
+        if pages == 0 {
+            return Err(EngineError::Model(ModelError::BadInput(format!(
+                "a K/V pool of {tokens} tokens holds no page of {PAGE_SIZE}"
+            ))));
+        }
+        self.spare = SpareCaches::default();
+        // The old pool's memory is freed before the new one is allocated.
+        self.pool = None;
+        self.pool = Some(self.target.new_kv_pool(pages)?);
+        Ok(())
+    }
+
+    /// Rows the pool holds (None without one).
+    pub fn kv_pool_tokens(&self) -> Option<usize> {
+        self.pool.as_ref().map(|p| p.total_pages() * PAGE_SIZE)
+    }
+
+    /// Rows of the pool not held by any sequence (None without one).
+    pub fn kv_pool_free_tokens(&self) -> Option<usize> {
+        self.pool.as_ref().map(|p| p.free_pages() * PAGE_SIZE)
     }
 
     fn verify_width(&self, algorithm: Algorithm) -> usize {
@@ -217,12 +274,17 @@ impl Engine {
         let capacity = self.cache_capacity(req.prompt.len(), req.max_new_tokens, req.algorithm);
         // Hybrid targets keep a recurrent state per verify node so any accepted one commits.
         let target = &self.target;
-        let cache = self
-            .spare
-            .take_or(capacity, || target.new_cache(capacity, width))?;
+        let cache = match &self.pool {
+            Some(pool) => target.new_cache_in(pool, capacity, width)?,
+            None => self
+                .spare
+                .take_or(capacity, || target.new_cache(capacity, width))?,
+        };
         if let (Some(p), true) = (self.proposer.as_mut(), req.algorithm != Algorithm::Plain) {
             if let Err(e) = p.open(id, capacity) {
-                self.spare.put(capacity, cache);
+                if self.pool.is_none() {
+                    self.spare.put(capacity, cache);
+                }
                 return Err(e.into());
             }
         }
@@ -263,7 +325,9 @@ impl Engine {
                 p.close(id);
             }
         }
-        self.spare.put(seq.capacity, seq.cache);
+        if self.pool.is_none() {
+            self.spare.put(seq.capacity, seq.cache);
+        }
         Ok(())
     }
 
@@ -301,6 +365,9 @@ impl Engine {
     fn prefill(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
         let taps = self.taps();
         let mut budget = self.prefill_chunk.unwrap_or(usize::MAX);
+        if self.seqs.iter().any(|s| s.prefilled) {
+            budget = budget.min(self.prefill_while_decoding.unwrap_or(usize::MAX));
+        }
         // (sequence index, first prompt token of this chunk, tokens in it)
         let mut chunks: Vec<(usize, usize, usize)> = Vec::new();
         for (i, s) in self.seqs.iter().enumerate() {

@@ -2,6 +2,8 @@
 //! spirit of `sglang.bench_one_batch`, as JSON. See deploy/bench/README.md for the figures, how
 //! they relate to the rooflines, and the HF transformers baseline script run beside it.
 
+#[cfg(feature = "cuda")]
+mod batched;
 mod e2e;
 mod measure;
 mod shapes;
@@ -49,6 +51,9 @@ pub struct BenchArgs {
     /// Context lengths for batch-1 decode
     #[arg(long, value_delimiter = ',', default_value = "1024,8192")]
     contexts: Vec<usize>,
+    /// Sequences per batched step (pooled K/V, 1K context each; empty: none)
+    #[arg(long, value_delimiter = ',', default_value = "8,32,64")]
+    batch_sizes: Vec<usize>,
     /// New-token counts for the forward-latency sweep (over a 1024-token cache)
     #[arg(
         long,
@@ -298,6 +303,18 @@ fn figures(
     // The best plain step this path has: the ratios of drafting and e2e refer to it.
     let best_decode_1k = graph_1k.unwrap_or(decode_1k);
     out.insert("decode".into(), Value::Object(decode));
+    #[cfg(feature = "cuda")]
+    if m.fast_kernels() && !args.batch_sizes.is_empty() {
+        let fig = batched::run(
+            m,
+            &args.batch_sizes,
+            1024,
+            args.decode_steps,
+            (weights, kv_pos, bw),
+        )
+        .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+        out.insert("batched".into(), fig);
+    }
 
     // Forward of n new tokens over the 1K cache, chain and tree.
     for (name, tree) in [("forward_chain", false), ("forward_tree", true)] {

@@ -75,7 +75,7 @@ fn simulated_acceptance_length() -> Result<Option<f64>, LoadError> {
 pub struct RealEngine {
     engine: Engine,
     algorithm: Algorithm,
-    /// The K/V pool sized from device memory (CUDA), in tokens.
+    /// The paged K/V pool, in tokens (sized from device memory on CUDA).
     pool_tokens: Option<usize>,
 }
 
@@ -176,7 +176,20 @@ impl RealEngine {
             ))
         );
         engine.set_chunked_prefill(chunk);
-        let pool_tokens = kv_pool(&device, memory, &engine, config, fixed_bytes)?;
+        engine.set_prefill_while_decoding(config.prefill_tokens_while_decoding);
+        let pool_tokens = match kv_pool(&device, memory, &engine, config, fixed_bytes)? {
+            Some(t) => t,
+            None => cpu_pool_tokens(&engine, config, context_length),
+        };
+        engine
+            .use_kv_pool(pool_tokens)
+            .map_err(|e| LoadError::Device {
+                device: format!("{device:?}"),
+                message: format!(
+                    "allocating the K/V pool of {pool_tokens} tokens: {e} (lower --mem-fraction-static or --max-total-tokens)"
+                ),
+            })?;
+        let pool_tokens = engine.kv_pool_tokens();
         Ok(Self {
             engine,
             algorithm,
@@ -235,6 +248,27 @@ fn kv_pool(
         });
     }
     Ok(Some(tokens))
+}
+
+/// Host memory the CPU K/V pool takes at most unless `--max-total-tokens` says otherwise
+/// (the CPU has no `--mem-fraction-static` rule; a whole context per running request of a
+/// real model would be tens of GB).
+const CPU_POOL_BYTES: usize = 512 << 20;
+
+/// The CPU pool in tokens: `--max-total-tokens` when given, else a context per running
+/// request up to [`CPU_POOL_BYTES`] (at least one whole context).
+fn cpu_pool_tokens(engine: &Engine, config: &ServeConfig, context_length: usize) -> usize {
+    let per_row = engine.kv_bytes_per_row().max(1);
+    let tokens = config.max_total_tokens.unwrap_or_else(|| {
+        (context_length * config.max_running_requests)
+            .min(CPU_POOL_BYTES / per_row)
+            .max(context_length + 2 * dflash_models::cache::PAGE_SIZE)
+    });
+    tracing::info!(
+        "KV cache pool: max_total_num_tokens={tokens} (host memory, {:.2} GB at {per_row} bytes/token)",
+        (tokens * per_row) as f64 / (1u64 << 30) as f64
+    );
+    tokens
 }
 
 /// Tells the operator what hybrid verification costs beyond the K/V cache: every verified row

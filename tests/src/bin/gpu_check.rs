@@ -5,13 +5,17 @@
 //! The Qwen3-8B-shaped speed figures that used to live here moved to `dflash-serve bench`
 //! (serve/src/bench/, deploy/bench/README.md), which also checks the fused CUDA kernels.
 //!
-//! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid]
+//! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid | --pooled]
+//!
+//! With `--pooled` it runs only the paged-pool checks (`gpu_check/pooled.rs`).
 //!
 //! With `--hybrid` it runs only the hybrid-target checks and the Qwen3.6-27B-shaped benchmark
 //! (see `gpu_check/hybrid.rs`).
 
 #[path = "gpu_check/hybrid.rs"]
 mod hybrid;
+#[path = "gpu_check/pooled.rs"]
+mod pooled;
 
 use anyhow::{Context, Result};
 
@@ -137,6 +141,15 @@ fn main() -> Result<()> {
         _ => Device::new_cuda(0)?,
     };
     let mut report = serde_json::Map::new();
+    if args.iter().any(|a| a == "--pooled") {
+        let p = pooled::run(&dev)?;
+        let out = json!({ "pooled": p }).to_string();
+        if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
+            std::fs::write(path, &out)?;
+        }
+        println!("{out}");
+        return Ok(());
+    }
     if args.iter().any(|a| a == "--hybrid") {
         for dtype in [DType::F32, DType::BF16] {
             let p = hybrid::parity(&dev, dtype)?;

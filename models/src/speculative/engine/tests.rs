@@ -1,4 +1,5 @@
-//! The engine sizes each sequence's caches by its request (rounded up), not by the context.
+//! The engine sizes each sequence's caches by its request (rounded up), not by the context,
+//! and with a paged pool takes and returns whole pages.
 
 use super::*;
 use crate::speculative::sampling::SamplingParams;
@@ -56,4 +57,85 @@ fn the_cache_an_admitted_sequence_holds_is_the_capacity_admission_reserves() {
     let mut e = engine(2000);
     let (tokens, _) = e.generate(request(250, 6)).expect("generates");
     assert_eq!(tokens.len(), 6);
+}
+
+#[test]
+fn with_a_pool_a_sequence_takes_whole_pages_and_gives_them_back() {
+    let mut e = engine(2000);
+    e.use_kv_pool(40 * PAGE_SIZE + 5).expect("pool");
+    assert_eq!(e.kv_pool_tokens(), Some(40 * PAGE_SIZE), "whole pages");
+    // prompt + max_new + the bonus row, in pages.
+    assert_eq!(e.cache_capacity(10, 20, Algorithm::Plain), PAGE_SIZE);
+    assert_eq!(e.cache_capacity(64, 63, Algorithm::Plain), 2 * PAGE_SIZE);
+    assert_eq!(e.cache_capacity(64, 64, Algorithm::Plain), 3 * PAGE_SIZE);
+    let a = e.add(request(100, 10)).expect("admitted");
+    let b = e.add(request(300, 100)).expect("admitted");
+    assert_eq!(e.kv_pool_free_tokens(), Some((40 - 2 - 7) * PAGE_SIZE));
+    // A request whose pages are not free is refused as a server condition, changing nothing.
+    let err = e.add(request(1500, 500)).unwrap_err();
+    assert!(!err.is_client_error(), "{err}");
+    assert_eq!(e.kv_pool_free_tokens(), Some(31 * PAGE_SIZE));
+    assert!(e.use_kv_pool(PAGE_SIZE).is_err(), "not once sequences hold pages");
+    e.remove(a).unwrap();
+    e.remove(b).unwrap();
+    assert_eq!(e.kv_pool_free_tokens(), Some(40 * PAGE_SIZE));
+}
+
+#[test]
+fn greedy_decoding_on_the_pool_equals_decoding_in_caches_of_their_own() {
+    // Several sequences in flight at once, so their pages interleave in the pool and every
+    // forward reads K/V through page tables that are not in order.
+    let run = |pool: bool| {
+        let mut e = engine(600);
+        let mut holders = Vec::new();
+        if pool {
+            e.use_kv_pool(24 * PAGE_SIZE).expect("pool");
+            // One-page sequences on pages 0..6, every other one gone: the real sequences'
+            // pages start in the gaps.
+            holders = (0..6).map(|_| e.add(request(10, 20)).unwrap()).collect();
+            for id in holders.iter().step_by(2) {
+                e.remove(*id).unwrap();
+            }
+        }
+        let greedy = |p, n| GenerationRequest {
+            sampling: SamplingParams {
+                temperature: 0.0,
+                ..SamplingParams::default()
+            },
+            ..request(p, n)
+        };
+        let ids: Vec<_> = [(70, 90), (5, 140), (130, 60), (1, 70)]
+            .iter()
+            .map(|&(p, n)| e.add(greedy(p, n)).expect("admitted"))
+            .collect();
+        if pool {
+            let (_, cache) = e.sequence(ids[0]).unwrap();
+            assert_eq!(&cache.page_table().pages()[..3], &[0, 2, 4], "pages out of order");
+            for id in holders.iter().skip(1).step_by(2) {
+                e.remove(*id).unwrap();
+            }
+        }
+        let mut out: Vec<Vec<u32>> = vec![Vec::new(); ids.len()];
+        while e.num_active() > 0 {
+            for ev in e.step().expect("step") {
+                let i = ids.iter().position(|&id| id == ev.id).unwrap();
+                out[i].extend(ev.tokens);
+            }
+        }
+        out
+    };
+    let own = run(false);
+    assert_eq!(own.iter().map(Vec::len).collect::<Vec<_>>(), [90, 140, 60, 70]);
+    let distinct: std::collections::BTreeSet<u32> = own.iter().flatten().copied().collect();
+    assert!(distinct.len() >= 4, "a test model that says something: {distinct:?}");
+    let pooled = run(true);
+    for (s, (a, b)) in pooled.iter().zip(&own).enumerate() {
+        let first = a.iter().zip(b).position(|(x, y)| x != y);
+        assert!(
+            a == b,
+            "sequence {s}: pooled output differs from step {first:?} (lengths {} / {})",
+            a.len(),
+            b.len()
+        );
+    }
 }
