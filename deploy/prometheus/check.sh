@@ -9,16 +9,10 @@ cd "$(dirname "$0")/../.."
 BIN=${1:-target/debug/dflash-serve}
 [ -x "$BIN" ] || { echo "no dflash-serve binary at $BIN: build it with cargo build -p dflash-serve" >&2; exit 1; }
 
-if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
-  echo "prometheus not found: installing Debian's prometheus package"
-  apt-get update -qq
-  # policy-rc.d 101: the package must not start its own service (and there may be no init).
-  POLICY=/usr/sbin/policy-rc.d; ADDED_POLICY=
-  if [ ! -e "$POLICY" ]; then printf '#!/bin/sh\nexit 101\n' > "$POLICY"; chmod +x "$POLICY"; ADDED_POLICY=1; fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-  [ -n "$ADDED_POLICY" ] && rm -f "$POLICY"
-fi
-command -v prometheus >/dev/null || { echo "prometheus still missing" >&2; exit 1; }
+. deploy/need.sh
+need curl curl
+need prometheus prometheus
+need promtool prometheus
 prometheus --version 2>&1 | head -1
 
 WORK=$(mktemp -d)

@@ -11,6 +11,10 @@ cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 BIN=${1:-target/debug/dflash-serve}
 [ -x "$BIN" ] || { echo "no dflash-serve binary at $BIN: build it with cargo build -p dflash-serve" >&2; exit 1; }
+. deploy/need.sh
+need curl curl
+need readelf binutils
+need unshare util-linux
 WORK=$(mktemp -d)
 PID=
 cleanup() { [ -n "$PID" ] && kill -9 "$PID" 2>/dev/null; rm -rf "$WORK"; }
@@ -49,7 +53,8 @@ git ls-files serve/assets | while read -r f; do
 done
 grep -q "^variant: cpu$" "$X/BUILD-INFO" || fail "BUILD-INFO names no variant"
 grep -q "^commit: $(git rev-parse HEAD)" "$X/BUILD-INFO" || fail "BUILD-INFO names the wrong commit"
-"$X/dflash-serve" --version | grep -q "^dflash-serve " || fail "the packaged binary does not run"
+VERSION_LINE=$("$X/dflash-serve" --version)
+grep -q "^dflash-serve " <<<"$VERSION_LINE" || fail "the packaged binary does not run"
 echo "contents: $(cd "$X" && find . -type f | wc -l) files, checksums OK; $(grep glibc "$X/BUILD-INFO")"
 
 # Serve the demo from the unpacked copy. The binary also knows its source checkout's assets (a

@@ -13,6 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${1:-target/debug/dflash-serve}
 [ -x "$BIN" ] || { echo "no dflash-serve binary at $BIN: build it with cargo build -p dflash-serve" >&2; exit 1; }
+. deploy/need.sh
+need curl curl
 VENV=${DFLASH_ROUTER_VENV:-target/router-venv}
 REPORT=${DFLASH_ROUTER_REPORT:-target/router-failover.json}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"

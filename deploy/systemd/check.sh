@@ -16,11 +16,9 @@ BIN=${1:-target/debug/dflash-serve}
 UNIT=deploy/systemd/dflash-serve.service
 ENVF=deploy/systemd/dflash-serve.env
 
-if ! command -v systemd-analyze >/dev/null; then
-  echo "systemd-analyze not found: installing Debian's systemd package"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null
-fi
-command -v systemd-analyze >/dev/null || { echo "systemd-analyze still missing" >&2; exit 1; }
+. deploy/need.sh
+need curl curl
+need systemd-analyze systemd
 
 WORK=$(mktemp -d)
 PID=
@@ -120,7 +118,8 @@ for _ in $(seq 1 900); do
 done
 grep -q "fired up and ready to roll" "$WORK/server.log" || { cat "$WORK/server.log"; echo "not ready after 180 s" >&2; exit 1; }
 URL=http://127.0.0.1:$PORT
-curl -fsS "$URL/metrics" | grep -q '^sglang:num_requests_total' || { echo "--enable-metrics from the env file did not reach the server" >&2; exit 1; }
+METRICS=$(curl -fsS "$URL/metrics")
+grep -q '^sglang:num_requests_total' <<<"$METRICS" || { echo "--enable-metrics from the env file did not reach the server" >&2; exit 1; }
 
 # A request running when the stop signal arrives must finish.
 curl -sS -N "$URL/generate" -H 'content-type: application/json' \
@@ -140,7 +139,7 @@ wait "$CURL"
 ELAPSED=$(python3 -c "print(round($T1 - $T0, 2))")
 [ "$STATUS" = 0 ] || { cat "$WORK/server.log"; echo "the server exited $STATUS after SIGTERM: systemd would count a failure" >&2; exit 1; }
 python3 -c "import sys; sys.exit(0 if $ELAPSED < $STOP_S else 1)" || { echo "the drain took ${ELAPSED}s, over TimeoutStopSec=${STOP_S}s" >&2; exit 1; }
-tail -c 300 "$WORK/stream.txt" | grep -q 'data: \[DONE\]' || { echo "the running request did not finish during the drain:" >&2; tail -c 500 "$WORK/stream.txt" >&2; exit 1; }
+[ "$(tail -c 14 "$WORK/stream.txt")" = 'data: [DONE]' ] || { echo "the running request did not finish during the drain:" >&2; tail -c 500 "$WORK/stream.txt" >&2; exit 1; }
 grep -q '"completion_tokens":200' "$WORK/stream.txt" || { echo "the running request was cut short" >&2; exit 1; }
 grep -q "all requests finished; exiting" "$WORK/server.log" || { echo "no drain line in the server log" >&2; exit 1; }
 echo "systemd check OK: the unit verifies; its command serves, drains a running request on SIGTERM and exits 0 in ${ELAPSED}s (TimeoutStopSec ${STOP_S}s)"
