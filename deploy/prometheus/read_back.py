@@ -93,7 +93,28 @@ def send_requests(server):
 
 
 def dashboard_queries(path):
+    """Every panel query, after checking what Grafana needs to lay the panels out: unique panel
+    ids and refIds, and grid positions inside the 24-column grid that do not overlap."""
     dash = json.load(open(path))
+    ids = [p["id"] for p in dash["panels"]]
+    if len(set(ids)) != len(ids):
+        raise SystemExit(f"{path}: duplicate panel ids {ids}")
+    cells = {}
+    for panel in dash["panels"]:
+        g = panel["gridPos"]
+        if g["x"] < 0 or g["x"] + g["w"] > 24:
+            raise SystemExit(f"{path}: panel {panel['title']!r} leaves the 24-column grid: {g}")
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                if (x, y) in cells:
+                    raise SystemExit(f"{path}: panels {cells[(x, y)]!r} and {panel['title']!r} overlap")
+                cells[(x, y)] = panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        if len(set(refs)) != len(refs) or not refs:
+            raise SystemExit(f"{path}: panel {panel['title']!r} has no or duplicate refIds {refs}")
+    names = {v["name"] for v in dash["templating"]["list"]}
+    if not {"datasource", "model_name", "instance"} <= names:
+        raise SystemExit(f"{path}: templating variables {names} lack datasource, model_name or instance")
     for panel in dash["panels"]:
         for t in panel.get("targets", []):
             yield panel["title"], t["expr"]
