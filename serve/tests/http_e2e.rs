@@ -252,6 +252,12 @@ async fn health_models_model_info_server_info_and_load() {
         assert!(v["internal_states"][0]["last_gen_throughput"].is_number());
         assert_eq!(v["tp_size"], 1);
         assert_eq!(v["max_req_input_len"], 4095);
+        // What sglang-router reads when it registers a worker (dp_size for --dp-aware).
+        assert_eq!(v["dp_size"], 1);
+        assert!(
+            v["model_path"].is_string() && v["max_running_requests"].is_u64(),
+            "{v}"
+        );
     }
     expect![[r#"[{"dp_rank":0,"num_reqs":0,"num_waiting_reqs":0,"num_tokens":0}]"#]]
         .assert_eq(&s.get("/get_load").await.body);
