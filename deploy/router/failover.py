@@ -286,10 +286,22 @@ def failover(args):
         survivor_served_after_drain_exit=survivor_served_late,
         served_at_end={b: metric(b) for b in bases},
     )
+    if args.router_metrics:
+        with urllib.request.urlopen(args.router_metrics, timeout=5) as r:
+            text = r.read().decode()
+        for name in ("smg_worker_retries_total", "smg_worker_retries_exhausted_total"):
+            report[f"router_{name}"] = sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith(name + "{") or line.startswith(name + " ")
+            )
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"  {len(records)} requests in {t_end - t_start:.1f} s: {report['ok']} ok, "
-          f"{len(errors)} failed ({len(in_flight_at_kill)} in flight on the killed replica)")
+          f"{len(errors)} failed ({len(in_flight_at_kill)} in flight on the killed replica)"
+          + (f"; the router retried {report['router_smg_worker_retries_total']:.0f} times, "
+             f"gave up {report['router_smg_worker_retries_exhausted_total']:.0f} times"
+             if args.router_metrics else ""))
     for r in errors:
         print(f"    #{r['i']} {r['kind']}{' stream' if r['stream'] else ''}: {r['error'][:160]}")
     if len(records) != args.requests:
@@ -324,6 +336,7 @@ def main():
     p.add_argument("--expect-sticky", action="store_true")
     p.add_argument("--kill", help="URL=PID of the replica to SIGKILL")
     p.add_argument("--drain", help="URL=PID=LOG of the replica to SIGTERM")
+    p.add_argument("--router-metrics", help="the router's own /metrics (--prometheus-port), for its retry counts")
     p.add_argument("--out", default="router-failover.json")
     args = p.parse_args()
     if args.mode == "spread":

@@ -52,15 +52,19 @@ for n in 0 1 2; do
 done
 echo "replicas: ${URLS[*]}"
 
-RPORT=
+RPORT= MPORT=
 start_router() {  # POLICY [extra flags]
   RPORT=$(free_port)
-  local mport; mport=$(free_port)
-  # Health checks every second and one failure to drop a replica (defaults: 60 s and 3).
+  MPORT=$(free_port)
+  # Health checks every second and one failure to drop a replica (defaults: 60 s and 3); retries
+  # that outlast that second (10 attempts, backoff 50 ms x 1.5^n: about 4 s; default 5, 0.4 s),
+  # since cache_aware keeps choosing a dead or draining replica for prompts it has seen until
+  # the health check drops it.
   "$VENV/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port "$RPORT" \
     --worker-urls "${URLS[@]}" --policy "$@" \
     --health-check-interval-secs 1 --health-failure-threshold 1 --worker-startup-check-interval 1 \
-    --prometheus-host 127.0.0.1 --prometheus-port "$mport" --log-level warn \
+    --retry-max-retries 10 \
+    --prometheus-host 127.0.0.1 --prometheus-port "$MPORT" --log-level warn \
     > "$WORK/router-$1.log" 2>&1 &
   ROUTER_PID=$!
   for _ in $(seq 1 150); do
@@ -102,7 +106,8 @@ python3 deploy/router/failover.py spread --router "$(ROUTER)" "${REPLICA_ARGS[@]
 mkdir -p "$(dirname "$REPORT")"
 if ! python3 deploy/router/failover.py failover --router "$(ROUTER)" "${REPLICA_ARGS[@]}" \
     --requests 300 --concurrency 6 --max-tokens 16 \
-    --kill "${URLS[0]}=${PIDS[0]}" --drain "${URLS[1]}=${PIDS[1]}=$WORK/replica2.log" --out "$REPORT"; then
+    --kill "${URLS[0]}=${PIDS[0]}" --drain "${URLS[1]}=${PIDS[1]}=$WORK/replica2.log" \
+    --router-metrics "http://127.0.0.1:$MPORT/metrics" --out "$REPORT"; then
   dump_logs; exit 1
 fi
 STATUS=0; wait "${PIDS[0]}" || STATUS=$?
