@@ -326,6 +326,66 @@ async fn server_info_and_metrics_report_speculation() {
     assert_eq!(metric(&m.body, "sglang:num_running_reqs", label), Some(0.0));
 }
 
+/// sglang-router's load monitor reads `/get_load` (power-of-two routing, its `/get_loads`): one
+/// entry per DP rank, requests running plus waiting, K/V tokens in use plus waiting prompts.
+#[tokio::test]
+async fn get_load_counts_running_and_waiting_requests_as_sglang_does() {
+    let p = ServerProcess::start(&["--enable-metrics", "--max-running-requests", "1"]).await;
+    let s = &p.server;
+    let idle = s.get("/get_load").await;
+    assert_eq!(idle.status, 200, "{}", idle.body);
+    assert_eq!(
+        idle.json(),
+        json!([{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}])
+    );
+    let prompt = "def main():";
+    let prompt_len = s.post("/tokenize", &json!({"prompt": prompt})).await.json()["count"]
+        .as_u64()
+        .expect("token count");
+    let mut streams = Vec::new();
+    for rid in ["load-a", "load-b"] {
+        let s = s.clone();
+        let body = json!({"text": prompt, "rid": rid, "stream": true,
+            "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": true}});
+        streams.push(tokio::spawn(
+            async move { s.post("/generate", &body).await },
+        ));
+    }
+    let mut busy = Value::Null;
+    for _ in 0..1000 {
+        busy = s.get("/get_load").await.json();
+        if busy[0]["num_reqs"] == 2 && busy[0]["num_waiting_reqs"] == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(busy[0]["num_reqs"], 2, "{busy}");
+    assert_eq!(busy[0]["num_waiting_reqs"], 1, "{busy}");
+    let used = metric(
+        &s.get("/metrics").await.body,
+        "sglang:num_used_tokens",
+        "model_name=\"tiny-coder-demo\"",
+    )
+    .expect("sglang:num_used_tokens");
+    assert!(
+        used >= 1500.0,
+        "the running request reserves its K/V: {used}"
+    );
+    assert_eq!(
+        busy[0]["num_tokens"].as_f64(),
+        Some(used + prompt_len as f64),
+        "{busy}"
+    );
+    for rid in ["load-a", "load-b"] {
+        let r = s.post("/abort_request", &json!({"rid": rid})).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    for t in streams {
+        assert_eq!(t.await.expect("stream task").status, 200);
+    }
+    assert_eq!(s.get("/get_load").await.json()[0]["num_reqs"], 0);
+}
+
 #[tokio::test]
 async fn api_key_is_required_except_for_health_and_metrics() {
     let p = ServerProcess::start(&["--api-key", "sk-test", "--enable-metrics"]).await;

@@ -36,6 +36,7 @@ const ROUTES: &[(&str, &str)] = &[
     ("GET", "/health"),
     ("GET", "/server_info"),
     ("GET", "/model_info"),
+    ("GET", "/get_load"),
     ("GET", "/metrics"),
 ];
 

@@ -229,7 +229,7 @@ async fn completions_non_stream_and_stream() {
 }
 
 #[tokio::test]
-async fn health_models_model_info_and_server_info() {
+async fn health_models_model_info_server_info_and_load() {
     let s = start(&["--served-model-name", "demo"], 3).await;
     let r = s.get("/health").await;
     assert_eq!((r.status, r.body.as_str()), (200, ""));
@@ -252,7 +252,15 @@ async fn health_models_model_info_and_server_info() {
         assert!(v["internal_states"][0]["last_gen_throughput"].is_number());
         assert_eq!(v["tp_size"], 1);
         assert_eq!(v["max_req_input_len"], 4095);
+        // What sglang-router reads when it registers a worker (dp_size for --dp-aware).
+        assert_eq!(v["dp_size"], 1);
+        assert!(
+            v["model_path"].is_string() && v["max_running_requests"].is_u64(),
+            "{v}"
+        );
     }
+    expect![[r#"[{"dp_rank":0,"num_reqs":0,"num_waiting_reqs":0,"num_tokens":0}]"#]]
+        .assert_eq(&s.get("/get_load").await.body);
     let r = s.request("POST", "/flush_cache", &[], b"").await;
     assert_eq!(r.status, 200);
     assert!(r.body.starts_with("Cache flushed."));

@@ -98,6 +98,8 @@ pub struct StatsSnapshot {
     pub num_waiting: usize,
     /// KV-cache tokens reserved by running sequences.
     pub reserved_tokens: usize,
+    /// Prompt tokens of the sequences still waiting for admission.
+    pub waiting_tokens: usize,
     pub steps: u64,
     pub generated_tokens: u64,
     /// Tokens committed by steps that verified drafts, and those verify rounds (for accept length).

@@ -428,10 +428,12 @@ impl<E: StepEngine> Worker<E> {
     fn publish_state(&self) {
         let (running, waiting, reserved) =
             (self.running.len(), self.waiting.len(), self.reserved_tokens);
+        let waiting_tokens = self.waiting.iter().map(|w| w.req.prompt.len()).sum();
         self.stats.update(|s| {
             s.num_running = running;
             s.num_waiting = waiting;
             s.reserved_tokens = reserved;
+            s.waiting_tokens = waiting_tokens;
         });
         self.metrics
             .scheduler_state(running, waiting, reserved, self.limits.max_total_tokens);

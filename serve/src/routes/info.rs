@@ -1,6 +1,7 @@
 //! Operational routes: health (engine progress, as SGLang probes), readiness, model
 //! and server info (flattened settings plus a non-empty `internal_states` with
-//! `avg_spec_accept_length`, which benchmark tools index without guards), cache flush, metrics.
+//! `avg_spec_accept_length`, which benchmark tools index without guards), load (what
+//! sglang-router polls), cache flush, metrics.
 
 use std::time::Duration;
 
@@ -12,6 +13,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::config::{DraftSource, VerifyMode};
+use crate::engine::handle::StatsSnapshot;
 use crate::state::AppState;
 
 /// SGLANG_HEALTH_CHECK_TIMEOUT's default.
@@ -159,6 +161,23 @@ pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
     Json(Value::Object(top))
 }
 
+/// `/get_load` as SGLang's: one entry per data-parallel rank (we have one). sglang-router's load
+/// monitor sums `num_tokens` over the entries for its power-of-two policy, and its own
+/// `/get_loads` reports it per worker. As SGLang's scheduler counts them, `num_reqs` is running
+/// plus waiting and `num_tokens` is K/V tokens in use plus the prompts still waiting.
+pub async fn load(State(state): State<AppState>) -> Json<Value> {
+    Json(load_report(&state.engine.stats()))
+}
+
+pub fn load_report(stats: &StatsSnapshot) -> Value {
+    json!([{
+        "dp_rank": 0,
+        "num_reqs": stats.num_running + stats.num_waiting,
+        "num_waiting_reqs": stats.num_waiting,
+        "num_tokens": stats.reserved_tokens + stats.waiting_tokens,
+    }])
+}
+
 #[derive(Debug, Deserialize)]
 pub struct FlushQuery {
     #[serde(default)]
@@ -204,4 +223,24 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         state.metrics.render(),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn load_counts_waiting_requests_and_their_prompts() {
+        let stats = StatsSnapshot {
+            num_running: 3,
+            num_waiting: 2,
+            reserved_tokens: 1024,
+            waiting_tokens: 17,
+            ..StatsSnapshot::default()
+        };
+        assert_eq!(
+            load_report(&stats),
+            json!([{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 1041}])
+        );
+    }
 }

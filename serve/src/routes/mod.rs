@@ -42,6 +42,7 @@ pub fn router(state: AppState) -> Router {
         .route("/model_info", get(info::model_info))
         .route("/get_server_info", get(info::server_info))
         .route("/server_info", get(info::server_info))
+        .route("/get_load", get(info::load))
         .route(
             "/flush_cache",
             get(info::flush_cache).post(info::flush_cache),
