@@ -196,17 +196,19 @@ impl Target {
         both!(self, m => m.new_kv_pool(pages))
     }
 
-    /// [`Target::new_cache`] with the attention rows in pages of `pool`; fails, taking
-    /// nothing, when too few pages are free.
+    /// [`Target::new_cache`] with the attention rows in pages of `pool`, holding pages for
+    /// `rows` rows for now (`SequenceCache::grow_to` takes more); fails, taking nothing, when
+    /// too few pages are free.
     pub fn new_cache_in(
         &self,
         pool: &crate::cache::KvPool,
         capacity: usize,
         rollback: usize,
+        rows: usize,
     ) -> ModelResult<SequenceCache> {
         match self {
-            Target::Qwen3(m) => m.new_cache_in(pool, capacity),
-            Target::Hybrid(m) => m.new_cache_in(pool, capacity, rollback),
+            Target::Qwen3(m) => m.new_cache_in_rows(pool, capacity, rows),
+            Target::Hybrid(m) => m.new_cache_in(pool, capacity, rollback, rows),
         }
     }
 

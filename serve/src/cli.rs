@@ -136,10 +136,10 @@ pub struct Args {
     /// rule for the GPU (8192 on an H200), 4096 on the CPU]
     #[arg(long, allow_negative_numbers = true, help_heading = "Scheduling")]
     pub chunked_prefill_size: Option<i64>,
-    /// Most prompt tokens prefilled in a step while other requests are decoding, so a long
-    /// prompt arriving at a busy server stretches their inter-token latency by a bounded
-    /// amount (the prefill goes on between their steps); -1 uses --chunked-prefill-size
-    /// [default: 512]
+    /// While other requests decode, a prompt with more tokens than this still to prefill is
+    /// prefilled this many per step (fewer past 8192 positions), so a long prompt arriving
+    /// at a busy server stretches their inter-token latency by a bounded amount; shorter
+    /// prompts go in whole; -1: only --chunked-prefill-size bounds a step [default: 256]
     #[arg(long, allow_negative_numbers = true, help_heading = "Scheduling")]
     pub prefill_tokens_while_decoding: Option<i64>,
     /// End a request that has not finished this many seconds after it arrived (finish reason

@@ -17,9 +17,10 @@ pub use speculative::{
 
 /// `--max-running-requests` when speculating and not given (SGLang resets it to 48).
 pub const SPEC_DEFAULT_MAX_RUNNING: usize = 48;
-/// `--prefill-tokens-while-decoding` when not given: a 512-token prefill chunk of Qwen3-8B
-/// takes about as long as a decode step on an H200 (34K prefill tokens/s).
-pub const DEFAULT_PREFILL_TOKENS_WHILE_DECODING: usize = 512;
+/// `--prefill-tokens-while-decoding` when not given. Measured on the H200 (Qwen3-8B shape,
+/// 16 streams decoding while a 32K-token prompt arrives, deploy/bench/results/h200-2026-12-02):
+/// 512-token pieces still stretched their inter-token latency 13.9x (58x with 8192).
+pub const DEFAULT_PREFILL_TOKENS_WHILE_DECODING: usize = 256;
 /// `--max-running-requests` for plain decoding when not given: the largest batch the
 /// batched CUDA graphs capture (SGLang's `--cuda-graph-max-bs` on large GPUs); SGLang's own
 /// default is larger (thousands, from its pool), past which a step here runs uncaptured.

@@ -156,8 +156,9 @@ fn running_sequences_decode_every_step_while_a_long_prompt_is_prefilled() {
 }
 
 /// `Engine::set_prefill_while_decoding` (the server's `--prefill-tokens-while-decoding`): with
-/// a sequence decoding, a long prompt is prefilled at most that many tokens per step, though
-/// the chunk size would allow it whole; alone (nothing decoding) it takes the whole chunk.
+/// a sequence decoding, a prompt longer than the bound is prefilled that many tokens per step,
+/// though the chunk size would allow it whole; alone (nothing decoding) it takes the whole
+/// chunk, and a prompt within the bound goes in whole.
 #[test]
 fn a_prompt_arriving_while_others_decode_is_prefilled_in_the_smaller_budget() {
     let t = target();
@@ -178,7 +179,7 @@ fn a_prompt_arriving_while_others_decode_is_prefilled_in_the_smaller_budget() {
     let first = e.add(request(&long, 40, Algorithm::Plain)).unwrap();
     assert!(e.step().unwrap().iter().any(|ev| ev.id == first));
     let second = e.add(request(&long, 8, Algorithm::Plain)).unwrap();
-    let mut tokens = Vec::new();
+    let mut tokens: Vec<u32> = Vec::new();
     let mut first_step = None;
     for step in 1..=8 {
         let events = e.step().unwrap();
@@ -191,4 +192,7 @@ fn a_prompt_arriving_while_others_decode_is_prefilled_in_the_smaller_budget() {
     // 100 tokens at 30 per step: the 4th step completes the prompt.
     assert_eq!(first_step, Some(4));
     assert_eq!(tokens, alone[..tokens.len()].to_vec());
+    // A 25-token prompt is within the bound: prefilled and sampled in its first step.
+    let short = e.add(request(&long[..25], 4, Algorithm::Plain)).unwrap();
+    assert!(e.step().unwrap().iter().any(|ev| ev.id == short));
 }

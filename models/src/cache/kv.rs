@@ -174,6 +174,18 @@ impl SequenceCache {
         capacity: usize,
         rollback: usize,
     ) -> ModelResult<Self> {
+        Self::new_paged_with(pool, kinds, capacity, rollback, capacity)
+    }
+
+    /// [`SequenceCache::new_paged`] holding pages for only `rows` of its `capacity` rows for
+    /// now; [`SequenceCache::grow_to`] takes more as it fills.
+    pub fn new_paged_with(
+        pool: &KvPool,
+        kinds: Vec<Option<RecurrentLayer>>,
+        capacity: usize,
+        rollback: usize,
+        rows: usize,
+    ) -> ModelResult<Self> {
         let attention = kinds.iter().filter(|k| k.is_none()).count();
         if attention != pool.num_layers() {
             return Err(ModelError::BadInput(format!(
@@ -181,7 +193,7 @@ impl SequenceCache {
                 pool.num_layers()
             )));
         }
-        let table = pool.allocate(pages_for(capacity))?;
+        let table = pool.allocate(pages_for(rows.min(capacity)))?;
         let mut next = 0;
         let mut hybrid = false;
         let layers = kinds
@@ -206,6 +218,29 @@ impl SequenceCache {
         })
     }
 
+    /// Takes pages from the pool until `rows` rows (at most the capacity) are backed; fails,
+    /// changing nothing, when the pool has too few (a cache in buffers of its own has all).
+    pub fn grow_to(&mut self, rows: usize) -> ModelResult<()> {
+        let rows = rows.min(self.capacity);
+        let Some(pool) = self.table.pool().cloned() else {
+            return Ok(());
+        };
+        let have = self.table.pages().len();
+        let want = pages_for(rows);
+        if want <= have {
+            return Ok(());
+        }
+        let table = Arc::get_mut(&mut self.table).ok_or_else(|| {
+            ModelError::BadCacheOp("a shared cache's pages cannot grow".into())
+        })?;
+        pool.extend(table, want - have)
+    }
+
+    /// Rows the held pages back (the capacity for a cache in buffers of its own).
+    pub fn backed_rows(&self) -> usize {
+        self.table.rows().min(self.capacity)
+    }
+
     /// Where the attention rows live (page ids and their device table, or contiguous).
     pub fn page_table(&self) -> &PageTable {
         &self.table
@@ -215,11 +250,11 @@ impl SequenceCache {
     /// layer `li` (not made live: see [`SequenceCache::advance`]).
     pub fn write_kv(&self, li: usize, at: usize, k: &Tensor, v: &Tensor) -> ModelResult<()> {
         let n = k.dim(1)?;
-        if at + n > self.capacity {
+        if at + n > self.backed_rows() {
             return Err(ModelError::CacheFull {
                 len: at,
                 requested: n,
-                capacity: self.capacity,
+                capacity: self.backed_rows(),
             });
         }
         Ok(self.layers[li].attention()?.write(&self.table, at, k, v)?)
@@ -227,10 +262,10 @@ impl SequenceCache {
 
     /// Rows `[0, len)` of attention layer `li`: `[num_kv_heads, len, head_dim]`.
     pub fn view_kv(&self, li: usize, len: usize) -> ModelResult<(Tensor, Tensor)> {
-        if len > self.capacity {
+        if len > self.backed_rows() {
             return Err(ModelError::BadCacheOp(format!(
-                "view of {len} rows of a {}-row cache",
-                self.capacity
+                "view of {len} rows of a cache backing {}",
+                self.backed_rows()
             )));
         }
         Ok(self.layers[li].attention()?.view(&self.table, len)?)
@@ -320,11 +355,11 @@ impl SequenceCache {
 
     /// Fails, changing nothing, when `n` more rows do not fit.
     pub fn check_room(&self, n: usize) -> ModelResult<()> {
-        if self.len + n > self.capacity {
+        if self.len + n > self.backed_rows() {
             return Err(ModelError::CacheFull {
                 len: self.len,
                 requested: n,
-                capacity: self.capacity,
+                capacity: self.backed_rows(),
             });
         }
         Ok(())

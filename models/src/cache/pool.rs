@@ -132,6 +132,36 @@ impl KvPool {
         Ok(table)
     }
 
+    /// `more` pages appended to `table` (one of this pool's), or an error changing nothing.
+    pub fn extend(&self, table: &mut PageTable, more: usize) -> ModelResult<()> {
+        if !table.pool.as_ref().is_some_and(|p| p.same(self)) {
+            return Err(ModelError::BadCacheOp(
+                "pages of one pool appended to a table of another".into(),
+            ));
+        }
+        if more == 0 {
+            return Ok(());
+        }
+        let mut extra = self.allocate(more)?;
+        let mut ids = table.ids.clone();
+        ids.append(&mut extra.ids);
+        let n = ids.len();
+        let device = Tensor::new(ids.as_slice(), &self.shared.device)?.reshape((1, n));
+        match device {
+            Ok(d) => {
+                table.ids = ids;
+                table.device_table = Some(d);
+                Ok(())
+            }
+            Err(e) => {
+                // `extra` is empty now: give its pages back by hand.
+                let mut back = ids.split_off(table.ids.len());
+                self.release(&mut back);
+                Err(e.into())
+            }
+        }
+    }
+
     fn release(&self, ids: &mut Vec<u32>) {
         if let Ok(mut free) = self.shared.free.lock() {
             free.append(ids);

@@ -90,7 +90,7 @@ impl Qwen3Model {
                 && matches!(s.pattern, AttnPattern::Causal | AttnPattern::Tree { .. })
                 && s.logit_rows.len() == t
                 && s.logit_rows.iter().enumerate().all(|(i, &r)| r == i)
-                && s.cache.len() + t <= s.cache.capacity()
+                && s.cache.len() + t <= s.cache.backed_rows()
                 && s.cache.page_table().pages().len() <= width
                 && s.cache.page_table().pool().is_some_and(|p| p.same(&pool));
             if !fits {

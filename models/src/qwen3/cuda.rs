@@ -560,7 +560,7 @@ impl Qwen3Model {
             AttnPattern::Tree { parents } => Some(parents.as_slice()),
             _ => return Ok(None),
         };
-        if t == 0 || t > GRAPH_MAX_TOKENS || !all_rows || seq.cache.len() + t > seq.cache.capacity()
+        if t == 0 || t > GRAPH_MAX_TOKENS || !all_rows || seq.cache.len() + t > seq.cache.backed_rows()
         {
             return Ok(None);
         }

@@ -302,7 +302,18 @@ impl Qwen3Model {
         pool: &crate::cache::KvPool,
         capacity: usize,
     ) -> ModelResult<SequenceCache> {
-        SequenceCache::new_paged(pool, vec![None; self.cfg.num_hidden_layers], capacity, 0)
+        self.new_cache_in_rows(pool, capacity, capacity)
+    }
+
+    /// [`Self::new_cache_in`] holding pages for `rows` rows for now (it grows on demand).
+    pub fn new_cache_in_rows(
+        &self,
+        pool: &crate::cache::KvPool,
+        capacity: usize,
+        rows: usize,
+    ) -> ModelResult<SequenceCache> {
+        let kinds = vec![None; self.cfg.num_hidden_layers];
+        SequenceCache::new_paged_with(pool, kinds, capacity, 0, rows)
     }
 
     pub fn new_cache(&self, capacity: usize) -> ModelResult<SequenceCache> {

@@ -318,12 +318,14 @@ impl Qwen35Model {
         )?)
     }
 
-    /// [`Self::new_cache_with_rollback`] with the attention rows in pages of `pool`.
+    /// [`Self::new_cache_with_rollback`] with the attention rows in pages of `pool`, holding
+    /// pages for `rows` rows for now (it grows on demand).
     pub fn new_cache_in(
         &self,
         pool: &crate::cache::KvPool,
         capacity: usize,
         rollback: usize,
+        rows: usize,
     ) -> ModelResult<SequenceCache> {
         let kinds = self
             .layers
@@ -335,7 +337,7 @@ impl Qwen35Model {
                 Mixer::Full(_) => Ok(None),
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        SequenceCache::new_paged(pool, kinds, capacity, rollback)
+        SequenceCache::new_paged_with(pool, kinds, capacity, rollback, rows)
     }
 
     pub fn new_cache(&self, capacity: usize) -> ModelResult<SequenceCache> {

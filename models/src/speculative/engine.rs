@@ -48,6 +48,9 @@ struct Sequence {
     /// Prompt tokens already in the target cache while the prompt is prefilled in chunks.
     prefill_done: usize,
     prefilled: bool,
+    /// Retracted after its prompt was prefilled: the re-prefill restores the cache up to the
+    /// bonus token and samples nothing (`engine/retract.rs`).
+    resumed: bool,
     stats: SeqStats,
 }
 
@@ -103,9 +106,11 @@ impl Engine {
     /// (SGLang's `--chunked-prefill-size`), so a long prompt is prefilled over several steps
     /// interleaved with the decode and verify rounds of the running sequences instead of
     /// stalling them; `None` (the default) prefills every new prompt whole in one step.
-    /// Bounds the prompt tokens prefilled in a step in which other sequences also decode (a
-    /// long prompt then stretches their inter-token latency by about one such chunk per
-    /// step); `None`: only the chunk size bounds it. Outputs do not change.
+    /// While other sequences decode, a prompt with more than `tokens` tokens still to prefill
+    /// is prefilled in pieces of at most that many per step (fewer deep into a long prompt,
+    /// see `long_prompt_piece`), so it stretches their inter-token latency by a bounded
+    /// amount; shorter prompts still go in whole up to the chunk size. `None`: only the chunk
+    /// size bounds it. Outputs do not change.
     pub fn set_prefill_while_decoding(&mut self, tokens: Option<usize>) {
         self.prefill_while_decoding = tokens.map(|t| t.max(1));
     }
@@ -275,7 +280,8 @@ impl Engine {
         // Hybrid targets keep a recurrent state per verify node so any accepted one commits.
         let target = &self.target;
         let cache = match &self.pool {
-            Some(pool) => target.new_cache_in(pool, capacity, width)?,
+            // Pages are taken as the sequence fills (prefill chunks, verify rows).
+            Some(pool) => target.new_cache_in(pool, capacity, width, 0)?,
             None => self
                 .spare
                 .take_or(capacity, || target.new_cache(capacity, width))?,
@@ -307,6 +313,7 @@ impl Engine {
             pending_features: None,
             prefill_done: 0,
             prefilled: false,
+            resumed: false,
             stats: SeqStats::new(depth),
         });
         Ok(id)
@@ -344,6 +351,8 @@ impl Engine {
         if self.seqs.iter().any(|s| !s.prefilled) {
             self.prefill(&mut events)?;
         }
+        // Pages for this round's verify rows; the newest sequences give theirs up if needed.
+        self.make_room()?;
         // Sequences whose prompt is still being prefilled (chunked) sit out the round.
         let (ready, prefilling): (Vec<Sequence>, Vec<Sequence>) = std::mem::take(&mut self.seqs)
             .into_iter()
@@ -365,18 +374,33 @@ impl Engine {
     fn prefill(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
         let taps = self.taps();
         let mut budget = self.prefill_chunk.unwrap_or(usize::MAX);
-        if self.seqs.iter().any(|s| s.prefilled) {
-            budget = budget.min(self.prefill_while_decoding.unwrap_or(usize::MAX));
-        }
-        // (sequence index, first prompt token of this chunk, tokens in it)
+        let decoding = self.seqs.iter().any(|s| s.prefilled);
+        // (sequence index, first prompt token of this chunk, tokens in it), oldest first.
         let mut chunks: Vec<(usize, usize, usize)> = Vec::new();
-        for (i, s) in self.seqs.iter().enumerate() {
+        for i in self.by_age() {
+            let s = &self.seqs[i];
             if s.prefilled || budget == 0 {
                 continue;
             }
-            let n = (s.tokens.len() - s.prefill_done).min(budget);
+            let mut n = (prefill_target(s) - s.prefill_done).min(budget);
+            if decoding {
+                if let Some(cap) = self.prefill_while_decoding {
+                    // A long prompt goes in pieces while others decode; a short one whole.
+                    if n > cap {
+                        n = long_prompt_piece(cap, s.prefill_done);
+                    }
+                }
+            }
+            // Pages for the chunk, from newer sequences if the pool is short; without them
+            // this and every newer prompt wait.
+            if !self.reserve_rows(i, s.prefill_done + n)? {
+                break;
+            }
             budget -= n;
-            chunks.push((i, s.prefill_done, n));
+            chunks.push((i, self.seqs[i].prefill_done, n));
+        }
+        if chunks.is_empty() {
+            return Ok(());
         }
         let positions: Vec<Vec<u32>> = chunks
             .iter()
@@ -386,7 +410,8 @@ impl Engine {
         let logit_rows: Vec<Vec<usize>> = chunks
             .iter()
             .map(|&(i, from, n)| {
-                if from + n == self.seqs[i].tokens.len() {
+                let s = &self.seqs[i];
+                if from + n == prefill_target(s) && !s.resumed {
                     vec![n - 1]
                 } else {
                     Vec::new()
@@ -436,7 +461,13 @@ impl Engine {
                 }
             }
             seq.prefill_done = from + n;
-            if seq.prefill_done < seq.tokens.len() {
+            if seq.prefill_done < prefill_target(seq) {
+                continue;
+            }
+            if seq.resumed {
+                // Back where it was retracted: the bonus token waits for the next round.
+                seq.prefilled = true;
+                seq.resumed = false;
                 continue;
             }
             let row = rows
@@ -712,6 +743,25 @@ impl Engine {
 
 /// Appends `new` to the sequence until a stop condition; returns the emitted tokens and why it
 /// finished. A block is cut right after a stop token or at the length limit.
+/// The piece of a long prompt prefilled in a step while others decode, from `cap` tokens
+/// per step at the start to fewer further in (the piece's attention reads every earlier
+/// position): `cap` up to 8192 positions, then `cap * 8192 / position`, at least 32. On an
+/// H200 (Qwen3-8B) a 256-token piece costs about a decode step at the start of a prompt.
+fn long_prompt_piece(cap: usize, position: usize) -> usize {
+    const FULL_UP_TO: usize = 8192;
+    (cap * FULL_UP_TO / position.max(FULL_UP_TO)).clamp(32.min(cap), cap)
+}
+
+/// Tokens a prefill puts in the cache: the prompt, or (after a retraction) every committed
+/// token but the bonus one.
+fn prefill_target(s: &Sequence) -> usize {
+    if s.resumed {
+        s.tokens.len() - 1
+    } else {
+        s.tokens.len()
+    }
+}
+
 fn commit_tokens(seq: &mut Sequence, new: &[u32], eos: &[u32]) -> (Vec<u32>, Option<FinishReason>) {
     let mut emitted = Vec::with_capacity(new.len());
     for &t in new {
@@ -732,3 +782,5 @@ fn commit_tokens(seq: &mut Sequence, new: &[u32], eos: &[u32]) -> (Vec<u32>, Opt
 
 #[cfg(test)]
 mod tests;
+
+mod retract;

@@ -29,6 +29,8 @@ pub struct SeqStats {
     pub draft_time: Duration,
     pub verify_time: Duration,
     pub commit_time: Duration,
+    /// Times the sequence gave its K/V pages back for lack of them (and was prefilled again).
+    pub retractions: usize,
 }
 
 impl SeqStats {

@@ -68,13 +68,14 @@ fn with_a_pool_a_sequence_takes_whole_pages_and_gives_them_back() {
     assert_eq!(e.cache_capacity(10, 20, Algorithm::Plain), PAGE_SIZE);
     assert_eq!(e.cache_capacity(64, 63, Algorithm::Plain), 2 * PAGE_SIZE);
     assert_eq!(e.cache_capacity(64, 64, Algorithm::Plain), 3 * PAGE_SIZE);
+    // Pages are taken as sequences fill: none at admission, the prompt's at its prefill,
+    // then the verify row of each round.
     let a = e.add(request(100, 10)).expect("admitted");
     let b = e.add(request(300, 100)).expect("admitted");
-    assert_eq!(e.kv_pool_free_tokens(), Some((40 - 2 - 7) * PAGE_SIZE));
-    // A request whose pages are not free is refused as a server condition, changing nothing.
-    let err = e.add(request(1500, 500)).unwrap_err();
-    assert!(!err.is_client_error(), "{err}");
-    assert_eq!(e.kv_pool_free_tokens(), Some(31 * PAGE_SIZE));
+    assert_eq!(e.kv_pool_free_tokens(), Some(40 * PAGE_SIZE));
+    e.step().unwrap();
+    // 100 + 1 rows: 2 pages; 300 + 1: 5 pages.
+    assert_eq!(e.kv_pool_free_tokens(), Some((40 - 2 - 5) * PAGE_SIZE));
     assert!(e.use_kv_pool(PAGE_SIZE).is_err(), "not once sequences hold pages");
     e.remove(a).unwrap();
     e.remove(b).unwrap();
@@ -93,6 +94,7 @@ fn greedy_decoding_on_the_pool_equals_decoding_in_caches_of_their_own() {
             // One-page sequences on pages 0..6, every other one gone: the real sequences'
             // pages start in the gaps.
             holders = (0..6).map(|_| e.add(request(10, 20)).unwrap()).collect();
+            e.step().unwrap();
             for id in holders.iter().step_by(2) {
                 e.remove(*id).unwrap();
             }
@@ -108,19 +110,23 @@ fn greedy_decoding_on_the_pool_equals_decoding_in_caches_of_their_own() {
             .iter()
             .map(|&(p, n)| e.add(greedy(p, n)).expect("admitted"))
             .collect();
-        if pool {
-            let (_, cache) = e.sequence(ids[0]).unwrap();
-            assert_eq!(&cache.page_table().pages()[..3], &[0, 2, 4], "pages out of order");
-            for id in holders.iter().skip(1).step_by(2) {
-                e.remove(*id).unwrap();
-            }
-        }
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); ids.len()];
+        let mut first = true;
         while e.num_active() > 0 {
             for ev in e.step().expect("step") {
-                let i = ids.iter().position(|&id| id == ev.id).unwrap();
-                out[i].extend(ev.tokens);
+                if let Some(i) = ids.iter().position(|&id| id == ev.id) {
+                    out[i].extend(ev.tokens);
+                }
             }
+            if pool && first {
+                // The first step took the prompts' pages, in the holders' gaps.
+                let (_, cache) = e.sequence(ids[0]).unwrap();
+                assert_eq!(cache.page_table().pages(), &[0, 2], "pages out of order");
+                for id in holders.iter().skip(1).step_by(2) {
+                    e.remove(*id).unwrap();
+                }
+            }
+            first = false;
         }
         out
     };
@@ -138,4 +144,53 @@ fn greedy_decoding_on_the_pool_equals_decoding_in_caches_of_their_own() {
             b.len()
         );
     }
+}
+
+#[test]
+fn sixteen_sequences_in_a_pool_too_small_for_them_are_retracted_and_finish_as_alone() {
+    let greedy = |p: usize, n: usize| GenerationRequest {
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        ..request(p, n)
+    };
+    let sizes: Vec<(usize, usize)> = (0..16).map(|i| (5 + 17 * i % 90, 40 + 13 * i % 70)).collect();
+    let alone: Vec<Vec<u32>> = sizes
+        .iter()
+        .map(|&(p, n)| engine(600).generate(greedy(p, n)).unwrap().0)
+        .collect();
+    let mut e = engine(600);
+    // 8 pages: at most four of these sequences (2 pages each when full) at a time.
+    e.use_kv_pool(8 * PAGE_SIZE).expect("pool");
+    let ids: Vec<_> = sizes.iter().map(|&(p, n)| e.add(greedy(p, n)).unwrap()).collect();
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); ids.len()];
+    let mut retractions = vec![0; ids.len()];
+    let mut steps = 0;
+    while e.num_active() > 0 {
+        for ev in e.step().expect("step") {
+            let i = ids.iter().position(|&id| id == ev.id).unwrap();
+            out[i].extend(ev.tokens);
+            retractions[i] = ev.stats.retractions;
+        }
+        steps += 1;
+        assert!(steps < 5000, "no progress");
+    }
+    for (i, (a, b)) in out.iter().zip(&alone).enumerate() {
+        assert_eq!(a, b, "sequence {i} (prompt {}, {} new)", sizes[i].0, sizes[i].1);
+    }
+    let total: usize = retractions.iter().sum();
+    assert!(total > 0, "the pool was too small for all of them: retractions expected");
+    assert_eq!(retractions[0], 0, "the oldest sequence is never retracted");
+    assert_eq!(e.kv_pool_free_tokens(), Some(8 * PAGE_SIZE), "every page back");
+}
+
+#[test]
+fn long_prompt_pieces_shrink_deep_into_a_prompt() {
+    assert_eq!(long_prompt_piece(256, 0), 256);
+    assert_eq!(long_prompt_piece(256, 8192), 256);
+    assert_eq!(long_prompt_piece(256, 16384), 128);
+    assert_eq!(long_prompt_piece(256, 32768), 64);
+    assert_eq!(long_prompt_piece(256, 1 << 20), 32, "at least 32");
+    assert_eq!(long_prompt_piece(10, 1 << 20), 10, "never more than the bound");
 }
