@@ -5,6 +5,12 @@
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ValidationError {
+    /// serde's `unknown_field` text, which SGLang 0.5.23's contract check answers with.
+    #[error("unknown field `{key}`, expected one of {}", expected.iter().map(|f| format!("`{f}`")).collect::<Vec<_>>().join(", "))]
+    UnknownField {
+        key: String,
+        expected: &'static [&'static str],
+    },
     #[error("Either text, input_ids or input_embeds should be provided.")]
     NoPrompt,
     #[error("Only one of text, input_ids or input_embeds may be provided; got {given}.")]

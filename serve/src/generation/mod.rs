@@ -10,10 +10,12 @@ pub mod finish;
 pub mod limits;
 pub mod reasoning;
 pub mod run;
+pub mod tool_calls;
 
 pub use finish::Finish;
 pub use reasoning::ReasoningParserKind;
 pub use run::{Chunk, Generation};
+pub use tool_calls::ToolParserKind;
 
 use serde::Deserialize;
 
@@ -120,6 +122,8 @@ pub struct PreparedRequest {
     pub ignore_eos: bool,
     pub no_stop_trim: bool,
     pub skip_special_tokens: bool,
+    /// Answered as a stream (the `is_streaming` metric label); set by the route.
+    pub stream: bool,
 }
 
 impl PreparedRequest {
@@ -209,6 +213,7 @@ pub fn lower(
         ignore_eos: s.ignore_eos,
         no_stop_trim: s.no_stop_trim,
         skip_special_tokens: s.skip_special_tokens,
+        stream: false,
     })
 }
 

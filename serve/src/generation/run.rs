@@ -90,7 +90,7 @@ impl Generation {
         req: PreparedRequest,
         rx: Option<UnboundedReceiver<SeqUpdate>>,
     ) -> Self {
-        state.metrics.request_received(req.prompt_ids.len());
+        state.metrics.request_received(req.prompt_ids.len(), req.stream);
         let now = Instant::now();
         let mut g = Self {
             decoder: IncrementalDecoder::new(req.skip_special_tokens),
@@ -369,6 +369,7 @@ impl Generation {
             e2e: self.started.elapsed(),
             ttft: self.first_token.map(|t| t.duration_since(self.started)),
             aborted,
+            streaming: self.req.stream,
         });
     }
 

@@ -47,7 +47,7 @@ pub async fn handle(
         if let Some(first) = prepared.first() {
             tracing::Span::current().record("request_id", first.rid.as_str());
         }
-        let mut gens = stream::start_all(&state, prepared).await?;
+        let mut gens = stream::start_all(&state, prepared, streaming).await?;
         if streaming {
             return Ok(stream::respond(
                 gens,

@@ -34,7 +34,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/completions", post(openai::completions::handle))
         .route("/v1/models", get(openai::models::list))
-        .route("/v1/models/{model}", get(openai::models::one))
+        .route("/v1/models/{*model}", get(openai::models::one))
         .route("/health", get(info::health))
         .route("/health_generate", get(info::health))
         .route("/ready", get(info::ready))

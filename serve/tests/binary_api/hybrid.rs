@@ -182,7 +182,7 @@ async fn hybrid_greedy_with_nextn_and_dflash_equals_plain_greedy_over_http() {
 fn config(argv: &[&str]) -> ServeConfig {
     let mut full = vec!["dflash-serve"];
     full.extend_from_slice(argv);
-    ServeConfig::from_args(&Args::try_parse_from(full).expect("args")).expect("config")
+    ServeConfig::from_args(&Args::try_parse_sglang_from(full).expect("args")).expect("config")
 }
 
 #[test]

@@ -138,7 +138,7 @@ pub async fn start(extra_args: &[&str], per_step: usize) -> TestServer {
 pub async fn start_with_script(extra_args: &[&str], per_step: usize, text: &str) -> TestServer {
     let mut argv = vec!["dflash-serve", "--enable-metrics"];
     argv.extend_from_slice(extra_args);
-    let args = Args::parse_from(argv);
+    let args = Args::try_parse_sglang_from(argv).expect("args");
     let config = ServeConfig::from_args(&args).expect("config");
     let dir = demo_dir();
     let assets = ModelAssets::load(&config, &dir, &dir).expect("assets");

@@ -57,6 +57,15 @@ fn sampling_input(p: &SamplingParams) -> SamplingInput {
 }
 
 fn check_params(p: &SamplingParams) -> Result<(), ValidationError> {
+    if let Some(key) = p.unknown.keys().next() {
+        return Err(ValidationError::UnknownField {
+            key: key.clone(),
+            expected: super::types::SAMPLING_PARAMS_FIELDS,
+        });
+    }
+    v::check_unsupported("sampling_params.beam_width", present(&p.beam_width))?;
+    v::check_unsupported("sampling_params.watermark", present(&p.watermark))?;
+    v::check_unsupported("sampling_params.choice", present(&p.choice))?;
     v::check_unsupported("sampling_params.json_schema", present(&p.json_schema))?;
     v::check_unsupported("sampling_params.regex", present(&p.regex))?;
     v::check_unsupported("sampling_params.ebnf", present(&p.ebnf))?;

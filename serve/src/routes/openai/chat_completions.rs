@@ -39,7 +39,6 @@ pub async fn handle(
     )?;
     let valid = validate::validate(&req)?;
     validate::check_limits(&req, &valid, &state.limits)?;
-    super::check_model(&state, req.common.model.as_deref())?;
     let rid = req.common.rid.clone().unwrap_or_else(new_rid);
     let span = tracing::info_span!("chat_completions", request_id = %rid, model = %state.config.served_model_name);
     async move {
@@ -48,7 +47,7 @@ pub async fn handle(
             .tokenizer_pool
             .run(move || convert::lower_chat(&worker, &req2, valid, &rid2))
             .await?;
-        let mut gens = stream::start_all(&state, prepared).await?;
+        let mut gens = stream::start_all(&state, prepared, req.common.stream).await?;
         let reasoning = state.config.reasoning_parser.filter(|kind| {
             kind.applies(
                 req.separate_reasoning,
@@ -58,12 +57,17 @@ pub async fn handle(
         if let Some(kind) = reasoning {
             gens.iter_mut().for_each(|g| g.separate_reasoning(kind));
         }
-        let (model, created, n) = (req.common.model_name(), unix_now(), req.common.n());
+        let (model, created, n) = (
+            state.config.served_model_name.clone(),
+            unix_now(),
+            req.common.n(),
+        );
         if req.common.stream {
             let render = Render {
                 id: rid.clone(),
                 model: model.clone(),
                 created,
+                continuous_usage: req.common.continuous_usage(),
             };
             let include_usage = req.common.include_usage();
             let spec_details = req.return_spec_tokens_details == Some(true);
@@ -138,6 +142,7 @@ struct Render {
     id: String,
     model: String,
     created: u64,
+    continuous_usage: bool,
 }
 
 impl Render {
@@ -164,7 +169,20 @@ impl Render {
 }
 
 impl RenderChunk for Render {
-    fn render(&self, index: usize, _g: &Generation, chunk: &Chunk, first: bool) -> Vec<Value> {
+    fn render(&self, index: usize, g: &Generation, chunk: &Chunk, first: bool) -> Vec<Value> {
+        let mut out = self.render_deltas(index, chunk, first);
+        if self.continuous_usage {
+            let usage = super::running_usage(g);
+            for c in out.iter_mut().filter_map(Value::as_object_mut) {
+                c.insert("usage".into(), usage.clone());
+            }
+        }
+        out
+    }
+}
+
+impl Render {
+    fn render_deltas(&self, index: usize, chunk: &Chunk, first: bool) -> Vec<Value> {
         let mut out = Vec::new();
         if first {
             out.push(self.chunk(

@@ -34,7 +34,6 @@ pub async fn handle(
     )?;
     let prompts = validate::validate(&req, state.model.lower.vocab_size)?;
     validate::check_limits(&prompts, req.common.n(), &state.limits)?;
-    super::check_model(&state, req.common.model.as_deref())?;
     let rid = req.common.rid.clone().unwrap_or_else(new_rid);
     let span = tracing::info_span!("completions", request_id = %rid, model = %state.config.served_model_name);
     async move {
@@ -43,13 +42,18 @@ pub async fn handle(
             .tokenizer_pool
             .run(move || convert::lower_completion(&worker, &req2, prompts, &rid2))
             .await?;
-        let mut gens = stream::start_all(&state, prepared).await?;
-        let (model, created, n) = (req.common.model_name(), unix_now(), req.common.n());
+        let mut gens = stream::start_all(&state, prepared, req.common.stream).await?;
+        let (model, created, n) = (
+            state.config.served_model_name.clone(),
+            unix_now(),
+            req.common.n(),
+        );
         if req.common.stream {
             let render = Render {
                 id: rid.clone(),
                 model: model.clone(),
                 created,
+                continuous_usage: req.common.continuous_usage(),
             };
             let include_usage = req.common.include_usage();
             let tail = move |counts: &[stream::Counts]| {
@@ -98,6 +102,7 @@ struct Render {
     id: String,
     model: String,
     created: u64,
+    continuous_usage: bool,
 }
 
 impl RenderChunk for Render {
@@ -111,7 +116,7 @@ impl RenderChunk for Render {
             "created": self.created,
             "model": self.model,
             "choices": [choice(index, g, &chunk.delta)],
-            "usage": null,
+            "usage": if self.continuous_usage { super::running_usage(g) } else { Value::Null },
         })]
     }
 }
