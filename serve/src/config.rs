@@ -262,7 +262,9 @@ impl ServeConfig {
                 ConfigError::BadValue {
                     flag: "--tool-call-parser",
                     value: name.to_string(),
-                    reason: "dflash-serve parses Qwen tool calls: qwen25 (alias hermes) or qwen3_coder".into(),
+                    reason:
+                        "dflash-serve parses Qwen tool calls: qwen25 (alias hermes) or qwen3_coder"
+                            .into(),
                 }
             })?),
         };

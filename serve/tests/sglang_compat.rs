@@ -22,7 +22,10 @@ async fn any_model_string_is_served_and_answers_name_the_served_model() {
         assert_eq!(r.status, 200, "{model}: {}", r.body);
         assert_eq!(r.json()["model"], "tiny-coder-demo", "{model}");
         let r = s
-            .post("/v1/completions", &json!({"model": model, "prompt": "hi", "max_tokens": 2}))
+            .post(
+                "/v1/completions",
+                &json!({"model": model, "prompt": "hi", "max_tokens": 2}),
+            )
             .await;
         assert_eq!(r.status, 200, "{model}: {}", r.body);
         assert_eq!(r.json()["model"], "tiny-coder-demo", "{model}");
@@ -39,7 +42,10 @@ async fn model_cards_take_ids_with_slashes() {
     assert_eq!(r.status, 404);
     let v = r.json();
     assert_eq!(v["error"]["code"], "model_not_found");
-    assert_eq!(v["error"]["message"], "The model 'Qwen/Qwen3-4B' does not exist");
+    assert_eq!(
+        v["error"]["message"],
+        "The model 'Qwen/Qwen3-4B' does not exist"
+    );
 }
 
 #[tokio::test]
@@ -53,7 +59,9 @@ async fn unknown_sampling_params_keys_are_a_400_naming_the_key_in_sglangs_shape(
         .await;
     assert_eq!(r.status, 400, "{}", r.body);
     let v = r.json();
-    let text = v["error"].as_str().unwrap_or_else(|| panic!("flat error: {v}"));
+    let text = v["error"]
+        .as_str()
+        .unwrap_or_else(|| panic!("flat error: {v}"));
     assert!(
         text.starts_with("unknown field `temprature`, expected one of `max_new_tokens`, `stop`"),
         "{text}"
@@ -66,7 +74,11 @@ async fn unknown_sampling_params_keys_are_a_400_naming_the_key_in_sglangs_shape(
         )
         .await;
     assert_eq!(r.status, 400);
-    assert!(r.body.contains("unknown field `max_new_token`"), "{}", r.body);
+    assert!(
+        r.body.contains("unknown field `max_new_token`"),
+        "{}",
+        r.body
+    );
     let r = s
         .post(
             "/generate",
@@ -104,25 +116,47 @@ async fn tokenize_with_messages_gives_the_chat_prompt_ids() {
         .json();
     let bare_ids = bare["tokens"].as_array().expect("tokens").clone();
     let full_ids = v["tokens"].as_array().expect("tokens").clone();
-    assert!(bare_ids.len() < full_ids.len(), "{bare_ids:?} vs {full_ids:?}");
+    assert!(
+        bare_ids.len() < full_ids.len(),
+        "{bare_ids:?} vs {full_ids:?}"
+    );
     assert_eq!(&full_ids[..bare_ids.len()], &bare_ids[..]);
     // Exactly one of prompt and messages.
     let r = s
-        .post("/v1/tokenize", &json!({"prompt": "a", "messages": messages}))
+        .post(
+            "/v1/tokenize",
+            &json!({"prompt": "a", "messages": messages}),
+        )
         .await;
     assert_eq!(r.status, 400);
-    assert!(r.body.contains("Exactly one of 'prompt' or 'messages'"), "{}", r.body);
+    assert!(
+        r.body.contains("Exactly one of 'prompt' or 'messages'"),
+        "{}",
+        r.body
+    );
 }
 
 #[tokio::test]
 async fn server_info_carries_the_launch_command_and_more_settings() {
     let s = start(
-        &["--api-key", "sekret", "--page-size", "16", "--watchdog-timeout", "600"],
+        &[
+            "--api-key",
+            "sekret",
+            "--page-size",
+            "16",
+            "--watchdog-timeout",
+            "600",
+        ],
         3,
     )
     .await;
     let r = s
-        .request("GET", "/server_info", &[("Authorization", "Bearer sekret")], b"")
+        .request(
+            "GET",
+            "/server_info",
+            &[("Authorization", "Bearer sekret")],
+            b"",
+        )
         .await;
     assert_eq!(r.status, 200, "{}", r.body);
     let v = r.json();
@@ -132,7 +166,12 @@ async fn server_info_carries_the_launch_command_and_more_settings() {
     );
     assert_eq!(v["page_size"], 16);
     assert_eq!(v["ignored_sglang_flags"], json!(["--watchdog-timeout 600"]));
-    for key in ["chunked_prefill_size", "tool_call_parser", "reasoning_parser", "log_level"] {
+    for key in [
+        "chunked_prefill_size",
+        "tool_call_parser",
+        "reasoning_parser",
+        "log_level",
+    ] {
         assert!(v.get(key).is_some(), "{key} missing: {v}");
     }
     assert_eq!(v["log_level"], "info");
@@ -142,7 +181,9 @@ async fn server_info_carries_the_launch_command_and_more_settings() {
 async fn spec_num_draft_tokens_agrees_between_metrics_and_server_info() {
     let s = start(&[], 3).await;
     let info = s.get("/server_info").await.json();
-    let from_info = info["speculative_num_draft_tokens"].as_f64().expect("spec tokens");
+    let from_info = info["speculative_num_draft_tokens"]
+        .as_f64()
+        .expect("spec tokens");
     // The scripted engine drafts 2 a round: 3 tokens verified (the real drafter's 16 is checked
     // against the binary in binary_sglang_flags.rs).
     assert_eq!(from_info, 3.0);
@@ -182,7 +223,9 @@ async fn continuous_usage_stats_put_the_running_usage_on_every_chunk() {
         let mut last = 0;
         for c in &chunks {
             let u = &c["usage"];
-            let done = u["completion_tokens"].as_u64().unwrap_or_else(|| panic!("{route}: {c}"));
+            let done = u["completion_tokens"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{route}: {c}"));
             assert!(done >= last, "{route}: usage went back: {c}");
             assert_eq!(
                 u["total_tokens"].as_u64(),
@@ -194,7 +237,10 @@ async fn continuous_usage_stats_put_the_running_usage_on_every_chunk() {
     }
     // Off by default: no usage on the content chunks.
     let r = s
-        .post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 3, "stream": true}))
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "hi", "max_tokens": 3, "stream": true}),
+        )
         .await;
     let first: Value = serde_json::from_str(&r.events()[0]).expect("json");
     assert_eq!(first["usage"], Value::Null);

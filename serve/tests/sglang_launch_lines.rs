@@ -86,8 +86,8 @@ fn args(line: &str) -> Args {
 #[test]
 fn zlab_and_sglang_dflash_launch_lines_parse_and_resolve() {
     for (source, line) in DFLASH_LINES {
-        let config = ServeConfig::from_args(&args(line))
-            .unwrap_or_else(|e| panic!("{source}: {e}\n{line}"));
+        let config =
+            ServeConfig::from_args(&args(line)).unwrap_or_else(|e| panic!("{source}: {e}\n{line}"));
         let spec = config.speculative.expect("speculative");
         assert_eq!(spec.algorithm, SpecAlgorithm::DFlash, "{source}");
         // The flags without an effect here are the warned ones, named as written.
@@ -137,7 +137,10 @@ fn every_other_listed_sglang_flag_parses_with_a_value_of_its_arity() {
         })
         .collect();
     let mut set_aside = 0;
-    for f in flags().iter().filter(|f| !clap_names.iter().any(|n| n == f.name)) {
+    for f in flags()
+        .iter()
+        .filter(|f| !clap_names.iter().any(|n| n == f.name))
+    {
         let mut argv = vec!["dflash-serve".to_string(), f.name.to_string()];
         match f.arity {
             Arity::Value | Arity::Multi => argv.push("1".into()),
@@ -175,13 +178,17 @@ fn flags_a_user_relies_on_are_refused_naming_the_flag() {
     ] {
         let err = ServeConfig::from_args(&args(line)).expect_err(line);
         assert!(
-            err.to_string().starts_with(&format!("{flag} is not supported by dflash-serve: ")),
+            err.to_string()
+                .starts_with(&format!("{flag} is not supported by dflash-serve: ")),
             "{line}: {err}"
         );
     }
     // Their defaults are harmless and pass with the warning.
     let c = ServeConfig::from_args(&args("--nnodes 1 --disaggregation-mode null")).expect("ok");
-    assert_eq!(c.ignored_sglang_flags, ["--nnodes 1", "--disaggregation-mode null"]);
+    assert_eq!(
+        c.ignored_sglang_flags,
+        ["--nnodes 1", "--disaggregation-mode null"]
+    );
 }
 
 #[test]
@@ -205,5 +212,26 @@ fn tool_call_parsers_take_sglangs_names() {
         assert_eq!(c.tool_call_parser, Some(kind));
     }
     let err = ServeConfig::from_args(&args("--tool-call-parser llama3")).expect_err("refused");
-    assert!(err.to_string().starts_with("--tool-call-parser llama3:"), "{err}");
+    assert!(
+        err.to_string().starts_with("--tool-call-parser llama3:"),
+        "{err}"
+    );
+}
+
+/// The README's flag table names every flag refused by name (the list is meant to stay short
+/// and documented).
+#[test]
+fn the_readme_table_names_every_refused_flag() {
+    use dflash_serve::cli::sglang::{disposition, flags, Disposition};
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
+        .expect("README.md");
+    for f in flags() {
+        if !matches!(disposition(f.name), Disposition::Warn) {
+            assert!(
+                readme.contains(&format!("`{}`", f.name)),
+                "README.md does not name {}",
+                f.name
+            );
+        }
+    }
 }

@@ -85,21 +85,25 @@ pub fn disposition(name: &str) -> Disposition {
         "--ssl-certfile" | "--ssl-keyfile" | "--ssl-ca-certs" | "--ssl-keyfile-password" => {
             Refuse("TLS is not built in; terminate TLS in a reverse proxy")
         }
-        "--admin-api-key" => {
-            Refuse("there is no separate admin key; --api-key guards every route but /health and /metrics")
-        }
+        "--admin-api-key" => Refuse(
+            "there is no separate admin key; --api-key guards every route but /health and /metrics",
+        ),
         "--config" => Refuse("YAML config files are not read; pass the flags on the command line"),
-        "--json-model-override-args" => Refuse("overriding the model's config.json is not supported"),
+        "--json-model-override-args" => {
+            Refuse("overriding the model's config.json is not supported")
+        }
         "--nnodes" => OnlyValues(ONE, "dflash-serve runs on one node, so only 1 is allowed"),
-        "--node-rank" => OnlyValues(&["0"], "dflash-serve runs on one node, so only 0 is allowed"),
+        "--node-rank" => OnlyValues(
+            &["0"],
+            "dflash-serve runs on one node, so only 0 is allowed",
+        ),
         "--ep-size" | "--dcp-size" | "--attn-dp-size" | "--attn-cp-size" | "--moe-dp-size" => {
             OnlyValues(ONE, ONE_DEVICE)
         }
         "--base-gpu-id" => OnlyValues(&["0"], "pick the GPU with --device cuda:N instead"),
-        "--disaggregation-mode" => OnlyValues(
-            &["null"],
-            "prefill/decode disaggregation is not supported",
-        ),
+        "--disaggregation-mode" => {
+            OnlyValues(&["null"], "prefill/decode disaggregation is not supported")
+        }
         "--load-format" => OnlyValues(
             &["auto", "safetensors"],
             "only safetensors checkpoints are loaded",

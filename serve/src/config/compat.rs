@@ -96,14 +96,27 @@ mod tests {
 
     #[test]
     fn value_checked_flags_pass_their_defaults_and_refuse_the_rest() {
-        let ok = check_sglang_flags(&[passed("--nnodes", &["1"]), passed("--watchdog-timeout", &["60"])]);
-        assert_eq!(ok, Ok(vec!["--nnodes 1".to_string(), "--watchdog-timeout 60".into()]));
+        let ok = check_sglang_flags(&[
+            passed("--nnodes", &["1"]),
+            passed("--watchdog-timeout", &["60"]),
+        ]);
+        assert_eq!(
+            ok,
+            Ok(vec![
+                "--nnodes 1".to_string(),
+                "--watchdog-timeout 60".into()
+            ])
+        );
         let err = check_sglang_flags(&[passed("--nnodes", &["2"])]).expect_err("refused");
         assert_eq!(
             err.to_string(),
             "--nnodes is not supported by dflash-serve: dflash-serve runs on one node, so only 1 is allowed (given `2`); remove the flag"
         );
         let err = check_sglang_flags(&[passed("--enable-lora", &[])]).expect_err("refused");
-        assert!(err.to_string().starts_with("--enable-lora is not supported"), "{err}");
+        assert!(
+            err.to_string()
+                .starts_with("--enable-lora is not supported"),
+            "{err}"
+        );
     }
 }

@@ -90,7 +90,9 @@ impl Generation {
         req: PreparedRequest,
         rx: Option<UnboundedReceiver<SeqUpdate>>,
     ) -> Self {
-        state.metrics.request_received(req.prompt_ids.len(), req.stream);
+        state
+            .metrics
+            .request_received(req.prompt_ids.len(), req.stream);
         let now = Instant::now();
         let mut g = Self {
             decoder: IncrementalDecoder::new(req.skip_special_tokens),
