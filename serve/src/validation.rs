@@ -80,6 +80,10 @@ pub enum ValidationError {
     },
     #[error("`{field}` is not supported by dflash-serve; remove it from the request")]
     Unsupported { field: &'static str },
+    #[error("`tool_choice` {given} needs grammar-constrained generation, which dflash-serve does not have yet; send \"auto\" (the model may call a tool, parsed with --tool-call-parser) or \"none\"")]
+    ToolChoiceNeedsGrammar { given: String },
+    #[error("`tool_choice` must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}. Given: {given}")]
+    BadToolChoice { given: String },
     #[error(
         "The input ({input} tokens) is longer than the model's context length ({context} tokens)."
     )]

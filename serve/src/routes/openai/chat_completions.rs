@@ -1,9 +1,11 @@
 //! `POST /v1/chat/completions`. Streams follow SGLang's chunk order: a role chunk, content
 //! deltas (`reasoning_content: null` always present), a separate finish chunk with
 //! `matched_stop`, the usage chunk when asked, then `[DONE]`. With `--reasoning-parser`, the
-//! `<think>` part arrives as `reasoning_content` deltas and `message.reasoning_content`.
+//! `<think>` part arrives as `reasoning_content` deltas and `message.reasoning_content`. With
+//! `--tool-call-parser` and `tools`, tool calls come back parsed (`tools.rs`).
 
 pub mod convert;
+pub mod tools;
 pub mod types;
 pub mod validate;
 
@@ -62,12 +64,15 @@ pub async fn handle(
             unix_now(),
             req.common.n(),
         );
+        let tool_parsing = tools::tool_parsing(&state, &req);
         if req.common.stream {
             let render = Render {
                 id: rid.clone(),
                 model: model.clone(),
                 created,
                 continuous_usage: req.common.continuous_usage(),
+                tool_parsing: tool_parsing.clone(),
+                tool_streams: std::sync::Mutex::new(std::collections::HashMap::new()),
             };
             let include_usage = req.common.include_usage();
             let spec_details = req.return_spec_tokens_details == Some(true);
@@ -92,7 +97,7 @@ pub async fn handle(
         let choices: Vec<Value> = gens
             .iter()
             .enumerate()
-            .map(|(i, g)| choice(i, g, with_meta))
+            .map(|(i, g)| choice(i, g, with_meta, tool_parsing.as_ref()))
             .collect();
         let counts = counts_of(&gens);
         let mut body = json!({
@@ -120,17 +125,49 @@ pub async fn handle(
     .map_err(OpenAiError)
 }
 
-fn choice(index: usize, g: &Generation, with_meta: bool) -> Value {
-    let (reasoning, content) = match g.reasoning_kind() {
+fn choice(
+    index: usize,
+    g: &Generation,
+    with_meta: bool,
+    tool_parsing: Option<&tools::ToolParsing>,
+) -> Value {
+    let (reasoning, mut content) = match g.reasoning_kind() {
         Some(kind) => split_whole(kind, g.text()),
         None => (None, g.text().to_string()),
     };
+    let mut message =
+        json!({"role": "assistant", "content": content, "reasoning_content": reasoning});
+    let mut calls = 0;
+    if let Some(p) = tool_parsing {
+        let (text, parsed) =
+            crate::generation::tool_calls::parse_whole(p.kind, p.tools.clone(), &content);
+        content = text;
+        calls = parsed.len();
+        if let Some(m) = message.as_object_mut() {
+            m.insert("content".into(), json!(content));
+            if calls > 0 {
+                let list: Vec<Value> = parsed
+                    .iter()
+                    .enumerate()
+                    .map(|(k, c)| tools::message_call(k, c))
+                    .collect();
+                m.insert("tool_calls".into(), Value::Array(list));
+            }
+        }
+    }
+    let (reason, matched) = match g.finish() {
+        Some(f) => {
+            let (r, m) = tools::finish_fields(f.openai_reason(), f.matched_stop(), calls);
+            (Some(r), m)
+        }
+        None => (None, Value::Null),
+    };
     let mut c = json!({
         "index": index,
-        "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
+        "message": message,
         "logprobs": null,
-        "finish_reason": g.finish().map(|f| f.openai_reason()),
-        "matched_stop": g.finish().map(|f| f.matched_stop()).unwrap_or(Value::Null),
+        "finish_reason": reason,
+        "matched_stop": matched,
     });
     if let (true, Some(obj)) = (with_meta, c.as_object_mut()) {
         obj.insert("meta_info".into(), g.meta_info());
@@ -143,15 +180,21 @@ struct Render {
     model: String,
     created: u64,
     continuous_usage: bool,
+    tool_parsing: Option<tools::ToolParsing>,
+    /// Each choice's tool-call parser (streams are rendered from one task, so the lock is
+    /// never contended).
+    tool_streams: std::sync::Mutex<
+        std::collections::HashMap<usize, crate::generation::tool_calls::ToolCallStream>,
+    >,
 }
 
 impl Render {
-    fn chunk(
-        &self,
-        index: usize,
-        delta: Value,
-        finish: Option<&crate::generation::Finish>,
-    ) -> Value {
+    /// One chunk; `finish` is the choice's `(finish_reason, matched_stop)`.
+    fn chunk(&self, index: usize, delta: Value, finish: Option<(&'static str, Value)>) -> Value {
+        let (reason, matched) = match finish {
+            Some((r, m)) => (Some(r), m),
+            None => (None, Value::Null),
+        };
         json!({
             "id": self.id,
             "object": CHUNK_OBJECT,
@@ -161,8 +204,8 @@ impl Render {
                 "index": index,
                 "delta": delta,
                 "logprobs": null,
-                "finish_reason": finish.map(|f| f.openai_reason()),
-                "matched_stop": finish.map(|f| f.matched_stop()).unwrap_or(Value::Null),
+                "finish_reason": reason,
+                "matched_stop": matched,
             }],
         })
     }
@@ -198,15 +241,36 @@ impl Render {
                 None,
             ));
         }
-        if !chunk.delta.is_empty() {
-            out.push(self.chunk(
-                index,
-                json!({"reasoning_content": null, "content": chunk.delta}),
-                None,
-            ));
+        let mut calls = 0;
+        match &self.tool_parsing {
+            None => {
+                if !chunk.delta.is_empty() {
+                    out.push(self.chunk(
+                        index,
+                        json!({"reasoning_content": null, "content": chunk.delta}),
+                        None,
+                    ));
+                }
+            }
+            Some(parsing) => {
+                let mut streams = self
+                    .tool_streams
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let parser = streams.entry(index).or_insert_with(|| parsing.stream());
+                let mut events = parser.push(&chunk.delta);
+                if chunk.finish.is_some() {
+                    events.extend(parser.finish());
+                }
+                calls = parser.calls();
+                for delta in events.into_iter().flat_map(tools::deltas) {
+                    out.push(self.chunk(index, delta, None));
+                }
+            }
         }
         if let Some(finish) = &chunk.finish {
-            out.push(self.chunk(index, json!({"reasoning_content": null}), Some(finish)));
+            let fields = tools::finish_fields(finish.openai_reason(), finish.matched_stop(), calls);
+            out.push(self.chunk(index, json!({"reasoning_content": null}), Some(fields)));
         }
         out
     }

@@ -44,7 +44,7 @@ pub fn prompt_ids(
     let kwargs = template_kwargs(state, req);
     let prompt = template.render(&ChatRenderInput {
         messages: &valid.messages,
-        tools: req.tools.as_deref(),
+        tools: super::tools::template_tools(req),
         add_generation_prompt,
         kwargs: Some(&kwargs),
     })?;
@@ -62,7 +62,11 @@ pub fn lower_chat(
 ) -> Result<Vec<PreparedRequest>, ApiError> {
     let ids = prompt_ids(state, req, &valid, true)?;
     let (max, field) = req.max();
-    let sampling = req.common.sampling(max, field);
+    let mut sampling = req.common.sampling(max, field);
+    // Tool-call tags may be special tokens; the parser needs them in the text (SGLang too).
+    if super::tools::tool_parsing(state, req).is_some() {
+        sampling.skip_special_tokens = false;
+    }
     let prepared = lower(
         rid.to_string(),
         ids,
