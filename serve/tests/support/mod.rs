@@ -11,7 +11,6 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use clap::Parser;
 use dflash_serve::cli::Args;
 use dflash_serve::config::ServeConfig;
 use dflash_serve::engine::{
