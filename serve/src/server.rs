@@ -67,6 +67,7 @@ pub async fn warm_up(state: &AppState) -> Result<std::time::Duration, String> {
         sampling: crate::engine::EngineSampling::greedy(),
         stop_token_ids: Vec::new(),
         ignore_eos: true,
+        logprobs: None,
     };
     let mut rx = state.engine.submit("WARMUP", req);
     while let Some(update) = rx.recv().await {

@@ -80,6 +80,13 @@ pub enum ValidationError {
     },
     #[error("`{field}` is not supported by dflash-serve; remove it from the request")]
     Unsupported { field: &'static str },
+    #[error("`{field}` must be {expected}")]
+    BadJsonType {
+        field: &'static str,
+        expected: &'static str,
+    },
+    #[error("`logprob_start_len` {given}: logprobs of prompt tokens are not implemented yet; send -1 (output tokens only)")]
+    InputLogprobs { given: i64 },
     #[error("`tool_choice` {given} needs grammar-constrained generation, which dflash-serve does not have yet; send \"auto\" (the model may call a tool, parsed with --tool-call-parser) or \"none\"")]
     ToolChoiceNeedsGrammar { given: String },
     #[error("`tool_choice` must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}. Given: {given}")]

@@ -124,6 +124,9 @@ pub struct PreparedRequest {
     pub skip_special_tokens: bool,
     /// Answered as a stream (the `is_streaming` metric label); set by the route.
     pub stream: bool,
+    /// `Some(top_n)`: the answer reports each output token's logprob (and `top_n` alternatives);
+    /// set by the route.
+    pub logprobs: Option<usize>,
 }
 
 impl PreparedRequest {
@@ -134,6 +137,7 @@ impl PreparedRequest {
             sampling: self.sampling.clone(),
             stop_token_ids: self.engine_stop_ids.clone(),
             ignore_eos: self.ignore_eos,
+            logprobs: self.logprobs,
         }
     }
 
@@ -214,6 +218,7 @@ pub fn lower(
         no_stop_trim: s.no_stop_trim,
         skip_special_tokens: s.skip_special_tokens,
         stream: false,
+        logprobs: None,
     })
 }
 

@@ -5,6 +5,7 @@
 pub mod body;
 pub mod generate;
 pub mod info;
+pub mod logprobs;
 pub mod openai;
 pub mod sse;
 pub mod stream;

@@ -9,7 +9,6 @@
 use crate::support::binary::{metric, ServerProcess};
 use crate::support::hybrid::hybrid_fixture;
 use crate::support::{self, TestServer};
-use clap::Parser;
 use dflash_common::tokenizer::Tokenizer;
 use dflash_serve::cli::Args;
 use dflash_serve::config::ServeConfig;

@@ -15,6 +15,7 @@ use dflash_serve::cli::Args;
 use dflash_serve::config::ServeConfig;
 use dflash_serve::engine::{
     AdmitError, EngineFinish, EngineInfo, EngineRequest, SeqId, StepEngine, StepError, StepEvent,
+    TokenLogprob,
 };
 use dflash_serve::server;
 use dflash_serve::state::ModelAssets;
@@ -92,12 +93,32 @@ impl StepEngine for ScriptEngine {
             if finished.is_some() {
                 done.push(id);
             }
+            // Asked-for logprobs are scripted too: token k of the answer has logprob -k/10,
+            // and its alternatives are itself then token 0 at -5.
+            let first = *generated - tokens.len();
+            let logprobs = match req.logprobs {
+                None => Vec::new(),
+                Some(top) => tokens
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &t)| {
+                        let lp = -((first + k) as f32) / 10.0;
+                        let alternatives = [(t, lp), (0, -5.0)];
+                        TokenLogprob {
+                            token: t,
+                            logprob: lp,
+                            top: alternatives.into_iter().take(top).collect(),
+                        }
+                    })
+                    .collect(),
+            };
             out.push(StepEvent {
                 id,
                 tokens,
                 finished,
                 accepted_drafts: accepted,
                 verify_rounds: 1,
+                logprobs,
             });
         }
         for id in done {

@@ -48,6 +48,14 @@ pub struct GenerateRequest {
     #[serde(default)]
     pub return_logprob: Option<OneOrMany<bool>>,
     #[serde(default)]
+    pub top_logprobs_num: Option<OneOrMany<i64>>,
+    #[serde(default)]
+    pub logprob_start_len: Option<OneOrMany<i64>>,
+    #[serde(default)]
+    pub return_text_in_logprobs: bool,
+    #[serde(default)]
+    pub token_ids_logprob: Option<Value>,
+    #[serde(default)]
     pub return_hidden_states: Option<OneOrMany<bool>>,
     #[serde(default)]
     pub lora_path: Option<Value>,

@@ -72,6 +72,7 @@ pub async fn handle(
                 created,
                 continuous_usage: req.common.continuous_usage(),
                 tool_parsing: tool_parsing.clone(),
+                logprobs: Default::default(),
                 tool_streams: std::sync::Mutex::new(std::collections::HashMap::new()),
             };
             let include_usage = req.common.include_usage();
@@ -162,10 +163,14 @@ fn choice(
         }
         None => (None, Value::Null),
     };
+    let logprobs = match g.logprobs_requested() {
+        Some(_) => crate::routes::logprobs::openai_chat(g.logprobs(), g.tokenizer()),
+        None => Value::Null,
+    };
     let mut c = json!({
         "index": index,
         "message": message,
-        "logprobs": null,
+        "logprobs": logprobs,
         "finish_reason": reason,
         "matched_stop": matched,
     });
@@ -183,6 +188,7 @@ struct Render {
     tool_parsing: Option<tools::ToolParsing>,
     /// Each choice's tool-call parser (streams are rendered from one task, so the lock is
     /// never contended).
+    logprobs: crate::routes::logprobs::StreamedLogprobs,
     tool_streams: std::sync::Mutex<
         std::collections::HashMap<usize, crate::generation::tool_calls::ToolCallStream>,
     >,
@@ -214,6 +220,17 @@ impl Render {
 impl RenderChunk for Render {
     fn render(&self, index: usize, g: &Generation, chunk: &Chunk, first: bool) -> Vec<Value> {
         let mut out = self.render_deltas(index, chunk, first);
+        // This step's tokens' logprobs ride on its last chunk.
+        if g.logprobs_requested().is_some() {
+            let new = self.logprobs.take(index, g.logprobs());
+            let last = out.last_mut().and_then(|c| c["choices"][0].as_object_mut());
+            if let (false, Some(choice)) = (new.is_empty(), last) {
+                choice.insert(
+                    "logprobs".into(),
+                    crate::routes::logprobs::openai_chat(new, g.tokenizer()),
+                );
+            }
+        }
         if self.continuous_usage {
             let usage = super::running_usage(g);
             for c in out.iter_mut().filter_map(Value::as_object_mut) {

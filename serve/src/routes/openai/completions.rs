@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use tracing::Instrument;
 
 use super::{counts_of, usage, usage_chunk};
+use crate::engine::TokenLogprob;
 use crate::error::{ErrorShape, OpenAiError};
 use crate::generation::{new_rid, Chunk, Generation};
 use crate::routes::stream::{self, RenderChunk};
@@ -54,6 +55,7 @@ pub async fn handle(
                 model: model.clone(),
                 created,
                 continuous_usage: req.common.continuous_usage(),
+                logprobs: Default::default(),
             };
             let include_usage = req.common.include_usage();
             let tail = move |counts: &[stream::Counts]| {
@@ -69,7 +71,7 @@ pub async fn handle(
         let choices: Vec<Value> = gens
             .iter()
             .enumerate()
-            .map(|(i, g)| choice(i, g, g.text()))
+            .map(|(i, g)| choice(i, g, g.text(), Some((g.logprobs(), 0))))
             .collect();
         Ok(Json(json!({
             "id": rid,
@@ -87,11 +89,23 @@ pub async fn handle(
     .map_err(OpenAiError)
 }
 
-fn choice(index: usize, g: &Generation, text: &str) -> Value {
+/// `logprobs`: the tokens' logprobs when asked (`offset`: the text before them).
+fn choice(
+    index: usize,
+    g: &Generation,
+    text: &str,
+    logprobs: Option<(&[TokenLogprob], usize)>,
+) -> Value {
+    let logprobs = match (g.logprobs_requested(), logprobs) {
+        (Some(_), Some((lps, offset))) => {
+            crate::routes::logprobs::openai_completions(lps, g.tokenizer(), offset)
+        }
+        _ => Value::Null,
+    };
     json!({
         "index": index,
         "text": text,
-        "logprobs": null,
+        "logprobs": logprobs,
         "finish_reason": g.finish().map(|f| f.openai_reason()),
         "matched_stop": g.finish().map(|f| f.matched_stop()).unwrap_or(Value::Null),
     })
@@ -103,6 +117,7 @@ struct Render {
     model: String,
     created: u64,
     continuous_usage: bool,
+    logprobs: crate::routes::logprobs::StreamedLogprobs,
 }
 
 impl RenderChunk for Render {
@@ -115,7 +130,10 @@ impl RenderChunk for Render {
             "object": OBJECT,
             "created": self.created,
             "model": self.model,
-            "choices": [choice(index, g, &chunk.delta)],
+            "choices": [choice(index, g, &chunk.delta, Some((
+                self.logprobs.take(index, g.logprobs()),
+                g.text().len().saturating_sub(chunk.delta.len()),
+            )))],
             "usage": if self.continuous_usage { super::running_usage(g) } else { Value::Null },
         })]
     }

@@ -67,13 +67,15 @@ pub fn lower_chat(
     if super::tools::tool_parsing(state, req).is_some() {
         sampling.skip_special_tokens = false;
     }
-    let prepared = lower(
+    let mut prepared = lower(
         rid.to_string(),
         ids,
         &sampling,
         DefaultBudget::RestOfContext,
         &state.model.lower,
     )?;
+    prepared.logprobs =
+        (req.logprobs == Some(true)).then(|| req.top_logprobs.unwrap_or(0).max(0) as usize);
     let n = req.common.n();
     Ok((0..n).map(|k| prepared.sample(k, n)).collect())
 }

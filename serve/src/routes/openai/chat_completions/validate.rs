@@ -82,7 +82,7 @@ pub fn validate(req: &ChatRequest) -> Result<ValidChat, ValidationError> {
     if req.messages.is_empty() {
         return Err(ValidationError::EmptyMessages);
     }
-    v::check_unsupported("logprobs", req.logprobs == Some(true))?;
+    v::check_at_least("top_logprobs", 0, req.top_logprobs)?;
     v::check_unsupported(
         "continue_final_message",
         req.continue_final_message == Some(true),
