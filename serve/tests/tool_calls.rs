@@ -179,3 +179,33 @@ async fn required_and_named_tool_choice_are_refused_until_constrained_generation
     assert_eq!(r.status, 400);
     assert!(r.body.contains("`tool_choice` must be"), "{}", r.body);
 }
+
+#[tokio::test]
+async fn parse_function_call_parses_a_finished_answer() {
+    let s = start(&[], 3).await;
+    let tools = request(json!({}))["tools"].clone();
+    let r = s
+        .post(
+            "/parse_function_call",
+            &json!({"text": ANSWER, "tools": tools, "tool_call_parser": "qwen25"}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["normal_text"], "Let me check.");
+    assert_eq!(v["calls"][0]["tool_index"], 0);
+    assert_eq!(v["calls"][0]["name"], "get_weather");
+    let params: Value =
+        serde_json::from_str(v["calls"][0]["parameters"].as_str().expect("parameters"))
+            .expect("JSON");
+    assert_eq!(params, json!({"city": "Paris", "unit": "celsius"}));
+    // No parser named and none configured: a 400 that says so.
+    let r = s
+        .post(
+            "/parse_function_call",
+            &json!({"text": ANSWER, "tools": tools}),
+        )
+        .await;
+    assert_eq!(r.status, 400);
+    assert!(r.body.contains("--tool-call-parser"), "{}", r.body);
+}

@@ -54,6 +54,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/detokenize", post(tools::detokenize))
         .route("/abort_request", post(tools::abort_request))
         .route("/separate_reasoning", post(tools::separate_reasoning))
+        .route("/parse_function_call", post(tools::parse_function_call))
         .route(
             "/start_profile",
             get(tools::profile_unavailable).post(tools::profile_unavailable),

@@ -13,7 +13,8 @@ use serde_json::{json, Value};
 use super::generate::types::OneOrMany;
 use crate::error::{ApiError, NativeError, OpenAiError};
 use crate::generation::reasoning::split_whole;
-use crate::generation::ReasoningParserKind;
+use crate::generation::tool_calls::{parse_whole, DeclaredTools};
+use crate::generation::{ReasoningParserKind, ToolParserKind};
 use crate::routes::openai::chat_completions::types::ChatRequest;
 use crate::state::AppState;
 use crate::validation::ValidationError;
@@ -232,6 +233,50 @@ pub async fn separate_reasoning(
     Ok(Json(
         json!({"text": text, "reasoning_text": reasoning.unwrap_or_default()}),
     ))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ParseFunctionCallRequest {
+    pub text: String,
+    #[serde(default)]
+    pub tools: Vec<Value>,
+    #[serde(default)]
+    pub tool_call_parser: Option<String>,
+}
+
+/// `POST /parse_function_call`: SGLang's offline tool-call parsing of a finished answer,
+/// `{"normal_text", "calls": [{"tool_index", "name", "parameters"}]}` (the same parser chat
+/// completions use; the request's parser, else `--tool-call-parser`).
+pub async fn parse_function_call(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, NativeError> {
+    let req: ParseFunctionCallRequest = super::parse_json(
+        &headers,
+        body,
+        state.limits.body_bytes,
+        super::BodyKind::Native,
+    )?;
+    let kind = match req.tool_call_parser.as_deref() {
+        Some(name) => ToolParserKind::parse(name).ok_or_else(|| {
+            ApiError::BadJson(format!(
+                "unknown tool_call_parser `{name}`; use qwen25 (alias hermes) or qwen3_coder"
+            ))
+        })?,
+        None => state.config.tool_call_parser.ok_or_else(|| {
+            ApiError::BadJson(
+                "no tool_call_parser given and the server has none (--tool-call-parser)".into(),
+            )
+        })?,
+    };
+    let tools = DeclaredTools::from_request(&req.tools);
+    let (normal_text, calls) = parse_whole(kind, tools.clone(), &req.text);
+    let calls: Vec<Value> = calls
+        .iter()
+        .map(|c| json!({"tool_index": tools.index_of(&c.name), "name": c.name, "parameters": c.arguments}))
+        .collect();
+    Ok(Json(json!({"normal_text": normal_text, "calls": calls})))
 }
 
 /// `/start_profile` and `/stop_profile`: there is no torch profiler to drive; answer 200 so

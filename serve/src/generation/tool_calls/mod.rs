@@ -84,6 +84,11 @@ impl DeclaredTools {
         Self { tools }
     }
 
+    /// The declared tool's position in the request's `tools`.
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.tools.iter().position(|(n, _)| n == name)
+    }
+
     fn schema(&self, name: &str) -> Option<&Value> {
         self.tools.iter().find(|(n, _)| n == name).map(|(_, s)| s)
     }
