@@ -2,9 +2,14 @@
 //! lines can be pasted unchanged. Unique prefixes work as with argparse (`--speculative-algo`).
 //! Parsed once into [`crate::config::ServeConfig`]; nothing else reads these fields.
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
+
+pub mod sglang;
+
+pub use sglang::PassedFlag;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DTypeArg {
@@ -39,7 +44,7 @@ pub enum DrafterArg {
     version,
     infer_long_args = true,
     about = "SGLang- and OpenAI-compatible server for Qwen3, Qwen3.5 and Qwen3.6 targets with DFlash (or built-in MTP) speculative decoding.",
-    long_about = "SGLang- and OpenAI-compatible server for Qwen3, Qwen3.5 and Qwen3.6 targets with DFlash (or built-in MTP) speculative decoding.\n\nWith no arguments it serves the bundled tiny-coder-demo model on CPU at http://127.0.0.1:30000.\nFlags use SGLang's spelling, so `python -m sglang.launch_server` lines work unchanged; flags SGLang has\nthat dflash-serve cannot honour are refused by name."
+    long_about = "SGLang- and OpenAI-compatible server for Qwen3, Qwen3.5 and Qwen3.6 targets with DFlash (or built-in MTP) speculative decoding.\n\nWith no arguments it serves the bundled tiny-coder-demo model on CPU at http://127.0.0.1:30000.\nFlags use SGLang's spelling, so `python -m sglang.launch_server` lines work unchanged; flags SGLang has\nthat dflash-serve cannot honour are refused by name, the ones with no effect here accepted with a warning."
 )]
 pub struct Args {
     /// Model directory or Hugging Face repo id [default: the bundled tiny-coder-demo]
@@ -165,7 +170,8 @@ pub struct Args {
     /// Log a decode line every N engine steps
     #[arg(long, default_value_t = 40, help_heading = "Scheduling")]
     pub decode_log_interval: usize,
-    /// Log level when RUST_LOG is not set
+    /// Log level when RUST_LOG is not set, in SGLang's (Python's) names: critical, error,
+    /// warning, info, debug (and trace)
     #[arg(long, default_value = "info", help_heading = "Scheduling")]
     pub log_level: String,
 
@@ -223,32 +229,58 @@ pub struct Args {
     /// Separate `<think>` reasoning into `reasoning_content` in chat answers: qwen3 or qwen3-thinking
     #[arg(long, help_heading = "Chat")]
     pub reasoning_parser: Option<String>,
-    /// Refused: no tool-call parser yet
-    #[arg(long, help_heading = "SGLang compatibility")]
+    /// Parse tool calls out of chat answers into `tool_calls`: qwen25 (also hermes: the
+    /// `<tool_call>{json}</tool_call>` format) or qwen3_coder (`<function=...>` XML)
+    #[arg(long, help_heading = "Chat")]
     pub tool_call_parser: Option<String>,
-    /// No effect (no remote code is ever run); accepted so launch lines work
-    #[arg(long, help_heading = "SGLang compatibility")]
-    pub trust_remote_code: bool,
     /// Fraction of GPU memory for the weights plus the K/V pool (SGLang's meaning) [default: SGLang's rule for the GPU, 0.892 on an H200 with a drafter]; no effect on the CPU
     #[arg(long, help_heading = "SGLang compatibility")]
     pub mem_fraction_static: Option<f64>,
-    /// No effect (one attention implementation); accepted with a warning
-    #[arg(long, help_heading = "SGLang compatibility")]
-    pub attention_backend: Option<String>,
-    /// No effect (no CUDA graphs); accepted with a warning
-    #[arg(
-        long,
-        visible_alias = "cuda-graph-max-bs-decode",
-        help_heading = "SGLang compatibility"
-    )]
-    pub cuda_graph_max_bs: Option<usize>,
-    /// No effect (no CUDA graphs); accepted with a warning
-    #[arg(long, help_heading = "SGLang compatibility")]
-    pub disable_cuda_graph: bool,
-    /// No effect (no radix cache yet); accepted with a warning
-    #[arg(long, help_heading = "SGLang compatibility")]
-    pub disable_radix_cache: bool,
+    /// Tokens per K/V-cache page (SGLang's default for this server, 64); kept for the paged pool
+    #[arg(long, default_value_t = 64, help_heading = "Scheduling")]
+    pub page_size: usize,
     /// Announce readiness without first running one short warm-up generation
     #[arg(long, help_heading = "Scheduling")]
     pub skip_server_warmup: bool,
+
+    /// The SGLang flags taken out of the command line before clap ([`sglang::split`]).
+    #[arg(skip)]
+    pub sglang_flags: Vec<PassedFlag>,
+    /// The command line as given (SGLang's `launch_command` in /server_info).
+    #[arg(skip)]
+    pub launch_command: Vec<String>,
+}
+
+impl Args {
+    /// Parses an SGLang launch line: SGLang flags without a clap argument are set aside for
+    /// [`crate::config::ServeConfig::from_args`] to warn about or refuse; the rest is clap's.
+    pub fn try_parse_sglang_from<I, T>(argv: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<String>,
+    {
+        let argv: Vec<String> = argv.into_iter().map(Into::into).collect();
+        let command = <Self as clap::CommandFactory>::command();
+        let clap_names: HashSet<String> = command
+            .get_arguments()
+            .flat_map(|a| {
+                a.get_long()
+                    .into_iter()
+                    .chain(a.get_all_aliases().unwrap_or_default())
+                    .map(|n| format!("--{n}"))
+            })
+            .chain(["--help".to_string(), "--version".to_string()])
+            .collect();
+        let (clap_argv, sglang_flags) = sglang::split(argv.clone(), &clap_names);
+        let mut args = Self::try_parse_from(clap_argv)?;
+        args.sglang_flags = sglang_flags;
+        args.launch_command = argv;
+        Ok(args)
+    }
+
+    /// [`Args::try_parse_sglang_from`] on this process's arguments; exits on a clap error as
+    /// `Args::parse` does.
+    pub fn parse_sglang() -> Self {
+        Self::try_parse_sglang_from(std::env::args()).unwrap_or_else(|e| e.exit())
+    }
 }

@@ -7,9 +7,12 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use crate::cli::{Args, DTypeArg};
-use crate::generation::ReasoningParserKind;
+use crate::generation::{ReasoningParserKind, ToolParserKind};
 
+mod compat;
 mod speculative;
+
+pub use compat::log_filter;
 
 pub use speculative::{
     DraftSource, SpecAlgorithm, SpeculativeConfig, VerifyMode, NEXTN_DEFAULT_STEPS,
@@ -100,6 +103,14 @@ pub struct ServeConfig {
     pub speculative: Option<SpeculativeConfig>,
     /// `--reasoning-parser`: split `<think>` text into `reasoning_content` for chat.
     pub reasoning_parser: Option<ReasoningParserKind>,
+    /// `--tool-call-parser`: parse tool calls out of chat answers.
+    pub tool_call_parser: Option<ToolParserKind>,
+    /// `--page-size`: tokens per K/V-cache page, for the paged pool (SGLang's flag; default 64).
+    pub page_size: usize,
+    /// The command line as given (`launch_command` in /server_info).
+    pub launch_command: Vec<String>,
+    /// SGLang flags accepted with no effect, as written (named in the start-up warning).
+    pub ignored_sglang_flags: Vec<String>,
     /// Run one short generation before announcing readiness (off with --skip-server-warmup).
     pub warmup: bool,
 }
@@ -226,23 +237,6 @@ fn refuse(
     }
 }
 
-fn warn_no_effect(args: &Args) {
-    let ignored = [
-        (args.trust_remote_code, "--trust-remote-code"),
-        (args.attention_backend.is_some(), "--attention-backend"),
-        (args.cuda_graph_max_bs.is_some(), "--cuda-graph-max-bs"),
-        (args.disable_cuda_graph, "--disable-cuda-graph"),
-        (args.disable_radix_cache, "--disable-radix-cache"),
-    ];
-    for (given, flag) in ignored {
-        if given {
-            tracing::warn!(
-                "{flag} has no effect in dflash-serve; accepted so SGLang launch lines work"
-            );
-        }
-    }
-}
-
 impl ServeConfig {
     pub fn from_args(args: &Args) -> Result<Self, ConfigError> {
         only_one("--tp-size", args.tp_size)?;
@@ -270,13 +264,28 @@ impl ServeConfig {
                 }
             })?),
         };
-        refuse(
-            "--tool-call-parser",
-            &args.tool_call_parser,
-            &[],
-            "tool-call parsing is not implemented yet",
-        )?;
-        warn_no_effect(args);
+        let tool_call_parser = match args.tool_call_parser.as_deref() {
+            None => None,
+            Some(name) => Some(ToolParserKind::parse(name).ok_or_else(|| {
+                ConfigError::BadValue {
+                    flag: "--tool-call-parser",
+                    value: name.to_string(),
+                    reason:
+                        "dflash-serve parses Qwen tool calls: qwen25 (alias hermes) or qwen3_coder"
+                            .into(),
+                }
+            })?),
+        };
+        if args.page_size == 0 {
+            return Err(ConfigError::BadValue {
+                flag: "--page-size",
+                value: "0".into(),
+                reason: "must be at least 1 token".into(),
+            });
+        }
+        log_filter(&args.log_level)?;
+        let ignored_sglang_flags = compat::check_sglang_flags(&args.sglang_flags)?;
+        compat::warn_no_effect(&ignored_sglang_flags);
 
         let model_path = match &args.model_path {
             Some(p) => p.clone(),
@@ -449,12 +458,25 @@ impl ServeConfig {
             log_level: args.log_level.clone(),
             speculative,
             reasoning_parser,
+            tool_call_parser,
+            page_size: args.page_size,
+            launch_command: args.launch_command.clone(),
+            ignored_sglang_flags,
             warmup: !args.skip_server_warmup,
         })
     }
 }
 
 impl ServeConfig {
+    /// SGLang's `speculative_num_draft_tokens` (tokens verified per round: the drafts plus the
+    /// bonus token, so a 16-block DFLASH drafter reads 16), one value for /server_info and the
+    /// `sglang:spec_num_draft_tokens` gauge; `None` without speculation.
+    pub fn spec_num_draft_tokens(&self, drafts_per_round: usize) -> Option<usize> {
+        self.speculative
+            .as_ref()
+            .map(|s| s.num_draft_tokens.unwrap_or(drafts_per_round + 1))
+    }
+
     /// KV-cache tokens all running requests share where the engine did not size a pool from
     /// device memory (the CPU): `--max-total-tokens`, or room for every running slot to hold
     /// a full context.

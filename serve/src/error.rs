@@ -25,8 +25,6 @@ pub enum ApiError {
     Template(#[from] TemplateError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
-    #[error("The model `{model}` does not exist; this server serves `{served}` (see /v1/models).")]
-    ModelNotFound { model: String, served: String },
     #[error(transparent)]
     Engine(#[from] EngineFailure),
     #[error("Unauthorized")]
@@ -62,7 +60,6 @@ impl ApiError {
             ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::Tokenizer(TokenizerError::Encode { .. }) => StatusCode::BAD_REQUEST,
             ApiError::Tokenizer(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-            ApiError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Engine(
                 EngineFailure::Rejected(_) | EngineFailure::TooLargeForCache { .. },
             ) => StatusCode::BAD_REQUEST,
@@ -95,6 +92,12 @@ impl ApiError {
     pub fn body(&self, shape: ErrorShape) -> Value {
         if let ApiError::Unauthorized = self {
             return json!({"error": "Unauthorized"});
+        }
+        // SGLang's contract check answers `/generate` with the bare text.
+        if let (ApiError::Validation(ValidationError::UnknownField { .. }), ErrorShape::Native) =
+            (self, shape)
+        {
+            return json!({"error": self.to_string()});
         }
         match shape {
             ErrorShape::OpenAi => self.openai_body(),

@@ -2,7 +2,6 @@
 //! thread and serve. anyhow lives only here.
 
 use anyhow::Context;
-use clap::Parser;
 use dflash_serve::cli::Args;
 use dflash_serve::config::ServeConfig;
 use dflash_serve::engine::real::RealEngine;
@@ -12,10 +11,14 @@ use dflash_serve::state::ModelAssets;
 
 mod bench;
 
-fn init_tracing(level: &str) {
+/// `RUST_LOG` when set, else `--log-level` in SGLang's names (`warning` is tracing's `warn`; a
+/// name tracing does not know would otherwise read as a target and silence everything).
+fn init_tracing(level: &str) -> anyhow::Result<()> {
+    let directive = dflash_serve::config::log_filter(level)?;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(directive));
     tracing_subscriber::fmt().with_env_filter(filter).init();
+    Ok(())
 }
 
 /// The decoding engine for `config`: the target (Qwen3 or a Qwen3.5 / Qwen3.6 hybrid), plus the
@@ -40,8 +43,8 @@ fn main() -> anyhow::Result<()> {
     if argv.get(1).map(String::as_str) == Some("bench") {
         return bench::main(argv[1..].to_vec());
     }
-    let args = Args::parse();
-    init_tracing(&args.log_level);
+    let args = Args::parse_sglang();
+    init_tracing(&args.log_level)?;
     let config = ServeConfig::from_args(&args)?;
     tracing::info!("server_args={config:?}");
     let location = dflash_common::resolve_model(&config.model_path)

@@ -1,5 +1,8 @@
-//! Prometheus metrics under SGLang's names (`sglang:` prefix, `model_name` and `engine_type`
-//! labels), so dashboards and `bench_one_batch_server`'s scrapes keep working.
+//! Prometheus metrics under SGLang's names and labels, so dashboards and
+//! `bench_one_batch_server`'s scrapes keep working. SGLang labels the scheduler's series
+//! (gauges, `spec_verify_calls_total`, queue time) `model_name`, `engine_type`, `tp_rank`,
+//! `pp_rank` and `moe_ep_rank`; the tokenizer's request series `model_name` and `engine_type`,
+//! the per-request counters and latency histograms adding `is_streaming` ("true"/"false").
 //!
 //! Each server owns its recorder instead of installing a process-global one: tests start several
 //! servers in one process, and a global recorder would mix their counters.
@@ -22,7 +25,18 @@ const TOKEN_BUCKETS: &[f64] = &[
 
 pub struct ServerMetrics {
     recorder: PrometheusRecorder,
+    /// The tokenizer manager's labels.
     labels: Vec<Label>,
+    /// The scheduler's: `labels` plus the (single) ranks.
+    scheduler_labels: Vec<Label>,
+}
+
+/// Which of SGLang's label sets a series carries.
+#[derive(Clone, Copy)]
+enum Labels {
+    Tokenizer,
+    Streaming(bool),
+    Scheduler,
 }
 
 impl std::fmt::Debug for ServerMetrics {
@@ -39,6 +53,7 @@ pub struct FinishedRequest {
     pub e2e: Duration,
     pub ttft: Option<Duration>,
     pub aborted: bool,
+    pub streaming: bool,
 }
 
 impl ServerMetrics {
@@ -55,34 +70,60 @@ impl ServerMetrics {
             Label::new("model_name", model_name.to_string()),
             Label::new("engine_type", "unified"),
         ];
+        let mut scheduler_labels = labels.clone();
+        for rank in ["tp_rank", "pp_rank", "moe_ep_rank"] {
+            scheduler_labels.push(Label::new(rank, "0"));
+        }
         let this = Self {
             recorder: builder.build_recorder(),
             labels,
+            scheduler_labels,
         };
         // Register every series up front so a scrape before the first request sees them at 0.
-        for name in COUNTERS {
-            this.counter(name).absolute(0);
+        for name in STREAMING_COUNTERS {
+            for streaming in [false, true] {
+                this.counter(name, Labels::Streaming(streaming)).absolute(0);
+            }
         }
+        for name in TOKENIZER_COUNTERS {
+            this.counter(name, Labels::Tokenizer).absolute(0);
+        }
+        this.counter("sglang:spec_verify_calls_total", Labels::Scheduler)
+            .absolute(0);
         for name in GAUGES {
             this.gauge(name).set(0.0);
         }
         this
     }
 
-    fn key(&self, name: &'static str) -> Key {
-        Key::from_parts(name, self.labels.clone())
+    fn key(&self, name: &'static str, labels: Labels) -> Key {
+        let mut set = match labels {
+            Labels::Scheduler => self.scheduler_labels.clone(),
+            Labels::Tokenizer | Labels::Streaming(_) => self.labels.clone(),
+        };
+        if let Labels::Streaming(streaming) = labels {
+            set.push(Label::new(
+                "is_streaming",
+                if streaming { "true" } else { "false" },
+            ));
+        }
+        Key::from_parts(name, set)
     }
 
-    fn counter(&self, name: &'static str) -> Counter {
-        self.recorder.register_counter(&self.key(name), &METADATA)
+    fn counter(&self, name: &'static str, labels: Labels) -> Counter {
+        self.recorder
+            .register_counter(&self.key(name, labels), &METADATA)
     }
 
+    /// Gauges are the scheduler's.
     fn gauge(&self, name: &'static str) -> Gauge {
-        self.recorder.register_gauge(&self.key(name), &METADATA)
+        self.recorder
+            .register_gauge(&self.key(name, Labels::Scheduler), &METADATA)
     }
 
-    fn histogram(&self, name: &'static str) -> Histogram {
-        self.recorder.register_histogram(&self.key(name), &METADATA)
+    fn histogram(&self, name: &'static str, labels: Labels) -> Histogram {
+        self.recorder
+            .register_histogram(&self.key(name, labels), &METADATA)
     }
 
     /// The Prometheus text exposition.
@@ -90,8 +131,9 @@ impl ServerMetrics {
         self.recorder.handle().render()
     }
 
-    /// `draft_tokens` drafts per verify round from `num_steps` drafter calls (DFLASH drafts a
-    /// block in 1 step, NEXTN one token per step); both 0 without speculation.
+    /// `draft_tokens` tokens verified per round (`ServeConfig::spec_num_draft_tokens`) from
+    /// `num_steps` drafter calls (DFLASH drafts a block in 1 step, NEXTN one token per step);
+    /// both 0 without speculation.
     pub fn set_static(
         &self,
         context_len: usize,
@@ -107,33 +149,35 @@ impl ServerMetrics {
         self.gauge("sglang:spec_num_steps").set(num_steps as f64);
     }
 
-    pub fn request_received(&self, prompt_tokens: usize) {
-        self.counter("sglang:num_requests_total").increment(1);
-        self.counter("sglang:prompt_tokens_total")
+    pub fn request_received(&self, prompt_tokens: usize, streaming: bool) {
+        let l = Labels::Streaming(streaming);
+        self.counter("sglang:num_requests_total", l).increment(1);
+        self.counter("sglang:prompt_tokens_total", l)
             .increment(prompt_tokens as u64);
-        self.histogram("sglang:prompt_tokens_histogram")
+        self.histogram("sglang:prompt_tokens_histogram", Labels::Tokenizer)
             .record(prompt_tokens as f64);
     }
 
     pub fn request_finished(&self, r: FinishedRequest) {
-        self.counter("sglang:generation_tokens_total")
+        let l = Labels::Streaming(r.streaming);
+        self.counter("sglang:generation_tokens_total", l)
             .increment(r.completion_tokens as u64);
-        self.histogram("sglang:generation_tokens_histogram")
+        self.histogram("sglang:generation_tokens_histogram", Labels::Tokenizer)
             .record(r.completion_tokens as f64);
-        self.histogram("sglang:e2e_request_latency_seconds")
+        self.histogram("sglang:e2e_request_latency_seconds", l)
             .record(r.e2e.as_secs_f64());
         if let Some(ttft) = r.ttft {
-            self.histogram("sglang:time_to_first_token_seconds")
+            self.histogram("sglang:time_to_first_token_seconds", l)
                 .record(ttft.as_secs_f64());
             if r.completion_tokens > 1 {
                 let tpot =
                     r.e2e.saturating_sub(ttft).as_secs_f64() / (r.completion_tokens - 1) as f64;
-                self.histogram("sglang:request_time_per_output_token_seconds")
+                self.histogram("sglang:request_time_per_output_token_seconds", l)
                     .record(tpot);
             }
         }
         if r.aborted {
-            self.counter("sglang:num_aborted_requests_total")
+            self.counter("sglang:num_aborted_requests_total", Labels::Tokenizer)
                 .increment(1);
         }
     }
@@ -143,14 +187,14 @@ impl ServerMetrics {
             return;
         }
         let per = gap.as_secs_f64() / tokens as f64;
-        let h = self.histogram("sglang:inter_token_latency_seconds");
+        let h = self.histogram("sglang:inter_token_latency_seconds", Labels::Tokenizer);
         for _ in 0..tokens {
             h.record(per);
         }
     }
 
     pub fn queue_time(&self, wait: Duration) {
-        self.histogram("sglang:queue_time_seconds")
+        self.histogram("sglang:queue_time_seconds", Labels::Scheduler)
             .record(wait.as_secs_f64());
     }
 
@@ -174,7 +218,7 @@ impl ServerMetrics {
 
     pub fn verify_calls(&self, n: usize) {
         if n > 0 {
-            self.counter("sglang:spec_verify_calls_total")
+            self.counter("sglang:spec_verify_calls_total", Labels::Scheduler)
                 .increment(n as u64);
         }
     }
@@ -196,13 +240,16 @@ impl ServerMetrics {
     }
 }
 
-const COUNTERS: &[&str] = &[
+/// The tokenizer's per-request counters, labelled `is_streaming`.
+const STREAMING_COUNTERS: &[&str] = &[
     "sglang:num_requests_total",
     "sglang:prompt_tokens_total",
     "sglang:generation_tokens_total",
+];
+
+const TOKENIZER_COUNTERS: &[&str] = &[
     "sglang:cached_tokens_total",
     "sglang:num_aborted_requests_total",
-    "sglang:spec_verify_calls_total",
 ];
 
 const GAUGES: &[&str] = &[

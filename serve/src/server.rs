@@ -35,7 +35,9 @@ pub fn build_state<E: StepEngine>(
     metrics.set_static(
         model.lower.context_length,
         max_total_tokens,
-        info.drafts_per_round,
+        config
+            .spec_num_draft_tokens(info.drafts_per_round)
+            .unwrap_or(0),
         config.speculative.as_ref().map_or(0, |s| s.num_steps),
     );
     let limits = SchedulerLimits {
@@ -65,6 +67,7 @@ pub async fn warm_up(state: &AppState) -> Result<std::time::Duration, String> {
         sampling: crate::engine::EngineSampling::greedy(),
         stop_token_ids: Vec::new(),
         ignore_eos: true,
+        logprobs: None,
     };
     let mut rx = state.engine.submit("WARMUP", req);
     while let Some(update) = rx.recv().await {

@@ -5,6 +5,12 @@
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ValidationError {
+    /// serde's `unknown_field` text, which SGLang 0.5.23's contract check answers with.
+    #[error("unknown field `{key}`, expected one of {}", expected.iter().map(|f| format!("`{f}`")).collect::<Vec<_>>().join(", "))]
+    UnknownField {
+        key: String,
+        expected: &'static [&'static str],
+    },
     #[error("Either text, input_ids or input_embeds should be provided.")]
     NoPrompt,
     #[error("Only one of text, input_ids or input_embeds may be provided; got {given}.")]
@@ -74,6 +80,17 @@ pub enum ValidationError {
     },
     #[error("`{field}` is not supported by dflash-serve; remove it from the request")]
     Unsupported { field: &'static str },
+    #[error("`{field}` must be {expected}")]
+    BadJsonType {
+        field: &'static str,
+        expected: &'static str,
+    },
+    #[error("`logprob_start_len` {given}: logprobs of prompt tokens are not implemented yet; send -1 (output tokens only)")]
+    InputLogprobs { given: i64 },
+    #[error("`tool_choice` {given} needs grammar-constrained generation, which dflash-serve does not have yet; send \"auto\" (the model may call a tool, parsed with --tool-call-parser) or \"none\"")]
+    ToolChoiceNeedsGrammar { given: String },
+    #[error("`tool_choice` must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}. Given: {given}")]
+    BadToolChoice { given: String },
     #[error(
         "The input ({input} tokens) is longer than the model's context length ({context} tokens)."
     )]

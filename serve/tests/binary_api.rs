@@ -309,18 +309,20 @@ async fn server_info_and_metrics_report_speculation() {
     let m = s.get("/metrics").await;
     assert_eq!(m.status, 200);
     let label = "model_name=\"tiny-coder-demo\"";
-    for name in [
-        "sglang:spec_accept_length",
-        "sglang:spec_verify_calls_total",
-        "sglang:prompt_tokens_total",
-        "sglang:generation_tokens_total",
+    // The request counters are split by `is_streaming` (these requests were not streamed).
+    let unstreamed = "is_streaming=\"false\"";
+    for (name, label) in [
+        ("sglang:spec_accept_length", label),
+        ("sglang:spec_verify_calls_total", label),
+        ("sglang:prompt_tokens_total", unstreamed),
+        ("sglang:generation_tokens_total", unstreamed),
     ] {
         let v =
             metric(&m.body, name, label).unwrap_or_else(|| panic!("{name} missing:\n{}", m.body));
         assert!(v > 0.0, "{name} = {v}");
     }
     assert_eq!(
-        metric(&m.body, "sglang:generation_tokens_total", label),
+        metric(&m.body, "sglang:generation_tokens_total", unstreamed),
         Some(4.0 * 32.0)
     );
     assert_eq!(metric(&m.body, "sglang:num_running_reqs", label), Some(0.0));

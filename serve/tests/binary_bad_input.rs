@@ -78,13 +78,6 @@ fn cases() -> Vec<Case> {
             &["messages"],
         ),
         case(
-            "unknown model",
-            "/v1/chat/completions",
-            chat(json!({"model": "gpt-4o"})),
-            404,
-            &["gpt-4o", "tiny-coder-demo"],
-        ),
-        case(
             "prompt longer than the context",
             "/generate",
             json!({"input_ids": long_prompt, "sampling_params": {"max_new_tokens": 1}}),

@@ -107,7 +107,7 @@ async fn sixty_four_streaming_clients_for_a_minute() {
         "KV reservations returned"
     );
     assert_eq!(
-        metric(&m, "sglang:num_requests_total", label),
+        metric(&m, "sglang:num_requests_total", "is_streaming=\"true\""),
         Some(total as f64)
     );
     assert_eq!(p.server.get("/health").await.status, 200);

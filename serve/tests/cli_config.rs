@@ -10,7 +10,7 @@ use dflash_serve::config::{
 fn config(argv: &[&str]) -> Result<ServeConfig, ConfigError> {
     let mut full = vec!["dflash-serve"];
     full.extend_from_slice(argv);
-    let args = Args::try_parse_from(full).unwrap_or_else(|e| panic!("{e}"));
+    let args = Args::try_parse_sglang_from(full).unwrap_or_else(|e| panic!("{e}"));
     ServeConfig::from_args(&args)
 }
 
@@ -304,7 +304,8 @@ fn the_default_device_is_auto_and_falls_back_to_the_cpu_without_cuda() {
 
 #[test]
 fn unknown_flags_and_bad_enum_values_stop_clap() {
-    assert!(Args::try_parse_from(["dflash-serve", "--enable-lora"]).is_err());
+    assert!(Args::try_parse_sglang_from(["dflash-serve", "--enable-loraa"]).is_err());
+    assert!(Args::try_parse_sglang_from(["dflash-serve", "--not-an-sglang-flag"]).is_err());
     let err = Args::try_parse_from(["dflash-serve", "--dtype", "int4"]).expect_err("refused");
     assert!(err.to_string().contains("--dtype"), "{err}");
 }

@@ -139,7 +139,7 @@ async fn chat_non_stream_returns_message_usage_and_meta_info_on_request() {
           "id": "c2",
           "object": "chat.completion",
           "created": "<varies>",
-          "model": "default",
+          "model": "tiny-coder-demo",
           "choices": [
             {
               "index": 0,
@@ -213,7 +213,7 @@ async fn completions_non_stream_and_stream() {
         .await;
     let mut v = r.json();
     normalize(&mut v);
-    expect![[r#"{"id":"p1","object":"text_completion","created":"<varies>","model":"default","choices":[{"index":0,"text":"Hello world,","logprobs":null,"finish_reason":"length","matched_stop":null},{"index":1,"text":"Hello world,","logprobs":null,"finish_reason":"length","matched_stop":null}],"usage":{"prompt_tokens":1,"total_tokens":7,"completion_tokens":6,"prompt_tokens_details":null,"reasoning_tokens":0,"completion_tokens_details":null},"metadata":{"weight_version":"default"}}"#]].assert_eq(&v.to_string());
+    expect![[r#"{"id":"p1","object":"text_completion","created":"<varies>","model":"tiny-coder-demo","choices":[{"index":0,"text":"Hello world,","logprobs":null,"finish_reason":"length","matched_stop":null},{"index":1,"text":"Hello world,","logprobs":null,"finish_reason":"length","matched_stop":null}],"usage":{"prompt_tokens":1,"total_tokens":7,"completion_tokens":6,"prompt_tokens_details":null,"reasoning_tokens":0,"completion_tokens_details":null},"metadata":{"weight_version":"default"}}"#]].assert_eq(&v.to_string());
     let r = s
         .post(
             "/v1/completions",
@@ -222,9 +222,9 @@ async fn completions_non_stream_and_stream() {
         )
         .await;
     expect![[r#"
-        {"id":"p2","object":"text_completion","created":"<varies>","model":"default","choices":[{"index":0,"text":"Hello world,","logprobs":null,"finish_reason":null,"matched_stop":null}],"usage":null}
-        {"id":"p2","object":"text_completion","created":"<varies>","model":"default","choices":[{"index":0,"text":" this","logprobs":null,"finish_reason":"length","matched_stop":null}],"usage":null}
-        {"id":"p2","object":"text_completion","created":"<varies>","model":"default","choices":[],"usage":{"prompt_tokens":2,"total_tokens":6,"completion_tokens":4,"reasoning_tokens":0}}
+        {"id":"p2","object":"text_completion","created":"<varies>","model":"tiny-coder-demo","choices":[{"index":0,"text":"Hello world,","logprobs":null,"finish_reason":null,"matched_stop":null}],"usage":null}
+        {"id":"p2","object":"text_completion","created":"<varies>","model":"tiny-coder-demo","choices":[{"index":0,"text":" this","logprobs":null,"finish_reason":"length","matched_stop":null}],"usage":null}
+        {"id":"p2","object":"text_completion","created":"<varies>","model":"tiny-coder-demo","choices":[],"usage":{"prompt_tokens":2,"total_tokens":6,"completion_tokens":4,"reasoning_tokens":0}}
         [DONE]"#]].assert_eq(&normalized_events(&r));
 }
 
@@ -267,7 +267,7 @@ async fn health_models_model_info_server_info_and_load() {
 }
 
 #[tokio::test]
-async fn metrics_use_sglang_names_with_the_model_name_label() {
+async fn metrics_use_sglang_names_and_label_sets() {
     let s = start(&[], 3).await;
     s.post(
         "/generate",
@@ -277,11 +277,14 @@ async fn metrics_use_sglang_names_with_the_model_name_label() {
     let r = s.get("/metrics").await;
     assert_eq!(r.status, 200);
     for line in [
-        r#"sglang:num_requests_total{model_name="tiny-coder-demo",engine_type="unified"} 1"#,
-        r#"sglang:generation_tokens_total{model_name="tiny-coder-demo",engine_type="unified"} 3"#,
-        r#"sglang:prompt_tokens_total{model_name="tiny-coder-demo",engine_type="unified"} 1"#,
-        r#"sglang:spec_verify_calls_total{model_name="tiny-coder-demo",engine_type="unified"} 1"#,
-        r#"sglang:num_running_reqs{model_name="tiny-coder-demo",engine_type="unified"} 0"#,
+        // The tokenizer's request counters split by `is_streaming`, as SGLang's do.
+        r#"sglang:num_requests_total{model_name="tiny-coder-demo",engine_type="unified",is_streaming="false"} 1"#,
+        r#"sglang:num_requests_total{model_name="tiny-coder-demo",engine_type="unified",is_streaming="true"} 0"#,
+        r#"sglang:generation_tokens_total{model_name="tiny-coder-demo",engine_type="unified",is_streaming="false"} 3"#,
+        r#"sglang:prompt_tokens_total{model_name="tiny-coder-demo",engine_type="unified",is_streaming="false"} 1"#,
+        // The scheduler's series carry the (single) ranks.
+        r#"sglang:spec_verify_calls_total{model_name="tiny-coder-demo",engine_type="unified",tp_rank="0",pp_rank="0",moe_ep_rank="0"} 1"#,
+        r#"sglang:num_running_reqs{model_name="tiny-coder-demo",engine_type="unified",tp_rank="0",pp_rank="0",moe_ep_rank="0"} 0"#,
     ] {
         assert!(r.body.contains(line), "missing {line} in\n{}", r.body);
     }

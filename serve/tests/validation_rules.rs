@@ -175,8 +175,12 @@ fn test_validation_unsupported_field() {
         "`sampling_params.regex` is not supported by dflash-serve; remove it from the request"
     );
     assert_eq!(
-        generate_err(json!({"text": "x", "return_logprob": true})),
-        "`return_logprob` is not supported by dflash-serve; remove it from the request"
+        generate_err(json!({"text": "x", "return_logprob": true, "token_ids_logprob": [3]})),
+        "`token_ids_logprob` is not supported by dflash-serve; remove it from the request"
+    );
+    assert_eq!(
+        generate_err(json!({"text": "x", "return_logprob": true, "logprob_start_len": 0})),
+        "`logprob_start_len` 0: logprobs of prompt tokens are not implemented yet; send -1 (output tokens only)"
     );
 }
 

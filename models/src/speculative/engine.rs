@@ -16,6 +16,7 @@ use crate::batch::SeqForward;
 use crate::cache::{pages_for, KvPool, SequenceCache, PAGE_SIZE};
 use crate::error::ModelError;
 use crate::layers::attention::AttnPattern;
+use crate::speculative::logprobs;
 use crate::speculative::proposer::{ProposeItem, Proposer, SeqId};
 use crate::speculative::sampling::Sampler;
 use crate::speculative::simulate::SimulatedAcceptance;
@@ -52,6 +53,8 @@ struct Sequence {
     /// bonus token and samples nothing (`engine/retract.rs`).
     resumed: bool,
     stats: SeqStats,
+    /// `Some(top_n)`: report committed tokens' logprobs with the `top_n` best entries.
+    logprobs: Option<usize>,
 }
 
 pub struct Engine {
@@ -315,8 +318,21 @@ impl Engine {
             prefilled: false,
             resumed: false,
             stats: SeqStats::new(depth),
+            logprobs: None,
         });
         Ok(id)
+    }
+
+    /// Reports the logprobs of sequence `id`'s committed tokens from now on (`Some(top_n)`),
+    /// or stops (`None`). See [`crate::speculative::logprobs`].
+    pub fn set_logprobs(&mut self, id: SeqId, top_n: Option<usize>) -> Result<(), EngineError> {
+        let seq = self
+            .seqs
+            .iter_mut()
+            .find(|s| s.id == id)
+            .ok_or(EngineError::UnknownSequence(id))?;
+        seq.logprobs = top_n;
+        Ok(())
     }
 
     /// Drops a sequence (abort). Unknown ids are an error so callers notice double removal.
@@ -476,12 +492,17 @@ impl Engine {
             seq.prefilled = true;
             let token = seq.sampler.sample(row);
             let (emitted, finished) = commit_tokens(seq, &[token], &self.config.eos_token_ids);
+            let logprobs = match seq.logprobs {
+                Some(n) => vec![logprobs::token_logprob(row, token, n)],
+                None => Vec::new(),
+            };
             events.push(SeqEvent {
                 id: seq.id,
                 tokens: emitted,
                 finished,
                 round: None,
                 stats: seq.stats.clone(),
+                logprobs,
             });
         }
         self.reap(events);
@@ -634,11 +655,16 @@ impl Engine {
             let a = out.logit_offsets[i];
             let b = (a + tree.len()).min(out.logit_offsets[i + 1]);
             let seq = &mut self.seqs[i];
+            // Host rows: for sampling, and for logprobs when asked.
+            let host_rows = if !seq.sampler.params().is_greedy() || seq.logprobs.is_some() {
+                logits.narrow(0, a, b - a)?.to_vec2::<f32>()?
+            } else {
+                Vec::new()
+            };
             let posterior: Vec<u32> = if seq.sampler.params().is_greedy() {
                 argmax[a..b].to_vec()
             } else {
-                let rows = logits.narrow(0, a, b - a)?.to_vec2::<f32>()?;
-                rows.iter().map(|r| seq.sampler.sample(r)).collect()
+                host_rows.iter().map(|r| seq.sampler.sample(r)).collect()
             };
             let (accepted, next) = match self.simulate.as_mut() {
                 Some(sim) if seq.req.algorithm != Algorithm::Plain => sim.walk(tree, &posterior),
@@ -660,6 +686,10 @@ impl Engine {
             let mut new_tokens: Vec<u32> = accepted[1..].iter().map(|&n| tree.tokens[n]).collect();
             new_tokens.push(next);
             let (emitted, finished) = commit_tokens(seq, &new_tokens, &self.config.eos_token_ids);
+            let logprobs = match seq.logprobs {
+                Some(n) => logprobs::committed(&host_rows, &accepted, &emitted, n),
+                None => Vec::new(),
+            };
             let round = RoundStats {
                 tree_nodes: tree.num_nodes(),
                 max_depth: tree.depths.iter().copied().max().unwrap_or(0),
@@ -676,6 +706,7 @@ impl Engine {
                 finished,
                 round: Some(round),
                 stats: seq.stats.clone(),
+                logprobs,
             });
         }
         profile::mark(&dev, "8_commit");

@@ -7,6 +7,7 @@
 
 pub mod engine;
 pub mod greedy;
+pub mod logprobs;
 pub mod mtp;
 pub mod oracle;
 pub mod profile;

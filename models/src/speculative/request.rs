@@ -108,4 +108,7 @@ pub struct SeqEvent {
     pub round: Option<RoundStats>,
     /// Totals so far, for meta_info and metrics.
     pub stats: SeqStats,
+    /// One per token of `tokens` when the sequence asked ([`crate::speculative::Engine::set_logprobs`]),
+    /// else empty.
+    pub logprobs: Vec<crate::speculative::logprobs::TokenLogprob>,
 }

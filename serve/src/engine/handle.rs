@@ -23,6 +23,8 @@ pub enum SeqUpdate {
         finished: Option<EngineFinish>,
         accepted_drafts: usize,
         verify_rounds: usize,
+        /// One per token when the request asked for logprobs.
+        logprobs: Vec<super::TokenLogprob>,
     },
     Failed(EngineFailure),
 }

@@ -60,6 +60,18 @@ pub struct EngineRequest {
     /// `ignore_eos` (the server folds them in so the engine needs no tokenizer).
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// `Some(top_n)`: report each committed token's logprob under the target, with the `top_n`
+    /// most likely tokens of its position.
+    pub logprobs: Option<usize>,
+}
+
+/// A committed token's log-probability under the target (log-softmax of the logits row that
+/// predicted it) and its position's `top` most likely tokens, most likely first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Why the engine ended a sequence.
@@ -72,7 +84,7 @@ pub enum EngineFinish {
 }
 
 /// Tokens one step committed for one sequence, with its speculative statistics for that step.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepEvent {
     pub id: SeqId,
     pub tokens: Vec<u32>,
@@ -81,6 +93,8 @@ pub struct StepEvent {
     pub accepted_drafts: usize,
     /// Target verify forwards this sequence took part in during this step (0 without drafting).
     pub verify_rounds: usize,
+    /// One per token when the request asked for logprobs, else empty.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 /// The engine could not admit a request: the request's fault (HTTP 400, the message says what

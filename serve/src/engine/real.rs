@@ -385,7 +385,9 @@ impl StepEngine for RealEngine {
             min_p: s.min_p,
             seed: s.seed,
         };
-        self.engine
+        let logprobs = req.logprobs;
+        let id = self
+            .engine
             .add(GenerationRequest {
                 prompt: req.prompt,
                 max_new_tokens: req.max_new_tokens,
@@ -401,7 +403,13 @@ impl StepEngine for RealEngine {
                 } else {
                     AdmitError::server(format!("admitting the request failed: {e}"))
                 }
-            })
+            })?;
+        if logprobs.is_some() {
+            self.engine
+                .set_logprobs(id, logprobs)
+                .map_err(|e| AdmitError::server(e.to_string()))?;
+        }
+        Ok(id)
     }
 
     fn step(&mut self) -> Result<Vec<StepEvent>, StepError> {
@@ -421,6 +429,15 @@ impl StepEngine for RealEngine {
                 verify_rounds: usize::from(
                     ev.round.is_some() && self.algorithm != Algorithm::Plain,
                 ),
+                logprobs: ev
+                    .logprobs
+                    .into_iter()
+                    .map(|l| crate::engine::TokenLogprob {
+                        token: l.token,
+                        logprob: l.logprob,
+                        top: l.top,
+                    })
+                    .collect(),
             })
             .collect())
     }

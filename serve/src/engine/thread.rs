@@ -144,6 +144,7 @@ fn probe_request() -> EngineRequest {
         sampling: EngineSampling::greedy(),
         stop_token_ids: Vec::new(),
         ignore_eos: true,
+        logprobs: None,
     }
 }
 
@@ -504,6 +505,7 @@ impl<E: StepEngine> Worker<E> {
                 finished: ev.finished,
                 accepted_drafts: ev.accepted_drafts,
                 verify_rounds: ev.verify_rounds,
+                logprobs: ev.logprobs,
             });
             if !finished && sent.is_err() {
                 self.engine.remove(id);

@@ -10,10 +10,12 @@ pub mod finish;
 pub mod limits;
 pub mod reasoning;
 pub mod run;
+pub mod tool_calls;
 
 pub use finish::Finish;
 pub use reasoning::ReasoningParserKind;
 pub use run::{Chunk, Generation};
+pub use tool_calls::ToolParserKind;
 
 use serde::Deserialize;
 
@@ -120,6 +122,11 @@ pub struct PreparedRequest {
     pub ignore_eos: bool,
     pub no_stop_trim: bool,
     pub skip_special_tokens: bool,
+    /// Answered as a stream (the `is_streaming` metric label); set by the route.
+    pub stream: bool,
+    /// `Some(top_n)`: the answer reports each output token's logprob (and `top_n` alternatives);
+    /// set by the route.
+    pub logprobs: Option<usize>,
 }
 
 impl PreparedRequest {
@@ -130,6 +137,7 @@ impl PreparedRequest {
             sampling: self.sampling.clone(),
             stop_token_ids: self.engine_stop_ids.clone(),
             ignore_eos: self.ignore_eos,
+            logprobs: self.logprobs,
         }
     }
 
@@ -209,6 +217,8 @@ pub fn lower(
         ignore_eos: s.ignore_eos,
         no_stop_trim: s.no_stop_trim,
         skip_special_tokens: s.skip_special_tokens,
+        stream: false,
+        logprobs: None,
     })
 }
 

@@ -15,7 +15,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::reasoning::{reasoning_token_count, ReasoningParser, ReasoningParserKind};
 use super::{Finish, PreparedRequest};
-use crate::engine::{EngineFailure, EngineFinish, SeqUpdate};
+use crate::engine::{EngineFailure, EngineFinish, SeqUpdate, TokenLogprob};
 use crate::error::ApiError;
 use crate::metrics::{FinishedRequest, ServerMetrics};
 use crate::state::AppState;
@@ -28,6 +28,8 @@ pub struct Chunk {
     /// New reasoning text; always empty without reasoning separation.
     pub reasoning_delta: String,
     pub new_ids: Vec<u32>,
+    /// The logprobs of `new_ids` when the request asked for them.
+    pub new_logprobs: Vec<TokenLogprob>,
     pub finish: Option<Finish>,
 }
 
@@ -50,6 +52,8 @@ pub struct Generation {
     stops: StopMatcher,
     text: String,
     output_ids: Vec<u32>,
+    /// One per output id when the request asked for logprobs.
+    logprobs: Vec<TokenLogprob>,
     finish: Option<Finish>,
     spec: SpecCounters,
     reasoning: Option<(ReasoningParserKind, ReasoningParser)>,
@@ -90,7 +94,9 @@ impl Generation {
         req: PreparedRequest,
         rx: Option<UnboundedReceiver<SeqUpdate>>,
     ) -> Self {
-        state.metrics.request_received(req.prompt_ids.len());
+        state
+            .metrics
+            .request_received(req.prompt_ids.len(), req.stream);
         let now = Instant::now();
         let mut g = Self {
             decoder: IncrementalDecoder::new(req.skip_special_tokens),
@@ -102,6 +108,7 @@ impl Generation {
             drafts_per_round: state.engine.info().drafts_per_round,
             text: String::new(),
             output_ids: Vec::new(),
+            logprobs: Vec::new(),
             finish: None,
             spec: SpecCounters::default(),
             reasoning: None,
@@ -154,6 +161,20 @@ impl Generation {
 
     pub fn text(&self) -> &str {
         &self.text
+    }
+
+    /// One per output id when the request asked for logprobs, else empty.
+    pub fn logprobs(&self) -> &[TokenLogprob] {
+        &self.logprobs
+    }
+
+    /// `Some(top_n)` when the request asked for logprobs.
+    pub fn logprobs_requested(&self) -> Option<usize> {
+        self.req.logprobs
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
     }
 
     pub fn output_ids(&self) -> &[u32] {
@@ -219,9 +240,10 @@ impl Generation {
                     finished,
                     accepted_drafts,
                     verify_rounds,
+                    logprobs,
                 }) => {
                     self.count_spec(accepted_drafts, verify_rounds);
-                    return Some(self.absorb(&tokens, finished));
+                    return Some(self.absorb(&tokens, &logprobs, finished));
                 }
                 Some(SeqUpdate::Failed(f)) if f.is_abort() => {
                     // Ended by /abort_request or the timeout: a normal end with what was
@@ -280,6 +302,7 @@ impl Generation {
     fn absorb(
         &mut self,
         tokens: &[u32],
+        logprobs: &[TokenLogprob],
         finished: Option<EngineFinish>,
     ) -> Result<Chunk, ApiError> {
         let now = Instant::now();
@@ -295,6 +318,10 @@ impl Generation {
         for (i, &tok) in tokens.iter().enumerate() {
             self.output_ids.push(tok);
             chunk.new_ids.push(tok);
+            if let Some(lp) = logprobs.get(i) {
+                self.logprobs.push(lp.clone());
+                chunk.new_logprobs.push(lp.clone());
+            }
             let is_stop_token =
                 i == last && matches!(finished, Some(EngineFinish::Stop(t)) if t == tok);
             if is_stop_token && !self.req.no_stop_trim {
@@ -369,6 +396,7 @@ impl Generation {
             e2e: self.started.elapsed(),
             ttft: self.first_token.map(|t| t.duration_since(self.started)),
             aborted,
+            streaming: self.req.stream,
         });
     }
 

@@ -32,7 +32,7 @@ pub async fn handle(
     )?;
     let valid = validate::validate(&req, state.model.lower.vocab_size)?;
     validate::check_limits(&valid, &state.limits)?;
-    let (batch, streaming) = (valid.batch, valid.stream);
+    let (batch, streaming, with_text) = (valid.batch, valid.stream, valid.text_in_logprobs);
     let span = tracing::info_span!(
         "generate",
         request_id = tracing::field::Empty,
@@ -47,17 +47,17 @@ pub async fn handle(
         if let Some(first) = prepared.first() {
             tracing::Span::current().record("request_id", first.rid.as_str());
         }
-        let mut gens = stream::start_all(&state, prepared).await?;
+        let mut gens = stream::start_all(&state, prepared, streaming).await?;
         if streaming {
             return Ok(stream::respond(
                 gens,
-                Cumulative { batch },
+                Cumulative { batch, with_text },
                 ErrorShape::Native,
                 |_| Vec::new(),
             ));
         }
         stream::run_all(&mut gens).await?;
-        let items: Vec<Value> = gens.iter().map(|g| item(g, None)).collect();
+        let items: Vec<Value> = gens.iter().map(|g| item(g, None, with_text)).collect();
         let body = if batch {
             Value::Array(items)
         } else {
@@ -75,11 +75,15 @@ pub async fn handle(
     .map_err(NativeError)
 }
 
-fn item(g: &Generation, index: Option<usize>) -> Value {
+fn item(g: &Generation, index: Option<usize>, with_text: bool) -> Value {
+    let mut meta = g.meta_info();
+    if let (Some(top), Some(m)) = (g.logprobs_requested(), meta.as_object_mut()) {
+        super::logprobs::sglang_meta(m, g.logprobs(), top, g.tokenizer(), with_text);
+    }
     let mut v = json!({
         "text": g.text(),
         "output_ids": g.output_ids(),
-        "meta_info": g.meta_info(),
+        "meta_info": meta,
     });
     if let (Some(i), Some(obj)) = (index, v.as_object_mut()) {
         obj.insert("index".into(), json!(i));
@@ -91,6 +95,7 @@ fn item(g: &Generation, index: Option<usize>) -> Value {
 /// `generated_text = data["text"]`); batch chunks carry their `index`.
 struct Cumulative {
     batch: bool,
+    with_text: bool,
 }
 
 impl RenderChunk for Cumulative {
@@ -98,6 +103,6 @@ impl RenderChunk for Cumulative {
         if chunk.new_ids.is_empty() && chunk.finish.is_none() {
             return Vec::new();
         }
-        vec![item(g, self.batch.then_some(index))]
+        vec![item(g, self.batch.then_some(index), self.with_text)]
     }
 }

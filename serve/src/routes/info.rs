@@ -67,7 +67,7 @@ pub async fn model_info(State(state): State<AppState>) -> Json<Value> {
         "served_model_name": c.served_model_name,
         "load_format": "safetensors",
         "reasoning_parser": c.reasoning_parser.map(|k| k.name()),
-        "tool_call_parser": null,
+        "tool_call_parser": c.tool_call_parser.map(|k| k.name()),
         "disaggregation_mode": "null",
         "speculative_algorithm": c.speculative.as_ref().map(|s| s.algorithm.name()),
     }))
@@ -113,13 +113,38 @@ fn server_args(state: &AppState) -> serde_json::Map<String, Value> {
         "speculative_draft_model_path": draft,
         "speculative_num_steps": spec.map(|s| s.num_steps),
         "speculative_eagle_topk": spec.map(|s| s.eagle_topk),
-        "speculative_num_draft_tokens": spec.map(|s| s.num_draft_tokens.unwrap_or(drafts + 1)),
+        "speculative_num_draft_tokens": c.spec_num_draft_tokens(drafts),
         "speculative_verify": verify,
         "speculative_ddtree_budget": budget,
         "api_key": null,
     });
-    match v {
-        Value::Object(m) => m,
+    let more = json!({
+        "page_size": c.page_size,
+        "chunked_prefill_size": match c.chunked_prefill_size { Some(None) => json!(-1), Some(Some(n)) => json!(n), None => Value::Null },
+        "mem_fraction_static": c.mem_fraction_static,
+        "reasoning_parser": c.reasoning_parser.map(|k| k.name()),
+        "tool_call_parser": c.tool_call_parser.map(|k| k.name()),
+        "chat_template": c.chat_template.as_ref().map(|p| p.display().to_string()),
+        "hf_chat_template_name": c.hf_chat_template_name,
+        "log_level": c.log_level,
+        "skip_server_warmup": !c.warmup,
+        "request_timeout": c.request_timeout.map(|d| d.as_secs_f64()),
+        "stream_interval": 1,
+        "random_seed": null,
+        "skip_tokenizer_init": false,
+        "is_embedding": false,
+        "enable_lora": false,
+        "disable_radix_cache": true,
+        "load_format": "safetensors",
+        "nnodes": 1, "node_rank": 0, "ep_size": 1,
+        "disaggregation_mode": "null",
+        "ignored_sglang_flags": c.ignored_sglang_flags,
+    });
+    match (v, more) {
+        (Value::Object(mut m), Value::Object(more)) => {
+            m.extend(more);
+            m
+        }
         _ => serde_json::Map::new(),
     }
 }
@@ -146,6 +171,10 @@ pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
         json!({"weight": 0.0, "kvcache": 0.0, "graph": 0.0, "token_capacity": ctx}),
     );
     let mut top = server_args(&state);
+    top.insert(
+        "launch_command".into(),
+        json!(launch_command(&state.config.launch_command)),
+    );
     top.insert("status".into(), json!("ready"));
     top.insert(
         "max_total_num_tokens".into(),
@@ -176,6 +205,27 @@ pub fn load_report(stats: &StatsSnapshot) -> Value {
         "num_waiting_reqs": stats.num_waiting,
         "num_tokens": stats.reserved_tokens + stats.waiting_tokens,
     }])
+}
+
+/// SGLang's `launch_command`: the arguments after the program name, space-joined, with the
+/// `--api-key` value redacted (SGLang redacts its secret flags the same way).
+fn launch_command(argv: &[String]) -> String {
+    let mut out = Vec::with_capacity(argv.len());
+    let mut redact_next = false;
+    for word in argv.iter().skip(1) {
+        if redact_next {
+            out.push("<redacted>".to_string());
+            redact_next = false;
+        } else if word == "--api-key" {
+            out.push(word.clone());
+            redact_next = true;
+        } else if word.starts_with("--api-key=") {
+            out.push("--api-key=<redacted>".to_string());
+        } else {
+            out.push(word.clone());
+        }
+    }
+    out.join(" ")
 }
 
 #[derive(Debug, Deserialize)]

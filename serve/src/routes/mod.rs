@@ -5,6 +5,7 @@
 pub mod body;
 pub mod generate;
 pub mod info;
+pub mod logprobs;
 pub mod openai;
 pub mod sse;
 pub mod stream;
@@ -34,7 +35,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/completions", post(openai::completions::handle))
         .route("/v1/models", get(openai::models::list))
-        .route("/v1/models/{model}", get(openai::models::one))
+        .route("/v1/models/{*model}", get(openai::models::one))
         .route("/health", get(info::health))
         .route("/health_generate", get(info::health))
         .route("/ready", get(info::ready))
@@ -54,6 +55,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/detokenize", post(tools::detokenize))
         .route("/abort_request", post(tools::abort_request))
         .route("/separate_reasoning", post(tools::separate_reasoning))
+        .route("/parse_function_call", post(tools::parse_function_call))
         .route(
             "/start_profile",
             get(tools::profile_unavailable).post(tools::profile_unavailable),

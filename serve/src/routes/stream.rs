@@ -123,8 +123,10 @@ where
 /// errors are answered as normal 4xx/5xx before any stream begins.
 pub async fn start_all(
     state: &crate::state::AppState,
-    prepared: Vec<crate::generation::PreparedRequest>,
+    mut prepared: Vec<crate::generation::PreparedRequest>,
+    streaming: bool,
 ) -> Result<Vec<Generation>, ApiError> {
+    prepared.iter_mut().for_each(|p| p.stream = streaming);
     let mut gens = Generation::start_all(state, prepared);
     for g in gens.iter_mut() {
         g.admitted().await?;

@@ -13,17 +13,28 @@ use serde_json::{json, Value};
 use super::generate::types::OneOrMany;
 use crate::error::{ApiError, NativeError, OpenAiError};
 use crate::generation::reasoning::split_whole;
-use crate::generation::ReasoningParserKind;
+use crate::generation::tool_calls::{parse_whole, DeclaredTools};
+use crate::generation::{ReasoningParserKind, ToolParserKind};
+use crate::routes::openai::chat_completions::types::ChatRequest;
 use crate::state::AppState;
 use crate::validation::ValidationError;
 
+/// SGLang's `TokenizeRequest`: exactly one of `prompt` (text, or a list) or `messages` (a chat,
+/// rendered by the chat template as a chat completion renders it, with its `tools` and
+/// `chat_template_kwargs`).
 #[derive(Debug, Deserialize)]
 pub struct TokenizeRequest {
     #[serde(default)]
-    pub model: Option<String>,
-    pub prompt: OneOrMany<String>,
+    pub prompt: Option<OneOrMany<String>>,
+    #[serde(default)]
+    pub messages: Option<Vec<Value>>,
     #[serde(default = "yes")]
     pub add_special_tokens: bool,
+    /// With `messages`: passed to the template [default: true, as for a chat completion].
+    #[serde(default)]
+    pub add_generation_prompt: Option<bool>,
+    #[serde(flatten)]
+    pub chat: ChatRequest,
 }
 
 fn yes() -> bool {
@@ -42,9 +53,45 @@ pub async fn tokenize(
         state.limits.body_bytes,
         super::BodyKind::Native,
     )?;
+    let max_model_len = state.model.lower.context_length;
+    let prompt = match (req.prompt, req.messages) {
+        (Some(p), None) => p,
+        (None, Some(messages)) => {
+            let mut chat = req.chat;
+            chat.messages = messages;
+            let valid = crate::routes::openai::chat_completions::validate::validate(&chat)?;
+            crate::routes::openai::chat_completions::validate::check_limits(
+                &chat,
+                &valid,
+                &state.limits,
+            )?;
+            let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
+            let worker = state.clone();
+            let one = state
+                .tokenizer_pool
+                .run(move || {
+                    crate::routes::openai::chat_completions::convert::prompt_ids(
+                        &worker,
+                        &chat,
+                        &valid,
+                        add_generation_prompt,
+                    )
+                })
+                .await?;
+            return Ok(Json(
+                json!({"count": one.len(), "tokens": one, "max_model_len": max_model_len}),
+            ));
+        }
+        _ => {
+            return Err(ApiError::BadJson(
+                "Exactly one of 'prompt' or 'messages' must be provided.".into(),
+            )
+            .into())
+        }
+    };
     let tokenizer = state.model.tokenizer.clone();
-    let batch = matches!(req.prompt, OneOrMany::Many(_));
-    let prompts = req.prompt.to_vec();
+    let batch = matches!(prompt, OneOrMany::Many(_));
+    let prompts = prompt.to_vec();
     let add = req.add_special_tokens;
     // Tokenizing costs many times the text's size in memory; a text that cannot fit the
     // context is refused from its length instead.
@@ -60,7 +107,6 @@ pub async fn tokenize(
                 .collect::<Result<Vec<_>, _>>()
         })
         .await?;
-    let max_model_len = state.model.lower.context_length;
     Ok(Json(if batch {
         let counts: Vec<usize> = ids.iter().map(Vec::len).collect();
         json!({"tokens": ids, "count": counts, "max_model_len": max_model_len})
@@ -187,6 +233,50 @@ pub async fn separate_reasoning(
     Ok(Json(
         json!({"text": text, "reasoning_text": reasoning.unwrap_or_default()}),
     ))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ParseFunctionCallRequest {
+    pub text: String,
+    #[serde(default)]
+    pub tools: Vec<Value>,
+    #[serde(default)]
+    pub tool_call_parser: Option<String>,
+}
+
+/// `POST /parse_function_call`: SGLang's offline tool-call parsing of a finished answer,
+/// `{"normal_text", "calls": [{"tool_index", "name", "parameters"}]}` (the same parser chat
+/// completions use; the request's parser, else `--tool-call-parser`).
+pub async fn parse_function_call(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, NativeError> {
+    let req: ParseFunctionCallRequest = super::parse_json(
+        &headers,
+        body,
+        state.limits.body_bytes,
+        super::BodyKind::Native,
+    )?;
+    let kind = match req.tool_call_parser.as_deref() {
+        Some(name) => ToolParserKind::parse(name).ok_or_else(|| {
+            ApiError::BadJson(format!(
+                "unknown tool_call_parser `{name}`; use qwen25 (alias hermes) or qwen3_coder"
+            ))
+        })?,
+        None => state.config.tool_call_parser.ok_or_else(|| {
+            ApiError::BadJson(
+                "no tool_call_parser given and the server has none (--tool-call-parser)".into(),
+            )
+        })?,
+    };
+    let tools = DeclaredTools::from_request(&req.tools);
+    let (normal_text, calls) = parse_whole(kind, tools.clone(), &req.text);
+    let calls: Vec<Value> = calls
+        .iter()
+        .map(|c| json!({"tool_index": tools.index_of(&c.name), "name": c.name, "parameters": c.arguments}))
+        .collect();
+    Ok(Json(json!({"normal_text": normal_text, "calls": calls})))
 }
 
 /// `/start_profile` and `/stop_profile`: there is no torch profiler to drive; answer 200 so

@@ -9,7 +9,6 @@
 use crate::support::binary::{metric, ServerProcess};
 use crate::support::hybrid::hybrid_fixture;
 use crate::support::{self, TestServer};
-use clap::Parser;
 use dflash_common::tokenizer::Tokenizer;
 use dflash_serve::cli::Args;
 use dflash_serve::config::ServeConfig;
@@ -182,7 +181,7 @@ async fn hybrid_greedy_with_nextn_and_dflash_equals_plain_greedy_over_http() {
 fn config(argv: &[&str]) -> ServeConfig {
     let mut full = vec!["dflash-serve"];
     full.extend_from_slice(argv);
-    ServeConfig::from_args(&Args::try_parse_from(full).expect("args")).expect("config")
+    ServeConfig::from_args(&Args::try_parse_sglang_from(full).expect("args")).expect("config")
 }
 
 #[test]

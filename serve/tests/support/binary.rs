@@ -30,18 +30,34 @@ impl ServerProcess {
         Self::start_with_env(args, &[]).await
     }
 
+    /// [`ServerProcess::start`] without `RUST_LOG`, so `--log-level` decides what is logged;
+    /// ready once `/v1/models` answers (the readiness line is info-level).
+    pub async fn start_without_rust_log(args: &[&str]) -> Self {
+        Self::spawn(args, &[], false).await
+    }
+
     /// [`ServerProcess::start`] with extra environment variables for the server.
     pub async fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::spawn(args, env, true).await
+    }
+
+    async fn spawn(args: &[&str], env: &[(&str, &str)], rust_log: bool) -> Self {
         let port = free_port();
         let log_path = std::env::temp_dir().join(format!(
             "dflash-serve-test-{}-{port}.log",
             std::process::id()
         ));
         let log = std::fs::File::create(&log_path).expect("create the server log");
-        let child = Command::new(env!("CARGO_BIN_EXE_dflash-serve"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_dflash-serve"));
+        command
             .args(args)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .env("RUST_LOG", "info")
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()]);
+        if rust_log {
+            command.env("RUST_LOG", "info");
+        } else {
+            command.env_remove("RUST_LOG");
+        }
+        let child = command
             .envs(env.iter().copied())
             .stdout(Stdio::from(log.try_clone().expect("log handle")))
             .stderr(Stdio::from(log))
@@ -53,11 +69,11 @@ impl ServerProcess {
             server: TestServer { addr },
             log_path,
         };
-        me.wait_ready().await;
+        me.wait_ready(rust_log).await;
         me
     }
 
-    async fn wait_ready(&mut self) {
+    async fn wait_ready(&mut self, readiness_line: bool) {
         let started = Instant::now();
         loop {
             if let Some(status) = self.try_exit_status() {
@@ -66,9 +82,10 @@ impl ServerProcess {
                     self.log()
                 );
             }
-            if self
-                .log()
-                .contains("The server is fired up and ready to roll!")
+            if (!readiness_line
+                || self
+                    .log()
+                    .contains("The server is fired up and ready to roll!"))
                 && self.server.try_get("/v1/models").await.is_some()
             {
                 return;

@@ -11,11 +11,11 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use clap::Parser;
 use dflash_serve::cli::Args;
 use dflash_serve::config::ServeConfig;
 use dflash_serve::engine::{
     AdmitError, EngineFinish, EngineInfo, EngineRequest, SeqId, StepEngine, StepError, StepEvent,
+    TokenLogprob,
 };
 use dflash_serve::server;
 use dflash_serve::state::ModelAssets;
@@ -93,12 +93,32 @@ impl StepEngine for ScriptEngine {
             if finished.is_some() {
                 done.push(id);
             }
+            // Asked-for logprobs are scripted too: token k of the answer has logprob -k/10,
+            // and its alternatives are itself then token 0 at -5.
+            let first = *generated - tokens.len();
+            let logprobs = match req.logprobs {
+                None => Vec::new(),
+                Some(top) => tokens
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &t)| {
+                        let lp = -((first + k) as f32) / 10.0;
+                        let alternatives = [(t, lp), (0, -5.0)];
+                        TokenLogprob {
+                            token: t,
+                            logprob: lp,
+                            top: alternatives.into_iter().take(top).collect(),
+                        }
+                    })
+                    .collect(),
+            };
             out.push(StepEvent {
                 id,
                 tokens,
                 finished,
                 accepted_drafts: accepted,
                 verify_rounds: 1,
+                logprobs,
             });
         }
         for id in done {
@@ -138,7 +158,7 @@ pub async fn start(extra_args: &[&str], per_step: usize) -> TestServer {
 pub async fn start_with_script(extra_args: &[&str], per_step: usize, text: &str) -> TestServer {
     let mut argv = vec!["dflash-serve", "--enable-metrics"];
     argv.extend_from_slice(extra_args);
-    let args = Args::parse_from(argv);
+    let args = Args::try_parse_sglang_from(argv).expect("args");
     let config = ServeConfig::from_args(&args).expect("config");
     let dir = demo_dir();
     let assets = ModelAssets::load(&config, &dir, &dir).expect("assets");

@@ -26,13 +26,14 @@ pub fn lower_generate(
             }
         };
         let rid = p.rid.unwrap_or_else(new_rid);
-        let prepared = lower(
+        let mut prepared = lower(
             rid,
             ids,
             &p.sampling,
             DefaultBudget::Fixed(DEFAULT_MAX_NEW_TOKENS),
             &state.model.lower,
         )?;
+        prepared.logprobs = p.logprobs;
         for i in 0..p.n {
             out.push(prepared.sample(i, p.n));
         }

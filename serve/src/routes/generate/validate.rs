@@ -21,6 +21,8 @@ pub struct ValidPrompt {
     pub sampling: SamplingInput,
     pub n: usize,
     pub rid: Option<String>,
+    /// `return_logprob`: `Some(top_logprobs_num)`.
+    pub logprobs: Option<usize>,
 }
 
 #[derive(Debug, Clone)]
@@ -29,6 +31,8 @@ pub struct ValidGenerate {
     /// A list was sent (or n > 1): the response is a list, and stream chunks carry `index`.
     pub batch: bool,
     pub stream: bool,
+    /// `return_text_in_logprobs`: token texts in the logprob triples.
+    pub text_in_logprobs: bool,
 }
 
 fn present(v: &Option<Value>) -> bool {
@@ -57,6 +61,15 @@ fn sampling_input(p: &SamplingParams) -> SamplingInput {
 }
 
 fn check_params(p: &SamplingParams) -> Result<(), ValidationError> {
+    if let Some(key) = p.unknown.keys().next() {
+        return Err(ValidationError::UnknownField {
+            key: key.clone(),
+            expected: super::types::SAMPLING_PARAMS_FIELDS,
+        });
+    }
+    v::check_unsupported("sampling_params.beam_width", present(&p.beam_width))?;
+    v::check_unsupported("sampling_params.watermark", present(&p.watermark))?;
+    v::check_unsupported("sampling_params.choice", present(&p.choice))?;
     v::check_unsupported("sampling_params.json_schema", present(&p.json_schema))?;
     v::check_unsupported("sampling_params.regex", present(&p.regex))?;
     v::check_unsupported("sampling_params.ebnf", present(&p.ebnf))?;
@@ -88,11 +101,6 @@ pub fn validate(
     v::check_unsupported("input_embeds", present(&req.input_embeds))?;
     v::check_unsupported("lora_path", present(&req.lora_path))?;
     v::check_unsupported("image_data", present(&req.image_data))?;
-    let wants_logprob = req
-        .return_logprob
-        .as_ref()
-        .is_some_and(|r| r.to_vec().iter().any(|b| *b));
-    v::check_unsupported("return_logprob", wants_logprob)?;
     let wants_hidden = req
         .return_hidden_states
         .as_ref()
@@ -133,6 +141,7 @@ pub fn validate(
     )?
     .unwrap_or_else(|| vec![SamplingParams::default(); prompts.len()]);
     let rids = per_prompt("rid", req.rid.as_ref().map(|r| r.to_vec()), prompts.len())?;
+    let logprobs = logprob_requests(req, prompts.len())?;
     let mut out = Vec::with_capacity(prompts.len());
     for (i, (prompt, p)) in prompts.into_iter().zip(params).enumerate() {
         check_params(&p)?;
@@ -143,13 +152,55 @@ pub fn validate(
             sampling: sampling_input(&p),
             n,
             rid: rids.as_ref().and_then(|r| r.get(i).cloned()),
+            logprobs: logprobs.get(i).copied().flatten(),
         });
     }
     Ok(ValidGenerate {
         prompts: out,
         batch,
         stream: req.stream,
+        text_in_logprobs: req.return_text_in_logprobs,
     })
+}
+
+/// `return_logprob` / `top_logprobs_num` / `logprob_start_len` per prompt: `Some(top)` where
+/// logprobs are asked. Only output-token logprobs exist (`logprob_start_len` -1).
+fn logprob_requests(
+    req: &GenerateRequest,
+    batch: usize,
+) -> Result<Vec<Option<usize>>, ValidationError> {
+    let want = per_prompt(
+        "return_logprob",
+        req.return_logprob.as_ref().map(|r| r.to_vec()),
+        batch,
+    )?
+    .unwrap_or_else(|| vec![false; batch]);
+    let tops = per_prompt(
+        "top_logprobs_num",
+        req.top_logprobs_num.as_ref().map(|r| r.to_vec()),
+        batch,
+    )?
+    .unwrap_or_else(|| vec![0; batch]);
+    let starts = per_prompt(
+        "logprob_start_len",
+        req.logprob_start_len.as_ref().map(|r| r.to_vec()),
+        batch,
+    )?
+    .unwrap_or_else(|| vec![-1; batch]);
+    let mut out = Vec::with_capacity(batch);
+    for ((want, top), start) in want.into_iter().zip(tops).zip(starts) {
+        if !want {
+            out.push(None);
+            continue;
+        }
+        v::check_unsupported("token_ids_logprob", present(&req.token_ids_logprob))?;
+        v::check_at_least("top_logprobs_num", 0, Some(top))?;
+        if start != -1 {
+            return Err(ValidationError::InputLogprobs { given: start });
+        }
+        out.push(Some(top as usize));
+    }
+    Ok(out)
 }
 
 /// Limits checked before any tokenization: the request's sequences (prompts x n) against

@@ -1,9 +1,11 @@
 //! `POST /v1/chat/completions`. Streams follow SGLang's chunk order: a role chunk, content
 //! deltas (`reasoning_content: null` always present), a separate finish chunk with
 //! `matched_stop`, the usage chunk when asked, then `[DONE]`. With `--reasoning-parser`, the
-//! `<think>` part arrives as `reasoning_content` deltas and `message.reasoning_content`.
+//! `<think>` part arrives as `reasoning_content` deltas and `message.reasoning_content`. With
+//! `--tool-call-parser` and `tools`, tool calls come back parsed (`tools.rs`).
 
 pub mod convert;
+pub mod tools;
 pub mod types;
 pub mod validate;
 
@@ -39,7 +41,6 @@ pub async fn handle(
     )?;
     let valid = validate::validate(&req)?;
     validate::check_limits(&req, &valid, &state.limits)?;
-    super::check_model(&state, req.common.model.as_deref())?;
     let rid = req.common.rid.clone().unwrap_or_else(new_rid);
     let span = tracing::info_span!("chat_completions", request_id = %rid, model = %state.config.served_model_name);
     async move {
@@ -48,7 +49,7 @@ pub async fn handle(
             .tokenizer_pool
             .run(move || convert::lower_chat(&worker, &req2, valid, &rid2))
             .await?;
-        let mut gens = stream::start_all(&state, prepared).await?;
+        let mut gens = stream::start_all(&state, prepared, req.common.stream).await?;
         let reasoning = state.config.reasoning_parser.filter(|kind| {
             kind.applies(
                 req.separate_reasoning,
@@ -58,12 +59,21 @@ pub async fn handle(
         if let Some(kind) = reasoning {
             gens.iter_mut().for_each(|g| g.separate_reasoning(kind));
         }
-        let (model, created, n) = (req.common.model_name(), unix_now(), req.common.n());
+        let (model, created, n) = (
+            state.config.served_model_name.clone(),
+            unix_now(),
+            req.common.n(),
+        );
+        let tool_parsing = tools::tool_parsing(&state, &req);
         if req.common.stream {
             let render = Render {
                 id: rid.clone(),
                 model: model.clone(),
                 created,
+                continuous_usage: req.common.continuous_usage(),
+                tool_parsing: tool_parsing.clone(),
+                logprobs: Default::default(),
+                tool_streams: std::sync::Mutex::new(std::collections::HashMap::new()),
             };
             let include_usage = req.common.include_usage();
             let spec_details = req.return_spec_tokens_details == Some(true);
@@ -88,7 +98,7 @@ pub async fn handle(
         let choices: Vec<Value> = gens
             .iter()
             .enumerate()
-            .map(|(i, g)| choice(i, g, with_meta))
+            .map(|(i, g)| choice(i, g, with_meta, tool_parsing.as_ref()))
             .collect();
         let counts = counts_of(&gens);
         let mut body = json!({
@@ -116,17 +126,53 @@ pub async fn handle(
     .map_err(OpenAiError)
 }
 
-fn choice(index: usize, g: &Generation, with_meta: bool) -> Value {
-    let (reasoning, content) = match g.reasoning_kind() {
+fn choice(
+    index: usize,
+    g: &Generation,
+    with_meta: bool,
+    tool_parsing: Option<&tools::ToolParsing>,
+) -> Value {
+    let (reasoning, mut content) = match g.reasoning_kind() {
         Some(kind) => split_whole(kind, g.text()),
         None => (None, g.text().to_string()),
     };
+    let mut message =
+        json!({"role": "assistant", "content": content, "reasoning_content": reasoning});
+    let mut calls = 0;
+    if let Some(p) = tool_parsing {
+        let (text, parsed) =
+            crate::generation::tool_calls::parse_whole(p.kind, p.tools.clone(), &content);
+        content = text;
+        calls = parsed.len();
+        if let Some(m) = message.as_object_mut() {
+            m.insert("content".into(), json!(content));
+            if calls > 0 {
+                let list: Vec<Value> = parsed
+                    .iter()
+                    .enumerate()
+                    .map(|(k, c)| tools::message_call(k, c))
+                    .collect();
+                m.insert("tool_calls".into(), Value::Array(list));
+            }
+        }
+    }
+    let (reason, matched) = match g.finish() {
+        Some(f) => {
+            let (r, m) = tools::finish_fields(f.openai_reason(), f.matched_stop(), calls);
+            (Some(r), m)
+        }
+        None => (None, Value::Null),
+    };
+    let logprobs = match g.logprobs_requested() {
+        Some(_) => crate::routes::logprobs::openai_chat(g.logprobs(), g.tokenizer()),
+        None => Value::Null,
+    };
     let mut c = json!({
         "index": index,
-        "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
-        "logprobs": null,
-        "finish_reason": g.finish().map(|f| f.openai_reason()),
-        "matched_stop": g.finish().map(|f| f.matched_stop()).unwrap_or(Value::Null),
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": reason,
+        "matched_stop": matched,
     });
     if let (true, Some(obj)) = (with_meta, c.as_object_mut()) {
         obj.insert("meta_info".into(), g.meta_info());
@@ -138,15 +184,23 @@ struct Render {
     id: String,
     model: String,
     created: u64,
+    continuous_usage: bool,
+    tool_parsing: Option<tools::ToolParsing>,
+    /// Each choice's tool-call parser (streams are rendered from one task, so the lock is
+    /// never contended).
+    logprobs: crate::routes::logprobs::StreamedLogprobs,
+    tool_streams: std::sync::Mutex<
+        std::collections::HashMap<usize, crate::generation::tool_calls::ToolCallStream>,
+    >,
 }
 
 impl Render {
-    fn chunk(
-        &self,
-        index: usize,
-        delta: Value,
-        finish: Option<&crate::generation::Finish>,
-    ) -> Value {
+    /// One chunk; `finish` is the choice's `(finish_reason, matched_stop)`.
+    fn chunk(&self, index: usize, delta: Value, finish: Option<(&'static str, Value)>) -> Value {
+        let (reason, matched) = match finish {
+            Some((r, m)) => (Some(r), m),
+            None => (None, Value::Null),
+        };
         json!({
             "id": self.id,
             "object": CHUNK_OBJECT,
@@ -156,15 +210,39 @@ impl Render {
                 "index": index,
                 "delta": delta,
                 "logprobs": null,
-                "finish_reason": finish.map(|f| f.openai_reason()),
-                "matched_stop": finish.map(|f| f.matched_stop()).unwrap_or(Value::Null),
+                "finish_reason": reason,
+                "matched_stop": matched,
             }],
         })
     }
 }
 
 impl RenderChunk for Render {
-    fn render(&self, index: usize, _g: &Generation, chunk: &Chunk, first: bool) -> Vec<Value> {
+    fn render(&self, index: usize, g: &Generation, chunk: &Chunk, first: bool) -> Vec<Value> {
+        let mut out = self.render_deltas(index, chunk, first);
+        // This step's tokens' logprobs ride on its last chunk.
+        if g.logprobs_requested().is_some() {
+            let new = self.logprobs.take(index, g.logprobs());
+            let last = out.last_mut().and_then(|c| c["choices"][0].as_object_mut());
+            if let (false, Some(choice)) = (new.is_empty(), last) {
+                choice.insert(
+                    "logprobs".into(),
+                    crate::routes::logprobs::openai_chat(new, g.tokenizer()),
+                );
+            }
+        }
+        if self.continuous_usage {
+            let usage = super::running_usage(g);
+            for c in out.iter_mut().filter_map(Value::as_object_mut) {
+                c.insert("usage".into(), usage.clone());
+            }
+        }
+        out
+    }
+}
+
+impl Render {
+    fn render_deltas(&self, index: usize, chunk: &Chunk, first: bool) -> Vec<Value> {
         let mut out = Vec::new();
         if first {
             out.push(self.chunk(
@@ -180,15 +258,36 @@ impl RenderChunk for Render {
                 None,
             ));
         }
-        if !chunk.delta.is_empty() {
-            out.push(self.chunk(
-                index,
-                json!({"reasoning_content": null, "content": chunk.delta}),
-                None,
-            ));
+        let mut calls = 0;
+        match &self.tool_parsing {
+            None => {
+                if !chunk.delta.is_empty() {
+                    out.push(self.chunk(
+                        index,
+                        json!({"reasoning_content": null, "content": chunk.delta}),
+                        None,
+                    ));
+                }
+            }
+            Some(parsing) => {
+                let mut streams = self
+                    .tool_streams
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let parser = streams.entry(index).or_insert_with(|| parsing.stream());
+                let mut events = parser.push(&chunk.delta);
+                if chunk.finish.is_some() {
+                    events.extend(parser.finish());
+                }
+                calls = parser.calls();
+                for delta in events.into_iter().flat_map(tools::deltas) {
+                    out.push(self.chunk(index, delta, None));
+                }
+            }
         }
         if let Some(finish) = &chunk.finish {
-            out.push(self.chunk(index, json!({"reasoning_content": null}), Some(finish)));
+            let fields = tools::finish_fields(finish.openai_reason(), finish.matched_stop(), calls);
+            out.push(self.chunk(index, json!({"reasoning_content": null}), Some(fields)));
         }
         out
     }

@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use tracing::Instrument;
 
 use super::{counts_of, usage, usage_chunk};
+use crate::engine::TokenLogprob;
 use crate::error::{ErrorShape, OpenAiError};
 use crate::generation::{new_rid, Chunk, Generation};
 use crate::routes::stream::{self, RenderChunk};
@@ -34,7 +35,6 @@ pub async fn handle(
     )?;
     let prompts = validate::validate(&req, state.model.lower.vocab_size)?;
     validate::check_limits(&prompts, req.common.n(), &state.limits)?;
-    super::check_model(&state, req.common.model.as_deref())?;
     let rid = req.common.rid.clone().unwrap_or_else(new_rid);
     let span = tracing::info_span!("completions", request_id = %rid, model = %state.config.served_model_name);
     async move {
@@ -43,13 +43,19 @@ pub async fn handle(
             .tokenizer_pool
             .run(move || convert::lower_completion(&worker, &req2, prompts, &rid2))
             .await?;
-        let mut gens = stream::start_all(&state, prepared).await?;
-        let (model, created, n) = (req.common.model_name(), unix_now(), req.common.n());
+        let mut gens = stream::start_all(&state, prepared, req.common.stream).await?;
+        let (model, created, n) = (
+            state.config.served_model_name.clone(),
+            unix_now(),
+            req.common.n(),
+        );
         if req.common.stream {
             let render = Render {
                 id: rid.clone(),
                 model: model.clone(),
                 created,
+                continuous_usage: req.common.continuous_usage(),
+                logprobs: Default::default(),
             };
             let include_usage = req.common.include_usage();
             let tail = move |counts: &[stream::Counts]| {
@@ -65,7 +71,7 @@ pub async fn handle(
         let choices: Vec<Value> = gens
             .iter()
             .enumerate()
-            .map(|(i, g)| choice(i, g, g.text()))
+            .map(|(i, g)| choice(i, g, g.text(), Some((g.logprobs(), 0))))
             .collect();
         Ok(Json(json!({
             "id": rid,
@@ -83,11 +89,23 @@ pub async fn handle(
     .map_err(OpenAiError)
 }
 
-fn choice(index: usize, g: &Generation, text: &str) -> Value {
+/// `logprobs`: the tokens' logprobs when asked (`offset`: the text before them).
+fn choice(
+    index: usize,
+    g: &Generation,
+    text: &str,
+    logprobs: Option<(&[TokenLogprob], usize)>,
+) -> Value {
+    let logprobs = match (g.logprobs_requested(), logprobs) {
+        (Some(_), Some((lps, offset))) => {
+            crate::routes::logprobs::openai_completions(lps, g.tokenizer(), offset)
+        }
+        _ => Value::Null,
+    };
     json!({
         "index": index,
         "text": text,
-        "logprobs": null,
+        "logprobs": logprobs,
         "finish_reason": g.finish().map(|f| f.openai_reason()),
         "matched_stop": g.finish().map(|f| f.matched_stop()).unwrap_or(Value::Null),
     })
@@ -98,6 +116,8 @@ struct Render {
     id: String,
     model: String,
     created: u64,
+    continuous_usage: bool,
+    logprobs: crate::routes::logprobs::StreamedLogprobs,
 }
 
 impl RenderChunk for Render {
@@ -110,8 +130,11 @@ impl RenderChunk for Render {
             "object": OBJECT,
             "created": self.created,
             "model": self.model,
-            "choices": [choice(index, g, &chunk.delta)],
-            "usage": null,
+            "choices": [choice(index, g, &chunk.delta, Some((
+                self.logprobs.take(index, g.logprobs()),
+                g.text().len().saturating_sub(chunk.delta.len()),
+            )))],
+            "usage": if self.continuous_usage { super::running_usage(g) } else { Value::Null },
         })]
     }
 }

@@ -1,5 +1,6 @@
-//! OpenAI-compatible routes as SGLang implements them: ids are bare 32-hex rids, `model` is
-//! echoed as sent, errors use the flat `{"object":"error",...}` body, and the SGLang extras
+//! OpenAI-compatible routes as SGLang implements them: ids are bare 32-hex rids, any `model`
+//! string is accepted (SGLang serves its one model whatever the name) and answers name the
+//! served model, errors use the flat `{"object":"error",...}` body, and the SGLang extras
 //! (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `chat_template_kwargs`, ...) are honoured.
 
 pub mod chat_completions;
@@ -11,7 +12,6 @@ use serde_json::{json, Value};
 
 use super::generate::types::OneOrMany;
 use super::stream::Counts;
-use crate::error::ApiError;
 use crate::generation::{check_sampling, SamplingInput};
 use crate::validation::{self as v, ValidationError};
 
@@ -59,12 +59,15 @@ fn present(v: &Option<Value>) -> bool {
 }
 
 impl CommonFields {
-    pub fn model_name(&self) -> String {
-        self.model.clone().unwrap_or_else(|| "default".into())
-    }
-
     pub fn n(&self) -> usize {
         self.n.unwrap_or(1).max(1) as usize
+    }
+
+    /// `stream_options.continuous_usage_stats`: every chunk carries its choice's usage so far.
+    pub fn continuous_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.continuous_usage_stats)
     }
 
     pub fn include_usage(&self) -> bool {
@@ -108,20 +111,6 @@ impl CommonFields {
     }
 }
 
-/// The `model` of a chat or completions request must name the served model (or be absent or
-/// `default`); anything else is a 404 naming it, as OpenAI answers, instead of silently serving
-/// another model than the client asked for.
-pub fn check_model(state: &crate::state::AppState, model: Option<&str>) -> Result<(), ApiError> {
-    match model {
-        None | Some("") | Some("default") => Ok(()),
-        Some(m) if m == state.config.served_model_name || m == state.config.model_path => Ok(()),
-        Some(m) => Err(ApiError::ModelNotFound {
-            model: m.to_string(),
-            served: state.config.served_model_name.clone(),
-        }),
-    }
-}
-
 /// SGLang's usage object. `n > 1` counts each prompt's tokens once and sums completions.
 pub fn usage(counts: &[Counts], n: usize, drop_nulls: bool) -> Value {
     let n = n.max(1);
@@ -162,6 +151,11 @@ pub fn usage_chunk(
 ) -> Value {
     json!({"id": id, "object": object, "created": created, "model": model,
            "choices": [], "usage": usage(counts, n, true)})
+}
+
+/// One generation's usage so far (`continuous_usage_stats` chunks).
+pub fn running_usage(g: &crate::generation::Generation) -> Value {
+    usage(&counts_of(std::slice::from_ref(g)), 1, false)
 }
 
 pub fn counts_of(gens: &[crate::generation::Generation]) -> Vec<Counts> {

@@ -1,5 +1,6 @@
 //! `GET /v1/models` and `/v1/models/{model}`: the one served model. SGLang's tools poll
-//! `/v1/models` for readiness, and the router only exists once the model is loaded.
+//! `/v1/models` for readiness, and the router only exists once the model is loaded. The id may
+//! hold slashes (`/v1/models/Qwen/Qwen3-8B`), as SGLang's `{model:path}` route takes it.
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -33,7 +34,7 @@ pub async fn one(State(state): State<AppState>, Path(model): Path<String>) -> Re
     (
         StatusCode::NOT_FOUND,
         Json(json!({"error": {
-            "message": format!("The model `{model}` does not exist."),
+            "message": format!("The model '{model}' does not exist"),
             "type": "invalid_request_error",
             "param": "model",
             "code": "model_not_found",

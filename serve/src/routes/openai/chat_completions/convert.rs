@@ -27,12 +27,15 @@ pub fn template_kwargs(state: &AppState, req: &ChatRequest) -> Map<String, Value
     kwargs
 }
 
-pub fn lower_chat(
+/// The chat template rendered over the messages (and `tools`), tokenized without adding
+/// special tokens: the prompt a chat completion would decode from (`/v1/tokenize` with
+/// `messages` answers the same ids).
+pub fn prompt_ids(
     state: &AppState,
     req: &ChatRequest,
-    valid: ValidChat,
-    rid: &str,
-) -> Result<Vec<PreparedRequest>, ApiError> {
+    valid: &ValidChat,
+    add_generation_prompt: bool,
+) -> Result<Vec<u32>, ApiError> {
     let template = state
         .model
         .template
@@ -41,23 +44,38 @@ pub fn lower_chat(
     let kwargs = template_kwargs(state, req);
     let prompt = template.render(&ChatRenderInput {
         messages: &valid.messages,
-        tools: req.tools.as_deref(),
-        add_generation_prompt: true,
+        tools: super::tools::template_tools(req),
+        add_generation_prompt,
         kwargs: Some(&kwargs),
     })?;
-    let ids = state
+    Ok(state
         .limits
         .prompt
-        .encode(&state.model.tokenizer, &prompt, false)?;
+        .encode(&state.model.tokenizer, &prompt, false)?)
+}
+
+pub fn lower_chat(
+    state: &AppState,
+    req: &ChatRequest,
+    valid: ValidChat,
+    rid: &str,
+) -> Result<Vec<PreparedRequest>, ApiError> {
+    let ids = prompt_ids(state, req, &valid, true)?;
     let (max, field) = req.max();
-    let sampling = req.common.sampling(max, field);
-    let prepared = lower(
+    let mut sampling = req.common.sampling(max, field);
+    // Tool-call tags may be special tokens; the parser needs them in the text (SGLang too).
+    if super::tools::tool_parsing(state, req).is_some() {
+        sampling.skip_special_tokens = false;
+    }
+    let mut prepared = lower(
         rid.to_string(),
         ids,
         &sampling,
         DefaultBudget::RestOfContext,
         &state.model.lower,
     )?;
+    prepared.logprobs =
+        (req.logprobs == Some(true)).then(|| req.top_logprobs.unwrap_or(0).max(0) as usize);
     let n = req.common.n();
     Ok((0..n).map(|k| prepared.sample(k, n)).collect())
 }

@@ -58,21 +58,36 @@ pub fn check_limits(
     limits.prompt.check_bytes(bytes)
 }
 
+/// `auto` and `none` are served; `required` and a named function need the answer constrained
+/// to a call, which needs grammar-constrained generation (not built yet): a 400 that says so.
+fn check_tool_choice(choice: Option<&Value>) -> Result<(), ValidationError> {
+    match choice {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(s)) if s == "auto" || s == "none" => Ok(()),
+        Some(Value::String(s)) if s == "required" => Err(ValidationError::ToolChoiceNeedsGrammar {
+            given: "\"required\"".into(),
+        }),
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            Err(ValidationError::ToolChoiceNeedsGrammar {
+                given: Value::Object(o.clone()).to_string(),
+            })
+        }
+        Some(other) => Err(ValidationError::BadToolChoice {
+            given: other.to_string(),
+        }),
+    }
+}
+
 pub fn validate(req: &ChatRequest) -> Result<ValidChat, ValidationError> {
     if req.messages.is_empty() {
         return Err(ValidationError::EmptyMessages);
     }
-    v::check_unsupported("logprobs", req.logprobs == Some(true))?;
+    v::check_at_least("top_logprobs", 0, req.top_logprobs)?;
     v::check_unsupported(
         "continue_final_message",
         req.continue_final_message == Some(true),
     )?;
-    let tool_choice_on = match &req.tool_choice {
-        None | Some(Value::Null) => false,
-        Some(Value::String(s)) => s != "none" && s != "auto",
-        Some(_) => true,
-    };
-    v::check_unsupported("tool_choice", tool_choice_on)?;
+    check_tool_choice(req.tool_choice.as_ref())?;
     let format_type = req
         .response_format
         .as_ref()

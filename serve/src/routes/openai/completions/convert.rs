@@ -26,13 +26,14 @@ pub fn lower_completion(
                 .prompt
                 .encode(&state.model.tokenizer, &t, true)?,
         };
-        let prepared = lower(
+        let mut prepared = lower(
             format!("{rid}-{i}"),
             ids,
             &sampling,
             DefaultBudget::Fixed(DEFAULT_MAX_TOKENS),
             &state.model.lower,
         )?;
+        prepared.logprobs = super::validate::logprobs_top(req)?;
         for k in 0..n {
             out.push(prepared.sample(k, n));
         }

@@ -19,15 +19,30 @@ pub fn check_limits(
     Ok(())
 }
 
+/// OpenAI's `logprobs`: how many alternatives to report per token (0 for the chosen token
+/// only); absent or null for none.
+pub fn logprobs_top(req: &CompletionRequest) -> Result<Option<usize>, ValidationError> {
+    match &req.logprobs {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => match v.as_i64() {
+            Some(n) => {
+                crate::validation::check_at_least("logprobs", 0, Some(n))?;
+                Ok(Some(n as usize))
+            }
+            None => Err(ValidationError::BadJsonType {
+                field: "logprobs",
+                expected: "an integer (alternatives per token, 0 for none)",
+            }),
+        },
+    }
+}
+
 pub fn validate(
     req: &CompletionRequest,
     vocab_size: usize,
 ) -> Result<Vec<PromptInput>, ValidationError> {
     v::check_unsupported("echo", req.echo == Some(true))?;
-    v::check_unsupported(
-        "logprobs",
-        !matches!(req.logprobs, None | Some(serde_json::Value::Null)),
-    )?;
+    logprobs_top(req)?;
     v::check_unsupported(
         "suffix",
         req.suffix.as_deref().is_some_and(|s| !s.is_empty()),
