@@ -201,14 +201,20 @@ impl SequenceCache {
             .map(|k| match k {
                 Some(r) => {
                     hybrid = true;
-                    LayerCache::Recurrent(r)
+                    Ok(LayerCache::Recurrent(r))
                 }
                 None => {
                     next += 1;
-                    LayerCache::Attention(pool.layer(next - 1).expect("counted above").clone())
+                    let (k, v) = pool.layer(next - 1).ok_or_else(|| {
+                        ModelError::BadInput("the pool has fewer attention layers".into())
+                    })?;
+                    Ok(LayerCache::Attention(KvBuffer {
+                        k: k.clone(),
+                        v: v.clone(),
+                    }))
                 }
             })
-            .collect();
+            .collect::<ModelResult<Vec<_>>>()?;
         Ok(Self {
             layers,
             len: 0,

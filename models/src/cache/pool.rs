@@ -17,7 +17,6 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::cache::kv::KvBuffer;
 use crate::error::{ModelError, ModelResult};
 
 /// Rows per page. The fused attention kernels stage keys in tiles of 64 rows that start at
@@ -31,8 +30,9 @@ pub fn pages_for(rows: usize) -> usize {
 
 #[derive(Debug)]
 struct Shared {
-    /// One K/V buffer per attention layer, in model order.
-    layers: Vec<KvBuffer>,
+    /// One (K, V) buffer pair per attention layer, in model order, each
+    /// `[num_kv_heads, (pages + 1) * PAGE_SIZE, head_dim]`.
+    layers: Vec<(Tensor, Tensor)>,
     pages: usize,
     /// Free page ids; the lowest ids are handed out first (sequences stay compact in memory).
     free: Mutex<Vec<u32>>,
@@ -57,8 +57,14 @@ impl KvPool {
     ) -> Result<Self> {
         // One page more than handed out: the scratch page (see `scratch_page`).
         let rows = (pages + 1) * PAGE_SIZE;
+        let shape = (num_kv_heads, rows, head_dim);
         let layers = (0..attention_layers)
-            .map(|_| KvBuffer::new(num_kv_heads, rows, head_dim, dtype, device))
+            .map(|_| {
+                Ok((
+                    Tensor::zeros(shape, dtype, device)?,
+                    Tensor::zeros(shape, dtype, device)?,
+                ))
+            })
             .collect::<Result<Vec<_>>>()?;
         // Reversed so that `pop` hands out the lowest ids first.
         let free = (0..pages as u32).rev().collect();
@@ -86,9 +92,9 @@ impl KvPool {
         self.shared.free.lock().map_or(0, |f| f.len())
     }
 
-    /// Layer `i`'s buffers (the `i`-th attention layer).
-    pub fn layer(&self, i: usize) -> Option<&KvBuffer> {
-        self.shared.layers.get(i)
+    /// Layer `i`'s K and V buffers (the `i`-th attention layer).
+    pub fn layer(&self, i: usize) -> Option<(&Tensor, &Tensor)> {
+        self.shared.layers.get(i).map(|(k, v)| (k, v))
     }
 
     pub fn num_layers(&self) -> usize {
