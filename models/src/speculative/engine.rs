@@ -384,131 +384,6 @@ impl Engine {
         Ok(events)
     }
 
-    /// Prefills new prompts: whole, or (with a chunk size) the next chunk of each in order
-    /// until the step's token budget is spent. A sequence whose prompt is complete samples its
-    /// first token; the proposer's features accumulate over the chunks.
-    fn prefill(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
-        let taps = self.taps();
-        let mut budget = self.prefill_chunk.unwrap_or(usize::MAX);
-        let decoding = self.seqs.iter().any(|s| s.prefilled);
-        // (sequence index, first prompt token of this chunk, tokens in it), oldest first.
-        let mut chunks: Vec<(usize, usize, usize)> = Vec::new();
-        for i in self.by_age() {
-            let s = &self.seqs[i];
-            if s.prefilled || budget == 0 {
-                continue;
-            }
-            let mut n = (prefill_target(s) - s.prefill_done).min(budget);
-            if decoding {
-                if let Some(cap) = self.prefill_while_decoding {
-                    // A long prompt goes in pieces while others decode; a short one whole.
-                    if n > cap {
-                        n = long_prompt_piece(cap, s.prefill_done);
-                    }
-                }
-            }
-            // Pages for the chunk, from newer sequences if the pool is short; without them
-            // this and every newer prompt wait.
-            if !self.reserve_rows(i, s.prefill_done + n)? {
-                break;
-            }
-            budget -= n;
-            chunks.push((i, self.seqs[i].prefill_done, n));
-        }
-        if chunks.is_empty() {
-            return Ok(());
-        }
-        let positions: Vec<Vec<u32>> = chunks
-            .iter()
-            .map(|&(_, from, n)| (from as u32..(from + n) as u32).collect())
-            .collect();
-        // Logits only for a chunk that completes its prompt (its last row).
-        let logit_rows: Vec<Vec<usize>> = chunks
-            .iter()
-            .map(|&(i, from, n)| {
-                let s = &self.seqs[i];
-                if from + n == prefill_target(s) && !s.resumed {
-                    vec![n - 1]
-                } else {
-                    Vec::new()
-                }
-            })
-            .collect();
-        let in_chunk = |i: usize| chunks.iter().position(|c| c.0 == i);
-        // Nothing in a prompt is ever rolled back: hybrid targets take the chunked delta rule
-        // and keep no per-token recurrent state for it.
-        let mut saved = Vec::with_capacity(chunks.len());
-        for &(i, _, _) in &chunks {
-            saved.push(self.seqs[i].cache.set_rollback(0));
-        }
-        let result = {
-            let mut batch: Vec<SeqForward<'_>> = Vec::with_capacity(chunks.len());
-            for (i, seq) in self.seqs.iter_mut().enumerate() {
-                let Some(k) = in_chunk(i) else { continue };
-                let (_, from, n) = chunks[k];
-                batch.push(SeqForward {
-                    cache: &mut seq.cache,
-                    tokens: &seq.tokens[from..from + n],
-                    positions: &positions[k],
-                    pattern: &AttnPattern::Causal,
-                    logit_rows: &logit_rows[k],
-                });
-            }
-            self.target.forward(&mut batch, &taps)
-        };
-        for (&(i, _, _), &rows) in chunks.iter().zip(&saved) {
-            self.seqs[i].cache.set_rollback(rows);
-        }
-        let out = result?;
-        let rows = match &out.logits {
-            Some(l) => l.to_vec2::<f32>()?,
-            None => Vec::new(),
-        };
-        for (k, &(i, from, n)) in chunks.iter().enumerate() {
-            let seq = &mut self.seqs[i];
-            if seq.req.algorithm != Algorithm::Plain {
-                if let Some(t) = &out.taps {
-                    let (a, b) = (out.token_offsets[k], out.token_offsets[k + 1]);
-                    let part = t.narrow(0, a, b - a)?;
-                    seq.pending_features = Some(match seq.pending_features.take() {
-                        Some(prev) => Tensor::cat(&[&prev, &part], 0)?,
-                        None => part,
-                    });
-                }
-            }
-            seq.prefill_done = from + n;
-            if seq.prefill_done < prefill_target(seq) {
-                continue;
-            }
-            if seq.resumed {
-                // Back where it was retracted: the bonus token waits for the next round.
-                seq.prefilled = true;
-                seq.resumed = false;
-                continue;
-            }
-            let row = rows
-                .get(out.logit_offsets[k])
-                .ok_or_else(|| ModelError::BadInput("prefill returned no logits".into()))?;
-            seq.prefilled = true;
-            let token = seq.sampler.sample(row);
-            let (emitted, finished) = commit_tokens(seq, &[token], &self.config.eos_token_ids);
-            let logprobs = match seq.logprobs {
-                Some(n) => vec![logprobs::token_logprob(row, token, n)],
-                None => Vec::new(),
-            };
-            events.push(SeqEvent {
-                id: seq.id,
-                tokens: emitted,
-                finished,
-                round: None,
-                stats: seq.stats.clone(),
-                logprobs,
-            });
-        }
-        self.reap(events);
-        Ok(())
-    }
-
     fn round(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
         let vocab = self.target.vocab_size();
         let dev = self.target.device().clone();
@@ -774,25 +649,6 @@ impl Engine {
 
 /// Appends `new` to the sequence until a stop condition; returns the emitted tokens and why it
 /// finished. A block is cut right after a stop token or at the length limit.
-/// The piece of a long prompt prefilled in a step while others decode, from `cap` tokens
-/// per step at the start to fewer further in (the piece's attention reads every earlier
-/// position): `cap` up to 8192 positions, then `cap * 8192 / position`, at least 32. On an
-/// H200 (Qwen3-8B) a 256-token piece costs about a decode step at the start of a prompt.
-fn long_prompt_piece(cap: usize, position: usize) -> usize {
-    const FULL_UP_TO: usize = 8192;
-    (cap * FULL_UP_TO / position.max(FULL_UP_TO)).clamp(32.min(cap), cap)
-}
-
-/// Tokens a prefill puts in the cache: the prompt, or (after a retraction) every committed
-/// token but the bonus one.
-fn prefill_target(s: &Sequence) -> usize {
-    if s.resumed {
-        s.tokens.len() - 1
-    } else {
-        s.tokens.len()
-    }
-}
-
 fn commit_tokens(seq: &mut Sequence, new: &[u32], eos: &[u32]) -> (Vec<u32>, Option<FinishReason>) {
     let mut emitted = Vec::with_capacity(new.len());
     for &t in new {
@@ -814,4 +670,5 @@ fn commit_tokens(seq: &mut Sequence, new: &[u32], eos: &[u32]) -> (Vec<u32>, Opt
 #[cfg(test)]
 mod tests;
 
+mod prefill;
 mod retract;

@@ -190,6 +190,14 @@ impl RealEngine {
                 ),
             })?;
         let pool_tokens = engine.kv_pool_tokens();
+        if config.page_size != dflash_models::cache::PAGE_SIZE {
+            tracing::warn!(
+                "--page-size {}: the K/V pool's pages are {} rows (the fused attention kernels' key tile); using {}",
+                config.page_size,
+                dflash_models::cache::PAGE_SIZE,
+                dflash_models::cache::PAGE_SIZE
+            );
+        }
         Ok(Self {
             engine,
             algorithm,

@@ -1,6 +1,7 @@
 //! The engine sizes each sequence's caches by its request (rounded up), not by the context,
 //! and with a paged pool takes and returns whole pages.
 
+use super::prefill::long_prompt_piece;
 use super::*;
 use crate::speculative::sampling::SamplingParams;
 
