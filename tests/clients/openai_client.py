@@ -74,12 +74,13 @@ def main(base: str) -> None:
         raise AssertionError("temperature -1 was accepted")
     except openai.BadRequestError as e:
         assert "temperature" in str(e), e
-    try:
-        client.chat.completions.create(model="no-such-model", messages=messages)
-        raise AssertionError("an unknown model was accepted")
-    except openai.NotFoundError as e:
-        assert "no-such-model" in str(e), e
-    print("openai client: chat, completions, streaming, usage and errors OK")
+    # SGLang serves any `model` string; the answer names the served model.
+    other = client.chat.completions.create(
+        model="no-such-model", messages=messages, max_tokens=4, temperature=0
+    )
+    assert other.model == model, (other.model, model)
+    assert other.choices[0].message.content is not None, other
+    print("openai client: chat, completions, streaming, usage, errors and any model name OK")
 
 
 if __name__ == "__main__":
