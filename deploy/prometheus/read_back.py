@@ -126,16 +126,18 @@ def main():
     wait_for('up{job="dflash-serve"}', lambda: scalar(prom, 'up{job="dflash-serve"}'), 1.0)
     n, tokens = send_requests(server)
     print(f"sent {n} requests; the server reported {tokens} completion tokens")
+    # Summed over the series: request counters and latency histograms carry SGLang's
+    # `is_streaming` label, one series per value.
     sel = '{job="dflash-serve",model_name="tiny-coder-demo"}'
-    wait_for("sglang:num_requests_total", lambda: scalar(prom, f"sglang:num_requests_total{sel}"), float(n))
+    wait_for("sglang:num_requests_total", lambda: scalar(prom, f"sum(sglang:num_requests_total{sel})"), float(n))
     wait_for(
         "sglang:generation_tokens_total",
-        lambda: scalar(prom, f"sglang:generation_tokens_total{sel}"),
+        lambda: scalar(prom, f"sum(sglang:generation_tokens_total{sel})"),
         float(tokens),
     )
     wait_for(
         "sglang:time_to_first_token_seconds_count",
-        lambda: scalar(prom, f"sglang:time_to_first_token_seconds_count{sel}"),
+        lambda: scalar(prom, f"sum(sglang:time_to_first_token_seconds_count{sel})"),
         float(n),
     )
     # One more scrape, so rate() windows hold two samples after the requests.

@@ -51,16 +51,21 @@ KINDS = [("generate", False), ("generate", True), ("chat", False), ("chat", True
 
 
 def metric(base, name="sglang:num_requests_total"):
-    """A replica's counter from its /metrics, or None when it does not answer."""
+    """A replica's counter from its /metrics (summed over its series: request counters carry
+    SGLang's `is_streaming` label), or None when it does not answer."""
     try:
         with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
             text = r.read().decode()
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise SystemExit(f"{base}/metrics has no {name}")
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
+    if not values:
+        raise SystemExit(f"{base}/metrics has no {name}")
+    return sum(values)
 
 
 def load_of(base):
