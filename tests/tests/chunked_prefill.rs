@@ -183,7 +183,9 @@ fn a_prompt_arriving_while_others_decode_is_prefilled_in_the_smaller_budget() {
     let mut first_step = None;
     for step in 1..=8 {
         let events = e.step().unwrap();
-        assert!(events.iter().any(|ev| ev.id == first && !ev.tokens.is_empty()));
+        assert!(events
+            .iter()
+            .any(|ev| ev.id == first && !ev.tokens.is_empty()));
         for ev in events.iter().filter(|ev| ev.id == second) {
             first_step.get_or_insert(step);
             tokens.extend(&ev.tokens);

@@ -32,8 +32,14 @@ fn forward(
 
 #[test]
 fn a_tree_path_compacted_across_a_page_boundary_equals_a_fresh_prefill() {
-    let t = Qwen3Model::load(&demo_model(), DType::F32, &Device::Cpu, 1024, OpsMode::Fused)
-        .unwrap();
+    let t = Qwen3Model::load(
+        &demo_model(),
+        DType::F32,
+        &Device::Cpu,
+        1024,
+        OpsMode::Fused,
+    )
+    .unwrap();
     let pool = t.new_kv_pool(16).unwrap();
     // Pages 0 and 2 held while the sequence takes its own: they are 1, 3, 4, 5.
     let hold_a = t.new_cache_in(&pool, PAGE_SIZE).unwrap();
@@ -70,7 +76,9 @@ fn a_tree_path_compacted_across_a_page_boundary_equals_a_fresh_prefill() {
     for (i, p) in parents.iter().enumerate() {
         depth[i] = p.map_or(0, |p| depth[p] + 1);
     }
-    let tokens: Vec<u32> = (0..parents.len() as u32).map(|i| (i * 611 + 5) % 8000).collect();
+    let tokens: Vec<u32> = (0..parents.len() as u32)
+        .map(|i| (i * 611 + 5) % 8000)
+        .collect();
     let positions: Vec<u32> = depth.iter().map(|d| start as u32 + d).collect();
     forward(
         &t,

@@ -151,7 +151,11 @@ fn check_alone(which: Which, algs: &[Algorithm]) {
     // Every request after the first ran on pages a finished one left (stale rows past its
     // length), and still matched plain greedy; all of them are back in the pool.
     assert!(e.kv_pool_tokens().is_some());
-    assert_eq!(e.kv_pool_free_tokens(), e.kv_pool_tokens(), "pages returned");
+    assert_eq!(
+        e.kv_pool_free_tokens(),
+        e.kv_pool_tokens(),
+        "pages returned"
+    );
 }
 
 // One test per proposer (and the costly DDTree-256 of the random drafter on its own), so the

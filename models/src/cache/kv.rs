@@ -236,9 +236,8 @@ impl SequenceCache {
         if want <= have {
             return Ok(());
         }
-        let table = Arc::get_mut(&mut self.table).ok_or_else(|| {
-            ModelError::BadCacheOp("a shared cache's pages cannot grow".into())
-        })?;
+        let table = Arc::get_mut(&mut self.table)
+            .ok_or_else(|| ModelError::BadCacheOp("a shared cache's pages cannot grow".into()))?;
         pool.extend(table, want - have)
     }
 

@@ -238,7 +238,11 @@ impl PageTable {
     /// start, rows)`.
     pub fn runs(&self, at: usize, n: usize) -> Vec<(usize, usize, usize)> {
         if self.is_contiguous() {
-            return if n == 0 { Vec::new() } else { vec![(at, at, n)] };
+            return if n == 0 {
+                Vec::new()
+            } else {
+                vec![(at, at, n)]
+            };
         }
         let mut out: Vec<(usize, usize, usize)> = Vec::new();
         let mut r = at;
@@ -276,7 +280,14 @@ mod tests {
         assert_eq!(b.pages(), &[3, 4]);
         assert_eq!(pool.free_pages(), 3);
         let err = pool.allocate(4).unwrap_err();
-        assert!(matches!(err, ModelError::PoolExhausted { pages: 4, free: 3, total: 8 }));
+        assert!(matches!(
+            err,
+            ModelError::PoolExhausted {
+                pages: 4,
+                free: 3,
+                total: 8
+            }
+        ));
         assert_eq!(pool.free_pages(), 3, "a refused allocation takes nothing");
         drop(a);
         assert_eq!(pool.free_pages(), 6);

@@ -91,7 +91,12 @@ pub fn attention_prefill(
     for a in &args {
         b.arg(a);
     }
-    b.arg(&ti).arg(&nhi).arg(&nkvi).arg(&capi).arg(&scale).arg(&pt_stride);
+    b.arg(&ti)
+        .arg(&nhi)
+        .arg(&nkvi)
+        .arg(&capi)
+        .arg(&scale)
+        .arg(&pt_stride);
     go(&mut b, cfg, KERNEL)?;
     Ok(out)
 }
@@ -125,7 +130,12 @@ pub(super) struct SplitArgs {
 /// Launches the split partials of `rows` query rows per KV head (at most `a.nsplit` splits),
 /// for `attn_combine` to merge.
 pub(super) fn launch_split(dev: &CudaDevice, a: &SplitArgs, rows: usize) -> Result<()> {
-    let (f, cfg) = prepare(dev, SPLIT_KERNEL, rows, (a.shape.2 as usize * a.seqs, a.nsplit))?;
+    let (f, cfg) = prepare(
+        dev,
+        SPLIT_KERNEL,
+        rows,
+        (a.shape.2 as usize * a.seqs, a.nsplit),
+    )?;
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&f);
     for p in [&a.q, &a.kc, &a.vc, &a.cache_len, &a.pt, &a.tree_mask] {
@@ -133,7 +143,12 @@ pub(super) fn launch_split(dev: &CudaDevice, a: &SplitArgs, rows: usize) -> Resu
     }
     b.arg(&a.words).arg(&a.acc).arg(&a.ml);
     let (t, nh, nkv, cap) = &a.shape;
-    b.arg(t).arg(nh).arg(nkv).arg(cap).arg(&a.scale).arg(&a.pt_stride);
+    b.arg(t)
+        .arg(nh)
+        .arg(nkv)
+        .arg(cap)
+        .arg(&a.scale)
+        .arg(&a.pt_stride);
     go(&mut b, cfg, SPLIT_KERNEL)
 }
 

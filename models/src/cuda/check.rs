@@ -131,8 +131,15 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
             let ns = (c + t).div_ceil(kernels::CHUNK);
             // One chunk per split (at most ns splits), three (at most ceil(ns / 3)).
             let fast = kernels::attention_split(&q, &kc, &vc, None, &len, bits.as_ref(), Some(ns))?;
-            let multi =
-                kernels::attention_split(&q, &kc, &vc, None, &len, bits.as_ref(), Some(ns.div_ceil(3)))?;
+            let multi = kernels::attention_split(
+                &q,
+                &kc,
+                &vc,
+                None,
+                &len,
+                bits.as_ref(),
+                Some(ns.div_ceil(3)),
+            )?;
             let simt = kernels::attention_simt(&q, &kc, &vc, None, &len, bits.as_ref(), ns)?;
             let mask = pattern.mask(c, t, dev)?;
             let plain = attend(

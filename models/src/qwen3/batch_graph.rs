@@ -179,14 +179,8 @@ impl Qwen3Model {
         let ids = inputs.narrow(0, 0, rows)?;
         let positions = inputs.narrow(0, rows, rows)?;
         let body = || -> ModelResult<()> {
-            let (h, tapped) = self.run_layers(
-                &ids,
-                &positions,
-                &caches,
-                &seq_inputs,
-                Some(&pooled),
-                taps,
-            )?;
+            let (h, tapped) =
+                self.run_layers(&ids, &positions, &caches, &seq_inputs, Some(&pooled), taps)?;
             logits.slice_set(&self.lm_head(&h)?, 0, 0)?;
             if let Some(dst) = &taps_out {
                 for (i, part) in tapped.iter().enumerate() {

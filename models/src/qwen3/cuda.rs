@@ -85,7 +85,11 @@ fn pooled_inputs(
                 .iter()
                 .flat_map(|p| cuda::tree_bits(p.unwrap_or_default()))
                 .collect();
-            Some(Tensor::from_vec(bits, (caches.len() * t, t.div_ceil(64)), dev)?)
+            Some(Tensor::from_vec(
+                bits,
+                (caches.len() * t, t.div_ceil(64)),
+                dev,
+            )?)
         }
         None => None,
     };
@@ -560,7 +564,10 @@ impl Qwen3Model {
             AttnPattern::Tree { parents } => Some(parents.as_slice()),
             _ => return Ok(None),
         };
-        if t == 0 || t > GRAPH_MAX_TOKENS || !all_rows || seq.cache.len() + t > seq.cache.backed_rows()
+        if t == 0
+            || t > GRAPH_MAX_TOKENS
+            || !all_rows
+            || seq.cache.len() + t > seq.cache.backed_rows()
         {
             return Ok(None);
         }

@@ -70,7 +70,9 @@ mod tests {
         assert!((t.logprob as f64 - (2.0 - z.ln())).abs() < 1e-6);
         let ids: Vec<u32> = t.top.iter().map(|p| p.0).collect();
         assert_eq!(ids, [1, 3, 2]);
-        let total: f64 = (0..4).map(|i| (token_logprob(&row, i, 0).logprob as f64).exp()).sum();
+        let total: f64 = (0..4)
+            .map(|i| (token_logprob(&row, i, 0).logprob as f64).exp())
+            .sum();
         assert!((total - 1.0).abs() < 1e-6);
     }
 

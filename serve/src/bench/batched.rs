@@ -85,7 +85,11 @@ fn time_steps(
 fn gemm_ms(m: &Qwen3Model, b: usize) -> Result<Value> {
     let cfg = m.config();
     let dev = m.device();
-    let (h, i, l) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers);
+    let (h, i, l) = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_hidden_layers,
+    );
     let q = cfg.num_attention_heads * cfg.head_dim;
     let kv = cfg.num_key_value_heads * cfg.head_dim;
     let mut total = 0.0;

@@ -32,7 +32,8 @@ impl Engine {
                     let me = self.seqs[i].id;
                     let victim = (0..self.seqs.len())
                         .filter(|&j| {
-                            self.seqs[j].id > me && !self.seqs[j].cache.page_table().pages().is_empty()
+                            self.seqs[j].id > me
+                                && !self.seqs[j].cache.page_table().pages().is_empty()
                         })
                         .max_by_key(|&j| self.seqs[j].id);
                     match victim {

@@ -77,7 +77,10 @@ fn with_a_pool_a_sequence_takes_whole_pages_and_gives_them_back() {
     e.step().unwrap();
     // 100 + 1 rows: 2 pages; 300 + 1: 5 pages.
     assert_eq!(e.kv_pool_free_tokens(), Some((40 - 2 - 5) * PAGE_SIZE));
-    assert!(e.use_kv_pool(PAGE_SIZE).is_err(), "not once sequences hold pages");
+    assert!(
+        e.use_kv_pool(PAGE_SIZE).is_err(),
+        "not once sequences hold pages"
+    );
     e.remove(a).unwrap();
     e.remove(b).unwrap();
     assert_eq!(e.kv_pool_free_tokens(), Some(40 * PAGE_SIZE));
@@ -132,9 +135,15 @@ fn greedy_decoding_on_the_pool_equals_decoding_in_caches_of_their_own() {
         out
     };
     let own = run(false);
-    assert_eq!(own.iter().map(Vec::len).collect::<Vec<_>>(), [90, 140, 60, 70]);
+    assert_eq!(
+        own.iter().map(Vec::len).collect::<Vec<_>>(),
+        [90, 140, 60, 70]
+    );
     let distinct: std::collections::BTreeSet<u32> = own.iter().flatten().copied().collect();
-    assert!(distinct.len() >= 4, "a test model that says something: {distinct:?}");
+    assert!(
+        distinct.len() >= 4,
+        "a test model that says something: {distinct:?}"
+    );
     let pooled = run(true);
     for (s, (a, b)) in pooled.iter().zip(&own).enumerate() {
         let first = a.iter().zip(b).position(|(x, y)| x != y);
@@ -156,7 +165,9 @@ fn sixteen_sequences_in_a_pool_too_small_for_them_are_retracted_and_finish_as_al
         },
         ..request(p, n)
     };
-    let sizes: Vec<(usize, usize)> = (0..16).map(|i| (5 + 17 * i % 90, 40 + 13 * i % 70)).collect();
+    let sizes: Vec<(usize, usize)> = (0..16)
+        .map(|i| (5 + 17 * i % 90, 40 + 13 * i % 70))
+        .collect();
     let alone: Vec<Vec<u32>> = sizes
         .iter()
         .map(|&(p, n)| engine(600).generate(greedy(p, n)).unwrap().0)
@@ -164,7 +175,10 @@ fn sixteen_sequences_in_a_pool_too_small_for_them_are_retracted_and_finish_as_al
     let mut e = engine(600);
     // 8 pages: at most four of these sequences (2 pages each when full) at a time.
     e.use_kv_pool(8 * PAGE_SIZE).expect("pool");
-    let ids: Vec<_> = sizes.iter().map(|&(p, n)| e.add(greedy(p, n)).unwrap()).collect();
+    let ids: Vec<_> = sizes
+        .iter()
+        .map(|&(p, n)| e.add(greedy(p, n)).unwrap())
+        .collect();
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); ids.len()];
     let mut retractions = vec![0; ids.len()];
     let mut steps = 0;
@@ -178,12 +192,23 @@ fn sixteen_sequences_in_a_pool_too_small_for_them_are_retracted_and_finish_as_al
         assert!(steps < 5000, "no progress");
     }
     for (i, (a, b)) in out.iter().zip(&alone).enumerate() {
-        assert_eq!(a, b, "sequence {i} (prompt {}, {} new)", sizes[i].0, sizes[i].1);
+        assert_eq!(
+            a, b,
+            "sequence {i} (prompt {}, {} new)",
+            sizes[i].0, sizes[i].1
+        );
     }
     let total: usize = retractions.iter().sum();
-    assert!(total > 0, "the pool was too small for all of them: retractions expected");
+    assert!(
+        total > 0,
+        "the pool was too small for all of them: retractions expected"
+    );
     assert_eq!(retractions[0], 0, "the oldest sequence is never retracted");
-    assert_eq!(e.kv_pool_free_tokens(), Some(8 * PAGE_SIZE), "every page back");
+    assert_eq!(
+        e.kv_pool_free_tokens(),
+        Some(8 * PAGE_SIZE),
+        "every page back"
+    );
 }
 
 #[test]
@@ -193,5 +218,9 @@ fn long_prompt_pieces_shrink_deep_into_a_prompt() {
     assert_eq!(long_prompt_piece(256, 16384), 128);
     assert_eq!(long_prompt_piece(256, 32768), 64);
     assert_eq!(long_prompt_piece(256, 1 << 20), 32, "at least 32");
-    assert_eq!(long_prompt_piece(10, 1 << 20), 10, "never more than the bound");
+    assert_eq!(
+        long_prompt_piece(10, 1 << 20),
+        10,
+        "never more than the bound"
+    );
 }

@@ -110,8 +110,18 @@ pub fn run(dev: &Device) -> Result<Value> {
         pooled.push(m.new_cache_in(&pool, l + 160)?);
         own.push(alone.new_cache(l + 160)?);
         let prompt: Vec<u32> = (0..l).map(|i| ((i * 7 + s * 131) % 4096) as u32).collect();
-        let p = step(&m, std::slice::from_mut(&mut pooled[s]), &[prompt.clone()], &AttnPattern::Causal)?;
-        let o = step(&alone, std::slice::from_mut(&mut own[s]), &[prompt], &AttnPattern::Causal)?;
+        let p = step(
+            &m,
+            std::slice::from_mut(&mut pooled[s]),
+            &[prompt.clone()],
+            &AttnPattern::Causal,
+        )?;
+        let o = step(
+            &alone,
+            std::slice::from_mut(&mut own[s]),
+            &[prompt],
+            &AttnPattern::Causal,
+        )?;
         let d = rel_diff(&p[0], &o[0])?;
         if d > 2e-2 {
             bail!("prefill of sequence {s} ({l} tokens) in the pool differs: {d}");
@@ -134,12 +144,24 @@ pub fn run(dev: &Device) -> Result<Value> {
         for round in 0..3 {
             let starts: Vec<usize> = own.iter().map(|c| c.len()).collect();
             let tokens: Vec<Vec<u32>> = (0..lens.len())
-                .map(|s| (0..t).map(|i| ((round * 977 + s * 31 + i * 5) % 4096) as u32).collect())
+                .map(|s| {
+                    (0..t)
+                        .map(|i| ((round * 977 + s * 31 + i * 5) % 4096) as u32)
+                        .collect()
+                })
                 .collect();
             let p = step(&m, &mut pooled, &tokens, &pattern)?;
             let mut o = Vec::new();
             for (s, cache) in own.iter_mut().enumerate() {
-                o.push(step(&alone, std::slice::from_mut(cache), &tokens[s..s + 1], &pattern)?.remove(0));
+                o.push(
+                    step(
+                        &alone,
+                        std::slice::from_mut(cache),
+                        &tokens[s..s + 1],
+                        &pattern,
+                    )?
+                    .remove(0),
+                );
             }
             for (a, b) in p.iter().zip(&o) {
                 worst = worst.max(rel_diff(a, b)?);
