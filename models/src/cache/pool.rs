@@ -126,16 +126,20 @@ impl KvPool {
             ids.reverse();
             ids
         };
-        let n = ids.len();
         // Made before the upload, so that a failed upload gives the pages back.
         let mut table = PageTable {
             ids,
             pool: Some(self.clone()),
             device_table: None,
         };
-        let device = Tensor::new(table.ids.as_slice(), &self.shared.device)?.reshape((1, n))?;
-        table.device_table = Some(device);
+        table.device_table = Some(self.device_table(&table.ids)?);
         Ok(table)
+    }
+
+    /// `ids` as a u32 `[1, n]` tensor on the pool's device.
+    fn device_table(&self, ids: &[u32]) -> ModelResult<Tensor> {
+        let n = ids.len();
+        Ok(Tensor::new(ids, &self.shared.device)?.reshape((1, n))?)
     }
 
     /// `more` pages appended to `table` (one of this pool's), or an error changing nothing.
@@ -148,24 +152,15 @@ impl KvPool {
         if more == 0 {
             return Ok(());
         }
+        // `extra` gives its pages back when dropped, unless they were moved into `table`.
         let mut extra = self.allocate(more)?;
         let mut ids = table.ids.clone();
-        ids.append(&mut extra.ids);
-        let n = ids.len();
-        let device = Tensor::new(ids.as_slice(), &self.shared.device)?.reshape((1, n));
-        match device {
-            Ok(d) => {
-                table.ids = ids;
-                table.device_table = Some(d);
-                Ok(())
-            }
-            Err(e) => {
-                // `extra` is empty now: give its pages back by hand.
-                let mut back = ids.split_off(table.ids.len());
-                self.release(&mut back);
-                Err(e.into())
-            }
-        }
+        ids.extend_from_slice(&extra.ids);
+        let device = self.device_table(&ids)?;
+        extra.ids.clear();
+        table.ids = ids;
+        table.device_table = Some(device);
+        Ok(())
     }
 
     fn release(&self, ids: &mut Vec<u32>) {
@@ -204,6 +199,12 @@ impl PageTable {
 
     pub fn pages(&self) -> &[u32] {
         &self.ids
+    }
+
+    /// Writes the page ids into the start of `row` (one row of a batch's page-table upload;
+    /// the rest of the row is the caller's padding).
+    pub fn copy_into(&self, row: &mut [u32]) {
+        row[..self.ids.len()].copy_from_slice(&self.ids);
     }
 
     /// Rows the pages hold (`usize::MAX` for contiguous buffers: their capacity rules).

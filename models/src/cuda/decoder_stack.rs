@@ -219,18 +219,7 @@ impl Stack<'_> {
                 heads: (nh, nkv, d),
                 eps: self.eps,
             };
-            if first.tokens == 1 && cuda::fused_attention_fits(1, nh, nkv) {
-                return Ok(cuda::fused_attention(&new, pooled.tree, None)?);
-            }
-            let q = cuda::qk_norm_rope_cache(&new)?;
-            return Ok(cuda::attention(
-                &q,
-                kc,
-                vc,
-                Some(pooled.pages),
-                pooled.cache_len,
-                pooled.tree,
-            )?);
+            return attend(&new, first.tokens, pooled.tree);
         }
         let mut outs = Vec::with_capacity(seqs.len());
         for s in seqs {
@@ -252,21 +241,34 @@ impl Stack<'_> {
                 heads: (nh, nkv, d),
                 eps: self.eps,
             };
-            if cuda::fused_attention_fits(s.tokens, nh, nkv) {
-                // A decode step: norm, RoPE, cache write, attention and merge in one launch,
-                // its key splits set on the device from the live length (the same for an
-                // eager step and a graph replay, whatever the cache's capacity).
-                outs.push(cuda::fused_attention(&new, s.tree, None)?);
-                continue;
-            }
-            let q = cuda::qk_norm_rope_cache(&new)?;
-            outs.push(cuda::attention(&q, kc, vc, s.pages, s.cache_len, s.tree)?);
+            outs.push(attend(&new, s.tokens, s.tree)?);
         }
         Ok(match outs.len() {
             1 => outs.swap_remove(0),
             _ => Tensor::cat(&outs, 0)?,
         })
     }
+}
+
+/// The attention of `new`'s rows (one sequence, or a pooled batch of `tokens` rows each):
+/// one fused launch for a decode step (norm, RoPE, cache write, attention and merge, its key
+/// splits set on the device from the live length, the same for an eager step and a graph
+/// replay whatever the cache's capacity), else q/k norm + RoPE + cache write and then the
+/// attention.
+fn attend(new: &cuda::QkvRows<'_>, tokens: usize, tree: Option<&Tensor>) -> ModelResult<Tensor> {
+    let (nh, nkv, _) = new.heads;
+    if cuda::fused_attention_fits(tokens, nh, nkv) {
+        return Ok(cuda::fused_attention(new, tree, None)?);
+    }
+    let q = cuda::qk_norm_rope_cache(new)?;
+    Ok(cuda::attention(
+        &q,
+        new.kc,
+        new.vc,
+        new.pages,
+        new.cache_len,
+        tree,
+    )?)
 }
 
 fn fused(layer: &DecoderLayer) -> ModelResult<&crate::layers::decoder_layer::FusedWeights> {

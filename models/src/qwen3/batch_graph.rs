@@ -222,9 +222,8 @@ fn batch_inputs(
     }
     let tables = &mut host[2 * rows + seqs..];
     tables.fill(scratch);
-    for (s, seq) in batch.iter().enumerate() {
-        let pages = seq.cache.page_table().pages();
-        tables[s * width..s * width + pages.len()].copy_from_slice(pages);
+    for (row, seq) in tables.chunks_mut(width).zip(batch) {
+        seq.cache.page_table().copy_into(row);
     }
     host
 }

@@ -72,11 +72,11 @@ fn pooled_inputs(
         .iter()
         .map(|c| c.page_table().pages().len())
         .max()
-        .unwrap_or(1);
+        .unwrap_or(0)
+        .max(1);
     let mut table = vec![0u32; caches.len() * stride];
     for (row, c) in table.chunks_mut(stride).zip(&caches) {
-        let pages = c.page_table().pages();
-        row[..pages.len()].copy_from_slice(pages);
+        c.page_table().copy_into(row);
     }
     let lens: Vec<u32> = caches.iter().map(|c| c.len() as u32).collect();
     let tree = match trees[0] {
