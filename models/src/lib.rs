@@ -30,7 +30,7 @@ pub mod taps;
 pub mod target;
 
 pub use batch::{ForwardOutput, SeqForward};
-pub use cache::SequenceCache;
+pub use cache::{SequenceCache, PAGE_SIZE};
 #[cfg(feature = "cuda")]
 pub use dflash::DraftGraph;
 pub use dflash::{DFlashDrafter, DraftInput, TargetEmbeddingsAndHead, TrainSequence};

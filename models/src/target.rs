@@ -212,6 +212,32 @@ impl Target {
         }
     }
 
+    /// Whether sequences can start on a cached prefix of K/V pages ([`Target::new_cache_after`]):
+    /// pure-attention targets only (a hybrid's recurrent state at a page boundary is not kept).
+    pub fn supports_prefix_cache(&self) -> bool {
+        matches!(self, Target::Qwen3(_))
+    }
+
+    /// [`Target::new_cache_in`] starting with the cached prefix in the held pages `prefix`
+    /// (live from the start). An error for targets without [`Target::supports_prefix_cache`]
+    /// when `prefix` is not empty.
+    pub fn new_cache_after(
+        &self,
+        pool: &crate::cache::KvPool,
+        capacity: usize,
+        rollback: usize,
+        prefix: &[u32],
+        rows: usize,
+    ) -> ModelResult<SequenceCache> {
+        match self {
+            Target::Qwen3(m) => m.new_cache_after(pool, capacity, prefix, rows),
+            Target::Hybrid(_) if !prefix.is_empty() => Err(crate::error::ModelError::BadCacheOp(
+                "hybrid (Gated DeltaNet) targets do not start on a cached prefix".into(),
+            )),
+            Target::Hybrid(m) => m.new_cache_in(pool, capacity, rollback, rows),
+        }
+    }
+
     /// The Qwen3 model, for callers that only support that family.
     pub fn as_qwen3(&self) -> Option<&Qwen3Model> {
         match self {

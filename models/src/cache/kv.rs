@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::cache::pool::{pages_for, KvPool, PageTable};
+use crate::cache::pool::{pages_for, KvPool, PageTable, PAGE_SIZE};
 use crate::cache::recurrent::{RecurrentLayer, RowTracker, StagedState};
 use crate::error::{ModelError, ModelResult};
 
@@ -186,6 +186,21 @@ impl SequenceCache {
         rollback: usize,
         rows: usize,
     ) -> ModelResult<Self> {
+        Self::new_paged_after(pool, kinds, capacity, rollback, &[], rows)
+    }
+
+    /// [`SequenceCache::new_paged_with`] whose first rows are the cached prefix in the held
+    /// pages `prefix` (a prefix cache's: shared, read only): they are live from the start
+    /// (`len() == prefix.len() * PAGE_SIZE`) and new rows go to pages of its own after them.
+    /// Attention-only caches: a recurrent layer's state at the prefix's end is not known.
+    pub fn new_paged_after(
+        pool: &KvPool,
+        kinds: Vec<Option<RecurrentLayer>>,
+        capacity: usize,
+        rollback: usize,
+        prefix: &[u32],
+        rows: usize,
+    ) -> ModelResult<Self> {
         let attention = kinds.iter().filter(|k| k.is_none()).count();
         if attention != pool.num_layers() {
             return Err(ModelError::BadInput(format!(
@@ -193,7 +208,15 @@ impl SequenceCache {
                 pool.num_layers()
             )));
         }
-        let table = pool.allocate(pages_for(rows.min(capacity)))?;
+        let cached = prefix.len() * PAGE_SIZE;
+        if !prefix.is_empty() && (attention != kinds.len() || cached >= capacity) {
+            return Err(ModelError::BadCacheOp(format!(
+                "a cached prefix of {cached} rows for a cache of {capacity} rows with {} recurrent layers",
+                kinds.len() - attention
+            )));
+        }
+        let fresh = pages_for(rows.min(capacity)).saturating_sub(prefix.len());
+        let table = pool.allocate_after(prefix, fresh)?;
         let mut next = 0;
         let mut hybrid = false;
         let layers = kinds
@@ -217,7 +240,7 @@ impl SequenceCache {
             .collect::<ModelResult<Vec<_>>>()?;
         Ok(Self {
             layers,
-            len: 0,
+            len: cached,
             capacity,
             table: Arc::new(table),
             rows: hybrid.then(|| RowTracker::new(rollback)),

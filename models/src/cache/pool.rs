@@ -4,6 +4,11 @@
 //! at pool row `ids[r / PAGE_SIZE] * PAGE_SIZE + r % PAGE_SIZE` in every layer. Pages go back
 //! to the pool when the table is dropped.
 //!
+//! Pages are reference-counted so that sequences with a common prefix share its pages (the
+//! prefix cache, [`super::radix`]): a page returns to the free list when its last holder (a
+//! page table or a [`PageRef`]) lets it go. Shared pages are only ever read: a sequence
+//! writes rows at or after its cached prefix, which lie in pages of its own.
+//!
 //! Why one pool: caches sized per request fragment device memory and give every sequence its
 //! own buffer addresses, so a captured CUDA graph serves one sequence only; with the pool the
 //! K/V addresses are fixed for the process, a graph reads the page tables as inputs and serves
@@ -29,13 +34,20 @@ pub fn pages_for(rows: usize) -> usize {
 }
 
 #[derive(Debug)]
+struct PageState {
+    /// Free page ids; the lowest ids are handed out first (sequences stay compact in memory).
+    free: Vec<u32>,
+    /// Holders of each page (0: free).
+    refs: Vec<u32>,
+}
+
+#[derive(Debug)]
 struct Shared {
     /// One (K, V) buffer pair per attention layer, in model order, each
     /// `[num_kv_heads, (pages + 1) * PAGE_SIZE, head_dim]`.
     layers: Vec<(Tensor, Tensor)>,
     pages: usize,
-    /// Free page ids; the lowest ids are handed out first (sequences stay compact in memory).
-    free: Mutex<Vec<u32>>,
+    state: Mutex<PageState>,
     device: Device,
 }
 
@@ -72,7 +84,10 @@ impl KvPool {
             shared: Arc::new(Shared {
                 layers,
                 pages,
-                free: Mutex::new(free),
+                state: Mutex::new(PageState {
+                    free,
+                    refs: vec![0; pages],
+                }),
                 device: device.clone(),
             }),
         })
@@ -89,7 +104,41 @@ impl KvPool {
     }
 
     pub fn free_pages(&self) -> usize {
-        self.shared.free.lock().map_or(0, |f| f.len())
+        self.shared.state.lock().map_or(0, |s| s.free.len())
+    }
+
+    /// Holders of page `id` (0: free).
+    pub fn holders(&self, id: u32) -> usize {
+        self.shared
+            .state
+            .lock()
+            .ok()
+            .and_then(|s| s.refs.get(id as usize).copied())
+            .unwrap_or(0) as usize
+    }
+
+    fn state(&self) -> ModelResult<std::sync::MutexGuard<'_, PageState>> {
+        self.shared
+            .state
+            .lock()
+            .map_err(|_| ModelError::BadCacheOp("K/V pool lock poisoned".into()))
+    }
+
+    /// One more holder of page `id` (a page some table or reference holds now).
+    pub fn share(&self, id: u32) -> ModelResult<PageRef> {
+        let mut st = self.state()?;
+        match st.refs.get_mut(id as usize) {
+            Some(r) if *r > 0 => *r += 1,
+            _ => {
+                return Err(ModelError::BadCacheOp(format!(
+                    "page {id} shared while nobody holds it"
+                )))
+            }
+        }
+        Ok(PageRef {
+            id,
+            pool: self.clone(),
+        })
     }
 
     /// Layer `i`'s K and V buffers (the `i`-th attention layer).
@@ -108,22 +157,37 @@ impl KvPool {
 
     /// A page table of `pages` pages, or an error (changing nothing) when fewer are free.
     pub fn allocate(&self, pages: usize) -> ModelResult<PageTable> {
+        self.allocate_after(&[], pages)
+    }
+
+    /// A page table starting with the held pages `prefix` (shared: one more holder each, read
+    /// only) followed by `pages` fresh ones, or an error changing nothing.
+    pub fn allocate_after(&self, prefix: &[u32], pages: usize) -> ModelResult<PageTable> {
         let ids = {
-            let mut free = self
-                .shared
-                .free
-                .lock()
-                .map_err(|_| ModelError::BadCacheOp("K/V pool lock poisoned".into()))?;
-            if free.len() < pages {
+            let mut st = self.state()?;
+            if st.free.len() < pages {
                 return Err(ModelError::PoolExhausted {
                     pages,
-                    free: free.len(),
+                    free: st.free.len(),
                     total: self.shared.pages,
                 });
             }
-            let at = free.len() - pages;
-            let mut ids = free.split_off(at);
-            ids.reverse();
+            if let Some(&id) = prefix
+                .iter()
+                .find(|&&id| st.refs.get(id as usize).is_none_or(|&r| r == 0))
+            {
+                return Err(ModelError::BadCacheOp(format!(
+                    "page {id} shared while nobody holds it"
+                )));
+            }
+            let at = st.free.len() - pages;
+            let mut fresh = st.free.split_off(at);
+            fresh.reverse();
+            let mut ids = prefix.to_vec();
+            ids.append(&mut fresh);
+            for &id in &ids {
+                st.refs[id as usize] += 1;
+            }
             ids
         };
         // Made before the upload, so that a failed upload gives the pages back.
@@ -163,12 +227,49 @@ impl KvPool {
         Ok(())
     }
 
+    /// One holder fewer of each of `ids`; pages nobody holds go back to the free list.
     fn release(&self, ids: &mut Vec<u32>) {
-        if let Ok(mut free) = self.shared.free.lock() {
-            free.append(ids);
-            // Lowest ids first again (pop takes from the end).
-            free.sort_unstable_by(|a, b| b.cmp(a));
+        if let Ok(mut st) = self.shared.state.lock() {
+            let mut freed = false;
+            for id in ids.drain(..) {
+                if let Some(r) = st.refs.get_mut(id as usize) {
+                    *r = r.saturating_sub(1);
+                    if *r == 0 {
+                        st.free.push(id);
+                        freed = true;
+                    }
+                }
+            }
+            if freed {
+                // Lowest ids first again (pop takes from the end).
+                st.free.sort_unstable_by(|a, b| b.cmp(a));
+            }
         }
+    }
+}
+
+/// One holder of one page of a pool (the prefix cache's hold on a cached page); the page is
+/// let go on drop.
+#[derive(Debug)]
+pub struct PageRef {
+    id: u32,
+    pool: KvPool,
+}
+
+impl PageRef {
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// Whether this is the page's only holder (dropping it frees the page).
+    pub fn sole_holder(&self) -> bool {
+        self.pool.holders(self.id) == 1
+    }
+}
+
+impl Drop for PageRef {
+    fn drop(&mut self) {
+        self.pool.release(&mut vec![self.id]);
     }
 }
 

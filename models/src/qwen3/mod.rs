@@ -312,8 +312,20 @@ impl Qwen3Model {
         capacity: usize,
         rows: usize,
     ) -> ModelResult<SequenceCache> {
+        self.new_cache_after(pool, capacity, &[], rows)
+    }
+
+    /// [`Self::new_cache_in_rows`] starting with the cached prefix in the held pages `prefix`
+    /// (live from the start; see `SequenceCache::new_paged_after`).
+    pub fn new_cache_after(
+        &self,
+        pool: &crate::cache::KvPool,
+        capacity: usize,
+        prefix: &[u32],
+        rows: usize,
+    ) -> ModelResult<SequenceCache> {
         let kinds = vec![None; self.cfg.num_hidden_layers];
-        SequenceCache::new_paged_with(pool, kinds, capacity, 0, rows)
+        SequenceCache::new_paged_after(pool, kinds, capacity, 0, prefix, rows)
     }
 
     pub fn new_cache(&self, capacity: usize) -> ModelResult<SequenceCache> {

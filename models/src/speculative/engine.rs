@@ -13,7 +13,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 
 use crate::batch::SeqForward;
-use crate::cache::{pages_for, KvPool, SequenceCache, PAGE_SIZE};
+use crate::cache::{pages_for, KvPool, PrefixCache, SequenceCache, PAGE_SIZE};
 use crate::error::ModelError;
 use crate::layers::attention::AttnPattern;
 use crate::speculative::logprobs;
@@ -76,6 +76,8 @@ pub struct Engine {
     /// The shared paged K/V pool of the target ([`Engine::use_kv_pool`]); None: each sequence
     /// gets a cache of its own.
     pool: Option<KvPool>,
+    /// Cached K/V pages of common prefixes ([`Engine::enable_prefix_cache`]).
+    prefix: Option<PrefixCache>,
 }
 
 impl Engine {
@@ -94,6 +96,7 @@ impl Engine {
             prefill_chunk: None,
             spare: SpareCaches::default(),
             pool: None,
+            prefix: None,
             prefill_while_decoding: None,
         }
     }
@@ -206,7 +209,9 @@ impl Engine {
             ))));
         }
         self.spare = SpareCaches::default();
-        // The old pool's memory is freed before the new one is allocated.
+        // The old pool's memory is freed before the new one is allocated (the prefix cache
+        // holds pages of it and is dropped too).
+        self.prefix = None;
         self.pool = None;
         self.pool = Some(self.target.new_kv_pool(pages)?);
         Ok(())
@@ -278,21 +283,15 @@ impl Engine {
             }
         }
         let id = self.next_id;
-        let width = self.verify_width(req.algorithm);
         let capacity = self.cache_capacity(req.prompt.len(), req.max_new_tokens, req.algorithm);
-        // Hybrid targets keep a recurrent state per verify node so any accepted one commits.
-        let target = &self.target;
-        let cache = match &self.pool {
-            // Pages are taken as the sequence fills (prefill chunks, verify rows).
-            Some(pool) => target.new_cache_in(pool, capacity, width, 0)?,
-            None => self
-                .spare
-                .take_or(capacity, || target.new_cache(capacity, width))?,
-        };
+        // With a pool, pages are taken as the sequence fills (prefill chunks, verify rows),
+        // after the cached prefix it starts on. Hybrid targets keep a recurrent state per
+        // verify node so any accepted one commits.
+        let opened = self.open_cache(&req.prompt, req.prompt.len(), req.algorithm, capacity)?;
         if let (Some(p), true) = (self.proposer.as_mut(), req.algorithm != Algorithm::Plain) {
             if let Err(e) = p.open(id, capacity) {
                 if self.pool.is_none() {
-                    self.spare.put(capacity, cache);
+                    self.spare.put(capacity, opened.cache);
                 }
                 return Err(e.into());
             }
@@ -304,20 +303,21 @@ impl Engine {
                 .seed
                 .wrapping_add(id.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
         );
-        let depth = self.max_depth();
+        let mut stats = SeqStats::new(self.max_depth());
+        stats.cached_tokens = opened.cached;
         self.seqs.push(Sequence {
             id,
             tokens: req.prompt.clone(),
             req,
-            cache,
+            cache: opened.cache,
             capacity,
             generated: 0,
             sampler,
-            pending_features: None,
-            prefill_done: 0,
+            pending_features: opened.features,
+            prefill_done: opened.cached,
             prefilled: false,
             resumed: false,
-            stats: SeqStats::new(depth),
+            stats,
             logprobs: None,
         });
         Ok(id)
@@ -343,6 +343,7 @@ impl Engine {
             .position(|s| s.id == id)
             .ok_or(EngineError::UnknownSequence(id))?;
         let seq = self.seqs.remove(i);
+        self.cache_leaving(&seq);
         if let Some(p) = self.proposer.as_mut() {
             if seq.req.algorithm != Algorithm::Plain {
                 p.close(id);
@@ -671,4 +672,7 @@ fn commit_tokens(seq: &mut Sequence, new: &[u32], eos: &[u32]) -> (Vec<u32>, Opt
 mod tests;
 
 mod prefill;
+mod prefix;
 mod retract;
+
+pub use prefix::DEFAULT_PREFIX_FEATURE_BYTES;

@@ -31,6 +31,8 @@ pub struct SeqStats {
     pub commit_time: Duration,
     /// Times the sequence gave its K/V pages back for lack of them (and was prefilled again).
     pub retractions: usize,
+    /// Prompt tokens found in the prefix cache at admission (not prefilled).
+    pub cached_tokens: usize,
 }
 
 impl SeqStats {

@@ -23,10 +23,11 @@ impl Engine {
         // (sequence index, first prompt token of this chunk, tokens in it), oldest first.
         let mut chunks: Vec<(usize, usize, usize)> = Vec::new();
         for i in self.by_age() {
-            let s = &self.seqs[i];
-            if s.prefilled || budget == 0 {
+            if self.seqs[i].prefilled || budget == 0 {
                 continue;
             }
+            self.resume_on_cached_prefix(i)?;
+            let s = &self.seqs[i];
             let mut n = (prefill_target(s) - s.prefill_done).min(budget);
             if decoding {
                 if let Some(cap) = self.prefill_while_decoding {
@@ -109,6 +110,9 @@ impl Engine {
             if seq.prefill_done < prefill_target(seq) {
                 continue;
             }
+            // Its full pages (and their features) for later sequences with the same prefix.
+            self.cache_rows(i, true);
+            let seq = &mut self.seqs[i];
             if seq.resumed {
                 // Back where it was retracted: the bonus token waits for the next round.
                 seq.prefilled = true;
@@ -135,6 +139,25 @@ impl Engine {
             });
         }
         self.reap(events);
+        Ok(())
+    }
+}
+
+impl Engine {
+    /// A retracted sequence about to be prefilled again starts on the cached prefix of its
+    /// tokens, if any (its old pages may still be cached).
+    fn resume_on_cached_prefix(&mut self, i: usize) -> Result<(), EngineError> {
+        let s = &self.seqs[i];
+        if !s.resumed || s.prefill_done > 0 || self.prefix.is_none() {
+            return Ok(());
+        }
+        let tokens = s.tokens.clone();
+        let (target, algorithm, capacity) = (prefill_target(s), s.req.algorithm, s.capacity);
+        let opened = self.open_cache(&tokens, target, algorithm, capacity)?;
+        let seq = &mut self.seqs[i];
+        seq.cache = opened.cache;
+        seq.prefill_done = opened.cached;
+        seq.pending_features = opened.features;
         Ok(())
     }
 }

@@ -28,7 +28,11 @@ impl Engine {
         loop {
             match self.seqs[i].cache.grow_to(rows) {
                 Ok(()) => return Ok(true),
-                Err(ModelError::PoolExhausted { .. }) => {
+                Err(ModelError::PoolExhausted { pages, free, .. }) => {
+                    // Cached pages nobody uses go before any sequence is retracted.
+                    if self.evict_cached(pages.saturating_sub(free).max(1)) > 0 {
+                        continue;
+                    }
                     let me = self.seqs[i].id;
                     let victim = (0..self.seqs.len())
                         .filter(|&j| {
@@ -73,7 +77,11 @@ impl Engine {
         };
         let width = self.verify_width(self.seqs[i].req.algorithm);
         let capacity = self.seqs[i].capacity;
-        let fresh = self.target.new_cache_in(&pool, capacity, width, 0)?;
+        // Empty: a cached prefix is looked up when its prefill starts again, so that it holds
+        // no page while it waits.
+        let fresh = self
+            .target
+            .new_cache_after(&pool, capacity, width, &[], 0)?;
         let seq = &mut self.seqs[i];
         // The old cache (and its pages) goes here.
         seq.cache = fresh;

@@ -1,0 +1,158 @@
+//! The prefix cache in the engine ([`crate::cache::radix`]): a new sequence (or a retracted
+//! one coming back) starts on the longest cached run of whole pages of its tokens, at least
+//! one token short of what it prefills (that token's logits sample the first new token), and
+//! prefills only the rest; speculating sequences whose proposer reads target features start
+//! only on pages whose features are cached too, and get them as their first pending features.
+//! Sequences insert their full pages when their prefill completes (with features) and when
+//! they leave the engine (without). Cached pages nobody else holds are evicted, least recently
+//! used first, before any sequence is retracted for pages.
+//!
+//! Output does not change: a cached page holds exactly the K/V rows a prefill of the same
+//! tokens at the same positions writes.
+
+use candle_core::Tensor;
+
+use super::{Engine, EngineError, Sequence};
+use crate::cache::{PrefixCache, SequenceCache, PAGE_SIZE};
+use crate::error::ModelError;
+use crate::speculative::request::Algorithm;
+use crate::target::DraftTarget;
+
+/// Features kept in host memory by default for cached pages (see [`Engine::enable_prefix_cache`]).
+pub const DEFAULT_PREFIX_FEATURE_BYTES: usize = 16 << 30;
+
+/// A sequence's target cache, opened on a cached prefix where there is one.
+pub(super) struct OpenedCache {
+    pub cache: SequenceCache,
+    /// Rows of the cache already live (the cached prefix).
+    pub cached: usize,
+    /// The cached rows' proposer features, on the target's device.
+    pub features: Option<Tensor>,
+}
+
+impl Engine {
+    /// Shares K/V pages of common prefixes between sequences (needs the pool,
+    /// [`Engine::use_kv_pool`], and a pure-attention target; hybrids are refused with an
+    /// error saying so). Cached rows' proposer features are kept in host memory up to
+    /// `max_feature_bytes`. Outputs do not change.
+    pub fn enable_prefix_cache(&mut self, max_feature_bytes: usize) -> Result<(), EngineError> {
+        let pool = self.pool.clone().ok_or_else(|| {
+            EngineError::Model(ModelError::BadCacheOp(
+                "the prefix cache needs the K/V pool (use_kv_pool first)".into(),
+            ))
+        })?;
+        if !self.target.supports_prefix_cache() {
+            return Err(EngineError::Model(ModelError::BadCacheOp(
+                "the prefix cache is not available for hybrid (Gated DeltaNet) targets: their recurrent state at a cached page boundary is not kept".into(),
+            )));
+        }
+        self.prefix = Some(PrefixCache::new(pool, max_feature_bytes));
+        Ok(())
+    }
+
+    pub fn prefix_cache_enabled(&self) -> bool {
+        self.prefix.is_some()
+    }
+
+    /// Drops every cached page (running sequences keep the pages they use).
+    pub fn flush_prefix_cache(&mut self) {
+        if let Some(p) = self.prefix.as_mut() {
+            p.clear();
+        }
+    }
+
+    /// Rows the prefix cache holds (None without one).
+    pub fn prefix_cache_tokens(&self) -> Option<usize> {
+        self.prefix.as_ref().map(|p| p.cached_pages() * PAGE_SIZE)
+    }
+
+    /// Rows of the pool free or held only by the prefix cache (what a new sequence can take).
+    pub fn kv_pool_available_tokens(&self) -> Option<usize> {
+        let free = self.kv_pool_free_tokens()?;
+        Some(
+            free + self
+                .prefix
+                .as_ref()
+                .map_or(0, |p| p.evictable_pages() * PAGE_SIZE),
+        )
+    }
+
+    /// Frees up to `pages` pages from the prefix cache; the pages freed.
+    pub(super) fn evict_cached(&mut self, pages: usize) -> usize {
+        self.prefix.as_mut().map_or(0, |p| p.evict(pages))
+    }
+
+    /// The target cache for a sequence of `tokens` that prefills `prefill` of them: on the
+    /// longest cached prefix of at most `prefill - 1` rows (with features when `algorithm`'s
+    /// proposer reads them), or empty.
+    pub(super) fn open_cache(
+        &mut self,
+        tokens: &[u32],
+        prefill: usize,
+        algorithm: Algorithm,
+        capacity: usize,
+    ) -> Result<OpenedCache, EngineError> {
+        let width = self.verify_width(algorithm);
+        let Some(pool) = self.pool.clone() else {
+            let target = &self.target;
+            let cache = self
+                .spare
+                .take_or(capacity, || target.new_cache(capacity, width))?;
+            return Ok(OpenedCache {
+                cache,
+                cached: 0,
+                features: None,
+            });
+        };
+        let need_features = algorithm != Algorithm::Plain && !self.taps().is_empty();
+        let found = match self.prefix.as_mut() {
+            Some(p) => p.lookup(tokens, prefill.saturating_sub(1), need_features)?,
+            None => Default::default(),
+        };
+        let cache = self
+            .target
+            .new_cache_after(&pool, capacity, width, &found.pages, 0)?;
+        let features = match found.features {
+            Some(f) if need_features => Some(f.to_device(self.target.device())?),
+            _ => None,
+        };
+        Ok(OpenedCache {
+            cached: cache.len(),
+            cache,
+            features,
+        })
+    }
+
+    /// Caches the full pages of sequence `i`'s committed rows (with its pending features when
+    /// they cover them from row 0: right after its prefill). A failure only costs the cache.
+    pub(super) fn cache_rows(&mut self, i: usize, with_features: bool) {
+        let Some(prefix) = self.prefix.as_mut() else {
+            return;
+        };
+        let seq = &self.seqs[i];
+        let features = if with_features {
+            seq.pending_features.as_ref()
+        } else {
+            None
+        };
+        if let Err(e) = prefix.insert(
+            &seq.tokens,
+            seq.cache.page_table(),
+            seq.cache.len(),
+            features,
+        ) {
+            tracing::warn!("prefix cache: sequence {} not cached: {e}", seq.id);
+        }
+    }
+
+    /// [`Engine::cache_rows`] for a sequence leaving the engine.
+    pub(super) fn cache_leaving(&mut self, seq: &Sequence) {
+        if let Some(prefix) = self.prefix.as_mut() {
+            if let Err(e) =
+                prefix.insert(&seq.tokens, seq.cache.page_table(), seq.cache.len(), None)
+            {
+                tracing::warn!("prefix cache: sequence {} not cached: {e}", seq.id);
+            }
+        }
+    }
+}
