@@ -228,6 +228,32 @@ def interference(base, streams, long_len, output_len, vocab, seed, timeout):
             "max_during_over_steady_p50": (max(during) / med) if during and med else None}
 
 
+def shared_prefix(base, prefix_len, suffix_len, output_len, vocab, seed, timeout, repeats):
+    """Time to first token of a request whose prompt starts with `prefix_len` tokens that an
+    earlier request sent (the prefix cache's case: a shared system prompt or chat history)
+    against the first (cold) request with that prefix; a fresh random prefix per repeat."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(repeats):
+        prefix = [rng.randrange(10, vocab) for _ in range(prefix_len)]
+        suffix = lambda: [rng.randrange(10, vocab) for _ in range(suffix_len)]
+        cold = one_request(base, prefix + suffix(), output_len, timeout)
+        warm = one_request(base, prefix + suffix(), output_len, timeout)
+        if not (cold["success"] and warm["success"]):
+            rows.append({"error": cold["error"] or warm["error"]})
+            continue
+        rows.append({"cold_ttft_ms": cold["ttft"] * 1e3, "warm_ttft_ms": warm["ttft"] * 1e3,
+                     "cold_cached_tokens": cold["cached_tokens"],
+                     "warm_cached_tokens": warm["cached_tokens"],
+                     "speedup": cold["ttft"] / warm["ttft"]})
+    ok = [r for r in rows if "speedup" in r]
+    med = lambda k: percentiles([r[k] for r in ok])["p50"]
+    return {"prefix_len": prefix_len, "suffix_len": suffix_len, "repeats": rows,
+            "cold_ttft_ms_p50": med("cold_ttft_ms") if ok else None,
+            "warm_ttft_ms_p50": med("warm_ttft_ms") if ok else None,
+            "speedup_p50": med("speedup") if ok else None, "failed": len(rows) - len(ok)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("url")
@@ -248,6 +274,10 @@ def main():
                     help="instead of the levels: --interference-streams streams decode and one "
                          "prompt of LONG_LEN tokens arrives; report their ITL during its prefill")
     ap.add_argument("--interference-streams", type=int, default=16)
+    ap.add_argument("--shared-prefix", type=int, default=0, metavar="PREFIX_LEN",
+                    help="instead of levels: TTFT of a second request sharing a PREFIX_LEN-token "
+                         "prefix with a first one, against the first (prefix cache)")
+    ap.add_argument("--shared-prefix-repeats", type=int, default=5)
     ap.add_argument("--require-no-failures", action="store_true",
                     help="exit 1 if any request at any level failed")
     a = ap.parse_args()
@@ -264,6 +294,15 @@ def main():
     if not warm["success"]:
         raise SystemExit(f"warm-up request failed: {warm['error']}")
     _, server_info = get_json(base, "/server_info")
+    if a.shared_prefix:
+        r = shared_prefix(base, a.shared_prefix, 64, 4, vocab, a.seed, a.timeout,
+                          a.shared_prefix_repeats)
+        r["command"] = " ".join(sys.argv)
+        print(json.dumps(r, indent=1))
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(r, f, indent=1)
+        return
     if a.interference:
         r = interference(base, a.interference_streams, a.interference, a.output_len, vocab,
                          a.seed, a.timeout)

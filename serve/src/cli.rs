@@ -147,6 +147,14 @@ pub struct Args {
     /// prompts go in whole; -1: only --chunked-prefill-size bounds a step [default: 256]
     #[arg(long, allow_negative_numbers = true, help_heading = "Scheduling")]
     pub prefill_tokens_while_decoding: Option<i64>,
+    /// Do not share K/V pages between requests with a common prompt prefix (the prefix
+    /// cache is on by default for Qwen3 targets; hybrid targets never use it)
+    #[arg(long, help_heading = "Scheduling")]
+    pub disable_radix_cache: bool,
+    /// Report the prompt tokens found in the prefix cache in OpenAI usage
+    /// (`prompt_tokens_details.cached_tokens`); /generate's meta_info always has them
+    #[arg(long, help_heading = "HTTP")]
+    pub enable_cache_report: bool,
     /// End a request that has not finished this many seconds after it arrived (finish reason
     /// `abort`, with the text generated so far) [default: no limit]
     #[arg(long, value_name = "SECONDS", help_heading = "Scheduling")]

@@ -92,6 +92,10 @@ pub struct ServeConfig {
     pub hf_chat_template_name: Option<String>,
     pub default_chat_template_kwargs: Map<String, Value>,
     pub enable_metrics: bool,
+    /// `--disable-radix-cache`: no prefix cache.
+    pub disable_radix_cache: bool,
+    /// `--enable-cache-report`: `prompt_tokens_details.cached_tokens` in OpenAI usage.
+    pub enable_cache_report: bool,
     /// `--max-request-body-bytes`; `None` sizes it from the context (see `state::RequestLimits`).
     pub max_request_body_bytes: Option<usize>,
     pub http: HttpTimeouts,
@@ -450,6 +454,8 @@ impl ServeConfig {
             hf_chat_template_name: args.hf_chat_template_name.clone(),
             default_chat_template_kwargs,
             enable_metrics: args.enable_metrics,
+            disable_radix_cache: args.disable_radix_cache,
+            enable_cache_report: args.enable_cache_report,
             max_request_body_bytes: args.max_request_body_bytes,
             http,
             max_sequences_per_request: args.max_sequences_per_request.min(args.max_queued_requests),

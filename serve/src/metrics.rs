@@ -49,6 +49,8 @@ impl std::fmt::Debug for ServerMetrics {
 #[derive(Debug, Clone, Copy)]
 pub struct FinishedRequest {
     pub prompt_tokens: usize,
+    /// Of the prompt tokens, those found in the prefix cache.
+    pub cached_tokens: usize,
     pub completion_tokens: usize,
     pub e2e: Duration,
     pub ttft: Option<Duration>,
@@ -176,6 +178,8 @@ impl ServerMetrics {
                     .record(tpot);
             }
         }
+        self.counter("sglang:cached_tokens_total", Labels::Tokenizer)
+            .increment(r.cached_tokens as u64);
         if r.aborted {
             self.counter("sglang:num_aborted_requests_total", Labels::Tokenizer)
                 .increment(1);

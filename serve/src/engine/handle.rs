@@ -25,6 +25,10 @@ pub enum SeqUpdate {
         verify_rounds: usize,
         /// One per token when the request asked for logprobs.
         logprobs: Vec<super::TokenLogprob>,
+        /// Prompt tokens found in the prefix cache (SGLang's `cached_tokens`).
+        cached_tokens: usize,
+        /// Retractions so far (SGLang's `num_retractions`).
+        retractions: usize,
     },
     Failed(EngineFailure),
 }

@@ -95,6 +95,10 @@ pub struct StepEvent {
     pub verify_rounds: usize,
     /// One per token when the request asked for logprobs, else empty.
     pub logprobs: Vec<TokenLogprob>,
+    /// Prompt tokens the sequence found in the prefix cache at admission (not prefilled).
+    pub cached_tokens: usize,
+    /// Times the sequence was retracted for lack of K/V pages so far.
+    pub retractions: usize,
 }
 
 /// The engine could not admit a request: the request's fault (HTTP 400, the message says what
@@ -158,6 +162,8 @@ pub trait StepEngine: Send + 'static {
     fn kv_pool_tokens(&self) -> Option<usize> {
         None
     }
+    /// Empties the prefix cache (only called with nothing running or waiting).
+    fn flush_cache(&mut self) {}
 }
 
 impl StepEngine for Box<dyn StepEngine> {
@@ -181,5 +187,8 @@ impl StepEngine for Box<dyn StepEngine> {
     }
     fn kv_pool_tokens(&self) -> Option<usize> {
         (**self).kv_pool_tokens()
+    }
+    fn flush_cache(&mut self) {
+        (**self).flush_cache()
     }
 }

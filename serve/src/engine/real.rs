@@ -10,7 +10,7 @@ use dflash_common::WeightFiles;
 use dflash_models::qwen3_5::MtpHead;
 use dflash_models::speculative::{
     Algorithm, DFlashProposer, Engine, EngineConfig, FinishReason, GenerationRequest, MtpProposer,
-    Proposer, SamplingParams, SimulatedAcceptance,
+    Proposer, SamplingParams, SimulatedAcceptance, DEFAULT_PREFIX_FEATURE_BYTES,
 };
 use dflash_models::{DFlashDrafter, OpsMode, Target};
 
@@ -190,6 +190,17 @@ impl RealEngine {
                 ),
             })?;
         let pool_tokens = engine.kv_pool_tokens();
+        if config.disable_radix_cache {
+            tracing::info!("prefix cache (radix cache): off (--disable-radix-cache)");
+        } else {
+            match engine.enable_prefix_cache(DEFAULT_PREFIX_FEATURE_BYTES) {
+                Ok(()) => tracing::info!(
+                    "prefix cache (radix cache): on, pages of {} tokens shared between requests with a common prefix",
+                    dflash_models::cache::PAGE_SIZE
+                ),
+                Err(e) => tracing::info!("prefix cache (radix cache): off: {e}"),
+            }
+        }
         if config.page_size != dflash_models::cache::PAGE_SIZE {
             tracing::warn!(
                 "--page-size {}: the K/V pool's pages are {} rows (the fused attention kernels' key tile); using {}",
@@ -446,6 +457,8 @@ impl StepEngine for RealEngine {
                         top: l.top,
                     })
                     .collect(),
+                cached_tokens: ev.stats.cached_tokens,
+                retractions: ev.stats.retractions,
             })
             .collect())
     }
@@ -466,6 +479,11 @@ impl StepEngine for RealEngine {
 
     fn kv_pool_tokens(&self) -> Option<usize> {
         self.pool_tokens
+    }
+
+    fn flush_cache(&mut self) {
+        self.engine.flush_prefix_cache();
+        tracing::info!("prefix cache flushed");
     }
 
     fn info(&self) -> EngineInfo {

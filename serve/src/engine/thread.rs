@@ -180,7 +180,12 @@ impl<E: StepEngine> Worker<E> {
         match cmd {
             Command::Submit { seqs, at } => self.enqueue(seqs, at),
             Command::Flush(reply) => {
-                let _ = reply.send(self.running.is_empty() && self.waiting.is_empty());
+                // SGLang's rule: only an idle server flushes.
+                let idle = self.running.is_empty() && self.waiting.is_empty();
+                if idle {
+                    self.engine.flush_cache();
+                }
+                let _ = reply.send(idle);
             }
             Command::Abort(rid) => self.abort(rid.as_deref()),
             Command::Probe(reply) => self.probe(reply),
@@ -506,6 +511,8 @@ impl<E: StepEngine> Worker<E> {
                 accepted_drafts: ev.accepted_drafts,
                 verify_rounds: ev.verify_rounds,
                 logprobs: ev.logprobs,
+                cached_tokens: ev.cached_tokens,
+                retractions: ev.retractions,
             });
             if !finished && sent.is_err() {
                 self.engine.remove(id);

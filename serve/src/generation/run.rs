@@ -61,6 +61,12 @@ pub struct Generation {
     first_token: Option<Instant>,
     last_chunk: Instant,
     queue_time: Option<Duration>,
+    /// Prompt tokens the engine found in its prefix cache.
+    cached_tokens: usize,
+    /// Times the engine retracted the sequence for lack of K/V pages.
+    retractions: usize,
+    /// `--enable-cache-report`.
+    cache_report: bool,
     reported: bool,
     /// Ended before its first token (aborted while queued): streams still owe the client one
     /// chunk carrying the finish reason.
@@ -116,6 +122,9 @@ impl Generation {
             first_token: None,
             last_chunk: now,
             queue_time: None,
+            cached_tokens: 0,
+            retractions: 0,
+            cache_report: state.config.enable_cache_report,
             reported: false,
             final_chunk_pending: false,
         };
@@ -149,6 +158,12 @@ impl Generation {
 
     pub fn rid(&self) -> &str {
         &self.req.rid
+    }
+
+    /// Prompt tokens found in the prefix cache, when usage reports them
+    /// (`--enable-cache-report`).
+    pub fn reported_cached_tokens(&self) -> Option<usize> {
+        self.cache_report.then_some(self.cached_tokens)
     }
 
     pub fn prompt_tokens(&self) -> usize {
@@ -241,8 +256,12 @@ impl Generation {
                     accepted_drafts,
                     verify_rounds,
                     logprobs,
+                    cached_tokens,
+                    retractions,
                 }) => {
                     self.count_spec(accepted_drafts, verify_rounds);
+                    self.cached_tokens = cached_tokens;
+                    self.retractions = retractions;
                     return Some(self.absorb(&tokens, &logprobs, finished));
                 }
                 Some(SeqUpdate::Failed(f)) if f.is_abort() => {
@@ -392,6 +411,7 @@ impl Generation {
         self.reported = true;
         self.metrics.request_finished(FinishedRequest {
             prompt_tokens: self.prompt_tokens(),
+            cached_tokens: self.cached_tokens,
             completion_tokens: self.output_ids.len(),
             e2e: self.started.elapsed(),
             ttft: self.first_token.map(|t| t.duration_since(self.started)),
@@ -413,10 +433,10 @@ impl Generation {
         );
         m.insert("prompt_tokens".into(), json!(self.prompt_tokens()));
         m.insert("completion_tokens".into(), json!(self.completion_tokens()));
-        m.insert("cached_tokens".into(), json!(0));
+        m.insert("cached_tokens".into(), json!(self.cached_tokens));
         m.insert("reasoning_tokens".into(), json!(self.reasoning_tokens()));
         m.insert("weight_version".into(), json!("default"));
-        m.insert("num_retractions".into(), json!(0));
+        m.insert("num_retractions".into(), json!(self.retractions));
         if self.finish.is_some() {
             m.insert(
                 "e2e_latency".into(),

@@ -134,7 +134,8 @@ fn server_args(state: &AppState) -> serde_json::Map<String, Value> {
         "skip_tokenizer_init": false,
         "is_embedding": false,
         "enable_lora": false,
-        "disable_radix_cache": true,
+        "disable_radix_cache": c.disable_radix_cache,
+        "enable_cache_report": c.enable_cache_report,
         "load_format": "safetensors",
         "nnodes": 1, "node_rank": 0, "ep_size": 1,
         "disaggregation_mode": "null",
@@ -234,8 +235,8 @@ pub struct FlushQuery {
     timeout: Option<f64>,
 }
 
-/// There is no prefix cache yet, so a flush succeeds exactly when nothing is running or
-/// waiting (SGLang's rule), polling until `timeout` seconds.
+/// Empties the prefix cache when nothing is running or waiting (SGLang's rule), polling until
+/// `timeout` seconds; 400 when the server stays busy.
 pub async fn flush_cache(State(state): State<AppState>, Query(q): Query<FlushQuery>) -> Response {
     let deadline = tokio::time::Instant::now()
         + Duration::from_secs_f64(

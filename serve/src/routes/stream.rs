@@ -18,6 +18,8 @@ pub struct Counts {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub reasoning_tokens: usize,
+    /// `Generation::reported_cached_tokens`.
+    pub cached_tokens: Option<usize>,
     /// `Generation::spec_tokens_details`, for `sglext` chunks.
     pub spec_details: Value,
 }
@@ -50,6 +52,7 @@ fn one<R: RenderChunk>(
                         prompt_tokens: g.prompt_tokens(),
                         completion_tokens: g.completion_tokens(),
                         reasoning_tokens: g.reasoning_tokens(),
+                        cached_tokens: g.reported_cached_tokens(),
                         spec_details: g.spec_tokens_details(),
                     };
                     Some((

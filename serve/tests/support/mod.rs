@@ -119,6 +119,8 @@ impl StepEngine for ScriptEngine {
                 accepted_drafts: accepted,
                 verify_rounds: 1,
                 logprobs,
+                cached_tokens: 0,
+                retractions: 0,
             });
         }
         for id in done {

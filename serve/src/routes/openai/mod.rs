@@ -123,8 +123,18 @@ pub fn usage(counts: &[Counts], n: usize, drop_nulls: bool) -> Value {
     } else {
         Value::Null
     };
+    // `prompt_tokens_details` only with --enable-cache-report (SGLang's rule).
+    let cached: Option<usize> = counts
+        .iter()
+        .step_by(n)
+        .map(|c| c.cached_tokens)
+        .sum::<Option<usize>>();
+    let prompt_details = match cached {
+        Some(c) if !counts.is_empty() => json!({ "cached_tokens": c }),
+        _ => Value::Null,
+    };
     let mut u = json!({"prompt_tokens": prompt, "total_tokens": prompt + completion,
-           "completion_tokens": completion, "prompt_tokens_details": null,
+           "completion_tokens": completion, "prompt_tokens_details": prompt_details,
            "reasoning_tokens": reasoning, "completion_tokens_details": details});
     if let (true, Some(obj)) = (drop_nulls, u.as_object_mut()) {
         obj.retain(|_, v| !v.is_null());
@@ -164,6 +174,7 @@ pub fn counts_of(gens: &[crate::generation::Generation]) -> Vec<Counts> {
             prompt_tokens: g.prompt_tokens(),
             completion_tokens: g.completion_tokens(),
             reasoning_tokens: g.reasoning_tokens(),
+            cached_tokens: g.reported_cached_tokens(),
             spec_details: g.spec_tokens_details(),
         })
         .collect()
