@@ -76,6 +76,8 @@ pub struct Engine {
     /// The shared paged K/V pool of the target ([`Engine::use_kv_pool`]); None: each sequence
     /// gets a cache of its own.
     pool: Option<KvPool>,
+    /// Sequences whose forwards fail on purpose ([`Engine::inject_forward_failure`]).
+    faults: isolate::InjectedFaults,
     /// Cached K/V pages of common prefixes ([`Engine::enable_prefix_cache`]).
     prefix: Option<PrefixCache>,
 }
@@ -97,6 +99,7 @@ impl Engine {
             spare: SpareCaches::default(),
             pool: None,
             prefix: None,
+            faults: Default::default(),
             prefill_while_decoding: None,
         }
     }
@@ -501,7 +504,8 @@ impl Engine {
             .collect();
         let rows: Vec<Vec<usize>> = verified.iter().map(|t| (0..t.len()).collect()).collect();
         profile::mark(&dev, "5_verify_prepare");
-        let out = {
+        let ids: Vec<SeqId> = self.seqs.iter().map(|s| s.id).collect();
+        let (out, failed) = {
             let mut batch: Vec<SeqForward<'_>> = self
                 .seqs
                 .iter_mut()
@@ -514,19 +518,36 @@ impl Engine {
                     logit_rows: &rows[i],
                 })
                 .collect();
-            self.target.forward(&mut batch, &taps)?
+            // A failure ends only the sequences it fails for (`engine/isolate.rs`).
+            isolate::forward_isolating(
+                &self.target,
+                &self.faults,
+                &mut batch,
+                &ids,
+                &starts,
+                &taps,
+            )?
         };
         profile::mark(&dev, "6_verify_forward");
-        let logits = out
-            .logits
-            .ok_or_else(|| ModelError::BadInput("verify returned no logits".into()))?;
         // Greedy rows only need the argmax, taken on the device; sampled rows come to the host.
-        let argmax = greedy::row_argmax(&logits)?;
+        // (No logits at all: every sequence failed.)
+        let argmax = match &out.logits {
+            Some(l) => greedy::row_argmax(l)?,
+            None => Vec::new(),
+        };
         let verify_time = t_verify.elapsed();
         profile::mark(&dev, "7_verify_argmax");
 
         let t_commit = Instant::now();
         for (i, tree) in trees.iter().enumerate() {
+            if let Some(error) = &failed[i] {
+                events.push(self.seqs[i].failed(error));
+                continue;
+            }
+            let logits = out
+                .logits
+                .as_ref()
+                .ok_or_else(|| ModelError::BadInput("verify returned no logits".into()))?;
             // The tree's own rows: a padded verify has placeholder rows after them.
             let a = out.logit_offsets[i];
             let b = (a + tree.len()).min(out.logit_offsets[i + 1]);
@@ -583,6 +604,7 @@ impl Engine {
                 round: Some(round),
                 stats: seq.stats.clone(),
                 logprobs,
+                error: None,
             });
         }
         profile::mark(&dev, "8_commit");
@@ -619,9 +641,12 @@ impl Engine {
         tree.padded_to(full).ok()
     }
 
-    /// Removes the sequences whose final event is in `events`.
+    /// Removes the sequences whose final event is in `events` (finished or failed).
     fn reap(&mut self, events: &[SeqEvent]) {
-        for e in events.iter().filter(|e| e.finished.is_some()) {
+        for e in events
+            .iter()
+            .filter(|e| e.finished.is_some() || e.error.is_some())
+        {
             if self.seqs.iter().any(|s| s.id == e.id) {
                 let _ = self.remove(e.id);
             }
@@ -644,6 +669,21 @@ impl Engine {
                     }
                 }
             }
+        }
+    }
+}
+
+impl Sequence {
+    /// The event of a sequence that failed (it leaves the engine).
+    fn failed(&self, error: &str) -> SeqEvent {
+        SeqEvent {
+            id: self.id,
+            tokens: Vec::new(),
+            finished: None,
+            round: None,
+            stats: self.stats.clone(),
+            logprobs: Vec::new(),
+            error: Some(error.to_string()),
         }
     }
 }
@@ -671,6 +711,7 @@ fn commit_tokens(seq: &mut Sequence, new: &[u32], eos: &[u32]) -> (Vec<u32>, Opt
 #[cfg(test)]
 mod tests;
 
+mod isolate;
 mod prefill;
 mod prefix;
 mod retract;

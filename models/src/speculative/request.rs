@@ -111,4 +111,7 @@ pub struct SeqEvent {
     /// One per token of `tokens` when the sequence asked ([`crate::speculative::Engine::set_logprobs`]),
     /// else empty.
     pub logprobs: Vec<crate::speculative::logprobs::TokenLogprob>,
+    /// The sequence failed (a device or model error in its forward) and left the engine;
+    /// `tokens` is empty and `finished` None.
+    pub error: Option<String>,
 }

@@ -99,6 +99,9 @@ pub struct StepEvent {
     pub cached_tokens: usize,
     /// Times the sequence was retracted for lack of K/V pages so far.
     pub retractions: usize,
+    /// The sequence failed (a device or model error in its forward) and the engine dropped
+    /// it: its request ends with a 500 carrying this message; the others go on.
+    pub error: Option<String>,
 }
 
 /// The engine could not admit a request: the request's fault (HTTP 400, the message says what

@@ -459,6 +459,7 @@ impl StepEngine for RealEngine {
                     .collect(),
                 cached_tokens: ev.stats.cached_tokens,
                 retractions: ev.stats.retractions,
+                error: ev.error,
             })
             .collect())
     }

@@ -492,7 +492,7 @@ impl<E: StepEngine> Worker<E> {
             let Some(tx) = self.running.get(&ev.id).map(|r| r.events.clone()) else {
                 continue;
             };
-            if ev.finished.is_some() {
+            if ev.finished.is_some() || ev.error.is_some() {
                 self.release(ev.id);
             }
             outgoing.push((tx, ev));
@@ -504,6 +504,12 @@ impl<E: StepEngine> Worker<E> {
         }
         self.steps_tx.send_modify(|n| *n += 1);
         for (tx, ev) in outgoing {
+            if let Some(error) = ev.error {
+                // The engine dropped it; the others in the step go on.
+                tracing::error!("request failed in the engine: {error}");
+                let _ = tx.send(SeqUpdate::Failed(EngineFailure::Internal(error)));
+                continue;
+            }
             let (id, finished) = (ev.id, ev.finished.is_some());
             let sent = tx.send(SeqUpdate::Step {
                 tokens: ev.tokens,

@@ -74,6 +74,26 @@ impl StepEngine for ScriptEngine {
             let Some((req, generated)) = self.seqs.get_mut(&id) else {
                 continue;
             };
+            if req.prompt.contains(&7779) && *generated > 0 {
+                // What a device fault in this sequence's forward looks like (the real
+                // engine's isolation: tests/tests/step_failures.rs): it alone ends.
+                out.push(StepEvent {
+                    id,
+                    tokens: Vec::new(),
+                    finished: None,
+                    accepted_drafts: 0,
+                    verify_rounds: 0,
+                    logprobs: Vec::new(),
+                    cached_tokens: 0,
+                    retractions: 0,
+                    error: Some(
+                        "the model forward failed on the device: injected device fault (test engine)"
+                            .into(),
+                    ),
+                });
+                done.push(id);
+                continue;
+            }
             let mut tokens = Vec::new();
             let mut finished = None;
             while tokens.len() < self.per_step {
@@ -121,6 +141,7 @@ impl StepEngine for ScriptEngine {
                 logprobs,
                 cached_tokens: 0,
                 retractions: 0,
+                error: None,
             });
         }
         for id in done {

@@ -10,6 +10,7 @@ use crate::batch::SeqForward;
 use crate::error::ModelError;
 use crate::layers::attention::AttnPattern;
 use crate::speculative::logprobs;
+use crate::speculative::proposer::SeqId;
 use crate::speculative::request::{Algorithm, SeqEvent};
 
 impl Engine {
@@ -71,6 +72,8 @@ impl Engine {
         for &(i, _, _) in &chunks {
             saved.push(self.seqs[i].cache.set_rollback(0));
         }
+        let ids: Vec<SeqId> = chunks.iter().map(|&(i, _, _)| self.seqs[i].id).collect();
+        let starts: Vec<usize> = chunks.iter().map(|&(_, from, _)| from).collect();
         let result = {
             let mut batch: Vec<SeqForward<'_>> = Vec::with_capacity(chunks.len());
             for (i, seq) in self.seqs.iter_mut().enumerate() {
@@ -84,17 +87,28 @@ impl Engine {
                     logit_rows: &logit_rows[k],
                 });
             }
-            self.target.forward(&mut batch, &taps)
+            super::isolate::forward_isolating(
+                &self.target,
+                &self.faults,
+                &mut batch,
+                &ids,
+                &starts,
+                &taps,
+            )
         };
         for (&(i, _, _), &rows) in chunks.iter().zip(&saved) {
             self.seqs[i].cache.set_rollback(rows);
         }
-        let out = result?;
+        let (out, failed) = result?;
         let rows = match &out.logits {
             Some(l) => l.to_vec2::<f32>()?,
             None => Vec::new(),
         };
         for (k, &(i, from, n)) in chunks.iter().enumerate() {
+            if let Some(error) = &failed[k] {
+                events.push(self.seqs[i].failed(error));
+                continue;
+            }
             let seq = &mut self.seqs[i];
             if seq.req.algorithm != Algorithm::Plain {
                 if let Some(t) = &out.taps {
@@ -136,6 +150,7 @@ impl Engine {
                 round: None,
                 stats: seq.stats.clone(),
                 logprobs,
+                error: None,
             });
         }
         self.reap(events);
