@@ -147,6 +147,11 @@ pub struct Args {
     /// prompts go in whole; -1: only --chunked-prefill-size bounds a step [default: 256]
     #[arg(long, allow_negative_numbers = true, help_heading = "Scheduling")]
     pub prefill_tokens_while_decoding: Option<i64>,
+    /// Scales the share of max_new_tokens admission expects a request to still generate
+    /// (SGLang's new-token ratio, from 0.7 x this down to 0.098 x this; a retraction resets
+    /// it); higher admits fewer requests at once and retracts less
+    #[arg(long, default_value_t = 1.0, help_heading = "Scheduling")]
+    pub schedule_conservativeness: f64,
     /// Do not share K/V pages between requests with a common prompt prefix (the prefix
     /// cache is on by default for Qwen3 targets; hybrid targets never use it)
     #[arg(long, help_heading = "Scheduling")]

@@ -92,6 +92,8 @@ pub struct ServeConfig {
     pub hf_chat_template_name: Option<String>,
     pub default_chat_template_kwargs: Map<String, Value>,
     pub enable_metrics: bool,
+    /// `--schedule-conservativeness`.
+    pub schedule_conservativeness: f64,
     /// `--disable-radix-cache`: no prefix cache.
     pub disable_radix_cache: bool,
     /// `--enable-cache-report`: `prompt_tokens_details.cached_tokens` in OpenAI usage.
@@ -342,6 +344,13 @@ impl ServeConfig {
                 })
             }
         };
+        if !(args.schedule_conservativeness.is_finite() && args.schedule_conservativeness > 0.0) {
+            return Err(ConfigError::BadValue {
+                flag: "--schedule-conservativeness",
+                value: args.schedule_conservativeness.to_string(),
+                reason: "must be a positive number (1.0 is SGLang's default)".into(),
+            });
+        }
         let prefill_tokens_while_decoding = match args.prefill_tokens_while_decoding {
             None => Some(DEFAULT_PREFILL_TOKENS_WHILE_DECODING),
             Some(-1) => None,
@@ -454,6 +463,7 @@ impl ServeConfig {
             hf_chat_template_name: args.hf_chat_template_name.clone(),
             default_chat_template_kwargs,
             enable_metrics: args.enable_metrics,
+            schedule_conservativeness: args.schedule_conservativeness,
             disable_radix_cache: args.disable_radix_cache,
             enable_cache_report: args.enable_cache_report,
             max_request_body_bytes: args.max_request_body_bytes,

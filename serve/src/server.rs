@@ -47,6 +47,7 @@ pub fn build_state<E: StepEngine>(
         request_timeout: config.request_timeout,
         queue_timeout: config.queue_timeout,
         decode_log_interval: config.decode_log_interval,
+        schedule_conservativeness: config.schedule_conservativeness,
     };
     let handle = spawn_engine_thread(engine, limits, metrics.clone())?;
     Ok(AppState::new(config, model, handle, metrics))

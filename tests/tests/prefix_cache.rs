@@ -8,7 +8,6 @@ use candle_core::{DType, Device};
 use dflash_common::DFlashConfig;
 use dflash_models::speculative::{
     Algorithm, DFlashProposer, Engine, EngineConfig, GenerationRequest, SamplingParams, SeqId,
-    DEFAULT_PREFIX_FEATURE_BYTES,
 };
 use dflash_models::{DFlashDrafter, OpsMode, Qwen3Model, PAGE_SIZE};
 use dflash_tests::{demo_model, greedy_cases};
@@ -45,7 +44,7 @@ fn engine(t: &Qwen3Model, pool_tokens: Option<usize>) -> Engine {
     );
     if let Some(tokens) = pool_tokens {
         e.use_kv_pool(tokens).unwrap();
-        e.enable_prefix_cache(DEFAULT_PREFIX_FEATURE_BYTES).unwrap();
+        e.enable_prefix_cache(usize::MAX).unwrap();
     }
     e
 }

@@ -7,9 +7,10 @@
 //! are evicted (their pages freed).
 //!
 //! A proposer that reads target features (a DFlash drafter's context) needs them for cached
-//! rows too: a node can carry its rows' features, kept in host memory so that they cost no
-//! K/V pages (up to a byte budget); a speculating sequence uses a cached prefix only as far as
-//! its nodes carry features.
+//! rows too: a node can carry its rows' features, kept on the device they came from (a copy
+//! there is asynchronous; a copy to the host would stall the step) within a byte budget the
+//! server sets aside from the K/V memory; a speculating sequence uses a cached prefix only as
+//! far as its nodes carry features.
 //!
 //! Only pure-attention targets share pages: a Gated DeltaNet hybrid's recurrent state at a
 //! page boundary is not kept, so the engine does not enable the cache for them.
@@ -17,7 +18,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 
 use crate::cache::pool::{KvPool, PageRef, PageTable, PAGE_SIZE};
 use crate::error::{ModelError, ModelResult};
@@ -28,7 +29,7 @@ struct Node {
     chunk: Vec<u32>,
     /// None only for the root.
     page: Option<PageRef>,
-    /// The rows' proposer features `[PAGE_SIZE, F]`, in host memory.
+    /// The rows' proposer features `[PAGE_SIZE, F]`, on the features' device.
     features: Option<Tensor>,
     parent: usize,
     children: HashMap<Vec<u32>, usize>,
@@ -40,7 +41,7 @@ struct Node {
 pub struct PrefixMatch {
     /// Page ids of the prefix, in order (each holds `PAGE_SIZE` rows).
     pub pages: Vec<u32>,
-    /// The prefix rows' features `[rows, F]` in host memory, when asked for.
+    /// The prefix rows' features `[rows, F]` (on the features' device), when asked for.
     pub features: Option<Tensor>,
 }
 
@@ -119,7 +120,7 @@ impl PrefixCache {
             .count()
     }
 
-    /// Bytes of features held in host memory.
+    /// Bytes of features held.
     pub fn feature_bytes(&self) -> usize {
         self.feature_bytes
     }
@@ -163,7 +164,7 @@ impl PrefixCache {
 
     /// Caches the first `rows / PAGE_SIZE` full pages of a sequence whose page table is
     /// `table` and whose committed tokens start with `tokens` (`rows` of them are in the
-    /// cache). `features` (any device), when given, are the rows' proposer features from row 0
+    /// cache). `features`, when given, are the rows' proposer features from row 0
     /// on; they are kept for new nodes and for cached nodes that had none. Pages already
     /// cached under the same tokens stay as they are. Returns the pages added.
     pub fn insert(
@@ -185,7 +186,7 @@ impl PrefixCache {
         } else {
             0
         };
-        // Which pages need features, found first so that they come to the host in one copy.
+        // Which pages need features, found first so that they are copied in one piece.
         let mut path = Vec::with_capacity(pages);
         let mut at = 0;
         for chunk in tokens.chunks_exact(PAGE_SIZE).take(pages) {
@@ -207,9 +208,7 @@ impl PrefixCache {
                 let n = (pages_with_features - first) * PAGE_SIZE;
                 Some((
                     first,
-                    f.narrow(0, first * PAGE_SIZE, n)?
-                        .force_contiguous()?
-                        .to_device(&Device::Cpu)?,
+                    f.narrow(0, first * PAGE_SIZE, n)?.force_contiguous()?,
                 ))
             }
             _ => None,

@@ -715,5 +715,3 @@ mod isolate;
 mod prefill;
 mod prefix;
 mod retract;
-
-pub use prefix::DEFAULT_PREFIX_FEATURE_BYTES;

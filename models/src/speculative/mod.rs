@@ -55,7 +55,6 @@ pub(crate) fn tiny_test_target(max_positions: usize, seed: u64) -> crate::Qwen3M
 
 pub use engine::{
     Algorithm, Engine, EngineConfig, EngineError, FinishReason, GenerationRequest, SeqEvent,
-    DEFAULT_PREFIX_FEATURE_BYTES,
 };
 pub use mtp::MtpProposer;
 pub use oracle::{Noise, OracleProposer};

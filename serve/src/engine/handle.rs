@@ -95,6 +95,8 @@ pub struct SchedulerLimits {
     pub queue_timeout: Option<Duration>,
     /// Log the decode line every this many steps (SGLang's `--decode-log-interval`).
     pub decode_log_interval: usize,
+    /// `--schedule-conservativeness`: scales the new-token ratio admission starts from.
+    pub schedule_conservativeness: f64,
 }
 
 /// Cumulative statistics for `/server_info` and health.

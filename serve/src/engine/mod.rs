@@ -5,6 +5,7 @@
 //! `dflash_models::speculative::engine::Engine` (see [`real`]); tests drive the same thread and HTTP
 //! layer with a deterministic scripted engine. No tensor crosses this boundary, and no JSON.
 
+pub mod admission;
 pub mod handle;
 pub mod memory;
 pub mod real;
@@ -167,6 +168,12 @@ pub trait StepEngine: Send + 'static {
     }
     /// Empties the prefix cache (only called with nothing running or waiting).
     fn flush_cache(&mut self) {}
+    /// Whether the engine retracts running sequences when their K/V pages run short (and
+    /// resumes them later): then admission reserves an estimate of the tokens a request will
+    /// generate ([`admission::NewTokenRatio`]), not its whole `max_new_tokens`.
+    fn retracts(&self) -> bool {
+        false
+    }
 }
 
 impl StepEngine for Box<dyn StepEngine> {
@@ -193,5 +200,8 @@ impl StepEngine for Box<dyn StepEngine> {
     }
     fn flush_cache(&mut self) {
         (**self).flush_cache()
+    }
+    fn retracts(&self) -> bool {
+        (**self).retracts()
     }
 }

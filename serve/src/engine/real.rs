@@ -10,7 +10,7 @@ use dflash_common::WeightFiles;
 use dflash_models::qwen3_5::MtpHead;
 use dflash_models::speculative::{
     Algorithm, DFlashProposer, Engine, EngineConfig, FinishReason, GenerationRequest, MtpProposer,
-    Proposer, SamplingParams, SimulatedAcceptance, DEFAULT_PREFIX_FEATURE_BYTES,
+    Proposer, SamplingParams, SimulatedAcceptance,
 };
 use dflash_models::{DFlashDrafter, OpsMode, Target};
 
@@ -177,6 +177,9 @@ impl RealEngine {
         );
         engine.set_chunked_prefill(chunk);
         engine.set_prefill_while_decoding(config.prefill_tokens_while_decoding);
+        // The prefix cache's drafter features come out of the K/V memory too.
+        let feature_bytes = prefix_feature_budget(&engine, memory, config);
+        let fixed_bytes = fixed_bytes + feature_bytes;
         let pool_tokens = match kv_pool(&device, memory, &engine, config, fixed_bytes)? {
             Some(t) => t,
             None => cpu_pool_tokens(&engine, config, context_length),
@@ -193,10 +196,18 @@ impl RealEngine {
         if config.disable_radix_cache {
             tracing::info!("prefix cache (radix cache): off (--disable-radix-cache)");
         } else {
-            match engine.enable_prefix_cache(DEFAULT_PREFIX_FEATURE_BYTES) {
+            match engine.enable_prefix_cache(feature_bytes) {
                 Ok(()) => tracing::info!(
-                    "prefix cache (radix cache): on, pages of {} tokens shared between requests with a common prefix",
-                    dflash_models::cache::PAGE_SIZE
+                    "prefix cache (radix cache): on, pages of {} tokens shared between requests with a common prefix{}",
+                    dflash_models::cache::PAGE_SIZE,
+                    if feature_bytes > 0 {
+                        format!(
+                            "; up to {:.2} GB of cached rows' drafter features",
+                            feature_bytes as f64 / (1u64 << 30) as f64
+                        )
+                    } else {
+                        String::new()
+                    }
                 ),
                 Err(e) => tracing::info!("prefix cache (radix cache): off: {e}"),
             }
@@ -267,6 +278,27 @@ fn kv_pool(
         });
     }
     Ok(Some(tokens))
+}
+
+/// Bytes the prefix cache may keep of cached rows' drafter features (a speculating server
+/// whose drafter reads target features; 0 otherwise or with --disable-radix-cache): on CUDA
+/// 1/32 of the GPU's memory up to 4 GiB, set aside before the K/V pool is sized; 256 MiB of
+/// host memory on the CPU.
+fn prefix_feature_budget(
+    engine: &Engine,
+    memory: Option<(usize, usize)>,
+    config: &ServeConfig,
+) -> usize {
+    if config.disable_radix_cache
+        || !engine.proposer_reads_features()
+        || !engine.target().supports_prefix_cache()
+    {
+        return 0;
+    }
+    match memory {
+        Some((_, total)) => (total / 32).min(4 << 30),
+        None => 256 << 20,
+    }
 }
 
 /// Host memory the CPU K/V pool takes at most unless `--max-total-tokens` says otherwise
@@ -480,6 +512,11 @@ impl StepEngine for RealEngine {
 
     fn kv_pool_tokens(&self) -> Option<usize> {
         self.pool_tokens
+    }
+
+    fn retracts(&self) -> bool {
+        // Always on the paged pool, which retracts the newest sequences when it runs short.
+        self.pool_tokens.is_some()
     }
 
     fn flush_cache(&mut self) {

@@ -18,11 +18,12 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc as tmpsc, oneshot, watch};
 
+use super::admission::NewTokenRatio;
 use super::handle::{Command, Submission};
 pub use super::handle::{
     EngineFailure, EngineHandle, EngineStats, SchedulerLimits, SeqUpdate, StatsSnapshot,
 };
-use super::{EngineRequest, EngineSampling, SeqId, StepEngine};
+use super::{EngineRequest, EngineSampling, SeqId, StepEngine, StepEvent};
 use crate::memory::Trimmer;
 use crate::metrics::ServerMetrics;
 
@@ -39,6 +40,7 @@ pub fn spawn_engine_thread<E: StepEngine>(
     stats.update(|s| s.drafts_per_round = info.drafts_per_round);
     let trim_wanted = Arc::new(AtomicBool::new(false));
     let (steps_tx, steps) = watch::channel(0u64);
+    let ratio = NewTokenRatio::new(limits.schedule_conservativeness);
     let worker = Worker {
         engine,
         limits,
@@ -49,6 +51,7 @@ pub fn spawn_engine_thread<E: StepEngine>(
         running_per_group: HashMap::new(),
         next_group: 0,
         reserved_tokens: 0,
+        ratio,
         window: Window::new(),
         probes: Vec::new(),
         trimmer: Trimmer::new(trim_wanted.clone()),
@@ -113,6 +116,8 @@ struct Worker<E> {
     running_per_group: HashMap<GroupId, usize>,
     next_group: GroupId,
     reserved_tokens: usize,
+    /// Admission's estimate of the tokens a request still generates ([`NewTokenRatio`]).
+    ratio: NewTokenRatio,
     window: Window,
     /// `/health` probes waiting for the next completed step.
     probes: Vec<oneshot::Sender<()>>,
@@ -127,6 +132,8 @@ struct Running {
     events: tmpsc::UnboundedSender<SeqUpdate>,
     /// KV-cache tokens this sequence reserved at admission.
     reserved: usize,
+    /// Retractions the engine reported for it so far.
+    retractions: usize,
     /// A health probe's own receiver, kept so the probe is not mistaken for a gone client.
     _probe_rx: Option<tmpsc::UnboundedReceiver<SeqUpdate>>,
 }
@@ -254,6 +261,7 @@ impl<E: StepEngine> Worker<E> {
                         rid: "HEALTH_CHECK".into(),
                         events,
                         reserved,
+                        retractions: 0,
                         _probe_rx: Some(rx),
                     },
                 );
@@ -371,7 +379,7 @@ impl<E: StepEngine> Worker<E> {
                 break;
             };
             let head = &self.waiting[i];
-            let needed = reservation(&self.engine, &head.req);
+            let needed = self.admission_reservation(&head.req);
             if !head.events.is_closed()
                 && self.reserved_tokens + needed > self.limits.max_total_tokens
             {
@@ -398,6 +406,7 @@ impl<E: StepEngine> Worker<E> {
                             rid: w.rid,
                             events: w.events,
                             reserved: needed,
+                            retractions: 0,
                             _probe_rx: None,
                         },
                     );
@@ -414,6 +423,39 @@ impl<E: StepEngine> Worker<E> {
                         .send(SeqUpdate::Failed(EngineFailure::Rejected(e.message)));
                 }
             }
+        }
+    }
+
+    /// K/V tokens admission reserves for `req`: its prompt and the tokens it is expected to
+    /// generate when the engine retracts sequences that run short, else all it may take.
+    fn admission_reservation(&self, req: &EngineRequest) -> usize {
+        if self.engine.retracts() {
+            let expected = self.ratio.expected_new_tokens(req.max_new_tokens);
+            self.engine.reservation(req.prompt.len(), expected)
+        } else {
+            reservation(&self.engine, req)
+        }
+    }
+
+    /// A step that retracted a sequence resets the new-token ratio; any other decays it.
+    fn track_retractions(&mut self, events: &[StepEvent]) {
+        let mut retracted = false;
+        for ev in events {
+            if let Some(r) = self.running.get_mut(&ev.id) {
+                if ev.retractions > r.retractions {
+                    r.retractions = ev.retractions;
+                    retracted = true;
+                }
+            }
+        }
+        if retracted {
+            tracing::info!(
+                "a running request was retracted for K/V pages; admission expects whole max_new_tokens again (new_token_ratio {:.3} -> 1)",
+                self.ratio.ratio()
+            );
+            self.ratio.retracted();
+        } else {
+            self.ratio.step();
         }
     }
 
@@ -476,6 +518,7 @@ impl<E: StepEngine> Worker<E> {
                 accepted += ev.accepted_drafts as u64;
             }
         }
+        self.track_retractions(&events);
         // Counters first: a client that reads /metrics right after its last token must see them.
         self.metrics.verify_calls(rounds as usize);
         self.stats.update(|s| {

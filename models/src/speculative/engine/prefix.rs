@@ -16,25 +16,22 @@ use super::{Engine, EngineError, Sequence};
 use crate::cache::{PrefixCache, SequenceCache, PAGE_SIZE};
 use crate::error::ModelError;
 use crate::speculative::request::Algorithm;
-use crate::target::DraftTarget;
-
-/// Features kept in host memory by default for cached pages (see [`Engine::enable_prefix_cache`]).
-pub const DEFAULT_PREFIX_FEATURE_BYTES: usize = 16 << 30;
 
 /// A sequence's target cache, opened on a cached prefix where there is one.
 pub(super) struct OpenedCache {
     pub cache: SequenceCache,
     /// Rows of the cache already live (the cached prefix).
     pub cached: usize,
-    /// The cached rows' proposer features, on the target's device.
+    /// The cached rows' proposer features.
     pub features: Option<Tensor>,
 }
 
 impl Engine {
     /// Shares K/V pages of common prefixes between sequences (needs the pool,
     /// [`Engine::use_kv_pool`], and a pure-attention target; hybrids are refused with an
-    /// error saying so). Cached rows' proposer features are kept in host memory up to
-    /// `max_feature_bytes`. Outputs do not change.
+    /// error saying so). Cached rows' proposer features are kept (on the target's device) up
+    /// to `max_feature_bytes`; a speculating sequence starts only on pages whose features are
+    /// kept. Outputs do not change.
     pub fn enable_prefix_cache(&mut self, max_feature_bytes: usize) -> Result<(), EngineError> {
         let pool = self.pool.clone().ok_or_else(|| {
             EngineError::Model(ModelError::BadCacheOp(
@@ -48,6 +45,12 @@ impl Engine {
         }
         self.prefix = Some(PrefixCache::new(pool, max_feature_bytes));
         Ok(())
+    }
+
+    /// Whether the proposer reads target features (then the prefix cache keeps them for
+    /// cached rows, within the budget given to [`Engine::enable_prefix_cache`]).
+    pub fn proposer_reads_features(&self) -> bool {
+        !self.taps().is_empty()
     }
 
     pub fn prefix_cache_enabled(&self) -> bool {
@@ -112,10 +115,7 @@ impl Engine {
         let cache = self
             .target
             .new_cache_after(&pool, capacity, width, &found.pages, 0)?;
-        let features = match found.features {
-            Some(f) if need_features => Some(f.to_device(self.target.device())?),
-            _ => None,
-        };
+        let features = found.features.filter(|_| need_features);
         Ok(OpenedCache {
             cached: cache.len(),
             cache,
