@@ -25,6 +25,8 @@ pub enum SeqUpdate {
         verify_rounds: usize,
         /// One per token when the request asked for logprobs.
         logprobs: Vec<super::TokenLogprob>,
+        /// With the first token when asked: the prompt tokens' logprobs.
+        prompt_logprobs: Vec<super::TokenLogprob>,
     },
     Failed(EngineFailure),
 }

@@ -145,6 +145,8 @@ fn probe_request() -> EngineRequest {
         stop_token_ids: Vec::new(),
         ignore_eos: true,
         logprobs: None,
+        grammar: None,
+        prompt_logprobs: None,
     }
 }
 
@@ -506,6 +508,7 @@ impl<E: StepEngine> Worker<E> {
                 accepted_drafts: ev.accepted_drafts,
                 verify_rounds: ev.verify_rounds,
                 logprobs: ev.logprobs,
+                prompt_logprobs: ev.prompt_logprobs,
             });
             if !finished && sent.is_err() {
                 self.engine.remove(id);

@@ -119,6 +119,7 @@ impl StepEngine for ScriptEngine {
                 accepted_drafts: accepted,
                 verify_rounds: 1,
                 logprobs,
+                prompt_logprobs: Vec::new(),
             });
         }
         for id in done {
