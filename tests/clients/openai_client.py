@@ -128,16 +128,16 @@ def structured_tools_and_logprobs(client: OpenAI, model: str) -> None:
     ask = [{"role": "user", "content": "Weather in Paris?"}]
     for choice in ["required", {"type": "function", "function": {"name": "get_weather"}}]:
         r = client.chat.completions.create(
-            model=model, messages=ask, tools=tools, tool_choice=choice, max_tokens=64, temperature=0
+            model=model, messages=ask, tools=tools, tool_choice=choice, max_tokens=400, temperature=0
         )
         c = r.choices[0]
         assert c.finish_reason == "tool_calls", r
         calls = c.message.tool_calls
         assert calls and calls[0].function.name == "get_weather", r
         assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "Tokyo"), calls
-        names, args = [], ""
+        names, args = [], {}
         for chunk in client.chat.completions.create(
-            model=model, messages=ask, tools=tools, tool_choice=choice, max_tokens=64,
+            model=model, messages=ask, tools=tools, tool_choice=choice, max_tokens=400,
             temperature=0, stream=True,
         ):
             for ch in chunk.choices:
@@ -145,9 +145,10 @@ def structured_tools_and_logprobs(client: OpenAI, model: str) -> None:
                     if d.function and d.function.name:
                         names.append(d.function.name)
                     if d.function and d.function.arguments:
-                        args += d.function.arguments
-        assert names[:1] == ["get_weather"], names
-        assert json.loads(args) == json.loads(calls[0].function.arguments), (args, calls)
+                        args[d.index] = args.get(d.index, "") + d.function.arguments
+        assert names == [c.function.name for c in calls], (names, calls)
+        streamed = [json.loads(args[i]) for i in sorted(args)]
+        assert streamed == [json.loads(c.function.arguments) for c in calls], (args, calls)
 
     lp = client.chat.completions.create(
         model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True,
@@ -170,6 +171,25 @@ def structured_tools_and_logprobs(client: OpenAI, model: str) -> None:
     assert "".join(c.logprobs.tokens) == c.text, (c.logprobs.tokens, c.text)
     print("openai client: response_format, tools (required, named, streamed), logprobs, echo OK")
 
+    resp = client.responses.create(
+        model=model, input="Write a loop.", max_output_tokens=12, temperature=0,
+        instructions="Answer with code.",
+    )
+    assert resp.output_text, resp
+    assert resp.usage.output_tokens <= 12, resp.usage
+    kinds, deltas, final = [], [], None
+    for event in client.responses.create(
+        model=model, input="Write a loop.", max_output_tokens=12, temperature=0,
+        instructions="Answer with code.", stream=True,
+    ):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert kinds[0] == "response.created" and final is not None, kinds
+    assert "".join(deltas) == final.output_text == resp.output_text, (deltas, final, resp)
+    print("openai client: responses (whole and streamed) OK")
 
 
 if __name__ == "__main__":

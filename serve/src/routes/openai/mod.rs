@@ -6,6 +6,7 @@
 pub mod chat_completions;
 pub mod completions;
 pub mod models;
+pub mod responses;
 
 use serde::Deserialize;
 use serde_json::{json, Value};
