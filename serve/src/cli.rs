@@ -246,6 +246,11 @@ pub struct Args {
     /// `<tool_call>{json}</tool_call>` format) or qwen3_coder (`<function=...>` XML)
     #[arg(long, help_heading = "Chat")]
     pub tool_call_parser: Option<String>,
+    /// Structured output (`response_format`, `json_schema`, `regex`, `ebnf`, `tool_choice`
+    /// required/named): `llguidance` (built in) or `none` (refuse such requests); SGLang's
+    /// `xgrammar` and `outlines` are not shipped
+    #[arg(long, default_value = "llguidance", help_heading = "Chat")]
+    pub grammar_backend: String,
     /// Fraction of GPU memory for the weights plus the K/V pool (SGLang's meaning) [default: SGLang's rule for the GPU, 0.892 on an H200 with a drafter]; no effect on the CPU
     #[arg(long, help_heading = "SGLang compatibility")]
     pub mem_fraction_static: Option<f64>,

@@ -111,6 +111,8 @@ pub struct ServeConfig {
     pub reasoning_parser: Option<ReasoningParserKind>,
     /// `--tool-call-parser`: parse tool calls out of chat answers.
     pub tool_call_parser: Option<ToolParserKind>,
+    /// `--grammar-backend`: structured output with llguidance (true) or refused (`none`).
+    pub grammar: bool,
     /// `--page-size`: tokens per K/V-cache page, for the paged pool (SGLang's flag; default 64).
     pub page_size: usize,
     /// The command line as given (`launch_command` in /server_info).
@@ -281,6 +283,17 @@ impl ServeConfig {
                             .into(),
                 }
             })?),
+        };
+        let grammar = match args.grammar_backend.as_str() {
+            "llguidance" => true,
+            "none" => false,
+            other => {
+                return Err(ConfigError::BadValue {
+                    flag: "--grammar-backend",
+                    value: other.to_string(),
+                    reason: "dflash-serve ships llguidance (the default) for structured output; `none` turns it off (xgrammar and outlines are not built in)".into(),
+                })
+            }
         };
         if args.page_size == 0 {
             return Err(ConfigError::BadValue {
@@ -475,6 +488,7 @@ impl ServeConfig {
             speculative,
             reasoning_parser,
             tool_call_parser,
+            grammar,
             page_size: args.page_size,
             launch_command: args.launch_command.clone(),
             ignored_sglang_flags,

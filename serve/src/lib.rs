@@ -11,6 +11,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod generation;
+pub mod grammar;
 pub mod memory;
 pub mod metrics;
 pub mod routes;

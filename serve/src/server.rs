@@ -69,6 +69,8 @@ pub async fn warm_up(state: &AppState) -> Result<std::time::Duration, String> {
         stop_token_ids: Vec::new(),
         ignore_eos: true,
         logprobs: None,
+        grammar: None,
+        prompt_logprobs: None,
     };
     let mut rx = state.engine.submit("WARMUP", req);
     while let Some(update) = rx.recv().await {

@@ -13,6 +13,7 @@ use serde::Deserialize;
 use crate::config::ServeConfig;
 use crate::engine::EngineHandle;
 use crate::generation::{LowerContext, SamplingDefaults};
+use crate::grammar::{GrammarBackend, GrammarError};
 use crate::metrics::ServerMetrics;
 
 /// What the HTTP layer knows about the model: text side only.
@@ -27,6 +28,8 @@ pub struct ModelAssets {
     /// The most text bytes one token can stand for (the longest decoded vocabulary entry), so
     /// that a text's byte length bounds its token count from below before tokenizing it.
     pub max_token_bytes: usize,
+    /// Structured output (`--grammar-backend`).
+    pub grammar: Arc<GrammarBackend>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +40,8 @@ pub enum AssetError {
     Template(#[from] TemplateError),
     #[error("cannot read {path}: {message}")]
     ModelConfig { path: String, message: String },
+    #[error(transparent)]
+    Grammar(#[from] GrammarError),
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -47,6 +52,8 @@ struct ModelConfigHead {
     architectures: Vec<String>,
     #[serde(default)]
     max_position_embeddings: Option<usize>,
+    #[serde(default)]
+    vocab_size: Option<usize>,
     /// Qwen3.5 / Qwen3.6 checkpoints (multimodal layout) keep the text model's settings here.
     #[serde(default)]
     text_config: Option<TextConfigHead>,
@@ -56,6 +63,8 @@ struct ModelConfigHead {
 struct TextConfigHead {
     #[serde(default)]
     max_position_embeddings: Option<usize>,
+    #[serde(default)]
+    vocab_size: Option<usize>,
 }
 
 impl ModelAssets {
@@ -81,11 +90,23 @@ impl ModelAssets {
         };
         let head: ModelConfigHead = read_json(&model_dir.join("config.json"))?;
         let defaults: SamplingDefaults = read_json(&model_dir.join("generation_config.json"))?;
+        let text = head.text_config.unwrap_or_default();
         let context_length = config
             .context_length
             .or(head.max_position_embeddings)
-            .or(head.text_config.and_then(|t| t.max_position_embeddings))
+            .or(text.max_position_embeddings)
             .unwrap_or(4096);
+        // The grammar masks whole logits rows: the model's vocabulary, often padded past the
+        // tokenizer's.
+        let model_vocab = head
+            .vocab_size
+            .or(text.vocab_size)
+            .unwrap_or(0)
+            .max(tokenizer.vocab_size());
+        let grammar = match (config.grammar, tokenizer.eos_token_ids().first()) {
+            (true, Some(&eos)) => GrammarBackend::load(tokenizer_dir, model_vocab, eos)?,
+            _ => GrammarBackend::disabled(),
+        };
         let lower = LowerContext {
             context_length,
             vocab_size: tokenizer.vocab_size(),
@@ -100,6 +121,7 @@ impl ModelAssets {
             .max(1);
         Ok(Self {
             max_token_bytes,
+            grammar: Arc::new(grammar),
             tokenizer: Arc::new(tokenizer),
             template,
             lower,

@@ -80,15 +80,30 @@ pub enum ValidationError {
     },
     #[error("`{field}` is not supported by dflash-serve; remove it from the request")]
     Unsupported { field: &'static str },
+    #[error("`{field}` keys must be token ids (decimal strings) inside the vocabulary [0, {vocab_size}) and values finite numbers; got key {key:?} with value {value}")]
+    BadLogitBias {
+        field: &'static str,
+        key: String,
+        value: String,
+        vocab_size: usize,
+    },
+    #[error(transparent)]
+    GrammarSpec(#[from] crate::grammar::SpecError),
+    #[error(transparent)]
+    Grammar(#[from] crate::grammar::GrammarError),
     #[error("`{field}` must be {expected}")]
     BadJsonType {
         field: &'static str,
         expected: &'static str,
     },
-    #[error("`logprob_start_len` {given}: logprobs of prompt tokens are not implemented yet; send -1 (output tokens only)")]
+    #[error("`logprob_start_len` must be -1 (output tokens only) or a prompt position >= 0. Given: {given}")]
     InputLogprobs { given: i64 },
-    #[error("`tool_choice` {given} needs grammar-constrained generation, which dflash-serve does not have yet; send \"auto\" (the model may call a tool, parsed with --tool-call-parser) or \"none\"")]
-    ToolChoiceNeedsGrammar { given: String },
+    #[error("`tool_choice` {given} constrains the answer to a tool call in the Qwen2.5/Qwen3 format, which needs the server started with --tool-call-parser qwen25 (or hermes){configured}")]
+    ToolChoiceNeedsParser { given: String, configured: String },
+    #[error("`tool_choice` {given} and `{other}` both constrain the answer; send one")]
+    ToolChoiceAndGrammar { given: String, other: &'static str },
+    #[error(transparent)]
+    ToolGrammar(#[from] crate::grammar::tools::ToolGrammarError),
     #[error("`tool_choice` must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}. Given: {given}")]
     BadToolChoice { given: String },
     #[error(
@@ -234,6 +249,48 @@ pub fn check_token_ids(
             }
         })
         .collect()
+}
+
+/// `logit_bias` as OpenAI and SGLang take it: `{"token id": bias}`, null or `{}` for none.
+/// Biases travel as `f32`, so a value beyond its range is refused like any other.
+pub fn check_logit_bias(
+    field: &'static str,
+    v: Option<&serde_json::Value>,
+    vocab_size: usize,
+) -> Result<Vec<(u32, f32)>, ValidationError> {
+    use serde_json::Value;
+    let map = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(map)) => map,
+        Some(_) => {
+            return Err(ValidationError::BadJsonType {
+                field,
+                expected: "an object mapping token ids to biases",
+            })
+        }
+    };
+    let mut out = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        let token = key
+            .trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|&t| (t as usize) < vocab_size);
+        let bias = value.as_f64().filter(|b| (*b as f32).is_finite());
+        match (token, bias) {
+            (Some(t), Some(b)) => out.push((t, b as f32)),
+            _ => {
+                return Err(ValidationError::BadLogitBias {
+                    field,
+                    key: key.clone(),
+                    value: value.to_string(),
+                    vocab_size,
+                })
+            }
+        }
+    }
+    out.sort_by_key(|&(t, _)| t);
+    Ok(out)
 }
 
 pub fn check_unsupported(field: &'static str, present: bool) -> Result<(), ValidationError> {

@@ -89,3 +89,97 @@ async fn speculative_logprobs_equal_plain_decodings_streamed_and_not() {
         }
     }
 }
+
+/// `/generate` with `input_ids` and `logprob_start_len`: the input logprobs.
+async fn input_logprobs(p: &ServerProcess, ids: &[u64], start: usize) -> Vec<Value> {
+    let body = json!({"input_ids": ids, "return_logprob": true, "logprob_start_len": start,
+        "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 1, "temperature": 0}});
+    let r = p.server.post("/generate", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let tops = v["meta_info"]["input_top_logprobs"]
+        .as_array()
+        .expect("tops")
+        .clone();
+    let lps = v["meta_info"]["input_token_logprobs"]
+        .as_array()
+        .expect("lps")
+        .clone();
+    assert_eq!(tops.len(), lps.len());
+    lps
+}
+
+#[tokio::test]
+async fn prompt_logprobs_equal_the_logprobs_decoding_gave_those_tokens_and_echo_returns_them() {
+    let plain =
+        ServerProcess::start(&["--speculative-algorithm", "NONE", "--skip-server-warmup"]).await;
+    let ddtree = ServerProcess::start(&["--skip-server-warmup"]).await;
+    let prompt = PROMPTS[0];
+    let ids: Vec<u64> = plain
+        .server
+        .post("/tokenize", &json!({"prompt": prompt}))
+        .await
+        .json()["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .filter_map(Value::as_u64)
+        .collect();
+    assert!(ids.len() > 2);
+    let (out_ids, out_lps, _) = logprobs(&plain, prompt, false).await;
+    // The prompt followed by the greedy continuation, teacher-forced: the input logprobs of
+    // the continuation are the logprobs decoding reported for it (prefill rows = decode rows).
+    let mut forced = ids.clone();
+    forced.extend(&out_ids[..12]);
+    for server in [&plain, &ddtree] {
+        let lps = input_logprobs(server, &forced, 0).await;
+        assert_eq!(lps.len(), forced.len(), "one per prompt token from 0");
+        assert!(
+            lps[0][0].is_null() && lps[0][1] == json!(ids[0]),
+            "{}",
+            lps[0]
+        );
+        for (k, want) in out_lps[..12].iter().enumerate() {
+            let e = &lps[ids.len() + k];
+            assert_eq!(e[1], json!(out_ids[k]));
+            let got = e[0].as_f64().expect("a logprob");
+            assert!(
+                (got - want).abs() < TOLERANCE,
+                "token {k}: {got} vs decode {want}"
+            );
+        }
+        let tail = input_logprobs(server, &forced, ids.len()).await;
+        assert_eq!(tail.len(), 12, "from logprob_start_len on");
+        assert_eq!(tail[0][1], json!(out_ids[0]));
+    }
+    // Completions `echo` with `logprobs`: the prompt's tokens first (the first one null).
+    for server in [&plain, &ddtree] {
+        let body = json!({"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "logprobs": 1, "echo": true, "ignore_eos": true});
+        let v = server.server.post("/v1/completions", &body).await.json();
+        let c = &v["choices"][0];
+        let text = c["text"].as_str().expect("text");
+        assert!(text.starts_with(prompt), "{text:?}");
+        let lp = &c["logprobs"];
+        let tokens = lp["tokens"].as_array().expect("tokens");
+        assert_eq!(tokens.len(), ids.len() + 6, "{lp}");
+        assert!(
+            lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(),
+            "{lp}"
+        );
+        let joined: String = tokens.iter().filter_map(Value::as_str).collect();
+        assert_eq!(joined, text);
+        // Streamed: the prompt comes first.
+        let mut body = body.clone();
+        body["stream"] = json!(true);
+        let r = server.server.post("/v1/completions", &body).await;
+        let streamed: String = r
+            .events()
+            .iter()
+            .filter(|e| *e != "[DONE]")
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
+            .collect();
+        assert_eq!(streamed, text, "streamed echo");
+    }
+}

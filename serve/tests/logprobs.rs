@@ -134,7 +134,7 @@ async fn what_is_not_built_is_refused_naming_the_field() {
     for (route, body, needle) in [
         (
             "/generate",
-            json!({"text": "hi", "return_logprob": true, "logprob_start_len": 0}),
+            json!({"text": "hi", "return_logprob": true, "logprob_start_len": -3}),
             "logprob_start_len",
         ),
         (
@@ -154,8 +154,8 @@ async fn what_is_not_built_is_refused_naming_the_field() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": "hi", "logprobs": 1, "echo": true}),
-            "echo",
+            json!({"prompt": "hi", "logprobs": 1, "suffix": "x"}),
+            "suffix",
         ),
         (
             "/v1/chat/completions",

@@ -1,7 +1,7 @@
 //! Tool calling on `/v1/chat/completions` end to end through the router, with a scripted engine
 //! that answers the way Qwen models call tools: the tools rendered into the prompt by the chat
 //! template, the call parsed into `tool_calls` (whole and as OpenAI's streaming deltas), and
-//! `tool_choice` values that need constrained generation refused with a 400 saying so.
+//! `tool_choice` `required` / named refused where the grammar cannot write the call.
 
 mod support;
 
@@ -151,12 +151,24 @@ async fn without_a_parser_or_with_tool_choice_none_the_call_stays_content() {
 }
 
 #[tokio::test]
-async fn required_and_named_tool_choice_are_refused_until_constrained_generation_exists() {
-    let s = start_with_script(&["--tool-call-parser", "qwen25"], 3, ANSWER).await;
-    for choice in [
-        json!("required"),
-        json!({"type": "function", "function": {"name": "get_weather"}}),
+async fn required_and_named_tool_choice_need_the_qwen25_parser_and_a_declared_tool() {
+    // The constrained answer itself is checked on the real model (binary_structured.rs); here
+    // the refusals: no parser, a parser whose format the grammar does not write, an unknown
+    // function, and a grammar of the request's own on top.
+    for (args, choice, needle) in [
+        (&[][..], json!("required"), "--tool-call-parser qwen25"),
+        (
+            &["--tool-call-parser", "qwen3_coder"][..],
+            json!("required"),
+            "it runs with --tool-call-parser qwen3_coder",
+        ),
+        (
+            &["--tool-call-parser", "qwen25"][..],
+            json!({"type": "function", "function": {"name": "nope"}}),
+            "\"nope\", which is not among the request's `tools`",
+        ),
     ] {
+        let s = start_with_script(args, 3, ANSWER).await;
         let r = s
             .post(
                 "/v1/chat/completions",
@@ -165,11 +177,17 @@ async fn required_and_named_tool_choice_are_refused_until_constrained_generation
             .await;
         assert_eq!(r.status, 400, "{}", r.body);
         let message = r.json()["message"].as_str().unwrap_or_default().to_string();
-        assert!(
-            message.contains("needs grammar-constrained generation"),
-            "{message}"
-        );
+        assert!(message.contains(needle), "{needle:?} in {message}");
     }
+    let s = start_with_script(&["--tool-call-parser", "qwen25"], 3, ANSWER).await;
+    let r = s
+        .post(
+            "/v1/chat/completions",
+            &request(json!({"tool_choice": "required", "regex": "a"})),
+        )
+        .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("both constrain the answer"), "{}", r.body);
     let r = s
         .post(
             "/v1/chat/completions",

@@ -171,16 +171,20 @@ fn test_validation_batch_mismatch() {
 #[test]
 fn test_validation_unsupported_field() {
     assert_eq!(
-        sampling_err(json!({"regex": "a+"})),
-        "`sampling_params.regex` is not supported by dflash-serve; remove it from the request"
+        sampling_err(json!({"structural_tag": "{}"})),
+        "`sampling_params.structural_tag` is not supported by dflash-serve; remove it from the request"
+    );
+    assert_eq!(
+        sampling_err(json!({"regex": "a+", "json_schema": "{}"})),
+        "Only one of json_schema, regex, ebnf, or structural_tag can be set; got json_schema, regex."
     );
     assert_eq!(
         generate_err(json!({"text": "x", "return_logprob": true, "token_ids_logprob": [3]})),
         "`token_ids_logprob` is not supported by dflash-serve; remove it from the request"
     );
     assert_eq!(
-        generate_err(json!({"text": "x", "return_logprob": true, "logprob_start_len": 0})),
-        "`logprob_start_len` 0: logprobs of prompt tokens are not implemented yet; send -1 (output tokens only)"
+        generate_err(json!({"text": "x", "return_logprob": true, "logprob_start_len": -2})),
+        "`logprob_start_len` must be -1 (output tokens only) or a prompt position >= 0. Given: -2"
     );
 }
 

@@ -14,7 +14,7 @@ fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "openai>=1.40" httpx
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 LOG=$(mktemp)
-"$BIN" --host 127.0.0.1 --port "$PORT" >"$LOG" 2>&1 &
+"$BIN" --host 127.0.0.1 --port "$PORT" --tool-call-parser qwen25 >"$LOG" 2>&1 &
 PID=$!
 trap 'kill $PID 2>/dev/null || true; rm -f "$LOG"' EXIT
 for _ in $(seq 1 600); do

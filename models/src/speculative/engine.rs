@@ -16,9 +16,11 @@ use crate::batch::SeqForward;
 use crate::cache::{pages_for, KvPool, PrefixCache, SequenceCache, PAGE_SIZE};
 use crate::error::ModelError;
 use crate::layers::attention::AttnPattern;
+use crate::speculative::constraint::Constraint;
 use crate::speculative::logprobs;
+use crate::speculative::penalties::PenaltyState;
 use crate::speculative::proposer::{ProposeItem, Proposer, SeqId};
-use crate::speculative::sampling::Sampler;
+use crate::speculative::sampling::{self, Sampler};
 use crate::speculative::simulate::SimulatedAcceptance;
 use crate::speculative::spare::SpareCaches;
 use crate::speculative::stats::{RoundStats, SeqStats};
@@ -55,6 +57,14 @@ struct Sequence {
     stats: SeqStats,
     /// `Some(top_n)`: report committed tokens' logprobs with the `top_n` best entries.
     logprobs: Option<usize>,
+    /// Penalties on the target's rows ([`Engine::set_penalties`]); None: none.
+    penalties: Option<PenaltyState>,
+    /// A grammar on the target's rows ([`Engine::set_constraint`]); None: none.
+    constraint: Option<Box<dyn Constraint>>,
+    /// `Some((start, top_n))`: report the logprobs of prompt tokens from `start` on
+    /// ([`Engine::set_prompt_logprobs`]), gathered in `prompt_lps` over the prefill's chunks.
+    prompt_logprobs: Option<(usize, usize)>,
+    prompt_lps: Vec<logprobs::TokenLogprob>,
 }
 
 pub struct Engine {
@@ -322,20 +332,12 @@ impl Engine {
             resumed: false,
             stats,
             logprobs: None,
+            penalties: None,
+            constraint: None,
+            prompt_logprobs: None,
+            prompt_lps: Vec::new(),
         });
         Ok(id)
-    }
-
-    /// Reports the logprobs of sequence `id`'s committed tokens from now on (`Some(top_n)`),
-    /// or stops (`None`). See [`crate::speculative::logprobs`].
-    pub fn set_logprobs(&mut self, id: SeqId, top_n: Option<usize>) -> Result<(), EngineError> {
-        let seq = self
-            .seqs
-            .iter_mut()
-            .find(|s| s.id == id)
-            .ok_or(EngineError::UnknownSequence(id))?;
-        seq.logprobs = top_n;
-        Ok(())
     }
 
     /// Drops a sequence (abort). Unknown ids are an error so callers notice double removal.
@@ -553,15 +555,23 @@ impl Engine {
             let b = (a + tree.len()).min(out.logit_offsets[i + 1]);
             let seq = &mut self.seqs[i];
             // Host rows: for sampling, and for logprobs when asked.
-            let host_rows = if !seq.sampler.params().is_greedy() || seq.logprobs.is_some() {
+            let mut host_rows = if seq.needs_host_rows() {
                 logits.narrow(0, a, b - a)?.to_vec2::<f32>()?
             } else {
                 Vec::new()
             };
-            let posterior: Vec<u32> = if seq.sampler.params().is_greedy() {
-                argmax[a..b].to_vec()
-            } else {
-                host_rows.iter().map(|r| seq.sampler.sample(r)).collect()
+            // Each node's row penalised from the committed tokens plus that node's path: the
+            // row plain decoding would see at the same position.
+            let shaped = seq.shapes_rows();
+            if shaped {
+                for (n, row) in host_rows.iter_mut().enumerate() {
+                    seq.penalise(&tree.path(n), row);
+                }
+            }
+            let posterior: Vec<u32> = match (seq.sampler.params().is_greedy(), shaped) {
+                (true, false) => argmax[a..b].to_vec(),
+                (true, true) => host_rows.iter().map(|r| sampling::argmax(r)).collect(),
+                (false, _) => host_rows.iter().map(|r| seq.sampler.sample(r)).collect(),
             };
             let (accepted, next) = match self.simulate.as_mut() {
                 Some(sim) if seq.req.algorithm != Algorithm::Plain => sim.walk(tree, &posterior),
@@ -583,6 +593,7 @@ impl Engine {
             let mut new_tokens: Vec<u32> = accepted[1..].iter().map(|&n| tree.tokens[n]).collect();
             new_tokens.push(next);
             let (emitted, finished) = commit_tokens(seq, &new_tokens, &self.config.eos_token_ids);
+            seq.record(&emitted);
             let logprobs = match seq.logprobs {
                 Some(n) => logprobs::committed(&host_rows, &accepted, &emitted, n),
                 None => Vec::new(),
@@ -605,6 +616,7 @@ impl Engine {
                 stats: seq.stats.clone(),
                 logprobs,
                 error: None,
+                prompt_logprobs: Vec::new(),
             });
         }
         profile::mark(&dev, "8_commit");
@@ -683,6 +695,7 @@ impl Sequence {
             round: None,
             stats: self.stats.clone(),
             logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
             error: Some(error.to_string()),
         }
     }
@@ -715,3 +728,4 @@ mod isolate;
 mod prefill;
 mod prefix;
 mod retract;
+mod rows;

@@ -1,15 +1,18 @@
 //! Speculative decoding, the top floor of the crate: draft trees (chain and DDTree) and the
-//! acceptance walk (`tree.rs`), sampling and greedy argmax (`sampling.rs`, `greedy.rs`), the
-//! proposers (`proposer.rs`: DFlash; `mtp.rs`: a hybrid's MTP head; `oracle.rs`, `simulate.rs`:
-//! test and benchmark proposers), spare caches (`spare.rs`), per-round statistics and
-//! profiling (`stats.rs`, `profile.rs`), and the decoding engine that drives a target and a
-//! proposer over many sequences (`engine.rs`, `request.rs`).
+//! acceptance walk (`tree.rs`), sampling and greedy argmax (`sampling.rs`, `greedy.rs`),
+//! penalties and grammars on every node's row (`penalties.rs`, `constraint.rs`), the
+//! proposers (`proposer.rs`: DFlash; `mtp.rs`: a hybrid's MTP head; `oracle.rs`,
+//! `simulate.rs`: test and benchmark proposers), spare caches (`spare.rs`), per-round
+//! statistics and profiling (`stats.rs`, `profile.rs`), and the decoding engine that drives a
+//! target and a proposer over many sequences (`engine.rs`, `request.rs`).
 
+pub mod constraint;
 pub mod engine;
 pub mod greedy;
 pub mod logprobs;
 pub mod mtp;
 pub mod oracle;
+pub mod penalties;
 pub mod profile;
 pub mod proposer;
 pub mod request;
@@ -53,11 +56,13 @@ pub(crate) fn tiny_test_target(max_positions: usize, seed: u64) -> crate::Qwen3M
     .expect("random tiny target")
 }
 
+pub use constraint::Constraint;
 pub use engine::{
     Algorithm, Engine, EngineConfig, EngineError, FinishReason, GenerationRequest, SeqEvent,
 };
 pub use mtp::MtpProposer;
 pub use oracle::{Noise, OracleProposer};
+pub use penalties::{Penalties, PenaltyError};
 pub use proposer::{DFlashProposer, ProposeItem, Proposer, SeqId};
 pub use sampling::{argmax, Sampler, SamplingError, SamplingParams};
 pub use simulate::{PeakedProposer, SimulatedAcceptance};

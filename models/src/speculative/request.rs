@@ -2,6 +2,7 @@
 //! engine's limits, its errors and the events a step produces.
 
 use crate::error::ModelError;
+use crate::speculative::penalties::PenaltyError;
 use crate::speculative::proposer::SeqId;
 use crate::speculative::sampling::{SamplingError, SamplingParams};
 use crate::speculative::stats::{RoundStats, SeqStats};
@@ -63,6 +64,10 @@ pub enum EngineError {
     #[error("no sequence with id {0}")]
     UnknownSequence(SeqId),
     #[error(transparent)]
+    Penalty(#[from] PenaltyError),
+    #[error("penalties and constraints of sequence {0} are set before it generates")]
+    AlreadyGenerating(SeqId),
+    #[error(transparent)]
     Model(#[from] ModelError),
 }
 
@@ -79,8 +84,11 @@ impl EngineError {
             | EngineError::TokenOutOfVocab { .. }
             | EngineError::Sampling(_)
             | EngineError::BadBudget { .. }
-            | EngineError::NoProposer(_) => true,
-            EngineError::UnknownSequence(_) | EngineError::Model(_) => false,
+            | EngineError::NoProposer(_)
+            | EngineError::Penalty(_) => true,
+            EngineError::UnknownSequence(_)
+            | EngineError::AlreadyGenerating(_)
+            | EngineError::Model(_) => false,
         }
     }
 }
@@ -114,4 +122,8 @@ pub struct SeqEvent {
     /// The sequence failed (a device or model error in its forward) and left the engine;
     /// `tokens` is empty and `finished` None.
     pub error: Option<String>,
+    /// With the first token, when asked ([`crate::speculative::Engine::set_prompt_logprobs`]):
+    /// the logprobs of the prompt's tokens from the asked start on (token `p` from the row at
+    /// `p - 1`; the first prompt token has none), else empty.
+    pub prompt_logprobs: Vec<crate::speculative::logprobs::TokenLogprob>,
 }

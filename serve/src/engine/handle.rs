@@ -29,6 +29,8 @@ pub enum SeqUpdate {
         cached_tokens: usize,
         /// Retractions so far (SGLang's `num_retractions`).
         retractions: usize,
+        /// With the first token when asked: the prompt tokens' logprobs.
+        prompt_logprobs: Vec<super::TokenLogprob>,
     },
     Failed(EngineFailure),
 }

@@ -11,6 +11,8 @@ pub mod memory;
 pub mod real;
 pub mod thread;
 
+use crate::grammar::CompiledGrammar;
+
 pub use handle::{EngineFailure, EngineHandle, EngineStats, SeqUpdate};
 pub use thread::spawn_engine_thread;
 
@@ -29,6 +31,10 @@ pub struct EngineSampling {
     pub repetition_penalty: f32,
     pub frequency_penalty: f32,
     pub presence_penalty: f32,
+    /// Stop tokens are masked until this many tokens are generated.
+    pub min_new_tokens: usize,
+    /// (token, bias) added to the target's logits, token ids ascending.
+    pub logit_bias: Vec<(u32, f32)>,
     pub seed: Option<u64>,
 }
 
@@ -42,6 +48,8 @@ impl EngineSampling {
             repetition_penalty: 1.0,
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
+            min_new_tokens: 0,
+            logit_bias: Vec::new(),
             seed: None,
         }
     }
@@ -64,6 +72,11 @@ pub struct EngineRequest {
     /// `Some(top_n)`: report each committed token's logprob under the target, with the `top_n`
     /// most likely tokens of its position.
     pub logprobs: Option<usize>,
+    /// The grammar the output must follow (structured output), compiled by the route.
+    pub grammar: Option<CompiledGrammar>,
+    /// `Some((start, top_n))`: report the logprobs of the prompt's tokens from position
+    /// `start` on (the first prompt token has none), with the first token's step.
+    pub prompt_logprobs: Option<(usize, usize)>,
 }
 
 /// A committed token's log-probability under the target (log-softmax of the logits row that
@@ -103,6 +116,8 @@ pub struct StepEvent {
     /// The sequence failed (a device or model error in its forward) and the engine dropped
     /// it: its request ends with a 500 carrying this message; the others go on.
     pub error: Option<String>,
+    /// With the first token, when the request asked: the prompt tokens' logprobs.
+    pub prompt_logprobs: Vec<TokenLogprob>,
 }
 
 /// The engine could not admit a request: the request's fault (HTTP 400, the message says what

@@ -10,7 +10,7 @@ use dflash_common::WeightFiles;
 use dflash_models::qwen3_5::MtpHead;
 use dflash_models::speculative::{
     Algorithm, DFlashProposer, Engine, EngineConfig, FinishReason, GenerationRequest, MtpProposer,
-    Proposer, SamplingParams, SimulatedAcceptance,
+    Penalties, Proposer, SamplingParams, SimulatedAcceptance,
 };
 use dflash_models::{DFlashDrafter, OpsMode, Target};
 
@@ -412,20 +412,24 @@ fn mtp_proposer(
     )))
 }
 
+fn lowered(l: dflash_models::speculative::logprobs::TokenLogprob) -> crate::engine::TokenLogprob {
+    crate::engine::TokenLogprob {
+        token: l.token,
+        logprob: l.logprob,
+        top: l.top,
+    }
+}
+
 impl StepEngine for RealEngine {
     fn add(&mut self, req: EngineRequest) -> Result<SeqId, AdmitError> {
         let s = &req.sampling;
-        for (field, unset) in [
-            ("repetition_penalty", s.repetition_penalty == 1.0),
-            ("frequency_penalty", s.frequency_penalty == 0.0),
-            ("presence_penalty", s.presence_penalty == 0.0),
-        ] {
-            if !unset {
-                return Err(AdmitError::client(format!(
-                    "`{field}` is not supported by dflash-serve yet; remove it from the request"
-                )));
-            }
-        }
+        let penalties = Penalties {
+            frequency: s.frequency_penalty,
+            presence: s.presence_penalty,
+            repetition: s.repetition_penalty,
+            min_new_tokens: s.min_new_tokens,
+            logit_bias: s.logit_bias.clone(),
+        };
         let sampling = SamplingParams {
             temperature: s.temperature,
             top_p: s.top_p,
@@ -437,6 +441,8 @@ impl StepEngine for RealEngine {
             seed: s.seed,
         };
         let logprobs = req.logprobs;
+        let grammar = req.grammar;
+        let prompt_logprobs = req.prompt_logprobs;
         let id = self
             .engine
             .add(GenerationRequest {
@@ -460,6 +466,29 @@ impl StepEngine for RealEngine {
                 .set_logprobs(id, logprobs)
                 .map_err(|e| AdmitError::server(e.to_string()))?;
         }
+        if let Some((start, top)) = prompt_logprobs {
+            if let Err(e) = self.engine.set_prompt_logprobs(id, start, top) {
+                let _ = self.engine.remove(id);
+                return Err(AdmitError::server(e.to_string()));
+            }
+        }
+        if let Some(g) = grammar {
+            if let Err(e) = self.engine.set_constraint(id, Box::new(g)) {
+                let _ = self.engine.remove(id);
+                return Err(AdmitError::server(e.to_string()));
+            }
+        }
+        if penalties.is_active() {
+            if let Err(e) = self.engine.set_penalties(id, penalties) {
+                // Checked by the routes already; nothing of the request may stay behind.
+                let _ = self.engine.remove(id);
+                return Err(if e.is_client_error() {
+                    AdmitError::client(e.to_string())
+                } else {
+                    AdmitError::server(e.to_string())
+                });
+            }
+        }
         Ok(id)
     }
 
@@ -480,15 +509,8 @@ impl StepEngine for RealEngine {
                 verify_rounds: usize::from(
                     ev.round.is_some() && self.algorithm != Algorithm::Plain,
                 ),
-                logprobs: ev
-                    .logprobs
-                    .into_iter()
-                    .map(|l| crate::engine::TokenLogprob {
-                        token: l.token,
-                        logprob: l.logprob,
-                        top: l.top,
-                    })
-                    .collect(),
+                logprobs: ev.logprobs.into_iter().map(lowered).collect(),
+                prompt_logprobs: ev.prompt_logprobs.into_iter().map(lowered).collect(),
                 cached_tokens: ev.stats.cached_tokens,
                 retractions: ev.stats.retractions,
                 error: ev.error,

@@ -152,6 +152,8 @@ fn probe_request() -> EngineRequest {
         stop_token_ids: Vec::new(),
         ignore_eos: true,
         logprobs: None,
+        grammar: None,
+        prompt_logprobs: None,
     }
 }
 
@@ -562,6 +564,7 @@ impl<E: StepEngine> Worker<E> {
                 logprobs: ev.logprobs,
                 cached_tokens: ev.cached_tokens,
                 retractions: ev.retractions,
+                prompt_logprobs: ev.prompt_logprobs,
             });
             if !finished && sent.is_err() {
                 self.engine.remove(id);

@@ -20,6 +20,7 @@ pub use tool_calls::ToolParserKind;
 use serde::Deserialize;
 
 use crate::engine::{EngineRequest, EngineSampling};
+use crate::grammar::CompiledGrammar;
 use crate::validation::{self as v, ValidationError};
 
 /// Below this temperature sampling is greedy (SGLang rewrites it to `top_k = 1`).
@@ -45,6 +46,8 @@ pub struct SamplingInput {
     pub ignore_eos: bool,
     pub no_stop_trim: bool,
     pub skip_special_tokens: bool,
+    /// `{"token id": bias}` as sent (checked against the vocabulary by [`lower`]).
+    pub logit_bias: Option<serde_json::Value>,
 }
 
 /// The rules every endpoint applies to its sampling values.
@@ -127,6 +130,10 @@ pub struct PreparedRequest {
     /// `Some(top_n)`: the answer reports each output token's logprob (and `top_n` alternatives);
     /// set by the route.
     pub logprobs: Option<usize>,
+    /// The grammar the output must follow; set by the route.
+    pub grammar: Option<CompiledGrammar>,
+    /// `Some((start, top_n))`: the prompt tokens' logprobs from `start` on; set by the route.
+    pub prompt_logprobs: Option<(usize, usize)>,
 }
 
 impl PreparedRequest {
@@ -138,6 +145,8 @@ impl PreparedRequest {
             stop_token_ids: self.engine_stop_ids.clone(),
             ignore_eos: self.ignore_eos,
             logprobs: self.logprobs,
+            grammar: self.grammar.clone(),
+            prompt_logprobs: self.prompt_logprobs,
         }
     }
 
@@ -198,6 +207,7 @@ pub fn lower(
         (None, DefaultBudget::RestOfContext) => room,
     };
     let stop_token_ids = v::check_token_ids("stop_token_ids", &s.stop_token_ids, ctx.vocab_size)?;
+    let logit_bias = v::check_logit_bias("logit_bias", s.logit_bias.as_ref(), ctx.vocab_size)?;
     let mut engine_stop_ids = stop_token_ids.clone();
     if !s.ignore_eos {
         for id in &ctx.eos_token_ids {
@@ -210,7 +220,10 @@ pub fn lower(
         rid,
         prompt_ids,
         max_new_tokens,
-        sampling: lower_sampling(s, &ctx.defaults),
+        sampling: EngineSampling {
+            logit_bias,
+            ..lower_sampling(s, &ctx.defaults)
+        },
         stop_strings: s.stop.clone(),
         stop_token_ids,
         engine_stop_ids,
@@ -219,6 +232,8 @@ pub fn lower(
         skip_special_tokens: s.skip_special_tokens,
         stream: false,
         logprobs: None,
+        grammar: None,
+        prompt_logprobs: None,
     })
 }
 
@@ -238,6 +253,8 @@ fn lower_sampling(s: &SamplingInput, d: &SamplingDefaults) -> EngineSampling {
         repetition_penalty: s.repetition_penalty.or(d.repetition_penalty).unwrap_or(1.0) as f32,
         frequency_penalty: s.frequency_penalty.unwrap_or(0.0) as f32,
         presence_penalty: s.presence_penalty.unwrap_or(0.0) as f32,
+        min_new_tokens: s.min_new_tokens.unwrap_or(0).max(0) as usize,
+        logit_bias: Vec::new(),
         seed: s.seed.map(|x| x as u64),
     }
 }

@@ -54,6 +54,8 @@ pub struct Generation {
     output_ids: Vec<u32>,
     /// One per output id when the request asked for logprobs.
     logprobs: Vec<TokenLogprob>,
+    /// The prompt tokens' logprobs when the request asked for them.
+    prompt_logprobs: Vec<TokenLogprob>,
     finish: Option<Finish>,
     spec: SpecCounters,
     reasoning: Option<(ReasoningParserKind, ReasoningParser)>,
@@ -115,6 +117,7 @@ impl Generation {
             text: String::new(),
             output_ids: Vec::new(),
             logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
             finish: None,
             spec: SpecCounters::default(),
             reasoning: None,
@@ -181,6 +184,21 @@ impl Generation {
     /// One per output id when the request asked for logprobs, else empty.
     pub fn logprobs(&self) -> &[TokenLogprob] {
         &self.logprobs
+    }
+
+    /// The prompt's ids.
+    pub fn prompt_ids(&self) -> &[u32] {
+        &self.req.prompt_ids
+    }
+
+    /// `Some(start)` when the request asked for the prompt's logprobs from `start` on.
+    pub fn prompt_logprob_start(&self) -> Option<usize> {
+        self.req.prompt_logprobs.map(|(start, _)| start)
+    }
+
+    /// The prompt tokens' logprobs from the asked start (empty unless asked).
+    pub fn prompt_logprobs(&self) -> &[TokenLogprob] {
+        &self.prompt_logprobs
     }
 
     /// `Some(top_n)` when the request asked for logprobs.
@@ -258,10 +276,12 @@ impl Generation {
                     logprobs,
                     cached_tokens,
                     retractions,
+                    prompt_logprobs,
                 }) => {
                     self.count_spec(accepted_drafts, verify_rounds);
                     self.cached_tokens = cached_tokens;
                     self.retractions = retractions;
+                    self.prompt_logprobs.extend(prompt_logprobs);
                     return Some(self.absorb(&tokens, &logprobs, finished));
                 }
                 Some(SeqUpdate::Failed(f)) if f.is_abort() => {

@@ -79,6 +79,9 @@ fn item(g: &Generation, index: Option<usize>, with_text: bool) -> Value {
     let mut meta = g.meta_info();
     if let (Some(top), Some(m)) = (g.logprobs_requested(), meta.as_object_mut()) {
         super::logprobs::sglang_meta(m, g.logprobs(), top, g.tokenizer(), with_text);
+        if let Some(start) = g.prompt_logprob_start() {
+            super::logprobs::sglang_input(m, g, start, top, with_text);
+        }
     }
     let mut v = json!({
         "text": g.text(),

@@ -124,6 +124,7 @@ fn server_args(state: &AppState) -> serde_json::Map<String, Value> {
         "mem_fraction_static": c.mem_fraction_static,
         "reasoning_parser": c.reasoning_parser.map(|k| k.name()),
         "tool_call_parser": c.tool_call_parser.map(|k| k.name()),
+        "grammar_backend": if c.grammar { "llguidance" } else { "none" },
         "chat_template": c.chat_template.as_ref().map(|p| p.display().to_string()),
         "hf_chat_template_name": c.hf_chat_template_name,
         "log_level": c.log_level,

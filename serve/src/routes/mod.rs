@@ -34,6 +34,7 @@ pub fn router(state: AppState) -> Router {
             post(openai::chat_completions::handle),
         )
         .route("/v1/completions", post(openai::completions::handle))
+        .route("/v1/responses", post(openai::responses::handle))
         .route("/v1/models", get(openai::models::list))
         .route("/v1/models/{*model}", get(openai::models::one))
         .route("/health", get(info::health))

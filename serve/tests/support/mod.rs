@@ -86,6 +86,7 @@ impl StepEngine for ScriptEngine {
                     logprobs: Vec::new(),
                     cached_tokens: 0,
                     retractions: 0,
+                    prompt_logprobs: Vec::new(),
                     error: Some(
                         "the model forward failed on the device: injected device fault (test engine)"
                             .into(),
@@ -142,6 +143,7 @@ impl StepEngine for ScriptEngine {
                 cached_tokens: 0,
                 retractions: 0,
                 error: None,
+                prompt_logprobs: Vec::new(),
             });
         }
         for id in done {

@@ -53,16 +53,28 @@ impl Engine {
             .iter()
             .map(|&(_, from, n)| (from as u32..(from + n) as u32).collect())
             .collect();
-        // Logits only for a chunk that completes its prompt (its last row).
+        // Logits for the rows predicting the prompt tokens whose logprobs were asked, and the
+        // last row of a chunk that completes its prompt (it samples the first token).
         let logit_rows: Vec<Vec<usize>> = chunks
             .iter()
             .map(|&(i, from, n)| {
                 let s = &self.seqs[i];
-                if from + n == prefill_target(s) && !s.resumed {
-                    vec![n - 1]
-                } else {
-                    Vec::new()
+                let completes = from + n == prefill_target(s) && !s.resumed;
+                let mut rows: Vec<usize> = match (s.prompt_logprobs, s.resumed) {
+                    (Some((start, _)), false) => {
+                        // Row p predicts prompt token p + 1.
+                        let first = start.max(1) - 1;
+                        let end = (from + n).min(s.req.prompt.len() - 1);
+                        (first.max(from)..end.max(first.max(from)))
+                            .map(|p| p - from)
+                            .collect()
+                    }
+                    _ => Vec::new(),
+                };
+                if completes {
+                    rows.push(n - 1);
                 }
+                rows
             })
             .collect();
         let in_chunk = |i: usize| chunks.iter().position(|c| c.0 == i);
@@ -110,6 +122,18 @@ impl Engine {
                 continue;
             }
             let seq = &mut self.seqs[i];
+            if let Some((_, top)) = seq.prompt_logprobs.filter(|_| !seq.resumed) {
+                // The chunk's rows before its last (sampling) one predict prompt tokens.
+                let (a, b) = (out.logit_offsets[k], out.logit_offsets[k + 1]);
+                for (j, &r) in logit_rows[k].iter().enumerate() {
+                    let p = from + r;
+                    if let (Some(row), Some(&t)) = (rows.get(a + j), seq.req.prompt.get(p + 1)) {
+                        if a + j < b {
+                            seq.prompt_lps.push(logprobs::token_logprob(row, t, top));
+                        }
+                    }
+                }
+            }
             if seq.req.algorithm != Algorithm::Plain {
                 if let Some(t) = &out.taps {
                     let (a, b) = (out.token_offsets[k], out.token_offsets[k + 1]);
@@ -133,14 +157,18 @@ impl Engine {
                 seq.resumed = false;
                 continue;
             }
-            let row = rows
-                .get(out.logit_offsets[k])
-                .ok_or_else(|| ModelError::BadInput("prefill returned no logits".into()))?;
+            let mut row = out.logit_offsets[k + 1]
+                .checked_sub(1)
+                .and_then(|last| rows.get(last))
+                .ok_or_else(|| ModelError::BadInput("prefill returned no logits".into()))?
+                .clone();
             seq.prefilled = true;
-            let token = seq.sampler.sample(row);
+            seq.penalise(&[], &mut row);
+            let token = seq.sampler.sample(&row);
             let (emitted, finished) = commit_tokens(seq, &[token], &self.config.eos_token_ids);
+            seq.record(&emitted);
             let logprobs = match seq.logprobs {
-                Some(n) => vec![logprobs::token_logprob(row, token, n)],
+                Some(n) => vec![logprobs::token_logprob(&row, token, n)],
                 None => Vec::new(),
             };
             events.push(SeqEvent {
@@ -151,6 +179,7 @@ impl Engine {
                 stats: seq.stats.clone(),
                 logprobs,
                 error: None,
+                prompt_logprobs: std::mem::take(&mut seq.prompt_lps),
             });
         }
         self.reap(events);

@@ -15,6 +15,7 @@ use candle_core::Tensor;
 use super::{Engine, EngineError, Sequence};
 use crate::cache::{PrefixCache, SequenceCache, PAGE_SIZE};
 use crate::error::ModelError;
+use crate::speculative::proposer::SeqId;
 use crate::speculative::request::Algorithm;
 
 /// A sequence's target cache, opened on a cached prefix where there is one.
@@ -78,6 +79,28 @@ impl Engine {
                 .as_ref()
                 .map_or(0, |p| p.evictable_pages() * PAGE_SIZE),
         )
+    }
+
+    /// Makes sequence `id`, admitted on a cached prefix and not prefilled at all yet, prefill
+    /// its whole prompt instead (its prompt logprobs need every row).
+    pub(super) fn forget_cached_prefix(&mut self, id: SeqId) -> Result<(), EngineError> {
+        let Some(i) = self.seqs.iter().position(|s| s.id == id) else {
+            return Err(EngineError::UnknownSequence(id));
+        };
+        let (Some(pool), true) = (self.pool.clone(), self.seqs[i].stats.cached_tokens > 0) else {
+            return Ok(());
+        };
+        let s = &self.seqs[i];
+        let width = self.verify_width(s.req.algorithm);
+        let fresh = self
+            .target
+            .new_cache_after(&pool, s.capacity, width, &[], 0)?;
+        let seq = &mut self.seqs[i];
+        seq.cache = fresh;
+        seq.prefill_done = 0;
+        seq.pending_features = None;
+        seq.stats.cached_tokens = 0;
+        Ok(())
     }
 
     /// Frees up to `pages` pages from the prefix cache; the pages freed.

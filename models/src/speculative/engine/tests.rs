@@ -224,3 +224,65 @@ fn long_prompt_pieces_shrink_deep_into_a_prompt() {
         "never more than the bound"
     );
 }
+
+#[test]
+fn prompt_logprobs_are_each_tokens_log_softmax_under_the_previous_row_whatever_the_chunks() {
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7 % 60) as u32 + 1).collect();
+    // Reference: one forward over the whole prompt, every row.
+    let t = crate::speculative::tiny_test_target(600, 3);
+    let mut cache = t.new_cache(prompt.len()).unwrap();
+    let positions: Vec<u32> = (0..prompt.len() as u32).collect();
+    let rows: Vec<usize> = (0..prompt.len()).collect();
+    let out = t
+        .forward(
+            &mut [SeqForward {
+                cache: &mut cache,
+                tokens: &prompt,
+                positions: &positions,
+                pattern: &AttnPattern::Causal,
+                logit_rows: &rows,
+            }],
+            &[],
+        )
+        .unwrap();
+    let all = out.logits.unwrap().to_vec2::<f32>().unwrap();
+    for (chunk, start) in [(None, 0), (Some(3), 0), (Some(7), 25), (None, 39)] {
+        let mut e = engine(600);
+        e.set_chunked_prefill(chunk);
+        let id = e
+            .add(GenerationRequest {
+                prompt: prompt.clone(),
+                ..request(prompt.len(), 2)
+            })
+            .unwrap();
+        e.set_prompt_logprobs(id, start, 2).unwrap();
+        let mut got = None;
+        while e.num_active() > 0 {
+            for ev in e.step().unwrap() {
+                if !ev.prompt_logprobs.is_empty() {
+                    assert!(got.is_none(), "prompt logprobs come once");
+                    got = Some(ev.prompt_logprobs);
+                }
+            }
+        }
+        let got = got.unwrap_or_default();
+        let first = start.max(1);
+        assert_eq!(
+            got.len(),
+            prompt.len() - first,
+            "chunk {chunk:?} start {start}"
+        );
+        for (k, lp) in got.iter().enumerate() {
+            let p = first + k;
+            let want = logprobs::token_logprob(&all[p - 1], prompt[p], 2);
+            assert_eq!(lp.token, prompt[p]);
+            assert!(
+                (lp.logprob - want.logprob).abs() < 1e-4,
+                "chunk {chunk:?} token {p}: {} vs {}",
+                lp.logprob,
+                want.logprob
+            );
+            assert_eq!(lp.top.len(), 2);
+        }
+    }
+}

@@ -34,6 +34,8 @@ pub fn lower_generate(
             &state.model.lower,
         )?;
         prepared.logprobs = p.logprobs;
+        prepared.prompt_logprobs = p.prompt_logprobs;
+        prepared.grammar = crate::routes::openai::compile_grammar(state, p.grammar)?;
         for i in 0..p.n {
             out.push(prepared.sample(i, p.n));
         }

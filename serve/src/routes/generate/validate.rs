@@ -5,6 +5,7 @@ use serde_json::Value;
 
 use super::types::{GenerateRequest, InputIds, SamplingParams};
 use crate::generation::{check_sampling, SamplingInput};
+use crate::grammar::{spec, GrammarFields, GrammarSpec};
 use crate::validation::{self as v, ValidationError};
 
 /// A prompt before tokenization.
@@ -23,6 +24,10 @@ pub struct ValidPrompt {
     pub rid: Option<String>,
     /// `return_logprob`: `Some(top_logprobs_num)`.
     pub logprobs: Option<usize>,
+    /// `return_logprob` with `logprob_start_len` >= 0: `Some((logprob_start_len, top))`.
+    pub prompt_logprobs: Option<(usize, usize)>,
+    /// `json_schema` / `regex` / `ebnf`.
+    pub grammar: Option<GrammarSpec>,
 }
 
 #[derive(Debug, Clone)]
@@ -57,6 +62,7 @@ fn sampling_input(p: &SamplingParams) -> SamplingInput {
         ignore_eos: p.ignore_eos.unwrap_or(false),
         no_stop_trim: p.no_stop_trim.unwrap_or(false),
         skip_special_tokens: p.skip_special_tokens.unwrap_or(true),
+        logit_bias: p.logit_bias.clone(),
     }
 }
 
@@ -70,12 +76,8 @@ fn check_params(p: &SamplingParams) -> Result<(), ValidationError> {
     v::check_unsupported("sampling_params.beam_width", present(&p.beam_width))?;
     v::check_unsupported("sampling_params.watermark", present(&p.watermark))?;
     v::check_unsupported("sampling_params.choice", present(&p.choice))?;
-    v::check_unsupported("sampling_params.json_schema", present(&p.json_schema))?;
-    v::check_unsupported("sampling_params.regex", present(&p.regex))?;
-    v::check_unsupported("sampling_params.ebnf", present(&p.ebnf))?;
     v::check_unsupported("sampling_params.structural_tag", present(&p.structural_tag))?;
     v::check_unsupported("sampling_params.stop_regex", present(&p.stop_regex))?;
-    v::check_unsupported("sampling_params.logit_bias", present(&p.logit_bias))?;
     v::check_n("n", p.n)?;
     check_sampling(&sampling_input(p))
 }
@@ -152,7 +154,18 @@ pub fn validate(
             sampling: sampling_input(&p),
             n,
             rid: rids.as_ref().and_then(|r| r.get(i).cloned()),
-            logprobs: logprobs.get(i).copied().flatten(),
+            logprobs: logprobs.get(i).copied().flatten().map(|(top, _)| top),
+            prompt_logprobs: logprobs
+                .get(i)
+                .copied()
+                .flatten()
+                .and_then(|(top, start)| Some((start?, top))),
+            grammar: spec::from_fields(&GrammarFields {
+                json_schema: p.json_schema.as_ref(),
+                regex: p.regex.as_ref(),
+                ebnf: p.ebnf.as_ref(),
+                ..Default::default()
+            })?,
         });
     }
     Ok(ValidGenerate {
@@ -163,12 +176,12 @@ pub fn validate(
     })
 }
 
-/// `return_logprob` / `top_logprobs_num` / `logprob_start_len` per prompt: `Some(top)` where
-/// logprobs are asked. Only output-token logprobs exist (`logprob_start_len` -1).
+/// `return_logprob` / `top_logprobs_num` / `logprob_start_len` per prompt: `Some((top,
+/// start))` where logprobs are asked; `start` None (-1) for output tokens only.
 fn logprob_requests(
     req: &GenerateRequest,
     batch: usize,
-) -> Result<Vec<Option<usize>>, ValidationError> {
+) -> Result<Vec<Option<(usize, Option<usize>)>>, ValidationError> {
     let want = per_prompt(
         "return_logprob",
         req.return_logprob.as_ref().map(|r| r.to_vec()),
@@ -195,10 +208,10 @@ fn logprob_requests(
         }
         v::check_unsupported("token_ids_logprob", present(&req.token_ids_logprob))?;
         v::check_at_least("top_logprobs_num", 0, Some(top))?;
-        if start != -1 {
+        if start < -1 {
             return Err(ValidationError::InputLogprobs { given: start });
         }
-        out.push(Some(top as usize));
+        out.push(Some((top as usize, usize::try_from(start).ok())));
     }
     Ok(out)
 }

@@ -44,6 +44,7 @@ pub async fn handle(
             .run(move || convert::lower_completion(&worker, &req2, prompts, &rid2))
             .await?;
         let mut gens = stream::start_all(&state, prepared, req.common.stream).await?;
+        let echo = req.echo == Some(true);
         let (model, created, n) = (
             state.config.served_model_name.clone(),
             unix_now(),
@@ -56,6 +57,7 @@ pub async fn handle(
                 created,
                 continuous_usage: req.common.continuous_usage(),
                 logprobs: Default::default(),
+                echo,
             };
             let include_usage = req.common.include_usage();
             let tail = move |counts: &[stream::Counts]| {
@@ -71,7 +73,15 @@ pub async fn handle(
         let choices: Vec<Value> = gens
             .iter()
             .enumerate()
-            .map(|(i, g)| choice(i, g, g.text(), Some((g.logprobs(), 0))))
+            .map(|(i, g)| {
+                if echo {
+                    let prompt = echoed_prompt(g);
+                    let lps = crate::routes::logprobs::openai_completions_echo(g, g.logprobs(), 0);
+                    with_logprobs(choice(i, g, &format!("{prompt}{}", g.text()), None), g, lps)
+                } else {
+                    choice(i, g, g.text(), Some((g.logprobs(), 0)))
+                }
+            })
             .collect();
         Ok(Json(json!({
             "id": rid,
@@ -111,29 +121,58 @@ fn choice(
     })
 }
 
+/// `echo`: the prompt as text (its ids decoded, special tokens kept).
+fn echoed_prompt(g: &Generation) -> String {
+    g.tokenizer()
+        .decode(g.prompt_ids(), false)
+        .unwrap_or_default()
+}
+
+/// The choice with its `logprobs` replaced (when the request asked for them).
+fn with_logprobs(mut choice: Value, g: &Generation, lps: Value) -> Value {
+    if let (Some(_), Some(obj)) = (g.logprobs_requested(), choice.as_object_mut()) {
+        obj.insert("logprobs".into(), lps);
+    }
+    choice
+}
+
 /// Text deltas; `finish_reason` rides on the last text chunk (no separate finish chunk).
+/// With `echo` the first chunk starts with the prompt (and its logprobs).
 struct Render {
     id: String,
     model: String,
     created: u64,
     continuous_usage: bool,
     logprobs: crate::routes::logprobs::StreamedLogprobs,
+    echo: bool,
 }
 
 impl RenderChunk for Render {
-    fn render(&self, index: usize, g: &Generation, chunk: &Chunk, _first: bool) -> Vec<Value> {
-        if chunk.delta.is_empty() && chunk.finish.is_none() {
+    fn render(&self, index: usize, g: &Generation, chunk: &Chunk, first: bool) -> Vec<Value> {
+        let echo_now = self.echo && first;
+        if chunk.delta.is_empty() && chunk.finish.is_none() && !echo_now {
             return Vec::new();
         }
+        let new = self.logprobs.take(index, g.logprobs());
+        let before = g.text().len().saturating_sub(chunk.delta.len());
+        let choice = if echo_now {
+            let prompt = echoed_prompt(g);
+            let lps = crate::routes::logprobs::openai_completions_echo(g, new, 0);
+            with_logprobs(
+                choice(index, g, &format!("{prompt}{}", chunk.delta), None),
+                g,
+                lps,
+            )
+        } else {
+            let prompt_len = if self.echo { echoed_prompt(g).len() } else { 0 };
+            choice(index, g, &chunk.delta, Some((new, prompt_len + before)))
+        };
         vec![json!({
             "id": self.id,
             "object": OBJECT,
             "created": self.created,
             "model": self.model,
-            "choices": [choice(index, g, &chunk.delta, Some((
-                self.logprobs.take(index, g.logprobs()),
-                g.text().len().saturating_sub(chunk.delta.len()),
-            )))],
+            "choices": [choice],
             "usage": if self.continuous_usage { super::running_usage(g) } else { Value::Null },
         })]
     }

@@ -6,6 +6,7 @@
 pub mod chat_completions;
 pub mod completions;
 pub mod models;
+pub mod responses;
 
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -13,6 +14,7 @@ use serde_json::{json, Value};
 use super::generate::types::OneOrMany;
 use super::stream::Counts;
 use crate::generation::{check_sampling, SamplingInput};
+use crate::grammar::{spec, CompiledGrammar, GrammarFields, GrammarSpec};
 use crate::validation::{self as v, ValidationError};
 
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
@@ -95,20 +97,40 @@ impl CommonFields {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             no_stop_trim: self.no_stop_trim.unwrap_or(false),
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+            logit_bias: self.logit_bias.clone(),
         }
     }
 
     /// Rules both OpenAI routes apply.
     pub fn check(&self, max: Option<i64>, max_field: &'static str) -> Result<(), ValidationError> {
-        v::check_unsupported("logit_bias", present(&self.logit_bias))?;
-        v::check_unsupported("json_schema", present(&self.json_schema))?;
-        v::check_unsupported("regex", present(&self.regex))?;
-        v::check_unsupported("ebnf", present(&self.ebnf))?;
         v::check_unsupported("stop_regex", present(&self.stop_regex))?;
         v::check_unsupported("lora_path", present(&self.lora_path))?;
         v::check_n("n", self.n)?;
         check_sampling(&self.sampling(max, max_field))
     }
+
+    /// The request's grammar: OpenAI's `response_format` or SGLang's `json_schema`, `regex`,
+    /// `ebnf` (at most one).
+    pub fn grammar(
+        &self,
+        response_format: Option<&Value>,
+    ) -> Result<Option<GrammarSpec>, ValidationError> {
+        Ok(spec::from_fields(&GrammarFields {
+            response_format,
+            json_schema: self.json_schema.as_ref(),
+            regex: self.regex.as_ref(),
+            ebnf: self.ebnf.as_ref(),
+        })?)
+    }
+}
+
+/// Compiles a request's grammar against the served vocabulary (400 when llguidance refuses
+/// it or structured output is off).
+pub fn compile_grammar(
+    state: &crate::state::AppState,
+    spec: Option<GrammarSpec>,
+) -> Result<Option<CompiledGrammar>, ValidationError> {
+    Ok(spec.map(|s| state.model.grammar.compile(&s)).transpose()?)
 }
 
 /// SGLang's usage object. `n > 1` counts each prompt's tokens once and sums completions.

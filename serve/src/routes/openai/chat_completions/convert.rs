@@ -7,10 +7,14 @@ use dflash_common::chat::ChatRenderInput;
 use serde_json::{Map, Value};
 
 use super::types::ChatRequest;
+use super::validate::ToolChoice;
 use super::validate::ValidChat;
 use crate::error::ApiError;
-use crate::generation::{lower, DefaultBudget, PreparedRequest};
+use crate::generation::{lower, DefaultBudget, PreparedRequest, ToolParserKind};
+use crate::grammar::tools::tool_call_grammar;
+use crate::grammar::GrammarSpec;
 use crate::state::AppState;
+use crate::validation::ValidationError;
 
 pub fn template_kwargs(state: &AppState, req: &ChatRequest) -> Map<String, Value> {
     let mut kwargs = state.config.default_chat_template_kwargs.clone();
@@ -54,6 +58,42 @@ pub fn prompt_ids(
         .encode(&state.model.tokenizer, &prompt, false)?)
 }
 
+/// The call grammar `tool_choice` `required` or a named function constrains the answer to
+/// (SGLang constrains it too), in the format `--tool-call-parser qwen25` parses back.
+fn tool_choice_grammar(
+    state: &AppState,
+    req: &ChatRequest,
+    valid: &ValidChat,
+) -> Result<Option<GrammarSpec>, ValidationError> {
+    let (given, named) = match &valid.tool_choice {
+        ToolChoice::Free => return Ok(None),
+        ToolChoice::Required => ("\"required\"".to_string(), None),
+        ToolChoice::Named(name) => (
+            format!("{{\"function\": {{\"name\": {name:?}}}}}"),
+            Some(name.as_str()),
+        ),
+    };
+    match state.config.tool_call_parser {
+        Some(ToolParserKind::Qwen25) => {}
+        other => {
+            return Err(ValidationError::ToolChoiceNeedsParser {
+                given,
+                configured: other
+                    .map(|k| format!("; it runs with --tool-call-parser {}", k.name()))
+                    .unwrap_or_default(),
+            })
+        }
+    }
+    if let Some(other) = &valid.grammar {
+        return Err(ValidationError::ToolChoiceAndGrammar {
+            given,
+            other: other.field(),
+        });
+    }
+    let tools = req.tools.as_deref().unwrap_or_default();
+    Ok(Some(tool_call_grammar(tools, named)?))
+}
+
 pub fn lower_chat(
     state: &AppState,
     req: &ChatRequest,
@@ -76,6 +116,11 @@ pub fn lower_chat(
     )?;
     prepared.logprobs =
         (req.logprobs == Some(true)).then(|| req.top_logprobs.unwrap_or(0).max(0) as usize);
+    let grammar = match tool_choice_grammar(state, req, &valid)? {
+        Some(g) => Some(g),
+        None => valid.grammar.clone(),
+    };
+    prepared.grammar = crate::routes::openai::compile_grammar(state, grammar)?;
     let n = req.common.n();
     Ok((0..n).map(|k| prepared.sample(k, n)).collect())
 }

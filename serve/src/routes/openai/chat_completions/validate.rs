@@ -10,6 +10,9 @@ use crate::validation::{self as v, ValidationError};
 pub struct ValidChat {
     /// Messages with text-part lists flattened into strings.
     pub messages: Vec<Value>,
+    /// `response_format` / `json_schema` / `regex` / `ebnf`.
+    pub grammar: Option<crate::grammar::GrammarSpec>,
+    pub tool_choice: ToolChoice,
 }
 
 fn flatten_content(index: usize, content: &Value) -> Result<Value, ValidationError> {
@@ -58,23 +61,32 @@ pub fn check_limits(
     limits.prompt.check_bytes(bytes)
 }
 
-/// `auto` and `none` are served; `required` and a named function need the answer constrained
-/// to a call, which needs grammar-constrained generation (not built yet): a 400 that says so.
-fn check_tool_choice(choice: Option<&Value>) -> Result<(), ValidationError> {
+/// What `tool_choice` asks: `auto` and `none` leave the answer free; `required` and a named
+/// function constrain it to a call with the grammar backend (`convert.rs`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolChoice {
+    Free,
+    Required,
+    Named(String),
+}
+
+fn check_tool_choice(choice: Option<&Value>) -> Result<ToolChoice, ValidationError> {
+    let bad = |v: &Value| ValidationError::BadToolChoice {
+        given: v.to_string(),
+    };
     match choice {
-        None | Some(Value::Null) => Ok(()),
-        Some(Value::String(s)) if s == "auto" || s == "none" => Ok(()),
-        Some(Value::String(s)) if s == "required" => Err(ValidationError::ToolChoiceNeedsGrammar {
-            given: "\"required\"".into(),
-        }),
-        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
-            Err(ValidationError::ToolChoiceNeedsGrammar {
-                given: Value::Object(o.clone()).to_string(),
-            })
+        None | Some(Value::Null) => Ok(ToolChoice::Free),
+        Some(Value::String(s)) if s == "auto" || s == "none" => Ok(ToolChoice::Free),
+        Some(Value::String(s)) if s == "required" => Ok(ToolChoice::Required),
+        Some(v @ Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad(v))?;
+            Ok(ToolChoice::Named(name.to_string()))
         }
-        Some(other) => Err(ValidationError::BadToolChoice {
-            given: other.to_string(),
-        }),
+        Some(other) => Err(bad(other)),
     }
 }
 
@@ -87,16 +99,8 @@ pub fn validate(req: &ChatRequest) -> Result<ValidChat, ValidationError> {
         "continue_final_message",
         req.continue_final_message == Some(true),
     )?;
-    check_tool_choice(req.tool_choice.as_ref())?;
-    let format_type = req
-        .response_format
-        .as_ref()
-        .and_then(|f| f.get("type"))
-        .and_then(Value::as_str);
-    v::check_unsupported(
-        "response_format",
-        !matches!(format_type, None | Some("text")),
-    )?;
+    let tool_choice = check_tool_choice(req.tool_choice.as_ref())?;
+    let grammar = req.common.grammar(req.response_format.as_ref())?;
     let (max, field) = req.max();
     v::check_at_least(field, 1, max)?;
     req.common.check(max, field)?;
@@ -120,5 +124,9 @@ pub fn validate(req: &ChatRequest) -> Result<ValidChat, ValidationError> {
         }
         messages.push(Value::Object(out));
     }
-    Ok(ValidChat { messages })
+    Ok(ValidChat {
+        messages,
+        grammar,
+        tool_choice,
+    })
 }

@@ -34,6 +34,14 @@ pub fn lower_completion(
             &state.model.lower,
         )?;
         prepared.logprobs = super::validate::logprobs_top(req)?;
+        // `echo` with logprobs reports the prompt's tokens too.
+        if req.echo == Some(true) {
+            prepared.prompt_logprobs = prepared.logprobs.map(|top| (0, top));
+        }
+        prepared.grammar = crate::routes::openai::compile_grammar(
+            state,
+            req.common.grammar(req.response_format.as_ref())?,
+        )?;
         for k in 0..n {
             out.push(prepared.sample(k, n));
         }

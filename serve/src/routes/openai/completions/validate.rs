@@ -41,23 +41,13 @@ pub fn validate(
     req: &CompletionRequest,
     vocab_size: usize,
 ) -> Result<Vec<PromptInput>, ValidationError> {
-    v::check_unsupported("echo", req.echo == Some(true))?;
     logprobs_top(req)?;
     v::check_unsupported(
         "suffix",
         req.suffix.as_deref().is_some_and(|s| !s.is_empty()),
     )?;
     v::check_unsupported("best_of", matches!(req.best_of, Some(b) if b > 1))?;
-    v::check_unsupported(
-        "response_format",
-        !matches!(&req.response_format, None | Some(serde_json::Value::Null))
-            && req
-                .response_format
-                .as_ref()
-                .and_then(|f| f.get("type"))
-                .and_then(|t| t.as_str())
-                != Some("text"),
-    )?;
+    req.common.grammar(req.response_format.as_ref())?;
     v::check_at_least("max_tokens", 1, req.max_tokens)?;
     req.common.check(req.max_tokens, "max_tokens")?;
     let prompts = match &req.prompt {
