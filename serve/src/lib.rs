@@ -4,7 +4,9 @@
 //! and the engine thread that owns the model. It never touches a tensor: requests are lowered to
 //! token ids and sampling values (`generation::PreparedRequest`) and sent over channels to one
 //! engine thread (`engine`); model math and decoding live in `dflash-models`, tokenizers and chat
-//! templates in `dflash-common`.
+//! templates in `dflash-common`. Structured output (`grammar`) compiles a request's grammar with
+//! llguidance into a `dflash_models::speculative::Constraint` the engine applies at every tree
+//! node.
 
 pub mod cli;
 pub mod config;
