@@ -23,6 +23,12 @@ use candle_core::{DType, Device};
 use crate::layers::ops::OpsMode;
 
 #[cfg(feature = "cuda")]
+mod adamw;
+mod adamw_consts;
+#[cfg(feature = "cuda")]
+pub use adamw::{adamw_step, SUMSQ_BLOCKS};
+pub use adamw_consts::AdamWConsts;
+#[cfg(feature = "cuda")]
 mod argmax;
 #[cfg(feature = "cuda")]
 pub use argmax::argmax_logprob;
@@ -50,7 +56,11 @@ pub use kernels::{
 #[cfg(feature = "cuda")]
 mod launch;
 #[cfg(feature = "cuda")]
+mod linear_ce;
+#[cfg(feature = "cuda")]
 pub use launch::{device_address, upload_i64, upload_u32};
+#[cfg(feature = "cuda")]
+pub use linear_ce::ce_rows_in_place;
 #[cfg(feature = "cuda")]
 mod gemv;
 #[cfg(feature = "cuda")]

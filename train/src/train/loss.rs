@@ -95,6 +95,24 @@ pub fn weighted_cross_entropy(
     (picked * weights)?.sum_all()? * (-1.0 / total_weight)
 }
 
+/// As [`weighted_cross_entropy`] of `head`'s logits over `hidden: [n, h]` (the drafter's
+/// final hidden states of the label rows), fused: the logits exist one row chunk at a time and
+/// the frozen head gets no gradient. Returns the loss and each row's argmax (u32).
+pub fn fused_weighted_cross_entropy(
+    hidden: &Tensor,
+    head: &Tensor,
+    targets: &BlockTargets,
+    total_weight: f64,
+    device: &Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let n = targets.labels.len();
+    let labels = Tensor::from_slice(&targets.labels, n, device)?;
+    let weights = Tensor::from_slice(&targets.weights, n, device)?;
+    let ce = dflash_models::training::linear_ce::linear_cross_entropy(hidden, head, &labels)?;
+    let loss = ((ce.loss * weights)?.sum_all()? * (1.0 / total_weight))?;
+    Ok((loss, ce.argmax))
+}
+
 /// Top-1 hits and acceptance streaks of one batch, from the argmax of its logits.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Hits {

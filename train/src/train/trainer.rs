@@ -29,7 +29,7 @@ use super::resume;
 use super::setup;
 use super::target::Target;
 use super::window::{describe, MfuBasis, Stage, StageClock, Window};
-use super::{DeviceSpec, SaveDtype, TrainArgs};
+use super::{DeviceSpec, HeadLoss, SaveDtype, TrainArgs};
 use crate::observe::Reporter;
 
 /// What a finished (or deliberately stopped) run reports.
@@ -172,7 +172,18 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
     );
     setup::warn_on_last_layer_tap(&cfg, &target_cfg);
 
-    let workers = target.load_workers(&args.target_devices, args.compute_dtype, args.max_len)?;
+    let last_tap = *cfg
+        .target_layer_ids
+        .iter()
+        .max()
+        .expect("a drafter config has taps");
+    let workers = target.load_workers(
+        &args.target_devices,
+        args.compute_dtype,
+        args.max_len,
+        last_tap,
+        &drafter_device,
+    )?;
     let parts = target.embeddings_and_head(&workers, dtype, &drafter_device, args.max_len)?;
     let periodic = match (&args.eval_prompts, args.eval_every) {
         (Some(prompts), every) if every > 0 => Some(PeriodicEval::start(
@@ -316,10 +327,12 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         let mut predicted_parts = Vec::with_capacity(batches.len());
         let mut step_tokens = 0;
         for (bt, (anchors, targets)) in batches.iter().zip(&prepared) {
+            // One upload per batch (none when the worker shares the device), then views.
+            let all = bt.features.to_device(drafter.device())?;
             let feats = bt
                 .seqs
                 .iter()
-                .map(|s| s.features.to_device(drafter.device()))
+                .map(|s| all.narrow(0, s.rows.start, s.rows.len()))
                 .collect::<candle_core::Result<Vec<_>>>()?;
             clock.lap(Stage::H2d)?;
             let seqs: Vec<TrainSequence<'_>> = bt
@@ -337,10 +350,25 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             window.target_s += bt.target_s;
             let hidden = drafter.train_hidden(&seqs)?;
             let rows = Tensor::new(targets.rows.as_slice(), drafter.device())?;
-            let logits = drafter.lm_head(&hidden.index_select(&rows, 0)?)?;
-            let loss =
-                loss::weighted_cross_entropy(&logits, targets, total_weight, drafter.device())?;
-            predicted_parts.push(logits.argmax(D::Minus1)?);
+            let hidden = hidden.index_select(&rows, 0)?;
+            let loss = match args.head_loss {
+                HeadLoss::Fused => {
+                    let (loss, predicted) = loss::fused_weighted_cross_entropy(
+                        &hidden,
+                        &parts.lm_head,
+                        targets,
+                        total_weight,
+                        drafter.device(),
+                    )?;
+                    predicted_parts.push(predicted);
+                    loss
+                }
+                HeadLoss::Composed => {
+                    let logits = drafter.lm_head(&hidden)?;
+                    predicted_parts.push(logits.argmax(D::Minus1)?);
+                    loss::weighted_cross_entropy(&logits, targets, total_weight, drafter.device())?
+                }
+            };
             clock.lap(Stage::Forward)?;
             let store = loss.backward()?;
             for (i, (_, var)) in opt.params.iter().enumerate() {
@@ -351,7 +379,9 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                     });
                 }
             }
-            loss_parts.push(loss.to_dtype(DType::F32)?);
+            // Detached: a clone would keep this micro-batch's whole graph alive until the
+            // step's read-back (`to_dtype` to the same dtype is a clone).
+            loss_parts.push(loss.detach().to_dtype(DType::F32)?);
             clock.lap(Stage::Backward)?;
         }
         let step_loss = Tensor::stack(&loss_parts, 0)?
