@@ -15,6 +15,7 @@ fn main() {
         "attn_prefill.cu",
         "linear_ce.cu",
         "adamw.cu",
+        "attn_dflash.cu",
         "common.cuh",
     ] {
         println!("cargo:rerun-if-changed=src/cuda/{f}");
@@ -43,6 +44,7 @@ fn main() {
         ("attn_prefill.cu", "attn_prefill.ptx"),
         ("linear_ce.cu", "linear_ce.ptx"),
         ("adamw.cu", "adamw.ptx"),
+        ("attn_dflash.cu", "attn_dflash.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])

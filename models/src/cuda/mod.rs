@@ -34,6 +34,10 @@ mod argmax;
 pub use argmax::argmax_logprob;
 #[cfg(feature = "cuda")]
 mod attn_decode;
+#[cfg(feature = "cuda")]
+mod attn_dflash;
+#[cfg(feature = "cuda")]
+pub use attn_dflash::dflash_attention_fwd;
 mod attn_plan;
 #[cfg(feature = "cuda")]
 pub use attn_decode::{fused_attention, fused_attention_fits, FUSED_ATTN_MAX_TOKENS};

@@ -10,7 +10,8 @@
 //! With `--pooled` it runs only the paged-pool checks (`gpu_check/pooled.rs`).
 //!
 //! With `--train` it runs only the training engine's checks (`gpu_check/train.rs`): fused
-//! linear + cross-entropy and the flat AdamW against the trainer's candle path.
+//! linear + cross-entropy and the flat AdamW against the trainer's candle path
+//! (`gpu_check/train.rs`), and the DFlash attention forward (`gpu_check/train_attn.rs`).
 //!
 //! With `--hybrid` it runs only the hybrid-target checks and the Qwen3.6-27B-shaped benchmark
 //! (see `gpu_check/hybrid.rs`).
@@ -21,6 +22,8 @@ mod hybrid;
 mod pooled;
 #[path = "gpu_check/train.rs"]
 mod train;
+#[path = "gpu_check/train_attn.rs"]
+mod train_attn;
 
 use anyhow::{Context, Result};
 
@@ -148,7 +151,12 @@ fn main() -> Result<()> {
     let mut report = serde_json::Map::new();
     if args.iter().any(|a| a == "--train") {
         let t = train::run(&dev)?;
-        let out = json!({ "train": t }).to_string();
+        let a = if dev.is_cuda() {
+            train_attn::run(&dev)?
+        } else {
+            json!("the DFlash attention kernel is CUDA only")
+        };
+        let out = json!({ "train": t, "attention": a }).to_string();
         if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
             std::fs::write(path, &out)?;
         }
