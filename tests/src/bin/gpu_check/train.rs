@@ -5,9 +5,11 @@
 //!    hidden states and a random head of the Qwen3 vocabulary (151,936 columns, so the fused
 //!    path runs several row chunks), in f32 and bf16: the loss, the argmax and the gradient of
 //!    the hidden states. Tolerances: f32 loss 1e-5 relative and gradient 1e-4 of its largest
-//!    entry (summation order only); bf16 loss 1e-3 relative, argmax agreement 99% (ties
-//!    between bf16 logits), gradient 2e-2 of its largest entry (the gradient of the logits is
-//!    rounded to bf16 before the row weight here, after it there). Then the time of a forward
+//!    entry (summation order only); bf16 loss 1e-3 relative, gradient 2e-2 of its largest
+//!    entry (the gradient of the logits is rounded to bf16 before the row weight here, after
+//!    it there); in both the fused argmax must hold its row's maximum logit (the bf16 rows tie
+//!    there often, and the two argmaxes may pick different columns of a tie: seen on the
+//!    H200, 97-98% plain agreement in bf16, 100% in f32). Then the time of a forward
 //!    + backward at the recipe's size (7,680 label rows, hidden 4096, bf16) for both, and the
 //!    device memory each keeps alive between forward and backward.
 //! 2. The flat multi-tensor AdamW (`dflash_models::training::adamw`) against `dflash-train`'s
@@ -120,26 +122,38 @@ fn linear_ce_parity(
         .filter(|(x, y)| **x == *y)
         .count() as f64
         / rows as f64;
+    // bf16 logits tie often at a row's maximum (8 mantissa bits over 151,936 columns), and
+    // candle's argmax does not promise the lowest column: what must hold is that the fused
+    // argmax holds the row's maximum logit.
+    let logits = h.as_tensor().matmul(&head.t()?)?.to_dtype(DType::F32)?;
+    let at_argmax = logits.gather(&b.argmax.unsqueeze(1)?, 1)?.squeeze(1)?;
+    let row_max = logits.max(D::Minus1)?;
+    let holds_max = at_argmax
+        .eq(&row_max)?
+        .to_dtype(DType::F32)?
+        .mean_all()?
+        .to_scalar::<f32>()? as f64;
     let grad_rel = max_abs(&a.grad, &b.grad)? / abs_max(&a.grad)?.max(1e-30);
     // A wrong label on one row must show: the check is not blind.
     let mut wrong = t.clone();
     wrong.labels[0] = (wrong.labels[0] + 1) % vocab as u32;
     let w = ce_fused(&h, &head, &wrong, total)?;
     let wrong_grad_rel = max_abs(&a.grad, &w.grad)? / abs_max(&a.grad)?.max(1e-30);
-    let (loss_tol, agree_tol, grad_tol) = match dtype {
-        DType::F32 => (1e-5, 1.0, 1e-4),
-        _ => (1e-3, 0.99, 2e-2),
+    let (loss_tol, grad_tol) = match dtype {
+        DType::F32 => (1e-5, 1e-4),
+        _ => (1e-3, 2e-2),
     };
     let pass = loss_rel <= loss_tol
-        && agree >= agree_tol
+        && holds_max == 1.0
         && (grad_rel as f64) <= grad_tol
         && (wrong_grad_rel as f64) > grad_tol;
     Ok(json!({
         "dtype": format!("{dtype:?}"), "rows": rows, "hidden": hidden, "vocab": vocab,
         "loss_composed": la, "loss_fused": lb, "loss_rel_err": loss_rel,
-        "argmax_agreement": agree, "grad_rel_err": grad_rel,
+        "argmax_agreement": agree, "fused_argmax_holds_row_max": holds_max,
+        "grad_rel_err": grad_rel,
         "wrong_label_grad_rel_err": wrong_grad_rel,
-        "tolerances": {"loss_rel": loss_tol, "argmax_agreement": agree_tol, "grad_rel": grad_tol},
+        "tolerances": {"loss_rel": loss_tol, "fused_argmax_holds_row_max": 1.0, "grad_rel": grad_tol},
         "pass": pass,
     }))
 }
@@ -318,8 +332,8 @@ pub fn run(dev: &Device) -> Result<Value> {
         println!("{key} {v}");
         report.insert(key, v);
     };
-    // The Qwen3 vocabulary on the GPU (several row chunks); a small one on the CPU.
-    let vocab = if dev.is_cpu() { 3000 } else { VOCAB };
+    // The Qwen3 vocabulary: several row chunks, and bf16 ties at the row maximum.
+    let vocab = VOCAB;
     for (dtype, rows, hidden) in [
         (DType::F32, 1000, 256),
         (DType::BF16, 1000, 256),
