@@ -196,16 +196,21 @@ impl Target {
     }
 
     /// One frozen target per `--target-devices` entry (fused kernels, no gradients), cut
-    /// after `last_tap` (the deepest tapped layer: the layers after it would only be
-    /// computed and thrown away). A worker on `drafter`'s device keeps its features there.
+    /// after the deepest of `taps` (the layers after it would only be computed and thrown
+    /// away). A worker on `drafter`'s device keeps its features there.
     pub fn load_workers(
         &self,
         devices: &[DeviceSpec],
         compute: ComputeDtype,
         max_positions: usize,
-        last_tap: usize,
+        taps: &[usize],
         drafter: &Device,
     ) -> TrainResult<Vec<TargetWorker>> {
+        let last_tap = taps
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(self.config.num_hidden_layers - 1);
         devices
             .iter()
             .map(|spec| {

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Tensor};
 use dflash_models::TrainSequence;
 use serde_json::{json, Map, Value};
 
@@ -29,7 +29,7 @@ use super::resume;
 use super::setup;
 use super::target::Target;
 use super::window::{describe, MfuBasis, Stage, StageClock, Window};
-use super::{DeviceSpec, HeadLoss, SaveDtype, TrainArgs};
+use super::{DeviceSpec, SaveDtype, TrainArgs};
 use crate::observe::Reporter;
 
 /// What a finished (or deliberately stopped) run reports.
@@ -172,16 +172,11 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
     );
     setup::warn_on_last_layer_tap(&cfg, &target_cfg);
 
-    let last_tap = *cfg
-        .target_layer_ids
-        .iter()
-        .max()
-        .expect("a drafter config has taps");
     let workers = target.load_workers(
         &args.target_devices,
         args.compute_dtype,
         args.max_len,
-        last_tap,
+        &cfg.target_layer_ids,
         &drafter_device,
     )?;
     let parts = target.embeddings_and_head(&workers, dtype, &drafter_device, args.max_len)?;
@@ -351,24 +346,15 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             let hidden = drafter.train_hidden(&seqs)?;
             let rows = Tensor::new(targets.rows.as_slice(), drafter.device())?;
             let hidden = hidden.index_select(&rows, 0)?;
-            let loss = match args.head_loss {
-                HeadLoss::Fused => {
-                    let (loss, predicted) = loss::fused_weighted_cross_entropy(
-                        &hidden,
-                        &parts.lm_head,
-                        targets,
-                        total_weight,
-                        drafter.device(),
-                    )?;
-                    predicted_parts.push(predicted);
-                    loss
-                }
-                HeadLoss::Composed => {
-                    let logits = drafter.lm_head(&hidden)?;
-                    predicted_parts.push(logits.argmax(D::Minus1)?);
-                    loss::weighted_cross_entropy(&logits, targets, total_weight, drafter.device())?
-                }
-            };
+            let (loss, predicted) = loss::head_cross_entropy(
+                args.head_loss,
+                &hidden,
+                drafter,
+                &parts.lm_head,
+                targets,
+                total_weight,
+            )?;
+            predicted_parts.push(predicted);
             clock.lap(Stage::Forward)?;
             let store = loss.backward()?;
             for (i, (_, var)) in opt.params.iter().enumerate() {
