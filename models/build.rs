@@ -13,6 +13,9 @@ fn main() {
         "argmax.cu",
         "attn_decode.cu",
         "attn_prefill.cu",
+        "linear_ce.cu",
+        "adamw.cu",
+        "attn_dflash.cu",
         "common.cuh",
     ] {
         println!("cargo:rerun-if-changed=src/cuda/{f}");
@@ -39,6 +42,9 @@ fn main() {
         ("argmax.cu", "argmax.ptx"),
         ("attn_decode.cu", "attn_decode.ptx"),
         ("attn_prefill.cu", "attn_prefill.ptx"),
+        ("linear_ce.cu", "linear_ce.ptx"),
+        ("adamw.cu", "adamw.ptx"),
+        ("attn_dflash.cu", "attn_dflash.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])

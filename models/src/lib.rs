@@ -13,7 +13,9 @@
 //! - [`cuda`]: the fused kernels, the fused decoder-layer stack, CUDA-graph capture/replay;
 //! - a folder per model: [`qwen3`], [`qwen3_5`] (hybrids, dense and MoE, with the MTP head),
 //!   [`dflash`] (inference, CUDA block, training forward); [`target`]: the verifier enum;
-//! - [`speculative`]: draft trees, the acceptance walk, sampling, proposers, the engine.
+//! - [`speculative`]: draft trees, the acceptance walk, sampling, proposers, the engine;
+//! - [`training`]: the training engine's pieces (fused linear + cross-entropy over the frozen
+//!   head, multi-tensor AdamW on flat buffers), CPU references beside their kernels.
 
 pub mod batch;
 pub mod cache;
@@ -28,6 +30,7 @@ pub mod random;
 pub mod speculative;
 pub mod taps;
 pub mod target;
+pub mod training;
 
 pub use batch::{ForwardOutput, SeqForward};
 pub use cache::{SequenceCache, PAGE_SIZE};

@@ -131,6 +131,34 @@ fn resumed_run_ends_with_the_weights_of_an_uninterrupted_one() {
     std::fs::remove_dir_all(&b).unwrap();
 }
 
+/// The fused head loss (the default) trains as candle's composition does: the same losses
+/// over six steps to 1e-5 relative (f32: they differ in summation order only), so the gradient
+/// it feeds back through the drafter is the composition's too.
+#[test]
+fn fused_and_composed_head_losses_train_alike() {
+    let (a, b) = (scratch("head-fused"), scratch("head-composed"));
+    let steps = ["--max-steps", "6", "--save-every", "1000", "--lr", "2e-3"];
+    let fused = train(&tiny_run(
+        &a,
+        &[&steps[..], &["--head-loss", "fused"]].concat(),
+    ))
+    .unwrap();
+    let composed = train(&tiny_run(
+        &b,
+        &[&steps[..], &["--head-loss", "composed"]].concat(),
+    ))
+    .unwrap();
+    assert_eq!(fused.losses.len(), 6);
+    for ((s, x), (_, y)) in fused.losses.iter().zip(&composed.losses) {
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs(),
+            "step {s}: fused {x} vs composed {y}"
+        );
+    }
+    std::fs::remove_dir_all(&a).unwrap();
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
 fn jsonl(path: &Path, kind: &str) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
         .unwrap()

@@ -23,11 +23,21 @@ use candle_core::{DType, Device};
 use crate::layers::ops::OpsMode;
 
 #[cfg(feature = "cuda")]
+mod adamw;
+mod adamw_consts;
+#[cfg(feature = "cuda")]
+pub use adamw::{adamw_step, SUMSQ_BLOCKS};
+pub use adamw_consts::AdamWConsts;
+#[cfg(feature = "cuda")]
 mod argmax;
 #[cfg(feature = "cuda")]
 pub use argmax::argmax_logprob;
 #[cfg(feature = "cuda")]
 mod attn_decode;
+#[cfg(feature = "cuda")]
+mod attn_dflash;
+#[cfg(feature = "cuda")]
+pub use attn_dflash::dflash_attention_fwd;
 mod attn_plan;
 #[cfg(feature = "cuda")]
 pub use attn_decode::{fused_attention, fused_attention_fits, FUSED_ATTN_MAX_TOKENS};
@@ -50,7 +60,11 @@ pub use kernels::{
 #[cfg(feature = "cuda")]
 mod launch;
 #[cfg(feature = "cuda")]
+mod linear_ce;
+#[cfg(feature = "cuda")]
 pub use launch::{device_address, upload_i64, upload_u32};
+#[cfg(feature = "cuda")]
+pub use linear_ce::ce_rows_in_place;
 #[cfg(feature = "cuda")]
 mod gemv;
 #[cfg(feature = "cuda")]

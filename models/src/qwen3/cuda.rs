@@ -296,7 +296,7 @@ impl Qwen3Model {
             gemv_rows: self.gemv_rows(),
         };
         let x = self.embed_weight().index_select(ids, 0)?;
-        let mut tapped = TapCollector::new(taps, self.layers.len());
+        let mut tapped = TapCollector::new(taps, self.cfg.num_hidden_layers);
         let h = stack.run(x, positions, &seqs, &mut tapped)?;
         let parts = tapped.parts(Some(&h))?;
         Ok((h, parts))

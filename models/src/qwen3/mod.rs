@@ -186,6 +186,23 @@ impl Qwen3Model {
         Ok(self)
     }
 
+    /// The model cut after decoder layer `last` (0-based): forwards run layers `0..=last`
+    /// only, for a consumer of taps at or below `last` (the trainer's target: the recipe taps
+    /// layer 33 of Qwen3-8B's 36, so three layers would be computed and thrown away). Taps
+    /// keep their meaning ([`crate::taps`]: a tap on layer `last` is its raw output unless
+    /// `last` is the model's true last layer), caches hold the kept layers, and a forward
+    /// asking for logits is refused.
+    pub fn stop_after_layer(mut self, last: usize) -> ModelResult<Self> {
+        if last >= self.cfg.num_hidden_layers {
+            return Err(ModelError::BadInput(format!(
+                "cannot stop after layer {last}: the model has {} layers",
+                self.cfg.num_hidden_layers
+            )));
+        }
+        self.layers.truncate(last + 1);
+        Ok(self.fresh_graphs())
+    }
+
     /// Whether [`crate::cuda`]'s fused kernels can run this model.
     pub fn fast_kernels_available(&self) -> bool {
         crate::cuda::available(&self.device, self.dtype, self.cfg.head_dim, self.mode)
@@ -277,7 +294,7 @@ impl Qwen3Model {
     /// Bytes of K/V one cached row takes across every layer (what a cache of `capacity` rows
     /// allocates per row), for sizing a K/V budget from device memory.
     pub fn kv_bytes_per_row(&self) -> usize {
-        self.cfg.num_hidden_layers
+        self.layers.len()
             * 2
             * self.cfg.num_key_value_heads
             * self.cfg.head_dim
@@ -287,7 +304,7 @@ impl Qwen3Model {
     /// A K/V pool of `pages` pages of [`crate::cache::PAGE_SIZE`] rows for every layer.
     pub fn new_kv_pool(&self, pages: usize) -> ModelResult<crate::cache::KvPool> {
         Ok(crate::cache::KvPool::new(
-            self.cfg.num_hidden_layers,
+            self.layers.len(),
             self.cfg.num_key_value_heads,
             self.cfg.head_dim,
             pages,
@@ -324,13 +341,13 @@ impl Qwen3Model {
         prefix: &[u32],
         rows: usize,
     ) -> ModelResult<SequenceCache> {
-        let kinds = vec![None; self.cfg.num_hidden_layers];
+        let kinds = vec![None; self.layers.len()];
         SequenceCache::new_paged_after(pool, kinds, capacity, 0, prefix, rows)
     }
 
     pub fn new_cache(&self, capacity: usize) -> ModelResult<SequenceCache> {
         Ok(SequenceCache::new_attention(
-            self.cfg.num_hidden_layers,
+            self.layers.len(),
             self.cfg.num_key_value_heads,
             self.cfg.head_dim,
             capacity,
@@ -357,6 +374,15 @@ impl Qwen3Model {
     }
 
     fn check(&self, batch: &[SeqForward<'_>], taps: &[usize]) -> ModelResult<()> {
+        if self.layers.len() < self.cfg.num_hidden_layers
+            && batch.iter().any(|s| !s.logit_rows.is_empty())
+        {
+            return Err(ModelError::BadInput(format!(
+                "this target stops after layer {} of {} (taps only): it has no logits",
+                self.layers.len() - 1,
+                self.cfg.num_hidden_layers
+            )));
+        }
         check_batch(
             batch,
             taps,
@@ -408,7 +434,7 @@ impl Qwen3Model {
         let (cos, sin) = self.rope.gather(&positions)?;
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
         let mut x = self.embed(&all_tokens)?;
-        let mut tapped = TapCollector::new(taps, self.layers.len());
+        let mut tapped = TapCollector::new(taps, self.cfg.num_hidden_layers);
         for (li, layer) in self.layers.iter().enumerate() {
             let h = layer.input_norm(&x)?;
             let (q, k, v) = layer.qkv(&h, &cos, &sin)?;
@@ -468,3 +494,6 @@ impl Qwen3Model {
         Ok(rms_norm(x, &self.norm, self.cfg.rms_norm_eps, self.mode)?)
     }
 }
+
+#[cfg(test)]
+mod tests;

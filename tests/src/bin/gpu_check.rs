@@ -5,9 +5,13 @@
 //! The Qwen3-8B-shaped speed figures that used to live here moved to `dflash-serve bench`
 //! (serve/src/bench/, deploy/bench/README.md), which also checks the fused CUDA kernels.
 //!
-//! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid | --pooled]
+//! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid | --pooled | --train]
 //!
 //! With `--pooled` it runs only the paged-pool checks (`gpu_check/pooled.rs`).
+//!
+//! With `--train` it runs only the training engine's checks (`gpu_check/train.rs`): fused
+//! linear + cross-entropy and the flat AdamW against the trainer's candle path
+//! (`gpu_check/train.rs`), and the DFlash attention forward (`gpu_check/train_attn.rs`).
 //!
 //! With `--hybrid` it runs only the hybrid-target checks and the Qwen3.6-27B-shaped benchmark
 //! (see `gpu_check/hybrid.rs`).
@@ -16,6 +20,10 @@
 mod hybrid;
 #[path = "gpu_check/pooled.rs"]
 mod pooled;
+#[path = "gpu_check/train.rs"]
+mod train;
+#[path = "gpu_check/train_attn.rs"]
+mod train_attn;
 
 use anyhow::{Context, Result};
 
@@ -141,6 +149,20 @@ fn main() -> Result<()> {
         _ => Device::new_cuda(0)?,
     };
     let mut report = serde_json::Map::new();
+    if args.iter().any(|a| a == "--train") {
+        let t = train::run(&dev)?;
+        let a = if dev.is_cuda() {
+            train_attn::run(&dev)?
+        } else {
+            json!("the DFlash attention kernel is CUDA only")
+        };
+        let out = json!({ "train": t, "attention": a }).to_string();
+        if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
+            std::fs::write(path, &out)?;
+        }
+        println!("{out}");
+        return Ok(());
+    }
     if args.iter().any(|a| a == "--pooled") {
         let p = pooled::run(&dev)?;
         let out = json!({ "pooled": p }).to_string();

@@ -12,6 +12,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use super::dataset::Example;
+use super::HeadLoss;
+use dflash_models::DFlashDrafter;
 
 /// gamma for the published block sizes (7 for 16; 5 for 10 and 4 for 8 as SpecForge
 /// suggests), and `7 * B / 16` otherwise.
@@ -93,6 +95,47 @@ pub fn weighted_cross_entropy(
     let logp = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
     let picked = logp.gather(&labels, 1)?.squeeze(1)?;
     (picked * weights)?.sum_all()? * (-1.0 / total_weight)
+}
+
+/// As [`weighted_cross_entropy`] of `head`'s logits over `hidden: [n, h]` (the drafter's
+/// final hidden states of the label rows), fused: the logits exist one row chunk at a time and
+/// the frozen head gets no gradient. Returns the loss and each row's argmax (u32).
+pub fn fused_weighted_cross_entropy(
+    hidden: &Tensor,
+    head: &Tensor,
+    targets: &BlockTargets,
+    total_weight: f64,
+    device: &Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let n = targets.labels.len();
+    let labels = Tensor::from_slice(&targets.labels, n, device)?;
+    let weights = Tensor::from_slice(&targets.weights, n, device)?;
+    let ce = dflash_models::training::linear_ce::linear_cross_entropy(hidden, head, &labels)?;
+    let loss = ((ce.loss * weights)?.sum_all()? * (1.0 / total_weight))?;
+    Ok((loss, ce.argmax))
+}
+
+/// The loss of one micro-batch's label rows `hidden: [n, h]` (the drafter's final hidden
+/// states) under `kind`, and each row's argmax (u32): fused over the frozen `head`, or the
+/// composition of the drafter's head and [`weighted_cross_entropy`].
+pub fn head_cross_entropy(
+    kind: HeadLoss,
+    hidden: &Tensor,
+    drafter: &DFlashDrafter,
+    head: &Tensor,
+    targets: &BlockTargets,
+    total_weight: f64,
+) -> dflash_models::ModelResult<(Tensor, Tensor)> {
+    let dev = drafter.device();
+    Ok(match kind {
+        HeadLoss::Fused => fused_weighted_cross_entropy(hidden, head, targets, total_weight, dev)?,
+        HeadLoss::Composed => {
+            let logits = drafter.lm_head(hidden)?;
+            let predicted = logits.argmax(D::Minus1)?;
+            let loss = weighted_cross_entropy(&logits, targets, total_weight, dev)?;
+            (loss, predicted)
+        }
+    })
 }
 
 /// Top-1 hits and acceptance streaks of one batch, from the argmax of its logits.

@@ -66,14 +66,58 @@ impl std::fmt::Display for DeviceSpec {
 }
 
 impl DeviceSpec {
+    /// The device, opened once per process and GPU: every flag naming `cuda:N` gets the same
+    /// candle device (one id), so tensors of the target workers and the trainer on one GPU
+    /// can be shared (the embedding and head, the tapped features) instead of copied.
+    /// (`Device::new_cuda` called twice gives two devices with different ids.)
     pub fn open(&self, flag: &'static str) -> TrainResult<candle_core::Device> {
+        use std::collections::HashMap;
+        use std::sync::{Mutex, OnceLock};
+        static OPENED: OnceLock<Mutex<HashMap<usize, candle_core::Device>>> = OnceLock::new();
         match self {
             Self::Cpu => Ok(candle_core::Device::Cpu),
-            Self::Cuda(i) => candle_core::Device::new_cuda(*i).map_err(|e| TrainError::Flag {
-                flag,
-                message: format!("cannot open cuda:{i}: {e}"),
-            }),
+            Self::Cuda(i) => {
+                let mut opened = OPENED
+                    .get_or_init(Default::default)
+                    .lock()
+                    .expect("device table lock");
+                if let Some(d) = opened.get(i) {
+                    return Ok(d.clone());
+                }
+                let d = candle_core::Device::new_cuda(*i).map_err(|e| TrainError::Flag {
+                    flag,
+                    message: format!("cannot open cuda:{i}: {e}"),
+                })?;
+                #[cfg(feature = "cuda")]
+                keep_freed_memory(&d).map_err(|message| TrainError::Flag { flag, message })?;
+                opened.insert(*i, d.clone());
+                Ok(d)
+            }
         }
+    }
+}
+
+/// Keeps memory freed into the device's default pool (what candle allocates from, with
+/// `cuMemAllocAsync`) instead of giving it back to the driver at every synchronisation: the
+/// pool's release threshold is 0 by default, so each step would map its tens of GB again.
+/// The pool then holds the run's high-water mark, as PyTorch's caching allocator does.
+#[cfg(feature = "cuda")]
+fn keep_freed_memory(d: &candle_core::Device) -> Result<(), String> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    let candle_core::Device::Cuda(cd) = d else {
+        return Ok(());
+    };
+    let dev = cd.cuda_stream().context().cu_device();
+    let mut threshold = u64::MAX;
+    // SAFETY: `dev` comes from a live context; the attribute takes a u64 (cuda docs).
+    unsafe {
+        let pool = result::device::get_default_mem_pool(dev).map_err(|e| e.to_string())?;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .map_err(|e| format!("cannot keep freed memory in the pool: {e}"))
     }
 }
 
@@ -83,6 +127,16 @@ pub enum ComputeDtype {
     Auto,
     F32,
     Bf16,
+}
+
+/// How the LM head's cross-entropy is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum HeadLoss {
+    /// Fused linear + cross-entropy in row chunks (`dflash_models::training::linear_ce`): no
+    /// `[rows, vocab]` tensor kept, no gradient for the frozen head.
+    Fused,
+    /// candle's composition (head matmul, f32 log-softmax, autograd): the reference.
+    Composed,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -177,6 +231,10 @@ pub struct TrainArgs {
     /// Loss decay gamma in exp(-(k-1)/gamma) [default: 7 for B=16, scaled for other B].
     #[arg(long, help_heading = "Objective")]
     pub loss_gamma: Option<f64>,
+    /// How the head's cross-entropy runs: fused (chunked, no head gradient) or composed
+    /// (candle autograd; the reference it is checked against).
+    #[arg(long, value_enum, default_value_t = HeadLoss::Fused, help_heading = "Objective")]
+    pub head_loss: HeadLoss,
 
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 4, help_heading = "Optimisation")]

@@ -125,4 +125,83 @@ mod tests {
             "{w:?}"
         );
     }
+
+    /// The engine's flat AdamW (its host reference, which the GPU check compares the kernels
+    /// with) against this AdamW driven as the trainer drives it: global norm, clip to 1.0,
+    /// skip on a non-finite gradient. Over steps with small, clipped and NaN gradients and
+    /// weight decay, the weights agree to 1e-6 (both are f32 with the same constants; only
+    /// the norm's summation order differs) and the skip leaves the state untouched.
+    #[test]
+    fn flat_adamw_matches_this_adamw_with_clipping_and_skips() {
+        use dflash_models::training::adamw::{flatten, FlatAdamW, FlatAdamWConfig};
+        let cpu = Device::Cpu;
+        let shapes: [&[usize]; 3] = [&[3, 4], &[5], &[2, 2, 2]];
+        let init: Vec<Tensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let n: usize = s.iter().product();
+                let v: Vec<f32> = (0..n).map(|j| ((i * 7 + j) as f32 * 0.37).sin()).collect();
+                Tensor::from_vec(v, *s, &cpu).unwrap()
+            })
+            .collect();
+        let cfg = AdamWConfig {
+            weight_decay: 0.01,
+            ..AdamWConfig::default()
+        };
+        let vars = init
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (format!("p{i}"), Var::from_tensor(t).unwrap()))
+            .collect();
+        let mut reference = AdamW::new(cfg, vars).unwrap();
+        let mut flat = FlatAdamW::new(
+            FlatAdamWConfig {
+                weight_decay: 0.01,
+                clip: 1.0,
+                ..FlatAdamWConfig::default()
+            },
+            &init,
+            None,
+        )
+        .unwrap();
+        // Gradient scales: small (no clip), large (clipped), NaN (skipped), small again.
+        for (step, scale) in [0.05f32, 30.0, f32::NAN, 0.2].into_iter().enumerate() {
+            let grads: Vec<Tensor> = init
+                .iter()
+                .map(|t| {
+                    let n = t.elem_count();
+                    let v: Vec<f32> = (0..n)
+                        .map(|j| scale * ((step * 13 + j) as f32 * 0.91).cos())
+                        .collect();
+                    Tensor::from_vec(v, t.shape(), &cpu).unwrap()
+                })
+                .collect();
+            let lr = 1e-2 * (step + 1) as f64;
+            let norm = global_norm(&grads).unwrap();
+            if norm.is_finite() {
+                let s = if norm > 1.0 { 1.0 / (norm + 1e-6) } else { 1.0 };
+                let clipped: Vec<Tensor> = grads.iter().map(|g| (g * s).unwrap()).collect();
+                reference.step(&clipped, lr).unwrap();
+            }
+            flat.step(&flatten(&grads).unwrap(), None, lr).unwrap();
+            let st = flat.read_state().unwrap();
+            assert_eq!(st.last_ran, norm.is_finite(), "step {step}");
+            assert_eq!(st.steps, reference.t, "step {step}");
+            for (a, (_, b)) in flat.master_views().unwrap().iter().zip(&reference.params) {
+                let d = (a - b.as_tensor())
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .max(0)
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert!(d < 1e-6, "step {step}: {d}");
+            }
+        }
+        assert_eq!(flat.read_state().unwrap().skipped, 1);
+    }
 }

@@ -4,7 +4,8 @@
 //!
 //! Backpressure: the dispatcher takes one credit per sequence before it hands a batch to a
 //! worker and the trainer gives them back when it takes the batch, so at most `max_depth`
-//! sequences are in flight or waiting (features live on the host, in the target's dtype).
+//! sequences are in flight or waiting (features in the target's dtype: on the host, or on the
+//! GPU when the worker shares the drafter's device, so they never make a round trip).
 //! Workers finish batches out of order; the buffer reorders them by batch index, which keeps a
 //! run deterministic whatever the number of workers.
 
@@ -23,13 +24,18 @@ use super::error::{TrainError, TrainResult};
 /// One sequence of a computed batch.
 pub struct SeqFeatures {
     pub example: usize,
-    /// `[len, taps * hidden]` on the host.
-    pub features: Tensor,
+    /// Its rows of the batch's [`ComputedBatch::features`].
+    pub rows: std::ops::Range<usize>,
 }
 
 pub struct ComputedBatch {
     pub index: usize,
     pub seqs: Vec<SeqFeatures>,
+    /// `[Σ len, taps * hidden]`, every sequence's rows in order: on the host, or on the
+    /// drafter's device when the worker shares it (complete: the worker synchronised).
+    /// One tensor, so the trainer uploads a batch once (`to_device` of a narrowed view
+    /// copies the whole storage).
+    pub features: Tensor,
     /// Seconds the worker spent in the target forward.
     pub target_s: f64,
 }
@@ -80,14 +86,18 @@ pub struct Pipeline {
 pub struct TargetWorker {
     pub device: String,
     pub model: Qwen3Model,
+    /// Leave the features on the model's device (it is the drafter's), instead of copying
+    /// them to the host.
+    pub keep_on_device: bool,
 }
 
 fn compute(
-    model: &Qwen3Model,
+    w: &TargetWorker,
     examples: &[Example],
     ids: &[usize],
     taps: &[usize],
-) -> TrainResult<Vec<SeqFeatures>> {
+) -> TrainResult<(Tensor, Vec<SeqFeatures>)> {
+    let model = &w.model;
     let mut caches = ids
         .iter()
         .map(|&i| model.new_cache(examples[i].tokens.len()))
@@ -109,17 +119,23 @@ fn compute(
         })
         .collect();
     let out = model.forward(&mut batch, taps)?;
-    let taps = out.taps.expect("taps requested").to_device(&Device::Cpu)?;
-    ids.iter()
+    let taps = out.taps.expect("taps requested");
+    let taps = if w.keep_on_device {
+        // The trainer reads them on its own thread's stream: finish this one's work first.
+        model.device().synchronize()?;
+        taps
+    } else {
+        taps.to_device(&Device::Cpu)?
+    };
+    let seqs = ids
+        .iter()
         .enumerate()
-        .map(|(s, &example)| {
-            let (a, b) = (out.token_offsets[s], out.token_offsets[s + 1]);
-            Ok(SeqFeatures {
-                example,
-                features: taps.narrow(0, a, b - a)?,
-            })
+        .map(|(s, &example)| SeqFeatures {
+            example,
+            rows: out.token_offsets[s]..out.token_offsets[s + 1],
         })
-        .collect()
+        .collect();
+    Ok((taps, seqs))
 }
 
 impl Pipeline {
@@ -267,10 +283,11 @@ fn worker_loop(
         let job = jobs.lock().expect("job lock").recv();
         let Ok((index, ids)) = job else { return };
         let t0 = Instant::now();
-        let out = compute(&w.model, examples, &ids, taps)
-            .map(|seqs| ComputedBatch {
+        let out = compute(&w, examples, &ids, taps)
+            .map(|(features, seqs)| ComputedBatch {
                 index,
                 seqs,
+                features,
                 target_s: t0.elapsed().as_secs_f64(),
             })
             .map_err(|e| TrainError::Worker {

@@ -195,13 +195,22 @@ impl Target {
         }
     }
 
-    /// One frozen target per `--target-devices` entry (fused kernels, no gradients).
+    /// One frozen target per `--target-devices` entry (fused kernels, no gradients), cut
+    /// after the deepest of `taps` (the layers after it would only be computed and thrown
+    /// away). A worker on `drafter`'s device keeps its features there.
     pub fn load_workers(
         &self,
         devices: &[DeviceSpec],
         compute: ComputeDtype,
         max_positions: usize,
+        taps: &[usize],
+        drafter: &Device,
     ) -> TrainResult<Vec<TargetWorker>> {
+        let last_tap = taps
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(self.config.num_hidden_layers - 1);
         devices
             .iter()
             .map(|spec| {
@@ -220,20 +229,24 @@ impl Target {
                         OpsMode::Fused,
                     )?,
                 };
+                let model = model.stop_after_layer(last_tap)?;
                 // The weights were written on this thread's stream; the worker thread launches
                 // on its own, so they must be complete before it starts.
                 device.synchronize()?;
                 Ok(TargetWorker {
                     device: spec.to_string(),
+                    keep_on_device: !device.is_cpu() && device.same_device(drafter),
                     model,
                 })
             })
             .collect()
     }
 
-    /// The embedding and LM head on the drafter device. A random target shares the tensors of
-    /// a worker on the same device (no second copy of a 1.2 GB embedding); elsewhere it draws
-    /// them again (equal to the workers' on CPU for the embedding and a tied head).
+    /// The embedding and LM head on the drafter device: the tensors of a worker on the same
+    /// device when there is one (no second copy of a 1.2 GB embedding and head; devices are
+    /// opened once per GPU, see [`DeviceSpec::open`]), else loaded from the checkpoint, or for a
+    /// random target drawn again (equal to the workers' on CPU for the embedding and a tied
+    /// head).
     pub fn embeddings_and_head(
         &self,
         workers: &[TargetWorker],
@@ -241,15 +254,6 @@ impl Target {
         device: &Device,
         max_positions: usize,
     ) -> TrainResult<TargetEmbeddingsAndHead> {
-        if let Some(dir) = self.dir() {
-            return setup::load_embeddings_and_head(
-                dir,
-                &self.config,
-                dtype,
-                device,
-                max_positions,
-            );
-        }
         if let Some(w) = workers
             .iter()
             .find(|w| w.model.device().same_device(device))
@@ -260,6 +264,15 @@ impl Target {
                 lm_head: cast(w.model.lm_head_weight())?,
                 max_positions,
             });
+        }
+        if let Some(dir) = self.dir() {
+            return setup::load_embeddings_and_head(
+                dir,
+                &self.config,
+                dtype,
+                device,
+                max_positions,
+            );
         }
         let (v, h) = (self.config.vocab_size, self.config.hidden_size);
         let mut rng = self.weight_rng(device);

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Tensor};
 use dflash_models::TrainSequence;
 use serde_json::{json, Map, Value};
 
@@ -172,7 +172,13 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
     );
     setup::warn_on_last_layer_tap(&cfg, &target_cfg);
 
-    let workers = target.load_workers(&args.target_devices, args.compute_dtype, args.max_len)?;
+    let workers = target.load_workers(
+        &args.target_devices,
+        args.compute_dtype,
+        args.max_len,
+        &cfg.target_layer_ids,
+        &drafter_device,
+    )?;
     let parts = target.embeddings_and_head(&workers, dtype, &drafter_device, args.max_len)?;
     let periodic = match (&args.eval_prompts, args.eval_every) {
         (Some(prompts), every) if every > 0 => Some(PeriodicEval::start(
@@ -316,10 +322,12 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         let mut predicted_parts = Vec::with_capacity(batches.len());
         let mut step_tokens = 0;
         for (bt, (anchors, targets)) in batches.iter().zip(&prepared) {
+            // One upload per batch (none when the worker shares the device), then views.
+            let all = bt.features.to_device(drafter.device())?;
             let feats = bt
                 .seqs
                 .iter()
-                .map(|s| s.features.to_device(drafter.device()))
+                .map(|s| all.narrow(0, s.rows.start, s.rows.len()))
                 .collect::<candle_core::Result<Vec<_>>>()?;
             clock.lap(Stage::H2d)?;
             let seqs: Vec<TrainSequence<'_>> = bt
@@ -337,10 +345,16 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             window.target_s += bt.target_s;
             let hidden = drafter.train_hidden(&seqs)?;
             let rows = Tensor::new(targets.rows.as_slice(), drafter.device())?;
-            let logits = drafter.lm_head(&hidden.index_select(&rows, 0)?)?;
-            let loss =
-                loss::weighted_cross_entropy(&logits, targets, total_weight, drafter.device())?;
-            predicted_parts.push(logits.argmax(D::Minus1)?);
+            let hidden = hidden.index_select(&rows, 0)?;
+            let (loss, predicted) = loss::head_cross_entropy(
+                args.head_loss,
+                &hidden,
+                drafter,
+                &parts.lm_head,
+                targets,
+                total_weight,
+            )?;
+            predicted_parts.push(predicted);
             clock.lap(Stage::Forward)?;
             let store = loss.backward()?;
             for (i, (_, var)) in opt.params.iter().enumerate() {
@@ -351,7 +365,9 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                     });
                 }
             }
-            loss_parts.push(loss.to_dtype(DType::F32)?);
+            // Detached: a clone would keep this micro-batch's whole graph alive until the
+            // step's read-back (`to_dtype` to the same dtype is a clone).
+            loss_parts.push(loss.detach().to_dtype(DType::F32)?);
             clock.lap(Stage::Backward)?;
         }
         let step_loss = Tensor::stack(&loss_parts, 0)?

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device run: the training-engine GPU checks, then the tiny-coder-demo trainer, old vs new.
+mkdir -p /tmp/b && tar -xJf .gpu/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
+ROOT=$PWD
+cd /tmp/b
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+echo "== gpu_check --train"
+timeout 70 ./gpu_check cuda $OUT/train_check.json --train 2>&1 | grep -v "^{\"train\"" | tail -20
+echo "rc=$?"
+COMMON="train --target-model $ROOT/serve/assets/tiny-coder-demo --dataset /tmp/b/train3000.jsonl.xz --max-records 3000 --num-draft-layers 2 --target-layer-ids 0,1,2 --block-size 16 --num-anchors 256 --batch-size 32 --min-ready 64 --max-depth 128 --lr 6e-4 --max-steps 1000 --stop-after-steps 20 --log-every 10 --save-every 100000 --target-devices cuda:0 --drafter-device cuda:0"
+run() {  # name binary extra-args
+  local name=$1 bin=$2; shift 2
+  echo "== trainer $name"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 300 > $OUT/mem_$name.txt &
+  local smi=$!
+  local t0=$(( $(date +%s%N) / 1000000 ))
+  timeout 50 ./$bin $COMMON --output-dir /tmp/run_$name "$@" > $OUT/log_$name.txt 2>&1
+  local rc=$?; echo "rc=$rc wall_ms=$(( $(date +%s%N) / 1000000 - t0 ))"
+  kill $smi
+  echo "peak_mem_mib=$(sort -n $OUT/mem_$name.txt | tail -1) (idle $(head -1 $OUT/mem_$name.txt))"
+  grep '"kind":"window"' /tmp/run_$name/metrics.jsonl | tail -1 | cut -c1-900
+  grep -E "tok/s|error|Error" $OUT/log_$name.txt | tail -3 | cut -c1-400
+  cp /tmp/run_$name/metrics.jsonl $OUT/metrics_$name.jsonl 2>/dev/null
+}
+run old dflash-train-old
+run new_composed dflash-train --head-loss composed
+run new dflash-train
