@@ -3,6 +3,8 @@
 
 use super::prefill::long_prompt_piece;
 use super::*;
+use crate::batch::SeqForward;
+use crate::layers::attention::AttnPattern;
 use crate::speculative::sampling::SamplingParams;
 
 fn engine(max_context: usize) -> Engine {
