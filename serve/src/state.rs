@@ -104,7 +104,14 @@ impl ModelAssets {
             .unwrap_or(0)
             .max(tokenizer.vocab_size());
         let grammar = match (config.grammar, tokenizer.eos_token_ids().first()) {
-            (true, Some(&eos)) => GrammarBackend::load(tokenizer_dir, model_vocab, eos)?,
+            (true, Some(&eos)) => match GrammarBackend::load(tokenizer_dir, model_vocab, eos) {
+                Ok(g) => g,
+                // Structured output is one feature; the server serves everything else.
+                Err(e) => {
+                    tracing::warn!("structured output is off: {e}");
+                    GrammarBackend::unavailable(e.to_string())
+                }
+            },
             _ => GrammarBackend::disabled(),
         };
         let lower = LowerContext {

@@ -29,6 +29,8 @@ pub enum GrammarError {
     Backend(String),
     #[error("structured output is off (--grammar-backend none); `{field}` needs it: start the server with --grammar-backend llguidance")]
     Disabled { field: &'static str },
+    #[error("structured output is unavailable for this model: {reason}; `{field}` needs it")]
+    Unavailable { field: &'static str, reason: String },
     #[error("`{field}` is not a grammar llguidance accepts: {message}")]
     Invalid {
         field: &'static str,
@@ -41,6 +43,9 @@ pub enum GrammarError {
 pub struct GrammarBackend {
     factory: Option<ParserFactory>,
     eos: u32,
+    /// Why there is no factory although the backend was asked for (the tokenizer's vocabulary
+    /// could not be read for llguidance); None: `--grammar-backend none`.
+    unavailable: Option<String>,
 }
 
 impl std::fmt::Debug for GrammarBackend {
@@ -57,6 +62,17 @@ impl GrammarBackend {
         Self {
             factory: None,
             eos: 0,
+            unavailable: None,
+        }
+    }
+
+    /// Structured output unavailable because loading failed with `reason`: the server still
+    /// serves everything else, and grammar requests get a 400 saying why.
+    pub fn unavailable(reason: String) -> Self {
+        Self {
+            factory: None,
+            eos: 0,
+            unavailable: Some(reason),
         }
     }
 
@@ -86,6 +102,7 @@ impl GrammarBackend {
         Ok(Self {
             factory: Some(factory),
             eos,
+            unavailable: None,
         })
     }
 
@@ -95,9 +112,18 @@ impl GrammarBackend {
 
     /// Compiles `spec` for one request (400 on a grammar llguidance refuses).
     pub fn compile(&self, spec: &GrammarSpec) -> Result<CompiledGrammar, GrammarError> {
-        let factory = self.factory.as_ref().ok_or(GrammarError::Disabled {
-            field: spec.field(),
-        })?;
+        let factory = self
+            .factory
+            .as_ref()
+            .ok_or_else(|| match &self.unavailable {
+                Some(reason) => GrammarError::Unavailable {
+                    field: spec.field(),
+                    reason: reason.clone(),
+                },
+                None => GrammarError::Disabled {
+                    field: spec.field(),
+                },
+            })?;
         let invalid = |message: String| GrammarError::Invalid {
             field: spec.field(),
             message,

@@ -212,3 +212,25 @@ fn a_node_whose_path_leaves_the_grammar_is_left_alone_and_state_rolls_back() {
     g.commit(&bb);
     assert!(g.is_accepting());
 }
+
+#[test]
+fn a_tokenizer_llguidance_cannot_read_leaves_grammars_refused_naming_why() {
+    let dir = std::env::temp_dir().join(format!("dflash-grammar-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // A tokenizer.json with no decoder: llguidance cannot tell how tokens map to bytes.
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        r#"{"model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}, "decoder": null}"#,
+    )
+    .unwrap();
+    let err = GrammarBackend::load(&dir, 1, 0).unwrap_err();
+    let _ = std::fs::remove_dir_all(&dir);
+    let off = GrammarBackend::unavailable(err.to_string());
+    assert!(!off.is_enabled());
+    let refused = off.compile(&GrammarSpec::Regex("a".into())).unwrap_err();
+    assert!(
+        matches!(refused, GrammarError::Unavailable { field: "regex", .. })
+            && refused.to_string().contains("tokenizer.json"),
+        "{refused}"
+    );
+}
