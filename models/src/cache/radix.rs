@@ -83,10 +83,6 @@ impl PrefixCache {
         }
     }
 
-    pub fn pool(&self) -> &KvPool {
-        &self.pool
-    }
-
     fn node(&self, i: usize) -> ModelResult<&Node> {
         self.nodes
             .get(i)

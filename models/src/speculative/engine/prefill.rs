@@ -149,7 +149,7 @@ impl Engine {
                 continue;
             }
             // Its full pages (and their features) for later sequences with the same prefix.
-            self.cache_rows(i, true);
+            self.cache_rows(i);
             let seq = &mut self.seqs[i];
             if seq.resumed {
                 // Back where it was retracted: the bonus token waits for the next round.

@@ -54,10 +54,6 @@ impl Engine {
         !self.taps().is_empty()
     }
 
-    pub fn prefix_cache_enabled(&self) -> bool {
-        self.prefix.is_some()
-    }
-
     /// Drops every cached page (running sequences keep the pages they use).
     pub fn flush_prefix_cache(&mut self) {
         if let Some(p) = self.prefix.as_mut() {
@@ -68,17 +64,6 @@ impl Engine {
     /// Rows the prefix cache holds (None without one).
     pub fn prefix_cache_tokens(&self) -> Option<usize> {
         self.prefix.as_ref().map(|p| p.cached_pages() * PAGE_SIZE)
-    }
-
-    /// Rows of the pool free or held only by the prefix cache (what a new sequence can take).
-    pub fn kv_pool_available_tokens(&self) -> Option<usize> {
-        let free = self.kv_pool_free_tokens()?;
-        Some(
-            free + self
-                .prefix
-                .as_ref()
-                .map_or(0, |p| p.evictable_pages() * PAGE_SIZE),
-        )
     }
 
     /// Makes sequence `id`, admitted on a cached prefix and not prefilled at all yet, prefill
@@ -146,36 +131,26 @@ impl Engine {
         })
     }
 
-    /// Caches the full pages of sequence `i`'s committed rows (with its pending features when
-    /// they cover them from row 0: right after its prefill). A failure only costs the cache.
-    pub(super) fn cache_rows(&mut self, i: usize, with_features: bool) {
-        let Some(prefix) = self.prefix.as_mut() else {
-            return;
-        };
+    /// Caches the full pages of sequence `i`'s committed rows with its pending features
+    /// (right after its prefill they cover the rows from row 0).
+    pub(super) fn cache_rows(&mut self, i: usize) {
         let seq = &self.seqs[i];
-        let features = if with_features {
-            seq.pending_features.as_ref()
-        } else {
-            None
-        };
-        if let Err(e) = prefix.insert(
-            &seq.tokens,
-            seq.cache.page_table(),
-            seq.cache.len(),
-            features,
-        ) {
-            tracing::warn!("prefix cache: sequence {} not cached: {e}", seq.id);
-        }
+        cache_sequence(self.prefix.as_mut(), seq, seq.pending_features.as_ref());
     }
 
-    /// [`Engine::cache_rows`] for a sequence leaving the engine.
+    /// [`Engine::cache_rows`] for a sequence leaving the engine (its features are gone).
     pub(super) fn cache_leaving(&mut self, seq: &Sequence) {
-        if let Some(prefix) = self.prefix.as_mut() {
-            if let Err(e) =
-                prefix.insert(&seq.tokens, seq.cache.page_table(), seq.cache.len(), None)
-            {
-                tracing::warn!("prefix cache: sequence {} not cached: {e}", seq.id);
-            }
-        }
+        cache_sequence(self.prefix.as_mut(), seq, None);
+    }
+}
+
+/// Inserts `seq`'s full pages into `prefix`; a failure only costs the cache.
+fn cache_sequence(prefix: Option<&mut PrefixCache>, seq: &Sequence, features: Option<&Tensor>) {
+    let Some(prefix) = prefix else {
+        return;
+    };
+    let (table, rows) = (seq.cache.page_table(), seq.cache.len());
+    if let Err(e) = prefix.insert(&seq.tokens, table, rows, features) {
+        tracing::warn!("prefix cache: sequence {} not cached: {e}", seq.id);
     }
 }
