@@ -33,6 +33,47 @@ pub struct ForwardOutput {
     pub logit_offsets: Vec<usize>,
 }
 
+impl ForwardOutput {
+    /// Splits the output of a batch into that of its first `k` sequences and that of the
+    /// rest, each laid out as if its sequences had been forwarded alone.
+    pub fn split_at(self, k: usize) -> ModelResult<(ForwardOutput, ForwardOutput)> {
+        let seqs = self.token_offsets.len().saturating_sub(1);
+        if k > seqs || self.logit_offsets.len() != seqs + 1 {
+            return Err(ModelError::BadInput(format!(
+                "split of a forward of {seqs} sequences at {k}"
+            )));
+        }
+        let (t, l) = (self.token_offsets[k], self.logit_offsets[k]);
+        let part =
+            |x: &Option<Tensor>, at: usize| -> ModelResult<(Option<Tensor>, Option<Tensor>)> {
+                let Some(x) = x else { return Ok((None, None)) };
+                let rows = x.dim(0)?;
+                let head = (at > 0).then(|| x.narrow(0, 0, at)).transpose()?;
+                let tail = (at < rows)
+                    .then(|| x.narrow(0, at, rows - at))
+                    .transpose()?;
+                Ok((head, tail))
+            };
+        let (logits_a, logits_b) = part(&self.logits, l)?;
+        let (taps_a, taps_b) = part(&self.taps, t)?;
+        let rebase = |xs: &[usize], by: usize| xs.iter().map(|&x| x - by).collect::<Vec<_>>();
+        Ok((
+            ForwardOutput {
+                logits: logits_a,
+                taps: taps_a,
+                token_offsets: self.token_offsets[..=k].to_vec(),
+                logit_offsets: self.logit_offsets[..=k].to_vec(),
+            },
+            ForwardOutput {
+                logits: logits_b,
+                taps: taps_b,
+                token_offsets: rebase(&self.token_offsets[k..], t),
+                logit_offsets: rebase(&self.logit_offsets[k..], l),
+            },
+        ))
+    }
+}
+
 /// A batch's sequences laid end to end: the stacked tokens, positions and logit rows, and
 /// where each sequence starts (`token_offsets`, `logit_offsets`, one entry more than
 /// sequences), as every forward (plain, fused, hybrid) needs them.
@@ -134,4 +175,58 @@ pub(crate) fn check_batch(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn a_split_output_is_each_part_as_if_forwarded_alone() {
+        let dev = Device::Cpu;
+        // Three sequences of 2, 1 and 3 tokens; logits for 1, 1 and 2 rows.
+        let logits = Tensor::arange(0f32, 8., &dev)
+            .unwrap()
+            .reshape((4, 2))
+            .unwrap();
+        let taps = Tensor::arange(0f32, 6., &dev)
+            .unwrap()
+            .reshape((6, 1))
+            .unwrap();
+        let out = ForwardOutput {
+            logits: Some(logits),
+            taps: Some(taps),
+            token_offsets: vec![0, 2, 3, 6],
+            logit_offsets: vec![0, 1, 2, 4],
+        };
+        let (a, b) = out.split_at(2).unwrap();
+        assert_eq!(
+            (a.token_offsets, a.logit_offsets),
+            (vec![0, 2, 3], vec![0, 1, 2])
+        );
+        assert_eq!((b.token_offsets, b.logit_offsets), (vec![0, 3], vec![0, 2]));
+        let rows = |t: Option<Tensor>| t.unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(rows(a.logits), vec![0., 1., 2., 3.]);
+        assert_eq!(rows(b.logits), vec![4., 5., 6., 7.]);
+        assert_eq!(rows(a.taps), vec![0., 1., 2.]);
+        assert_eq!(rows(b.taps), vec![3., 4., 5.]);
+        // At the ends one part is empty: no rows, one offset.
+        let out = ForwardOutput {
+            logits: None,
+            taps: None,
+            token_offsets: vec![0, 2],
+            logit_offsets: vec![0, 0],
+        };
+        let (a, b) = out.split_at(1).unwrap();
+        assert_eq!((a.token_offsets.len(), b.token_offsets), (2, vec![0]));
+        assert!(ForwardOutput {
+            logits: None,
+            taps: None,
+            token_offsets: vec![0, 2],
+            logit_offsets: vec![0, 0],
+        }
+        .split_at(2)
+        .is_err());
+    }
 }

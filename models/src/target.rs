@@ -238,6 +238,15 @@ impl Target {
         }
     }
 
+    /// The most new tokens each sequence of one batched forward may have without slowing
+    /// it down ([`Qwen3Model::batch_tokens_limit`]); None: no bound.
+    pub fn batch_tokens_limit(&self) -> Option<usize> {
+        match self {
+            Target::Qwen3(m) => m.batch_tokens_limit(),
+            Target::Hybrid(_) => None,
+        }
+    }
+
     /// The Qwen3 model, for callers that only support that family.
     pub fn as_qwen3(&self) -> Option<&Qwen3Model> {
         match self {

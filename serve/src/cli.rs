@@ -147,6 +147,11 @@ pub struct Args {
     /// prompts go in whole; -1: only --chunked-prefill-size bounds a step [default: 256]
     #[arg(long, allow_negative_numbers = true, help_heading = "Scheduling")]
     pub prefill_tokens_while_decoding: Option<i64>,
+    /// Prefill in a forward of its own instead of in the running requests' decode and
+    /// verify forward (SGLang's mixed chunk, which is on by default here:
+    /// --enable-mixed-chunk is accepted and changes nothing)
+    #[arg(long, help_heading = "Scheduling")]
+    pub disable_mixed_chunk: bool,
     /// Scales the share of max_new_tokens admission expects a request to still generate
     /// (SGLang's new-token ratio, from 0.7 x this down to 0.098 x this; a retraction resets
     /// it); higher admits fewer requests at once and retracts less

@@ -96,6 +96,8 @@ pub struct ServeConfig {
     pub schedule_conservativeness: f64,
     /// `--disable-radix-cache`: no prefix cache.
     pub disable_radix_cache: bool,
+    /// `--disable-mixed-chunk`: prefill chunks in forwards of their own.
+    pub disable_mixed_chunk: bool,
     /// `--enable-cache-report`: `prompt_tokens_details.cached_tokens` in OpenAI usage.
     pub enable_cache_report: bool,
     /// `--max-request-body-bytes`; `None` sizes it from the context (see `state::RequestLimits`).
@@ -478,6 +480,7 @@ impl ServeConfig {
             enable_metrics: args.enable_metrics,
             schedule_conservativeness: args.schedule_conservativeness,
             disable_radix_cache: args.disable_radix_cache,
+            disable_mixed_chunk: args.disable_mixed_chunk,
             enable_cache_report: args.enable_cache_report,
             max_request_body_bytes: args.max_request_body_bytes,
             http,

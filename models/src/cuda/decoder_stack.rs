@@ -45,11 +45,14 @@ pub(crate) struct AttnSeq<'a> {
     pub pages: Option<&'a Tensor>,
 }
 
-/// A step of several sequences in one shared pool with the same number of new tokens each,
-/// whose attention runs as one set of launches per layer for all of them: every sequence's
-/// committed length (u32 `[seqs]`), page table (u32 `[seqs, stride]`) and, for trees, the
-/// ancestor bits stacked (i64 `[seqs t, words]`), in batch order.
+/// Consecutive sequences of a step (`first..first + seqs` of its [`AttnSeq`]s) in one shared
+/// pool with the same number of new tokens each, whose attention runs as one set of launches
+/// per layer for all of them: every sequence's committed length (u32 `[seqs]`), page table
+/// (u32 `[seqs, stride]`) and, for trees, the ancestor bits stacked (i64 `[seqs t, words]`),
+/// in batch order.
 pub(crate) struct PooledBatch<'a> {
+    pub first: usize,
+    pub seqs: usize,
     pub cache_len: &'a Tensor,
     pub pages: &'a Tensor,
     pub tree: Option<&'a Tensor>,
@@ -58,8 +61,9 @@ pub(crate) struct PooledBatch<'a> {
 /// The weights a fused stack reads.
 pub(crate) struct Stack<'a> {
     pub layers: &'a [DecoderLayer],
-    /// Set when the sequences share one pool and their token count (see [`PooledBatch`]).
-    pub pooled: Option<PooledBatch<'a>>,
+    /// Runs of sequences that share one pool and their token count (see [`PooledBatch`]);
+    /// the others attend one by one.
+    pub pooled: &'a [PooledBatch<'a>],
     pub final_norm: &'a Tensor,
     pub rope: &'a RotaryEmbedding,
     pub eps: f64,
@@ -201,47 +205,45 @@ impl Stack<'_> {
         let (cos, sin) = self.rope.tables();
         let (nh, nkv, d) = layer.heads();
         let (_, _, q_norm, k_norm) = layer.norm_weights();
-        if let (Some(pooled), Some(first)) = (&self.pooled, seqs.first()) {
-            // Every sequence's K/V in the same pool buffers: one launch for the batch.
+        let mut outs = Vec::with_capacity(seqs.len());
+        let mut s = 0;
+        while s < seqs.len() {
+            let first = &seqs[s];
             let kv = first.cache.layer(li).attention()?;
             let (kc, vc) = kv.buffers();
-            let new = cuda::QkvRows {
-                qkv,
-                q_norm,
-                k_norm,
-                cos,
-                sin,
-                positions,
-                cache_len: pooled.cache_len,
-                kc,
-                vc,
-                pages: Some(pooled.pages),
-                heads: (nh, nkv, d),
-                eps: self.eps,
+            // Every sequence of a run has its K/V in the same pool buffers: one set of
+            // launches for the run.
+            let run = self.pooled.iter().find(|g| g.first == s && g.seqs > 0);
+            let (n, cache_len, pages, tree) = match run {
+                Some(g) => (g.seqs, g.cache_len, Some(g.pages), g.tree),
+                None => (1, first.cache_len, first.pages, first.tree),
             };
-            return attend(&new, first.tokens, pooled.tree);
-        }
-        let mut outs = Vec::with_capacity(seqs.len());
-        for s in seqs {
-            let kv = s.cache.layer(li).attention()?;
-            let (kc, vc) = kv.buffers();
-            let rows = qkv.narrow(0, s.offset, s.tokens)?;
-            let pos = positions.narrow(0, s.offset, s.tokens)?;
+            let rows = n * first.tokens;
+            let whole = first.offset == 0 && rows == qkv.dim(0)?;
+            let (q_rows, pos) = if whole {
+                (qkv.clone(), positions.clone())
+            } else {
+                (
+                    qkv.narrow(0, first.offset, rows)?,
+                    positions.narrow(0, first.offset, rows)?,
+                )
+            };
             let new = cuda::QkvRows {
-                qkv: &rows,
+                qkv: &q_rows,
                 q_norm,
                 k_norm,
                 cos,
                 sin,
                 positions: &pos,
-                cache_len: s.cache_len,
+                cache_len,
                 kc,
                 vc,
-                pages: s.pages,
+                pages,
                 heads: (nh, nkv, d),
                 eps: self.eps,
             };
-            outs.push(attend(&new, s.tokens, s.tree)?);
+            outs.push(attend(&new, first.tokens, tree)?);
+            s += n;
         }
         Ok(match outs.len() {
             1 => outs.swap_remove(0),

@@ -64,7 +64,7 @@ impl DFlashDrafter {
             })
             .collect();
         let stack = Stack {
-            pooled: None,
+            pooled: &[],
             layers: self.layers(),
             final_norm: self.final_norm_weight(),
             rope: self.rotary(),

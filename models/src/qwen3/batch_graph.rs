@@ -166,6 +166,8 @@ impl Qwen3Model {
         }
         // The batch attends in one set of launches per layer.
         let pooled = PooledInputs {
+            first: 0,
+            seqs,
             cache_len: inputs.narrow(0, lens_at, seqs)?,
             pages: inputs
                 .narrow(0, pages_at, seqs * width)?
@@ -179,8 +181,14 @@ impl Qwen3Model {
         let ids = inputs.narrow(0, 0, rows)?;
         let positions = inputs.narrow(0, rows, rows)?;
         let body = || -> ModelResult<()> {
-            let (h, tapped) =
-                self.run_layers(&ids, &positions, &caches, &seq_inputs, Some(&pooled), taps)?;
+            let (h, tapped) = self.run_layers(
+                &ids,
+                &positions,
+                &caches,
+                &seq_inputs,
+                std::slice::from_ref(&pooled),
+                taps,
+            )?;
             logits.slice_set(&self.lm_head(&h)?, 0, 0)?;
             if let Some(dst) = &taps_out {
                 for (i, part) in tapped.iter().enumerate() {

@@ -29,45 +29,69 @@ pub(super) struct SeqInputs {
     pub pages: Option<Tensor>,
 }
 
-/// A batch's committed lengths, page tables and (trees) ancestor bits as one upload each, when
-/// its sequences share a pool and a token count (their attention is then one set of launches
-/// per layer, see `PooledBatch`).
+/// The committed lengths, page tables and (trees) ancestor bits of a run of consecutive
+/// sequences (`first..first + seqs` of the batch) as one upload each, when they share a pool
+/// and a token count (their attention is then one set of launches per layer, see
+/// `PooledBatch`).
 pub(super) struct PooledInputs {
+    pub first: usize,
+    pub seqs: usize,
     pub cache_len: Tensor,
     pub pages: Tensor,
     pub tree: Option<Tensor>,
 }
 
-/// [`PooledInputs`] for `batch` when it qualifies: more than one sequence, all paged in one
-/// pool, the same number of new tokens each, all causal or all trees.
+impl PooledInputs {
+    pub(super) fn batch(&self) -> PooledBatch<'_> {
+        PooledBatch {
+            first: self.first,
+            seqs: self.seqs,
+            cache_len: &self.cache_len,
+            pages: &self.pages,
+            tree: self.tree.as_ref(),
+        }
+    }
+}
+
+/// [`PooledInputs`] for every run of `batch` that qualifies: more than one consecutive
+/// sequence, all paged in one pool, the same number of new tokens each, all causal or all
+/// trees. A step of decoding sequences plus a prompt's prefill chunk is one run and a single.
 fn pooled_inputs(
     batch: &[SeqForward<'_>],
     dev: &candle_core::Device,
-) -> ModelResult<Option<PooledInputs>> {
-    let caches: Vec<&SequenceCache> = batch.iter().map(|s| &*s.cache).collect();
-    let t = batch.first().map_or(0, |s| s.tokens.len());
-    let trees: Vec<Option<&[Option<usize>]>> = batch
-        .iter()
-        .map(|s| match s.pattern {
-            AttnPattern::Tree { parents } => Some(parents.as_slice()),
-            _ => None,
-        })
-        .collect();
-    if caches.len() < 2
-        || batch.iter().any(|s| s.tokens.len() != t)
-        || trees.iter().any(|p| p.is_some() != trees[0].is_some())
-    {
-        return Ok(None);
-    }
-    let Some(pool) = caches[0].page_table().pool() else {
-        return Ok(None);
+) -> ModelResult<Vec<PooledInputs>> {
+    let is_tree = |s: &SeqForward<'_>| matches!(s.pattern, AttnPattern::Tree { .. });
+    let joins = |a: &SeqForward<'_>, b: &SeqForward<'_>| {
+        a.tokens.len() == b.tokens.len()
+            && is_tree(a) == is_tree(b)
+            && match (a.cache.page_table().pool(), b.cache.page_table().pool()) {
+                (Some(p), Some(q)) => p.same(q),
+                _ => false,
+            }
     };
-    if !caches
-        .iter()
-        .all(|c| c.page_table().pool().is_some_and(|p| p.same(pool)))
-    {
-        return Ok(None);
+    let mut runs = Vec::new();
+    let mut first = 0;
+    while first < batch.len() {
+        let mut end = first + 1;
+        while end < batch.len() && joins(&batch[first], &batch[end]) {
+            end += 1;
+        }
+        if end - first >= 2 {
+            runs.push(pooled_run(&batch[first..end], first, dev)?);
+        }
+        first = end;
     }
+    Ok(runs)
+}
+
+/// The [`PooledInputs`] of `run`, the batch's sequences from `first` on.
+fn pooled_run(
+    run: &[SeqForward<'_>],
+    first: usize,
+    dev: &candle_core::Device,
+) -> ModelResult<PooledInputs> {
+    let caches: Vec<&SequenceCache> = run.iter().map(|s| &*s.cache).collect();
+    let t = run[0].tokens.len();
     let stride = caches
         .iter()
         .map(|c| c.page_table().pages().len())
@@ -79,11 +103,14 @@ fn pooled_inputs(
         c.page_table().copy_into(row);
     }
     let lens: Vec<u32> = caches.iter().map(|c| c.len() as u32).collect();
-    let tree = match trees[0] {
-        Some(_) => {
-            let bits: Vec<i64> = trees
+    let tree = match run[0].pattern {
+        AttnPattern::Tree { .. } => {
+            let bits: Vec<i64> = run
                 .iter()
-                .flat_map(|p| cuda::tree_bits(p.unwrap_or_default()))
+                .flat_map(|s| match s.pattern {
+                    AttnPattern::Tree { parents } => cuda::tree_bits(parents),
+                    _ => Vec::new(),
+                })
                 .collect();
             Some(Tensor::from_vec(
                 bits,
@@ -91,13 +118,15 @@ fn pooled_inputs(
                 dev,
             )?)
         }
-        None => None,
+        _ => None,
     };
-    Ok(Some(PooledInputs {
+    Ok(PooledInputs {
+        first,
+        seqs: run.len(),
         cache_len: Tensor::new(lens.as_slice(), dev)?,
         pages: Tensor::from_vec(table, (caches.len(), stride), dev)?,
         tree,
-    }))
+    })
 }
 
 impl Qwen3Model {
@@ -134,8 +163,11 @@ impl Qwen3Model {
             inputs.push(SeqInputs {
                 offset: off,
                 tokens: t,
-                cache_len: match &pooled {
-                    Some(p) => p.cache_len.narrow(0, s, 1)?,
+                cache_len: match pooled
+                    .iter()
+                    .find(|p| (p.first..p.first + p.seqs).contains(&s))
+                {
+                    Some(p) => p.cache_len.narrow(0, s - p.first, 1)?,
                     None => Tensor::new(&[len as u32], &dev)?,
                 },
                 tree,
@@ -145,8 +177,7 @@ impl Qwen3Model {
         let positions = Tensor::new(all_positions.as_slice(), &dev)?;
         let ids = Tensor::new(all_tokens.as_slice(), &dev)?;
         let caches: Vec<&SequenceCache> = batch.iter().map(|s| &*s.cache).collect();
-        let (h, tapped) =
-            self.run_layers(&ids, &positions, &caches, &inputs, pooled.as_ref(), taps)?;
+        let (h, tapped) = self.run_layers(&ids, &positions, &caches, &inputs, &pooled, taps)?;
         for seq in batch.iter_mut() {
             seq.cache.advance(seq.tokens.len());
         }
@@ -267,7 +298,7 @@ impl Qwen3Model {
         positions: &Tensor,
         caches: &[&SequenceCache],
         inputs: &[SeqInputs],
-        pooled: Option<&PooledInputs>,
+        pooled: &[PooledInputs],
         taps: &[usize],
     ) -> ModelResult<(Tensor, Vec<Tensor>)> {
         let seqs: Vec<AttnSeq<'_>> = caches
@@ -282,12 +313,9 @@ impl Qwen3Model {
                 pages: inp.pages.as_ref(),
             })
             .collect();
+        let runs: Vec<PooledBatch<'_>> = pooled.iter().map(PooledInputs::batch).collect();
         let stack = Stack {
-            pooled: pooled.map(|p| PooledBatch {
-                cache_len: &p.cache_len,
-                pages: &p.pages,
-                tree: p.tree.as_ref(),
-            }),
+            pooled: &runs,
             layers: &self.layers,
             final_norm: &self.norm,
             rope: &self.rope,
@@ -409,7 +437,7 @@ impl Qwen3Model {
                 &positions,
                 &[cache],
                 std::slice::from_ref(&seq),
-                None,
+                &[],
                 taps,
             )?;
             let out = self.lm_head(&h)?;

@@ -253,6 +253,13 @@ impl Qwen3Model {
         self.fresh_graphs()
     }
 
+    /// The most new tokens each sequence of a batched forward may have for the forward to
+    /// stay one pass through the fused kernels (a longer causal one alone runs in pieces; in
+    /// a batch it would take the plain path). None: no bound (the plain path is the only one).
+    pub fn batch_tokens_limit(&self) -> Option<usize> {
+        self.fast.then_some(self.prefill_chunk)
+    }
+
     #[cfg(feature = "cuda")]
     pub(crate) fn prefill_chunk(&self) -> usize {
         self.prefill_chunk

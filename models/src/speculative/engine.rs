@@ -84,6 +84,10 @@ pub struct Engine {
     faults: isolate::InjectedFaults,
     /// Cached K/V pages of common prefixes ([`Engine::enable_prefix_cache`]).
     prefix: Option<PrefixCache>,
+    /// Prefill chunks ride in the round's forward ([`Engine::set_mixed_prefill`]).
+    mixed_prefill: bool,
+    /// Steps whose one forward held prefill chunks and a round ([`Engine::mixed_steps`]).
+    mixed_steps: u64,
 }
 
 impl Engine {
@@ -105,6 +109,8 @@ impl Engine {
             prefix: None,
             faults: Default::default(),
             prefill_while_decoding: None,
+            mixed_prefill: true,
+            mixed_steps: 0,
         }
     }
 
@@ -364,12 +370,22 @@ impl Engine {
     /// Finished sequences are removed after their final event.
     pub fn step(&mut self) -> Result<Vec<SeqEvent>, EngineError> {
         let mut events = Vec::new();
+        if self.mixes() {
+            self.mixed_step(&mut events)?;
+            return Ok(events);
+        }
         if self.seqs.iter().any(|s| !s.prefilled) {
             self.prefill(&mut events)?;
         }
         // Pages for this round's verify rows; the newest sequences give theirs up if needed.
         self.make_room()?;
-        // Sequences whose prompt is still being prefilled (chunked) sit out the round.
+        self.round_of_ready(&mut events)?;
+        Ok(events)
+    }
+
+    /// The round of the sequences whose prompt is in; those still prefilling (chunked, or
+    /// retracted) sit it out.
+    fn round_of_ready(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
         let (ready, prefilling): (Vec<Sequence>, Vec<Sequence>) = std::mem::take(&mut self.seqs)
             .into_iter()
             .partition(|s| s.prefilled);
@@ -377,11 +393,10 @@ impl Engine {
         let result = if self.seqs.is_empty() {
             Ok(())
         } else {
-            self.round(&mut events)
+            self.round(events)
         };
         self.seqs.extend(prefilling);
-        result?;
-        Ok(events)
+        result
     }
 
     /// Removes the sequences whose final event is in `events` (finished or failed).
@@ -456,6 +471,7 @@ fn commit_tokens(seq: &mut Sequence, new: &[u32], eos: &[u32]) -> (Vec<u32>, Opt
 mod tests;
 
 mod isolate;
+mod mixed;
 mod prefill;
 mod prefix;
 mod retract;

@@ -5,6 +5,7 @@
 #[cfg(feature = "cuda")]
 mod batched;
 mod e2e;
+mod e2e_batched;
 mod measure;
 mod shapes;
 
@@ -100,6 +101,10 @@ pub struct BenchArgs {
     /// round's phases and report that run's per-phase times (`phases`)
     #[arg(long)]
     e2e_profile: bool,
+    /// Also run this many requests at once in one engine on a paged pool (plain and chain,
+    /// `e2e_batched`; 0: not)
+    #[arg(long, default_value_t = 0)]
+    e2e_batch: usize,
     /// Skip the end-to-end check that graphs on and off decode the same tokens
     #[arg(long)]
     no_e2e_check: bool,
@@ -442,6 +447,12 @@ fn e2e_figures(
         profile: args.e2e_profile,
     };
     out.insert("e2e".into(), e2e::run(&setup, &args.budgets)?);
+    if args.e2e_batch > 0 {
+        out.insert(
+            "e2e_batched".into(),
+            e2e_batched::run(&setup, args.e2e_batch)?,
+        );
+    }
     if m.device().is_cuda() {
         let vocab = m.config().vocab_size;
         out.insert(

@@ -177,6 +177,7 @@ impl RealEngine {
         );
         engine.set_chunked_prefill(chunk);
         engine.set_prefill_while_decoding(config.prefill_tokens_while_decoding);
+        engine.set_mixed_prefill(!config.disable_mixed_chunk);
         // The prefix cache's drafter features come out of the K/V memory too.
         let feature_bytes = prefix_feature_budget(&engine, memory, config);
         let fixed_bytes = fixed_bytes + feature_bytes;

@@ -136,6 +136,7 @@ fn server_args(state: &AppState) -> serde_json::Map<String, Value> {
         "is_embedding": false,
         "enable_lora": false,
         "disable_radix_cache": c.disable_radix_cache,
+        "enable_mixed_chunk": !c.disable_mixed_chunk,
         "enable_cache_report": c.enable_cache_report,
         "load_format": "safetensors",
         "nnodes": 1, "node_rank": 0, "ep_size": 1,

@@ -1,28 +1,132 @@
 //! The prefill half of a step: new prompts (and retracted sequences' committed tokens) in
 //! chunks up to the step's token budget, oldest first, taking their pages as they go; a
 //! sequence whose prompt is complete samples its first token and its proposer features
-//! accumulate over the chunks.
+//! accumulate over the chunks. A step plans its chunks ([`Engine::plan_prefill`]), runs them
+//! in a forward of their own ([`Engine::prefill`]) or in the round's forward
+//! (`engine/mixed.rs`), then takes their rows ([`Engine::finish_prefill`]).
 
 use candle_core::Tensor;
 
 use super::{commit_tokens, Engine, EngineError, Sequence};
-use crate::batch::SeqForward;
+use crate::batch::{ForwardOutput, SeqForward};
 use crate::error::ModelError;
 use crate::layers::attention::AttnPattern;
 use crate::speculative::logprobs;
 use crate::speculative::proposer::SeqId;
 use crate::speculative::request::{Algorithm, SeqEvent};
 
+/// One sequence's chunk of a step's prefill: prompt tokens `from..from + n`, their
+/// positions and the chunk rows whose logits it needs.
+pub(super) struct Chunk {
+    pub id: SeqId,
+    pub from: usize,
+    pub n: usize,
+    positions: Vec<u32>,
+    logit_rows: Vec<usize>,
+}
+
+/// The chunks a step prefills, oldest sequence first.
+pub(super) struct PrefillPlan {
+    pub chunks: Vec<Chunk>,
+}
+
+impl PrefillPlan {
+    pub fn ids(&self) -> Vec<SeqId> {
+        self.chunks.iter().map(|c| c.id).collect()
+    }
+
+    pub fn starts(&self) -> Vec<usize> {
+        self.chunks.iter().map(|c| c.from).collect()
+    }
+
+    /// The chunks' forwards, in plan order, over the sequences of `seqs` they belong to
+    /// (every planned sequence must be there). Nothing in a prompt is ever rolled back, so
+    /// hybrid targets take the chunked delta rule and keep no per-token recurrent state for
+    /// it: each cache's rollback window is set to 0 for the forward and `saved` holds what to
+    /// restore ([`PrefillPlan::restore_rollback`]).
+    pub fn forwards<'a>(
+        &'a self,
+        seqs: &'a mut [Sequence],
+        saved: &mut Vec<usize>,
+    ) -> Result<Vec<SeqForward<'a>>, EngineError> {
+        let mut slots: Vec<Option<&'a mut Sequence>> = Vec::new();
+        slots.resize_with(self.chunks.len(), || None);
+        for seq in seqs.iter_mut() {
+            if let Some(k) = self.chunks.iter().position(|c| c.id == seq.id) {
+                slots[k] = Some(seq);
+            }
+        }
+        let mut batch = Vec::with_capacity(self.chunks.len());
+        saved.clear();
+        for (k, slot) in slots.into_iter().enumerate() {
+            let seq = slot.ok_or(EngineError::UnknownSequence(self.chunks[k].id))?;
+            let c = &self.chunks[k];
+            saved.push(seq.cache.set_rollback(0));
+            batch.push(SeqForward {
+                cache: &mut seq.cache,
+                tokens: &seq.tokens[c.from..c.from + c.n],
+                positions: &c.positions,
+                pattern: &AttnPattern::Causal,
+                logit_rows: &c.logit_rows,
+            });
+        }
+        Ok(batch)
+    }
+
+    /// Restores the rollback windows [`PrefillPlan::forwards`] set to 0.
+    pub fn restore_rollback(&self, seqs: &mut [Sequence], saved: &[usize]) {
+        for (c, &rows) in self.chunks.iter().zip(saved) {
+            if let Some(seq) = seqs.iter_mut().find(|s| s.id == c.id) {
+                seq.cache.set_rollback(rows);
+            }
+        }
+    }
+}
+
 impl Engine {
-    /// Prefills new prompts: whole, or (with a chunk size) the next chunk of each in order
-    /// until the step's token budget is spent. A sequence whose prompt is complete samples its
-    /// first token; the proposer's features accumulate over the chunks.
+    /// Prefills new prompts in a forward of their own: whole, or (with a chunk size) the next
+    /// chunk of each in order until the step's token budget is spent.
     pub(super) fn prefill(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
+        match self.plan_prefill()? {
+            Some(plan) => self.run_prefill(&plan, events),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs `plan`'s chunks in a forward of their own and takes their rows.
+    pub(super) fn run_prefill(
+        &mut self,
+        plan: &PrefillPlan,
+        events: &mut Vec<SeqEvent>,
+    ) -> Result<(), EngineError> {
         let taps = self.taps();
+        let (ids, starts) = (plan.ids(), plan.starts());
+        let mut saved = Vec::new();
+        let result = plan
+            .forwards(&mut self.seqs, &mut saved)
+            .and_then(|mut batch| {
+                Ok(super::isolate::forward_isolating(
+                    &self.target,
+                    &self.faults,
+                    &mut batch,
+                    &ids,
+                    &starts,
+                    &taps,
+                )?)
+            });
+        plan.restore_rollback(&mut self.seqs, &saved);
+        let (out, failed) = result?;
+        self.finish_prefill(plan, &out, &failed, events)
+    }
+
+    /// The step's prefill chunks: oldest sequence first, each the rest of its prompt (a long
+    /// one in pieces while others decode) up to the step's token budget, its pages taken
+    /// (from newer sequences if the pool is short; without them this and every newer prompt
+    /// wait). None: nothing to prefill this step.
+    pub(super) fn plan_prefill(&mut self) -> Result<Option<PrefillPlan>, EngineError> {
         let mut budget = self.prefill_chunk.unwrap_or(usize::MAX);
         let decoding = self.seqs.iter().any(|s| s.prefilled);
-        // (sequence index, first prompt token of this chunk, tokens in it), oldest first.
-        let mut chunks: Vec<(usize, usize, usize)> = Vec::new();
+        let mut chunks: Vec<Chunk> = Vec::new();
         for i in self.by_age() {
             if self.seqs[i].prefilled || budget == 0 {
                 continue;
@@ -38,85 +142,42 @@ impl Engine {
                     }
                 }
             }
-            // Pages for the chunk, from newer sequences if the pool is short; without them
-            // this and every newer prompt wait.
             if !self.reserve_rows(i, s.prefill_done + n)? {
                 break;
             }
             budget -= n;
-            chunks.push((i, self.seqs[i].prefill_done, n));
+            let s = &self.seqs[i];
+            // Pages for a chunk only ever come from newer sequences, which are planned after
+            // it (oldest first): no planned chunk loses its pages to a later one.
+            chunks.push(Chunk {
+                id: s.id,
+                from: s.prefill_done,
+                n,
+                positions: (s.prefill_done as u32..(s.prefill_done + n) as u32).collect(),
+                logit_rows: chunk_logit_rows(s, s.prefill_done, n),
+            });
         }
-        if chunks.is_empty() {
-            return Ok(());
-        }
-        let positions: Vec<Vec<u32>> = chunks
-            .iter()
-            .map(|&(_, from, n)| (from as u32..(from + n) as u32).collect())
-            .collect();
-        // Logits for the rows predicting the prompt tokens whose logprobs were asked, and the
-        // last row of a chunk that completes its prompt (it samples the first token).
-        let logit_rows: Vec<Vec<usize>> = chunks
-            .iter()
-            .map(|&(i, from, n)| {
-                let s = &self.seqs[i];
-                let completes = from + n == prefill_target(s) && !s.resumed;
-                let mut rows: Vec<usize> = match (s.prompt_logprobs, s.resumed) {
-                    (Some((start, _)), false) => {
-                        // Row p predicts prompt token p + 1.
-                        let first = start.max(1) - 1;
-                        let end = (from + n).min(s.req.prompt.len() - 1);
-                        (first.max(from)..end.max(first.max(from)))
-                            .map(|p| p - from)
-                            .collect()
-                    }
-                    _ => Vec::new(),
-                };
-                if completes {
-                    rows.push(n - 1);
-                }
-                rows
-            })
-            .collect();
-        let in_chunk = |i: usize| chunks.iter().position(|c| c.0 == i);
-        // Nothing in a prompt is ever rolled back: hybrid targets take the chunked delta rule
-        // and keep no per-token recurrent state for it.
-        let mut saved = Vec::with_capacity(chunks.len());
-        for &(i, _, _) in &chunks {
-            saved.push(self.seqs[i].cache.set_rollback(0));
-        }
-        let ids: Vec<SeqId> = chunks.iter().map(|&(i, _, _)| self.seqs[i].id).collect();
-        let starts: Vec<usize> = chunks.iter().map(|&(_, from, _)| from).collect();
-        let result = {
-            let mut batch: Vec<SeqForward<'_>> = Vec::with_capacity(chunks.len());
-            for (i, seq) in self.seqs.iter_mut().enumerate() {
-                let Some(k) = in_chunk(i) else { continue };
-                let (_, from, n) = chunks[k];
-                batch.push(SeqForward {
-                    cache: &mut seq.cache,
-                    tokens: &seq.tokens[from..from + n],
-                    positions: &positions[k],
-                    pattern: &AttnPattern::Causal,
-                    logit_rows: &logit_rows[k],
-                });
-            }
-            super::isolate::forward_isolating(
-                &self.target,
-                &self.faults,
-                &mut batch,
-                &ids,
-                &starts,
-                &taps,
-            )
-        };
-        for (&(i, _, _), &rows) in chunks.iter().zip(&saved) {
-            self.seqs[i].cache.set_rollback(rows);
-        }
-        let (out, failed) = result?;
+        Ok((!chunks.is_empty()).then_some(PrefillPlan { chunks }))
+    }
+
+    /// Takes a prefill forward's rows (`out` and `failed` laid out as `plan`'s chunks): the
+    /// prompt logprobs and proposer features each chunk adds; a sequence whose prompt is now
+    /// complete caches its full pages and samples its first token.
+    pub(super) fn finish_prefill(
+        &mut self,
+        plan: &PrefillPlan,
+        out: &ForwardOutput,
+        failed: &[Option<String>],
+        events: &mut Vec<SeqEvent>,
+    ) -> Result<(), EngineError> {
         let rows = match &out.logits {
             Some(l) => l.to_vec2::<f32>()?,
             None => Vec::new(),
         };
-        for (k, &(i, from, n)) in chunks.iter().enumerate() {
+        for (k, c) in plan.chunks.iter().enumerate() {
+            let Some(i) = self.seqs.iter().position(|s| s.id == c.id) else {
+                return Err(EngineError::UnknownSequence(c.id));
+            };
             if let Some(error) = &failed[k] {
                 events.push(self.seqs[i].failed(error));
                 continue;
@@ -125,8 +186,8 @@ impl Engine {
             if let Some((_, top)) = seq.prompt_logprobs.filter(|_| !seq.resumed) {
                 // The chunk's rows before its last (sampling) one predict prompt tokens.
                 let (a, b) = (out.logit_offsets[k], out.logit_offsets[k + 1]);
-                for (j, &r) in logit_rows[k].iter().enumerate() {
-                    let p = from + r;
+                for (j, &r) in c.logit_rows.iter().enumerate() {
+                    let p = c.from + r;
                     if let (Some(row), Some(&t)) = (rows.get(a + j), seq.req.prompt.get(p + 1)) {
                         if a + j < b {
                             seq.prompt_lps.push(logprobs::token_logprob(row, t, top));
@@ -144,7 +205,7 @@ impl Engine {
                     });
                 }
             }
-            seq.prefill_done = from + n;
+            seq.prefill_done = c.from + c.n;
             if seq.prefill_done < prefill_target(seq) {
                 continue;
             }
@@ -185,6 +246,28 @@ impl Engine {
         self.reap(events);
         Ok(())
     }
+}
+
+/// The rows of a chunk of `s`'s prompt (tokens `from..from + n`) whose logits a prefill
+/// needs: those predicting the prompt tokens whose logprobs were asked (row p predicts
+/// token p + 1), and the last row of a chunk that completes the prompt (it samples the first
+/// token).
+fn chunk_logit_rows(s: &Sequence, from: usize, n: usize) -> Vec<usize> {
+    let completes = from + n == prefill_target(s) && !s.resumed;
+    let mut rows: Vec<usize> = match (s.prompt_logprobs, s.resumed) {
+        (Some((start, _)), false) => {
+            let first = start.max(1) - 1;
+            let end = (from + n).min(s.req.prompt.len() - 1);
+            (first.max(from)..end.max(first.max(from)))
+                .map(|p| p - from)
+                .collect()
+        }
+        _ => Vec::new(),
+    };
+    if completes {
+        rows.push(n - 1);
+    }
+    rows
 }
 
 impl Engine {

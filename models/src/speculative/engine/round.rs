@@ -7,7 +7,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 
 use super::{commit_tokens, isolate, Engine, EngineError, Sequence};
-use crate::batch::SeqForward;
+use crate::batch::{ForwardOutput, SeqForward};
 use crate::error::ModelError;
 use crate::layers::attention::AttnPattern;
 use crate::speculative::logprobs;
@@ -19,8 +19,65 @@ use crate::speculative::tree::{build_ddtree, chain_tree, walk, DraftTree, TopK};
 use crate::speculative::{greedy, profile};
 use crate::target::DraftTarget;
 
+/// What a round verifies: every ready sequence's draft tree (a single token for plain
+/// decoding), the form the target runs (padded on CUDA), its positions, attention pattern and
+/// logit rows, and where each sequence's cache stood.
+pub(super) struct RoundPlan {
+    trees: Vec<DraftTree>,
+    padded: Vec<Option<DraftTree>>,
+    positions: Vec<Vec<u32>>,
+    patterns: Vec<AttnPattern>,
+    rows: Vec<Vec<usize>>,
+    pub starts: Vec<usize>,
+    pub ids: Vec<SeqId>,
+    draft_time: std::time::Duration,
+}
+
+impl RoundPlan {
+    /// What the target verifies for sequence `i`: its tree, or the padded form.
+    fn verified(&self, i: usize) -> &DraftTree {
+        self.padded[i].as_ref().unwrap_or(&self.trees[i])
+    }
+
+    /// The verify forwards of `seqs` (the ready sequences the plan was made for, in order).
+    pub fn forwards<'a>(&'a self, seqs: &'a mut [Sequence]) -> Vec<SeqForward<'a>> {
+        seqs.iter_mut()
+            .enumerate()
+            .map(|(i, s)| SeqForward {
+                cache: &mut s.cache,
+                tokens: &self.verified(i).tokens,
+                positions: &self.positions[i],
+                pattern: &self.patterns[i],
+                logit_rows: &self.rows[i],
+            })
+            .collect()
+    }
+}
+
 impl Engine {
+    /// One round for every (ready) sequence: draft, verify in one forward, commit.
     pub(super) fn round(&mut self, events: &mut Vec<SeqEvent>) -> Result<(), EngineError> {
+        let plan = self.plan_round()?;
+        let t_verify = Instant::now();
+        let taps = self.taps();
+        let (out, failed) = {
+            let mut batch = plan.forwards(&mut self.seqs);
+            // A failure ends only the sequences it fails for (`engine/isolate.rs`).
+            isolate::forward_isolating(
+                &self.target,
+                &self.faults,
+                &mut batch,
+                &plan.ids,
+                &plan.starts,
+                &taps,
+            )?
+        };
+        self.finish_round(&plan, &out, &failed, t_verify, events)
+    }
+
+    /// Drafts for the speculating sequences (one batched proposer call) and the trees the
+    /// round verifies.
+    pub(super) fn plan_round(&mut self) -> Result<RoundPlan, EngineError> {
         let vocab = self.target.vocab_size();
         let dev = self.target.device().clone();
         profile::mark(&dev, "0_between_rounds");
@@ -102,8 +159,6 @@ impl Engine {
             .collect();
 
         profile::mark(&dev, "4_tree");
-        let t_verify = Instant::now();
-        let taps = self.taps();
         let starts: Vec<usize> = self.seqs.iter().map(|s| s.cache.len()).collect();
         let padded: Vec<Option<DraftTree>> = self
             .seqs
@@ -111,20 +166,13 @@ impl Engine {
             .zip(&trees)
             .map(|(s, t)| self.verify_padding(s, t))
             .collect();
-        // What the target verifies: each tree, or its padded form.
-        let verified: Vec<&DraftTree> = trees
-            .iter()
-            .zip(&padded)
-            .map(|(t, p)| p.as_ref().unwrap_or(t))
+        let verified = |i: usize| padded[i].as_ref().unwrap_or(&trees[i]);
+        let positions: Vec<Vec<u32>> = (0..trees.len())
+            .map(|i| verified(i).positions(starts[i]))
             .collect();
-        let positions: Vec<Vec<u32>> = verified
-            .iter()
-            .zip(&starts)
-            .map(|(t, &s)| t.positions(s))
-            .collect();
-        let patterns: Vec<AttnPattern> = verified
-            .iter()
-            .map(|t| {
+        let patterns: Vec<AttnPattern> = (0..trees.len())
+            .map(|i| {
+                let t = verified(i);
                 if t.is_chain() {
                     AttnPattern::Causal
                 } else {
@@ -134,32 +182,35 @@ impl Engine {
                 }
             })
             .collect();
-        let rows: Vec<Vec<usize>> = verified.iter().map(|t| (0..t.len()).collect()).collect();
+        let rows: Vec<Vec<usize>> = (0..trees.len())
+            .map(|i| (0..verified(i).len()).collect())
+            .collect();
         profile::mark(&dev, "5_verify_prepare");
         let ids: Vec<SeqId> = self.seqs.iter().map(|s| s.id).collect();
-        let (out, failed) = {
-            let mut batch: Vec<SeqForward<'_>> = self
-                .seqs
-                .iter_mut()
-                .enumerate()
-                .map(|(i, s)| SeqForward {
-                    cache: &mut s.cache,
-                    tokens: &verified[i].tokens,
-                    positions: &positions[i],
-                    pattern: &patterns[i],
-                    logit_rows: &rows[i],
-                })
-                .collect();
-            // A failure ends only the sequences it fails for (`engine/isolate.rs`).
-            isolate::forward_isolating(
-                &self.target,
-                &self.faults,
-                &mut batch,
-                &ids,
-                &starts,
-                &taps,
-            )?
-        };
+        Ok(RoundPlan {
+            trees,
+            padded,
+            positions,
+            patterns,
+            rows,
+            starts,
+            ids,
+            draft_time,
+        })
+    }
+
+    /// Walks each tree with the target's rows (`out` and `failed` laid out as the plan's
+    /// sequences, the verify begun at `t_verify`) and commits the accepted paths.
+    pub(super) fn finish_round(
+        &mut self,
+        plan: &RoundPlan,
+        out: &ForwardOutput,
+        failed: &[Option<String>],
+        t_verify: Instant,
+        events: &mut Vec<SeqEvent>,
+    ) -> Result<(), EngineError> {
+        let dev = self.target.device().clone();
+        let (trees, starts, draft_time) = (&plan.trees, &plan.starts, plan.draft_time);
         profile::mark(&dev, "6_verify_forward");
         // Greedy rows only need the argmax, taken on the device; sampled rows come to the host.
         // (No logits at all: every sequence failed.)

@@ -81,6 +81,66 @@ fn tree_positions(len: usize, pattern: &AttnPattern) -> Vec<u32> {
     depth.iter().map(|d| len as u32 + d).collect()
 }
 
+/// A mixed step (the engine's prefill chunk in the decode forward): every pooled sequence
+/// decodes one token while a new sequence prefills a 128-token piece after 250 prompt tokens,
+/// in one forward (a pooled run and a single); each sequence's logits against its forward
+/// alone. Two rounds.
+fn mixed(
+    m: &Qwen3Model,
+    alone: &Qwen3Model,
+    pool: &dflash_models::cache::KvPool,
+    pooled: &mut Vec<SequenceCache>,
+    own: &mut [SequenceCache],
+) -> Result<Value> {
+    let prompt: Vec<u32> = (0..250u32).map(|i| (i * 13 + 7) % 4096).collect();
+    let mut long_pooled = m.new_cache_in(pool, 600)?;
+    let mut long_own = alone.new_cache(600)?;
+    step(
+        m,
+        std::slice::from_mut(&mut long_pooled),
+        &[prompt.clone()],
+        &AttnPattern::Causal,
+    )?;
+    step(
+        alone,
+        std::slice::from_mut(&mut long_own),
+        &[prompt],
+        &AttnPattern::Causal,
+    )?;
+    pooled.push(long_pooled);
+    let mut worst = 0f32;
+    for round in 0..2 {
+        let mut tokens: Vec<Vec<u32>> = (0..own.len())
+            .map(|s| vec![((round * 331 + s * 17) % 4096) as u32])
+            .collect();
+        tokens.push(
+            (0..128)
+                .map(|i| ((round * 128 + i) * 29 % 4096) as u32)
+                .collect(),
+        );
+        let p = step(m, pooled, &tokens, &AttnPattern::Causal)?;
+        for (s, cache) in own
+            .iter_mut()
+            .chain(std::iter::once(&mut long_own))
+            .enumerate()
+        {
+            let o = step(
+                alone,
+                std::slice::from_mut(cache),
+                &tokens[s..s + 1],
+                &AttnPattern::Causal,
+            )?;
+            worst = worst.max(rel_diff(&p[s], &o[0])?);
+        }
+    }
+    pooled.pop();
+    println!("pooled mixed (6 decode rows + a 128-token piece): worst relative logit difference {worst:.2e}");
+    if worst > 2e-2 {
+        bail!("mixed step: logits differ from each sequence alone by {worst} (relative)");
+    }
+    Ok(json!({"worst_rel_diff": worst}))
+}
+
 /// Largest |a - b| over the largest |b|.
 fn rel_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     let d = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
@@ -188,6 +248,10 @@ pub fn run(dev: &Device) -> Result<Value> {
             json!({"worst_rel_diff": worst, "argmax_agree": argmax_agree, "rows": rows}),
         );
     }
+    report.insert(
+        "mixed".into(),
+        mixed(&m, &alone, &pool, &mut pooled, &mut own)?,
+    );
     report.insert("graphs_held".into(), json!(m.step_graphs_held()));
     report.insert("pool_free_pages".into(), json!(pool.free_pages()));
     Ok(Value::Object(report))
