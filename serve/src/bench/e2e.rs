@@ -101,7 +101,7 @@ fn decode(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value, Vec<u32
 
 /// An engine for the e2e request: random-weight drafter with peaked log-probs, simulated
 /// acceptance.
-fn new_engine(s: &E2eSetup<'_>, algorithm: Algorithm) -> Engine {
+pub(super) fn new_engine(s: &E2eSetup<'_>, algorithm: Algorithm) -> Engine {
     let config = EngineConfig {
         max_context: s.prompt_len + s.new_tokens + 512,
         max_ddtree_budget: 256,

@@ -7,10 +7,7 @@
 use std::time::Instant;
 
 use anyhow::{anyhow, Result};
-use dflash_models::speculative::{
-    profile, Algorithm, DFlashProposer, Engine, EngineConfig, GenerationRequest, PeakedProposer,
-    Proposer, SamplingParams, SimulatedAcceptance,
-};
+use dflash_models::speculative::{profile, Algorithm, Engine, GenerationRequest, SamplingParams};
 use serde_json::{json, Map, Value};
 
 use super::e2e::E2eSetup;
@@ -64,20 +61,7 @@ pub fn run(s: &E2eSetup<'_>, n: usize) -> Result<Value> {
 }
 
 fn new_engine(s: &E2eSetup<'_>, algorithm: Algorithm, n: usize) -> Result<Engine> {
-    let config = EngineConfig {
-        max_context: s.prompt_len + s.new_tokens + 512,
-        max_ddtree_budget: 256,
-        eos_token_ids: vec![],
-        seed: 0,
-    };
-    let proposer = (algorithm != Algorithm::Plain).then(|| {
-        Box::new(PeakedProposer::new(
-            DFlashProposer::new(s.drafter.clone()),
-            0.8,
-        )) as Box<dyn Proposer>
-    });
-    let mut engine = Engine::new(s.target.clone(), proposer, config);
-    engine.simulate_acceptance(SimulatedAcceptance::new(s.tau - 1.0, 7));
+    let mut engine = super::e2e::new_engine(s, algorithm);
     // Room for every request with a page to spare each.
     let per = engine.cache_capacity(s.prompt_len, s.new_tokens, algorithm) + 64;
     engine
