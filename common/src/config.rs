@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::config_moe::{parse_qwen3_moe, MoeLayers};
 use crate::error::ConfigError;
 
 /// RoPE frequency scaling as found in `rope_scaling` (or transformers 5's `rope_parameters`).
@@ -53,6 +54,9 @@ pub struct Qwen3Config {
     pub bos_token_id: Option<u32>,
     pub layer_types: Vec<LayerType>,
     pub sliding_window: Option<usize>,
+    /// The sparse-MoE layout of a `qwen3_moe` target (None: every MLP is dense; always None
+    /// for a DFlash drafter).
+    pub moe: Option<MoeLayers>,
 }
 
 /// A z-lab DFlash drafter config: the Qwen3 layer shape plus the DFlash extras.
@@ -364,6 +368,7 @@ fn layers_from_raw(path: &Path, raw: &RawConfig) -> Result<Qwen3Config, ConfigEr
         bos_token_id: raw.bos_token_id,
         layer_types,
         sliding_window,
+        moe: None,
     })
 }
 
@@ -424,8 +429,9 @@ pub fn default_target_layer_ids(num_target_layers: usize, num_features: usize) -
 impl Qwen3Config {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let (raw, _) = read_raw(path)?;
-        let cfg = layers_from_raw(path, &raw)?;
+        let (raw, value) = read_raw(path)?;
+        let mut cfg = layers_from_raw(path, &raw)?;
+        cfg.moe = parse_qwen3_moe(path, &value, cfg.num_hidden_layers)?;
         if cfg.layer_types.contains(&LayerType::SlidingAttention) || raw.use_sliding_window {
             return Err(field_err(
                 path,
@@ -438,6 +444,11 @@ impl Qwen3Config {
 
     pub fn num_kv_groups(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads
+    }
+
+    /// Whether layer `layer`'s MLP is the sparse-MoE block.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
     }
 }
 
@@ -510,6 +521,8 @@ impl DFlashConfig {
         layers.num_hidden_layers = num_layers;
         layers.layer_types = vec![LayerType::FullAttention; num_layers];
         layers.sliding_window = None;
+        // DFlash layers are dense whatever the target's MLPs are (z-lab's MoE-target drafters).
+        layers.moe = None;
         let target_layer_ids = target_layer_ids
             .unwrap_or_else(|| default_target_layer_ids(target.num_hidden_layers, num_layers));
         Self {

@@ -13,6 +13,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::config::{field_err, parse_eos, parse_rope, RopeScaling};
+use crate::config_moe::{check_block, sparse_layer_pattern, MoeConfig};
 use crate::error::ConfigError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,20 +60,6 @@ pub struct HybridConfig {
     pub moe: Option<MoeConfig>,
     /// Per layer: true where the MLP is the sparse-MoE block (all false for dense models).
     pub sparse_layers: Vec<bool>,
-}
-
-/// The sparse-MoE MLP (HF `Qwen3_5MoeSparseMoeBlock` / `Qwen3NextSparseMoeBlock`): a router over
-/// `num_experts` SwiGLU experts, top-`num_experts_per_tok` per token, plus one shared expert
-/// scaled by `sigmoid(shared_expert_gate(x))`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct MoeConfig {
-    pub num_experts: usize,
-    pub num_experts_per_tok: usize,
-    pub moe_intermediate_size: usize,
-    pub shared_expert_intermediate_size: usize,
-    /// Renormalise the top-k probabilities to sum to 1 (always on for qwen3_5_moe, whose
-    /// router has no such switch; `norm_topk_prob` for Qwen3-Next).
-    pub norm_topk_prob: bool,
 }
 
 #[derive(Deserialize)]
@@ -398,24 +385,13 @@ fn parse_moe(
     let (sparse, defaults) = match model_type {
         "qwen3_5_moe_text" => (vec![true; n], (256, 8)),
         "qwen3_next" => {
-            let experts = raw.num_experts.unwrap_or(512);
-            let step = raw.decoder_sparse_step.unwrap_or(1);
-            if experts > 0 && step == 0 {
-                return Err(err(
-                    "decoder_sparse_step",
-                    "must be positive (HF computes (layer + 1) % decoder_sparse_step)".into(),
-                ));
-            }
-            let only = raw.mlp_only_layers.clone().unwrap_or_default();
-            if let Some(&bad) = only.iter().find(|&&l| l >= n) {
-                return Err(err(
-                    "mlp_only_layers",
-                    format!("lists layer {bad} but num_hidden_layers is {n}"),
-                ));
-            }
-            let sparse = (0..n)
-                .map(|i| experts > 0 && !only.contains(&i) && (i + 1) % step == 0)
-                .collect();
+            let sparse = sparse_layer_pattern(
+                n,
+                raw.num_experts.unwrap_or(512),
+                raw.decoder_sparse_step.unwrap_or(1),
+                raw.mlp_only_layers.as_deref().unwrap_or(&[]),
+            )
+            .map_err(|(field, msg)| err(field, msg))?;
             (sparse, (512, 10))
         }
         _ => {
@@ -431,41 +407,15 @@ fn parse_moe(
     if !sparse.contains(&true) {
         return Ok((None, sparse));
     }
-    let num_experts = raw.num_experts.unwrap_or(defaults.0);
-    let top_k = raw.num_experts_per_tok.unwrap_or(defaults.1);
-    if num_experts == 0 {
-        return Err(err("num_experts", "must be positive".into()));
-    }
-    if top_k == 0 || top_k > num_experts {
-        return Err(err(
-            "num_experts_per_tok",
-            format!("{top_k} must be in 1..=num_experts ({num_experts})"),
-        ));
-    }
-    let moe_intermediate_size = raw.moe_intermediate_size.unwrap_or(512);
-    let shared_expert_intermediate_size = raw.shared_expert_intermediate_size.unwrap_or(512);
-    for (name, v) in [
-        ("moe_intermediate_size", moe_intermediate_size),
-        (
-            "shared_expert_intermediate_size",
-            shared_expert_intermediate_size,
-        ),
-    ] {
-        if v == 0 {
-            return Err(err(name, "must be positive".into()));
-        }
-    }
-    let norm_topk_prob = model_type == "qwen3_5_moe_text" || raw.norm_topk_prob.unwrap_or(true);
-    Ok((
-        Some(MoeConfig {
-            num_experts,
-            num_experts_per_tok: top_k,
-            moe_intermediate_size,
-            shared_expert_intermediate_size,
-            norm_topk_prob,
-        }),
-        sparse,
-    ))
+    let block = MoeConfig {
+        num_experts: raw.num_experts.unwrap_or(defaults.0),
+        num_experts_per_tok: raw.num_experts_per_tok.unwrap_or(defaults.1),
+        moe_intermediate_size: raw.moe_intermediate_size.unwrap_or(512),
+        shared_expert_intermediate_size: Some(raw.shared_expert_intermediate_size.unwrap_or(512)),
+        norm_topk_prob: model_type == "qwen3_5_moe_text" || raw.norm_topk_prob.unwrap_or(true),
+    };
+    check_block(&block, err)?;
+    Ok((Some(block), sparse))
 }
 
 fn parse_hybrid_layer_types(

@@ -289,6 +289,7 @@ fn dflash_drafter_tapping_recurrent_layers_keeps_hybrid_greedy_output() {
         bos_token_id: None,
         layer_types: vec![LayerType::SlidingAttention, LayerType::FullAttention],
         sliding_window: Some(4),
+        moe: None,
     };
     let cfg = DFlashConfig {
         layers,

@@ -45,6 +45,7 @@ fn target_cfg() -> Qwen3Config {
         bos_token_id: None,
         layer_types: vec![LayerType::FullAttention; 4],
         sliding_window: None,
+        moe: None,
     }
 }
 

@@ -157,7 +157,7 @@ fn qwen3_5_moe_makes_every_layer_sparse_and_always_renormalises() {
             num_experts: 256,
             num_experts_per_tok: 8,
             moe_intermediate_size: 512,
-            shared_expert_intermediate_size: 512,
+            shared_expert_intermediate_size: Some(512),
             norm_topk_prob: true,
         })
     );

@@ -43,6 +43,7 @@ pub(crate) fn tiny_test_target(max_positions: usize, seed: u64) -> crate::Qwen3M
         bos_token_id: None,
         layer_types: vec![LayerType::FullAttention; 2],
         sliding_window: None,
+        moe: None,
     };
     let cpu = candle_core::Device::Cpu;
     crate::Qwen3Model::random(

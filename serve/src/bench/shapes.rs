@@ -43,6 +43,7 @@ pub fn resolve(spec: &str) -> Result<Qwen3Config> {
             bos_token_id: None,
             layer_types: vec![LayerType::FullAttention; l],
             sliding_window: None,
+            moe: None,
         });
     }
     let path = Path::new(spec);

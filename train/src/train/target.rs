@@ -124,6 +124,7 @@ pub fn published_config(name: &str) -> Option<Qwen3Config> {
         bos_token_id: None,
         layer_types: vec![LayerType::FullAttention; l],
         sliding_window: None,
+        moe: None,
     })
 }
 

@@ -29,6 +29,7 @@ fn config() -> Qwen3Config {
         bos_token_id: None,
         layer_types: vec![LayerType::FullAttention; 4],
         sliding_window: None,
+        moe: None,
     }
 }
 
