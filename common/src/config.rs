@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::config_moe::{parse_qwen3_moe, MoeLayers};
+use crate::config_moe::{parse_qwen3_moe, MoeConfig, MoeLayers};
 use crate::error::ConfigError;
 
 /// RoPE frequency scaling as found in `rope_scaling` (or transformers 5's `rope_parameters`).
@@ -449,6 +449,14 @@ impl Qwen3Config {
     /// Whether layer `layer`'s MLP is the sparse-MoE block.
     pub fn is_sparse(&self, layer: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
+    }
+
+    /// The sparse-MoE block's shape where layer `layer` is sparse; None where it is dense.
+    pub fn layer_moe(&self, layer: usize) -> Option<&MoeConfig> {
+        self.moe
+            .as_ref()
+            .filter(|m| m.is_sparse(layer))
+            .map(|m| &m.block)
     }
 }
 

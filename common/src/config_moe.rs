@@ -247,7 +247,8 @@ mod tests {
             (128, 8, 768)
         );
         assert!(!m.block.norm_topk_prob);
-        let v = json!({"model_type": "qwen3_moe", "num_hidden_layers": 2, "mlp_only_layers": [0, 1]});
+        let v =
+            json!({"model_type": "qwen3_moe", "num_hidden_layers": 2, "mlp_only_layers": [0, 1]});
         assert_eq!(parse(v).unwrap(), None);
         let v = json!({"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 0});
         assert_eq!(parse(v).unwrap(), None);

@@ -95,7 +95,7 @@ impl Stack<'_> {
     fn skinny_shapes(&self) -> ModelResult<bool> {
         for layer in self.layers {
             let f = fused(layer)?;
-            for w in [&f.qkv, &f.gate_up, layer.o_proj(), layer.down_proj()] {
+            for w in [&f.qkv, &f.gate_up, layer.o_proj(), dense_down(layer)?] {
                 let (n, k) = w.dims2()?;
                 if k % 256 != 0 || n % 32 != 0 {
                     return Ok(false);
@@ -145,7 +145,7 @@ impl Stack<'_> {
             };
             let act = cuda::gemv_silu(&x1, &fused.gate_up, Some(norm))?;
             let down_counter = (!one_row).then_some(&counter);
-            let (x2, ss2) = cuda::gemv_resid(&act, layer.down_proj(), &x1, down_counter, None)?;
+            let (x2, ss2) = cuda::gemv_resid(&act, dense_down(layer)?, &x1, down_counter, None)?;
             x = x2;
             ss = ss2;
             taps.layer_output(li, &x);
@@ -178,7 +178,7 @@ impl Stack<'_> {
             let o = cuda::linear(&attn, layer.o_proj())?;
             let (x1, h1) = cuda::add_rmsnorm(&x, &o, post_norm, eps)?;
             let act = cuda::silu_mul(&cuda::linear(&h1, &fused.gate_up)?)?;
-            let down = cuda::linear(&act, layer.down_proj())?;
+            let down = cuda::linear(&act, dense_down(layer)?)?;
             // The next layer's input norm, or the final norm after the last layer.
             let next_norm = match self.layers.get(li + 1) {
                 Some(next) => next.norm_weights().0,
@@ -271,6 +271,14 @@ fn attend(new: &cuda::QkvRows<'_>, tokens: usize, tree: Option<&Tensor>) -> Mode
         new.cache_len,
         tree,
     )?)
+}
+
+/// A dense layer's down projection; sparse-MoE layers never reach the fused stack
+/// (`Qwen3Model::fast_kernels_available`), so meeting one is refused, not run.
+fn dense_down(layer: &DecoderLayer) -> ModelResult<&Tensor> {
+    layer.down_proj().ok_or_else(|| {
+        ModelError::Unsupported("the fused CUDA stack runs dense MLPs only, not sparse-MoE".into())
+    })
 }
 
 fn fused(layer: &DecoderLayer) -> ModelResult<&crate::layers::decoder_layer::FusedWeights> {

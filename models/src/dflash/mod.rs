@@ -127,6 +127,7 @@ impl DFlashDrafter {
                 DecoderLayer::load(
                     w,
                     &format!("{prefix}layers.{i}"),
+                    i,
                     &cfg.layers,
                     dtype,
                     &device,
@@ -165,7 +166,7 @@ impl DFlashDrafter {
         let fc = rng.linear(h, cfg.target_layer_ids.len() * h, dtype, &device)?;
         let hidden_norm = rng.norm(h, dtype, &device)?;
         let layers = (0..cfg.layers.num_hidden_layers)
-            .map(|_| DecoderLayer::random(rng, &cfg.layers, dtype, &device, mode))
+            .map(|i| DecoderLayer::random(rng, &cfg.layers, i, dtype, &device, mode))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let norm = rng.norm(h, dtype, &device)?;
         Self::assemble(
@@ -345,7 +346,7 @@ impl DFlashDrafter {
             ("hidden_norm.weight".to_string(), self.hidden_norm.clone()),
         ];
         for (i, layer) in self.layers.iter().enumerate() {
-            for (name, t) in DecoderLayer::TENSOR_NAMES.iter().zip(layer.tensors()) {
+            for (name, t) in layer.named_tensors() {
                 out.push((format!("layers.{i}.{name}"), t.clone()));
             }
         }

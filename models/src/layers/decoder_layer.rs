@@ -1,19 +1,19 @@
 //! The Qwen3 decoder layer (HF `modeling_qwen3.py`: `Qwen3Attention`, `Qwen3MLP`,
-//! `Qwen3DecoderLayer`), shared by the target and the DFlash drafter, whose layers have the same
-//! weights and layout (z-lab `Qwen3DFlashDecoderLayer`). Only where K/V come from and which
-//! pattern the queries use differ; that lives with each model.
+//! `Qwen3DecoderLayer`; `modeling_qwen3_moe.py`'s `Qwen3MoeDecoderLayer` is the same attention
+//! with a dense or sparse-MoE MLP per layer), shared by the dense and MoE targets and the DFlash
+//! drafter, whose layers have the same weights and layout (z-lab `Qwen3DFlashDecoderLayer`,
+//! always dense). Only where K/V come from and which pattern the queries use differ; that lives
+//! with each model.
 
 use candle_core::{DType, Device, Result, Tensor};
 use dflash_common::{Qwen3Config, WeightFiles};
 
 use crate::error::ModelResult;
+use crate::layers::mlp::Mlp;
+use crate::layers::moe::FeedForward;
+pub use crate::layers::ops::linear;
 use crate::layers::ops::{rms_norm, rope, OpsMode};
 use crate::random::WeightRng;
-
-/// `x @ wᵀ` for `x: [rows, in]`, `w: [out, in]` (a bias-free `nn.Linear`).
-pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    x.matmul(&w.t()?)
-}
 
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
@@ -25,9 +25,8 @@ pub struct DecoderLayer {
     o_proj: Tensor,
     q_norm: Tensor,
     k_norm: Tensor,
-    gate_proj: Tensor,
-    up_proj: Tensor,
-    down_proj: Tensor,
+    /// Dense SwiGLU, or the sparse-MoE block where `cfg.is_sparse(layer)`.
+    mlp: FeedForward,
     eps: f64,
     num_heads: usize,
     num_kv_heads: usize,
@@ -39,6 +38,7 @@ pub struct DecoderLayer {
 
 /// `[q; k; v]` and `[gate; up]` stacked along the output dimension: one GEMM each. The
 /// layer's own q/k/v/gate/up tensors become views into these, so no weight is stored twice.
+/// Dense layers only: the fused CUDA stack has no sparse-MoE path.
 #[derive(Debug, Clone)]
 pub struct FusedWeights {
     pub qkv: Tensor,
@@ -46,10 +46,12 @@ pub struct FusedWeights {
 }
 
 impl DecoderLayer {
-    /// Loads `{prefix}.self_attn.*`, `{prefix}.mlp.*` and the two norms, checking every shape.
+    /// Loads `{prefix}.self_attn.*`, `{prefix}.mlp.*` and the two norms of layer `layer`,
+    /// checking every shape; the MLP is sparse where `cfg` makes that layer sparse.
     pub fn load(
         w: &WeightFiles,
         prefix: &str,
+        layer: usize,
         cfg: &Qwen3Config,
         dtype: DType,
         device: &Device,
@@ -74,9 +76,15 @@ impl DecoderLayer {
             o_proj: t("self_attn.o_proj.weight", &[h, nh * d])?,
             q_norm: t("self_attn.q_norm.weight", &[d])?,
             k_norm: t("self_attn.k_norm.weight", &[d])?,
-            gate_proj: t("mlp.gate_proj.weight", &[i, h])?,
-            up_proj: t("mlp.up_proj.weight", &[i, h])?,
-            down_proj: t("mlp.down_proj.weight", &[h, i])?,
+            mlp: FeedForward::load(
+                w,
+                &format!("{prefix}.mlp"),
+                h,
+                i,
+                cfg.layer_moe(layer),
+                dtype,
+                device,
+            )?,
             eps: cfg.rms_norm_eps,
             num_heads: nh,
             num_kv_heads: nkv,
@@ -86,10 +94,11 @@ impl DecoderLayer {
         })
     }
 
-    /// A layer with seeded random weights of the config's shape.
+    /// Layer `layer` with seeded random weights of the config's shape.
     pub fn random(
         rng: &mut WeightRng,
         cfg: &Qwen3Config,
+        layer: usize,
         dtype: DType,
         device: &Device,
         mode: OpsMode,
@@ -110,9 +119,7 @@ impl DecoderLayer {
             o_proj: rng.linear(h, nh * d, dtype, device)?,
             q_norm: rng.norm(d, dtype, device)?,
             k_norm: rng.norm(d, dtype, device)?,
-            gate_proj: rng.linear(i, h, dtype, device)?,
-            up_proj: rng.linear(i, h, dtype, device)?,
-            down_proj: rng.linear(h, i, dtype, device)?,
+            mlp: FeedForward::random(rng, h, i, cfg.layer_moe(layer), dtype, device)?,
             eps: cfg.rms_norm_eps,
             num_heads: nh,
             num_kv_heads: nkv,
@@ -122,7 +129,7 @@ impl DecoderLayer {
         })
     }
 
-    /// A layer from already-materialised tensors (a trainer's parameters, for instance). `get`
+    /// A dense layer from already-materialised tensors (a trainer's parameters, for instance). `get`
     /// receives each tensor's name relative to the layer prefix (see [`Self::TENSOR_NAMES`]) and
     /// the shape `cfg` implies, and returns the tensor or an error naming it.
     pub fn from_tensors(
@@ -146,9 +153,11 @@ impl DecoderLayer {
             o_proj: get("self_attn.o_proj.weight", &[h, nh * d])?,
             q_norm: get("self_attn.q_norm.weight", &[d])?,
             k_norm: get("self_attn.k_norm.weight", &[d])?,
-            gate_proj: get("mlp.gate_proj.weight", &[i, h])?,
-            up_proj: get("mlp.up_proj.weight", &[i, h])?,
-            down_proj: get("mlp.down_proj.weight", &[h, i])?,
+            mlp: FeedForward::Dense(Mlp::from_parts(
+                get("mlp.gate_proj.weight", &[i, h])?,
+                get("mlp.up_proj.weight", &[i, h])?,
+                get("mlp.down_proj.weight", &[h, i])?,
+            )),
             eps: cfg.rms_norm_eps,
             num_heads: nh,
             num_kv_heads: nkv,
@@ -158,7 +167,8 @@ impl DecoderLayer {
         })
     }
 
-    /// The checkpoint names of a layer's tensors, relative to its prefix (HF / z-lab naming).
+    /// The checkpoint names of a dense layer's tensors, relative to its prefix (HF / z-lab
+    /// naming; a drafter's layers).
     pub const TENSOR_NAMES: [&'static str; 11] = [
         "input_layernorm.weight",
         "post_attention_layernorm.weight",
@@ -197,21 +207,30 @@ impl DecoderLayer {
         ]
     }
 
-    /// This layer's tensors in [`Self::TENSOR_NAMES`] order.
-    pub fn tensors(&self) -> [&Tensor; 11] {
-        [
-            &self.input_layernorm,
-            &self.post_attention_layernorm,
-            &self.q_proj,
-            &self.k_proj,
-            &self.v_proj,
-            &self.o_proj,
-            &self.q_norm,
-            &self.k_norm,
-            &self.gate_proj,
-            &self.up_proj,
-            &self.down_proj,
-        ]
+    /// This layer's tensors with their checkpoint names relative to its prefix; for a dense
+    /// layer, [`Self::TENSOR_NAMES`] in order.
+    pub fn named_tensors(&self) -> Vec<(String, &Tensor)> {
+        let mut out: Vec<(String, &Tensor)> = Self::TENSOR_NAMES[..8]
+            .iter()
+            .map(|n| n.to_string())
+            .zip([
+                &self.input_layernorm,
+                &self.post_attention_layernorm,
+                &self.q_proj,
+                &self.k_proj,
+                &self.v_proj,
+                &self.o_proj,
+                &self.q_norm,
+                &self.k_norm,
+            ])
+            .collect();
+        out.extend(
+            self.mlp
+                .named_tensors()
+                .into_iter()
+                .map(|(n, t)| (format!("mlp.{n}"), t)),
+        );
+        out
     }
 
     pub fn input_norm(&self, x: &Tensor) -> Result<Tensor> {
@@ -269,9 +288,12 @@ impl DecoderLayer {
     pub fn finish(&self, residual: &Tensor, attn: &Tensor) -> Result<Tensor> {
         let x = (residual + linear(attn, &self.o_proj)?)?;
         let h = rms_norm(&x, &self.post_attention_layernorm, self.eps, self.mode)?;
-        let gate = linear(&h, &self.gate_proj)?.silu()?;
-        let up = linear(&h, &self.up_proj)?;
-        x + linear(&(gate * up)?, &self.down_proj)?
+        x + self.mlp.forward(&h)?
+    }
+
+    /// Whether the MLP is the sparse-MoE block.
+    pub fn is_sparse(&self) -> bool {
+        matches!(self.mlp, FeedForward::Sparse(_))
     }
 
     pub fn mode(&self) -> OpsMode {
@@ -280,20 +302,21 @@ impl DecoderLayer {
 
     /// Stacks q/k/v and gate/up into [`FusedWeights`] and re-points the separate tensors at
     /// views of them (same values, same memory). Inference only: a trainer's parameters must
-    /// stay separate variables.
+    /// stay separate variables. A sparse-MoE layer stays unfused ([`Self::fused`] None), so a
+    /// model holding one keeps the plain path.
     pub fn fuse_projections(&mut self) -> Result<()> {
+        let FeedForward::Dense(mlp) = &mut self.mlp else {
+            return Ok(());
+        };
         if self.fused.is_some() {
             return Ok(());
         }
         let qkv = Tensor::cat(&[&self.q_proj, &self.k_proj, &self.v_proj], 0)?;
-        let gate_up = Tensor::cat(&[&self.gate_proj, &self.up_proj], 0)?;
+        let gate_up = mlp.stack_gate_up()?;
         let (nq, nk) = (self.q_proj.dim(0)?, self.k_proj.dim(0)?);
-        let i = self.gate_proj.dim(0)?;
         self.q_proj = qkv.narrow(0, 0, nq)?;
         self.k_proj = qkv.narrow(0, nq, nk)?;
         self.v_proj = qkv.narrow(0, nq + nk, nk)?;
-        self.gate_proj = gate_up.narrow(0, 0, i)?;
-        self.up_proj = gate_up.narrow(0, i, i)?;
         self.fused = Some(FusedWeights { qkv, gate_up });
         Ok(())
     }
@@ -316,8 +339,9 @@ impl DecoderLayer {
         &self.o_proj
     }
 
-    pub fn down_proj(&self) -> &Tensor {
-        &self.down_proj
+    /// The dense MLP's down projection (None for a sparse-MoE layer).
+    pub fn down_proj(&self) -> Option<&Tensor> {
+        self.mlp.dense().map(|m| m.weights().2)
     }
 
     pub fn eps(&self) -> f64 {

@@ -7,6 +7,11 @@
 
 use candle_core::{DType, Result, Tensor, D};
 
+/// `x @ wᵀ` for `x: [rows, in]`, `w: [out, in]` (a bias-free `nn.Linear`).
+pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    x.matmul(&w.t()?)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OpsMode {
     /// candle's fused kernels: fastest, no backward pass.

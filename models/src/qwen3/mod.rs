@@ -1,4 +1,5 @@
-//! Qwen3 dense target (HF `Qwen3ForCausalLM`), built for speculative decoding. This folder:
+//! Qwen3 target (HF `Qwen3ForCausalLM`, and `Qwen3MoeForCausalLM`: the same attention with a
+//! dense or sparse-MoE MLP per layer, `layers/moe.rs`), built for speculative decoding. This folder:
 //! the model and its plain forward, the reference on every device (`mod.rs`), and its fused
 //! CUDA forward with chunked prefill and CUDA-graph steps (`cuda.rs`).
 //!
@@ -87,7 +88,17 @@ impl Qwen3Model {
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let embed_tokens = w.tensor("model.embed_tokens.weight", &[v, h], dtype, device)?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::load(w, &format!("model.layers.{i}"), &cfg, dtype, device, mode))
+            .map(|i| {
+                DecoderLayer::load(
+                    w,
+                    &format!("model.layers.{i}"),
+                    i,
+                    &cfg,
+                    dtype,
+                    device,
+                    mode,
+                )
+            })
             .collect::<ModelResult<Vec<_>>>()?;
         let norm = w.tensor("model.norm.weight", &[h], dtype, device)?;
         // Tied checkpoints (Qwen3-4B, tiny-coder-demo) store no lm_head; some still ship a copy.
@@ -146,7 +157,7 @@ impl Qwen3Model {
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let embed_tokens = rng.normal(&[v, h], 0.0, 1.0, dtype, device)?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|_| DecoderLayer::random(rng, &cfg, dtype, device, mode))
+            .map(|i| DecoderLayer::random(rng, &cfg, i, dtype, device, mode))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let norm = rng.norm(h, dtype, device)?;
         let lm_head = if cfg.tie_word_embeddings {
@@ -203,9 +214,11 @@ impl Qwen3Model {
         Ok(self.fresh_graphs())
     }
 
-    /// Whether [`crate::cuda`]'s fused kernels can run this model.
+    /// Whether [`crate::cuda`]'s fused kernels can run this model. Not with sparse-MoE layers
+    /// (`qwen3_moe`): the fused stack has no MoE path yet, so those models take the plain one.
     pub fn fast_kernels_available(&self) -> bool {
-        crate::cuda::available(&self.device, self.dtype, self.cfg.head_dim, self.mode)
+        self.cfg.moe.is_none()
+            && crate::cuda::available(&self.device, self.dtype, self.cfg.head_dim, self.mode)
     }
 
     /// Turns the fused kernels on or off (off: the plain candle path, for comparisons). Has

@@ -1,4 +1,4 @@
-//! Gated full attention (HF `Qwen3_5Attention` / `Qwen3NextAttention`) and the dense MLP.
+//! Gated full attention (HF `Qwen3_5Attention` / `Qwen3NextAttention`).
 //!
 //! `q_proj` is twice the usual height: per head, `head_dim` query rows then `head_dim` gate rows.
 //! q and k get a zero-centred RMSNorm per head, then RoPE on their leading `rotary_dim` dims
@@ -153,60 +153,5 @@ impl GatedAttention {
     pub fn out(&self, attn: &Tensor, gate: &Tensor) -> Result<Tensor> {
         let gated = (attn * candle_nn::ops::sigmoid(gate)?)?;
         linear(&gated, &self.o_proj)
-    }
-}
-
-#[derive(Debug, Clone)]
-pub struct Mlp {
-    gate_proj: Tensor,
-    up_proj: Tensor,
-    down_proj: Tensor,
-}
-
-impl Mlp {
-    /// From `gate_proj` / `up_proj` `[I, H]` and `down_proj` `[H, I]` (MoE experts).
-    pub fn from_parts(gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor) -> Self {
-        Self {
-            gate_proj,
-            up_proj,
-            down_proj,
-        }
-    }
-
-    pub fn load(
-        w: &WeightFiles,
-        p: &str,
-        h: usize,
-        i: usize,
-        dtype: DType,
-        device: &Device,
-    ) -> ModelResult<Self> {
-        let t =
-            |name: &str, shape: &[usize]| w.tensor(&format!("{p}.{name}"), shape, dtype, device);
-        Ok(Self {
-            gate_proj: t("gate_proj.weight", &[i, h])?,
-            up_proj: t("up_proj.weight", &[i, h])?,
-            down_proj: t("down_proj.weight", &[h, i])?,
-        })
-    }
-
-    pub fn random(
-        rng: &mut WeightRng,
-        h: usize,
-        i: usize,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Self> {
-        Ok(Self {
-            gate_proj: rng.linear(i, h, dtype, device)?,
-            up_proj: rng.linear(i, h, dtype, device)?,
-            down_proj: rng.linear(h, i, dtype, device)?,
-        })
-    }
-
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = linear(x, &self.gate_proj)?.silu()?;
-        let up = linear(x, &self.up_proj)?;
-        linear(&(gate * up)?, &self.down_proj)
     }
 }

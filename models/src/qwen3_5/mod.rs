@@ -6,8 +6,8 @@
 //! the last layer's after the final norm). This folder: the model and its forward (`mod.rs`),
 //! the Gated DeltaNet layer
 //! (`gdn.rs`) and its chunked / recurrent delta rule (`delta_rule.rs`), gated full attention
-//! and the dense MLP (`gated_attention.rs`), the sparse-MoE MLP (`moe.rs`), the MTP head
-//! (`mtp.rs`).
+//! (`gated_attention.rs`), the MTP head (`mtp.rs`); the dense and sparse-MoE MLPs are the shared
+//! `layers/mlp.rs` and `layers/moe.rs`.
 //!
 //! Layers are Gated DeltaNet (`linear_attention`, recurrent state in the cache) or gated full
 //! attention (K/V rows), per `layer_types`; every ordinary norm is zero-centred (`1 + w`). A
@@ -19,7 +19,6 @@
 pub mod delta_rule;
 pub mod gated_attention;
 pub mod gdn;
-pub mod moe;
 pub mod mtp;
 
 use std::path::Path;
@@ -32,14 +31,15 @@ use crate::cache::{KvBuffer, LayerCache, SequenceCache, StagedState};
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::{attend, AttnPattern};
 use crate::layers::decoder_layer::linear;
+pub use crate::layers::mlp::Mlp;
+pub use crate::layers::moe::{FeedForward, SparseMoe};
 use crate::layers::ops::{rms_norm, OpsMode};
 use crate::layers::rope::RotaryEmbedding;
 use crate::qwen3_5::delta_rule::Forest;
 use crate::random::WeightRng;
 use crate::taps::TapCollector;
-pub use gated_attention::{one_plus, GatedAttention, Mlp};
+pub use gated_attention::{one_plus, GatedAttention};
 pub use gdn::{DeltaForm, GatedDeltaNet};
-pub use moe::{FeedForward, SparseMoe};
 pub use mtp::MtpHead;
 
 #[derive(Debug, Clone)]
@@ -154,8 +154,9 @@ impl Qwen35Model {
                 mlp: FeedForward::load(
                     w,
                     &format!("{p}.mlp"),
-                    &cfg,
-                    cfg.sparse_layers[i],
+                    h,
+                    cfg.intermediate_size,
+                    cfg.moe.as_ref().filter(|_| cfg.sparse_layers[i]),
                     dtype,
                     device,
                 )?,
@@ -205,7 +206,14 @@ impl Qwen35Model {
                 input_norm: rng.norm(h, dtype, device)?,
                 post_norm: rng.norm(h, dtype, device)?,
                 mixer,
-                mlp: FeedForward::random(rng, &cfg, cfg.sparse_layers[i], dtype, device)?,
+                mlp: FeedForward::random(
+                    rng,
+                    h,
+                    cfg.intermediate_size,
+                    cfg.moe.as_ref().filter(|_| cfg.sparse_layers[i]),
+                    dtype,
+                    device,
+                )?,
             });
         }
         let norm = rng.norm(h, dtype, device)?;

@@ -18,9 +18,9 @@ use crate::cache::SequenceCache;
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::{attend, AttnPattern};
 use crate::layers::decoder_layer::linear;
+use crate::layers::moe::FeedForward;
 use crate::layers::ops::{rms_norm, OpsMode};
 use crate::qwen3_5::gated_attention::{one_plus, GatedAttention};
-use crate::qwen3_5::moe::FeedForward;
 use crate::qwen3_5::Qwen35Model;
 use crate::random::WeightRng;
 
@@ -72,8 +72,11 @@ impl MtpHead {
             mlp: FeedForward::load(
                 w,
                 "mtp.layers.0.mlp",
-                cfg,
-                w.contains("mtp.layers.0.mlp.gate.weight"),
+                h,
+                cfg.intermediate_size,
+                cfg.moe
+                    .as_ref()
+                    .filter(|_| w.contains("mtp.layers.0.mlp.gate.weight")),
                 dtype,
                 device,
             )?,
@@ -100,7 +103,14 @@ impl MtpHead {
             input_norm: rng.norm(h, dtype, device)?,
             post_norm: rng.norm(h, dtype, device)?,
             attn: GatedAttention::random(rng, cfg, dtype, device, mode)?,
-            mlp: FeedForward::random(rng, cfg, cfg.moe.is_some(), dtype, device)?,
+            mlp: FeedForward::random(
+                rng,
+                h,
+                cfg.intermediate_size,
+                cfg.moe.as_ref(),
+                dtype,
+                device,
+            )?,
             norm: rng.norm(h, dtype, device)?,
             eps: cfg.rms_norm_eps,
             mode,

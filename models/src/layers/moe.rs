@@ -1,24 +1,25 @@
-//! The sparse-MoE MLP of the hybrid MoE targets (HF `Qwen3_5MoeSparseMoeBlock`,
-//! `Qwen3NextSparseMoeBlock`), and [`FeedForward`], the per-layer choice between it and the
-//! dense [`Mlp`].
+//! The sparse-MoE MLP of every MoE target (HF `Qwen3MoeSparseMoeBlock`,
+//! `Qwen3_5MoeSparseMoeBlock`, `Qwen3NextSparseMoeBlock`), and [`FeedForward`], a decoder layer's
+//! choice between it and the dense [`Mlp`].
 //!
 //! Per token: `p = softmax_f32(gate(x))`, the top-k experts by `p` (ties to the lower index, as
 //! `torch.topk` on the CPU), weights `p_i` renormalised to sum 1 when `norm_topk_prob`, cast to
-//! the model dtype; the output is `sum_i w_i * expert_i(x) + sigmoid(shared_expert_gate(x)) *
-//! shared_expert(x)`. Routing runs on the host: it is a handful of floats per token, and the
-//! exact top-k order is what decides which experts run.
+//! the model dtype; the output is `sum_i w_i * expert_i(x)`, plus `sigmoid(shared_expert_gate(x))
+//! * shared_expert(x)` for the hybrids, whose block has a shared expert (`qwen3_moe`'s has none).
+//! Routing runs on the host: it is a handful of floats per token, and the exact top-k order is
+//! what decides which experts run.
 //!
 //! Experts load from either on-disk form: the 3D tensors `experts.gate_up_proj` `[E, 2I, H]`
 //! (gate rows, then up rows) and `experts.down_proj` `[E, H, I]` that the Qwen3.5-MoE releases
 //! and transformers 5 use, or one 2D tensor per expert (`experts.{e}.gate_proj.weight`, ...) as
-//! in the Qwen3-Next releases.
+//! in the Qwen3-30B-A3B, Qwen3-Coder-30B-A3B and Qwen3-Next releases.
 
 use candle_core::{DType, Device, Result, Tensor};
-use dflash_common::{HybridConfig, MoeConfig, WeightError, WeightFiles};
+use dflash_common::{MoeConfig, WeightError, WeightFiles};
 
 use crate::error::{ModelError, ModelResult};
-use crate::layers::decoder_layer::linear;
-use crate::qwen3_5::gated_attention::Mlp;
+use crate::layers::mlp::Mlp;
+use crate::layers::ops::linear;
 use crate::random::WeightRng;
 
 /// A decoder layer's MLP: dense, or the sparse-MoE block where the config makes the layer sparse.
@@ -29,54 +30,48 @@ pub enum FeedForward {
 }
 
 impl FeedForward {
-    /// Loads the MLP under `p` (`...layers.{i}.mlp`), sparse when `sparse`.
+    /// Loads the MLP under `p` (`...layers.{i}.mlp`): the sparse block of shape `moe` where the
+    /// config makes the layer sparse (`Some`), else a dense MLP of hidden size `h` and width
+    /// `intermediate`.
     pub fn load(
         w: &WeightFiles,
         p: &str,
-        cfg: &HybridConfig,
-        sparse: bool,
+        h: usize,
+        intermediate: usize,
+        moe: Option<&MoeConfig>,
         dtype: DType,
         device: &Device,
     ) -> ModelResult<Self> {
-        match (&cfg.moe, sparse) {
-            (Some(moe), true) => Ok(Self::Sparse(SparseMoe::load(
-                w,
-                p,
-                moe,
-                cfg.hidden_size,
-                dtype,
-                device,
-            )?)),
-            _ => {
-                if w.contains(&format!("{p}.gate.weight")) {
-                    return Err(ModelError::Inconsistent(format!(
-                        "{}: config.json makes `{p}` a dense MLP, but the checkpoint has a MoE router (`{p}.gate.weight`) there: check num_experts, mlp_only_layers and decoder_sparse_step",
-                        w.dir().display()
-                    )));
-                }
-                Ok(Self::Dense(Mlp::load(
-                    w,
-                    p,
-                    cfg.hidden_size,
-                    cfg.intermediate_size,
-                    dtype,
-                    device,
-                )?))
-            }
+        if let Some(moe) = moe {
+            return Ok(Self::Sparse(SparseMoe::load(w, p, moe, h, dtype, device)?));
         }
+        if w.contains(&format!("{p}.gate.weight")) {
+            return Err(ModelError::Inconsistent(format!(
+                "{}: config.json makes `{p}` a dense MLP, but the checkpoint has a MoE router (`{p}.gate.weight`) there: check model_type, num_experts, mlp_only_layers and decoder_sparse_step",
+                w.dir().display()
+            )));
+        }
+        Ok(Self::Dense(Mlp::load(
+            w,
+            p,
+            h,
+            intermediate,
+            dtype,
+            device,
+        )?))
     }
 
     pub fn random(
         rng: &mut WeightRng,
-        cfg: &HybridConfig,
-        sparse: bool,
+        h: usize,
+        intermediate: usize,
+        moe: Option<&MoeConfig>,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let h = cfg.hidden_size;
-        Ok(match (&cfg.moe, sparse) {
-            (Some(moe), true) => Self::Sparse(SparseMoe::random(rng, moe, h, dtype, device)?),
-            _ => Self::Dense(Mlp::random(rng, h, cfg.intermediate_size, dtype, device)?),
+        Ok(match moe {
+            Some(moe) => Self::Sparse(SparseMoe::random(rng, moe, h, dtype, device)?),
+            None => Self::Dense(Mlp::random(rng, h, intermediate, dtype, device)?),
         })
     }
 
@@ -86,6 +81,42 @@ impl FeedForward {
             Self::Sparse(m) => m.forward(x),
         }
     }
+
+    pub fn dense(&self) -> Option<&Mlp> {
+        match self {
+            Self::Dense(m) => Some(m),
+            Self::Sparse(_) => None,
+        }
+    }
+
+    /// Every tensor with its checkpoint name relative to the MLP's prefix (experts in the
+    /// one-tensor-per-expert form).
+    pub fn named_tensors(&self) -> Vec<(String, &Tensor)> {
+        match self {
+            Self::Dense(m) => mlp("", m),
+            Self::Sparse(m) => {
+                let mut out = vec![("gate.weight".to_string(), &m.gate)];
+                for (e, expert) in m.experts.iter().enumerate() {
+                    out.extend(mlp(&format!("experts.{e}."), expert));
+                }
+                if let Some(s) = &m.shared {
+                    out.extend(mlp("shared_expert.", &s.mlp));
+                    out.push(("shared_expert_gate.weight".to_string(), &s.gate));
+                }
+                out
+            }
+        }
+    }
+}
+
+/// A SwiGLU MLP's three tensors named as in the checkpoint, under `prefix`.
+fn mlp<'a>(prefix: &str, m: &'a Mlp) -> Vec<(String, &'a Tensor)> {
+    let (g, u, d) = m.weights();
+    vec![
+        (format!("{prefix}gate_proj.weight"), g),
+        (format!("{prefix}up_proj.weight"), u),
+        (format!("{prefix}down_proj.weight"), d),
+    ]
 }
 
 #[derive(Debug, Clone)]
@@ -93,11 +124,18 @@ pub struct SparseMoe {
     /// Router `[E, H]`.
     gate: Tensor,
     experts: Vec<Mlp>,
-    shared_expert: Mlp,
-    /// `[1, H]`: the shared expert's scalar gate per token.
-    shared_expert_gate: Tensor,
+    /// The hybrids' shared expert (None for `qwen3_moe`).
+    shared: Option<SharedExpert>,
     top_k: usize,
     norm_topk_prob: bool,
+}
+
+/// An expert every token goes through, scaled by `sigmoid(gate(x))`.
+#[derive(Debug, Clone)]
+struct SharedExpert {
+    mlp: Mlp,
+    /// `[1, H]`: the scalar gate per token.
+    gate: Tensor,
 }
 
 impl SparseMoe {
@@ -142,20 +180,18 @@ impl SparseMoe {
                 })
                 .collect::<ModelResult<Vec<_>>>()?
         };
-        let shared_expert = Mlp::load(
-            w,
-            &format!("{p}.shared_expert"),
-            h,
-            moe.shared_expert_intermediate_size,
-            dtype,
-            device,
-        )
-        .map_err(|err| name_the_key(err, "shared_expert"))?;
+        let shared = match moe.shared_expert_intermediate_size {
+            Some(si) => Some(SharedExpert {
+                mlp: Mlp::load(w, &format!("{p}.shared_expert"), h, si, dtype, device)
+                    .map_err(|err| name_the_key(err, "shared_expert"))?,
+                gate: t("shared_expert_gate.weight", &[1, h])?,
+            }),
+            None => None,
+        };
         Ok(Self {
             gate,
             experts,
-            shared_expert,
-            shared_expert_gate: t("shared_expert_gate.weight", &[1, h])?,
+            shared,
             top_k: moe.num_experts_per_tok,
             norm_topk_prob: moe.norm_topk_prob,
         })
@@ -174,8 +210,13 @@ impl SparseMoe {
             experts: (0..moe.num_experts)
                 .map(|_| Mlp::random(rng, h, i, dtype, device))
                 .collect::<Result<_>>()?,
-            shared_expert: Mlp::random(rng, h, moe.shared_expert_intermediate_size, dtype, device)?,
-            shared_expert_gate: rng.linear(1, h, dtype, device)?,
+            shared: match moe.shared_expert_intermediate_size {
+                Some(si) => Some(SharedExpert {
+                    mlp: Mlp::random(rng, h, si, dtype, device)?,
+                    gate: rng.linear(1, h, dtype, device)?,
+                }),
+                None => None,
+            },
             top_k: moe.num_experts_per_tok,
             norm_topk_prob: moe.norm_topk_prob,
         })
@@ -212,9 +253,13 @@ impl SparseMoe {
                 .broadcast_mul(&w)?;
             out = out.index_add(&idx, &y, 0)?;
         }
-        let shared_gate = candle_nn::ops::sigmoid(&linear(x, &self.shared_expert_gate)?)?;
-        let shared = self.shared_expert.forward(x)?.broadcast_mul(&shared_gate)?;
-        out + shared
+        match &self.shared {
+            Some(s) => {
+                let g = candle_nn::ops::sigmoid(&linear(x, &s.gate)?)?;
+                out + s.mlp.forward(x)?.broadcast_mul(&g)?
+            }
+            None => Ok(out),
+        }
     }
 }
 
@@ -275,26 +320,34 @@ mod tests {
             num_experts: 6,
             num_experts_per_tok: 2,
             moe_intermediate_size: 8,
-            shared_expert_intermediate_size: 8,
+            shared_expert_intermediate_size: Some(8),
             norm_topk_prob: false,
         };
-        let mut rng = WeightRng::new(3);
-        let m = SparseMoe::random(&mut rng, &moe, 16, DType::F32, &Device::Cpu).unwrap();
-        let x = rng
-            .normal(&[10, 16], 0.0, 1.0, DType::F32, &Device::Cpu)
-            .unwrap();
-        let all = m.forward(&x).unwrap();
-        for t in 0..10 {
-            let one = m.forward(&x.narrow(0, t, 1).unwrap()).unwrap();
-            let d = (one - all.narrow(0, t, 1).unwrap())
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
+        // With a shared expert (the hybrids) and without (qwen3_moe, renormalised).
+        let without = MoeConfig {
+            shared_expert_intermediate_size: None,
+            norm_topk_prob: true,
+            ..moe.clone()
+        };
+        for cfg in [moe, without] {
+            let mut rng = WeightRng::new(3);
+            let m = SparseMoe::random(&mut rng, &cfg, 16, DType::F32, &Device::Cpu).unwrap();
+            let x = rng
+                .normal(&[10, 16], 0.0, 1.0, DType::F32, &Device::Cpu)
                 .unwrap();
-            assert!(d < 1e-6, "row {t} differs by {d} when batched");
+            let all = m.forward(&x).unwrap();
+            for t in 0..10 {
+                let one = m.forward(&x.narrow(0, t, 1).unwrap()).unwrap();
+                let d = (one - all.narrow(0, t, 1).unwrap())
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert!(d < 1e-6, "row {t} differs by {d} when batched");
+            }
         }
     }
 
