@@ -186,11 +186,15 @@ fn auto_device() -> DeviceSpec {
 
 /// `Qwen/Qwen3-8B` -> `z-lab/Qwen3-8B-DFlash-b16`; the hybrid Qwen3.5 / Qwen3.6 targets'
 /// drafters carry no block-size suffix (`Qwen/Qwen3.6-27B` -> `z-lab/Qwen3.6-27B-DFlash`, mask
-/// token 248070 in their configs).
+/// token 248070 in their configs). z-lab publishes one drafter for the Qwen3-Coder MoE target
+/// and its Instruct release alike: `z-lab/Qwen3-Coder-30B-A3B-DFlash`.
 pub fn zlab_drafter_repo(target: &str) -> Option<String> {
     let (_, name) = target.split_once('/')?;
     if name.is_empty() || name.contains('/') || Path::new(target).exists() {
         return None;
+    }
+    if name == "Qwen3-Coder-30B-A3B" || name == "Qwen3-Coder-30B-A3B-Instruct" {
+        return Some("z-lab/Qwen3-Coder-30B-A3B-DFlash".to_string());
     }
     if name.starts_with("Qwen3.5-") || name.starts_with("Qwen3.6-") {
         return Some(format!("z-lab/{name}-DFlash"));

@@ -87,6 +87,31 @@ fn zlab_drafter_for_qwen3_5_and_qwen3_6_targets_has_no_block_suffix() {
 }
 
 #[test]
+fn zlab_drafter_for_the_qwen3_coder_moe_target_is_its_one_published_drafter() {
+    for target in [
+        "Qwen/Qwen3-Coder-30B-A3B-Instruct",
+        "Qwen/Qwen3-Coder-30B-A3B",
+    ] {
+        let c = config(&[
+            "--model-path",
+            target,
+            "--speculative-algorithm",
+            "dflash",
+            "--drafter",
+            "z-lab",
+        ])
+        .expect("ok");
+        assert_eq!(
+            c.speculative.expect("speculative").draft,
+            DraftSource::ZLab {
+                repo: "z-lab/Qwen3-Coder-30B-A3B-DFlash".into()
+            },
+            "{target}"
+        );
+    }
+}
+
+#[test]
 fn old_spellings_and_unique_prefixes_are_accepted() {
     let c = config(&[
         "--model",
