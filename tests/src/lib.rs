@@ -137,6 +137,35 @@ pub fn two_sample_chi2<K: std::hash::Hash + Eq + Clone>(a: &[K], b: &[K]) -> (f6
     (stat, cells.len().saturating_sub(1).max(1))
 }
 
+/// Asserts that `spec`'s continuations have plain sampling's distribution: a two-sample
+/// chi-square test (bound at p = 1e-4) for every position after the first (which comes from
+/// prefill and involves no drafts) and for the pair of positions 2 and 3. `name` labels the
+/// failure.
+pub fn assert_same_distribution(name: &str, plain: &[Vec<u32>], spec: &[Vec<u32>]) {
+    let positions = plain.first().map_or(0, Vec::len);
+    for pos in 1..positions {
+        let a: Vec<u32> = plain.iter().map(|s| s[pos]).collect();
+        let b: Vec<u32> = spec.iter().map(|s| s[pos]).collect();
+        let (stat, df) = two_sample_chi2(&a, &b);
+        assert!(
+            stat < chi2_bound(df),
+            "{name}: token {} distribution differs: chi2 {stat:.1} > bound {:.1} (df {df})",
+            pos + 1,
+            chi2_bound(df)
+        );
+    }
+    if positions >= 3 {
+        let a: Vec<(u32, u32)> = plain.iter().map(|s| (s[1], s[2])).collect();
+        let b: Vec<(u32, u32)> = spec.iter().map(|s| (s[1], s[2])).collect();
+        let (stat, df) = two_sample_chi2(&a, &b);
+        assert!(
+            stat < chi2_bound(df),
+            "{name}: joint (2, 3) differs: chi2 {stat:.1} > bound {:.1} (df {df})",
+            chi2_bound(df)
+        );
+    }
+}
+
 /// A tiny random Qwen3.5-shaped hybrid target in f32 on the CPU (4 layers: GDN, gated
 /// attention, GDN, GDN; vocab 96, hidden 32) for the speculative-decoding tests.
 pub fn tiny_hybrid(seed: u64) -> dflash_models::Qwen35Model {

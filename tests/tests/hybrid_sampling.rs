@@ -18,7 +18,7 @@ use dflash_models::speculative::{
 };
 use dflash_models::{OpsMode, Qwen35Model};
 use dflash_tests::{
-    chi2_bound, sample_continuations, single_threaded_tensor_ops, tiny_hybrid, two_sample_chi2,
+    assert_same_distribution, sample_continuations, single_threaded_tensor_ops, tiny_hybrid,
 };
 
 const SAMPLES: usize = 400;
@@ -100,24 +100,6 @@ fn speculative_sampling_on_a_hybrid_target_matches_plain_sampling_distribution()
         "mtp accepted only {mtp_accepted} drafts"
     );
     for (name, spec) in [("chain", &chain), ("ddtree", &tree), ("mtp ddtree", &mtp)] {
-        for pos in 1..NEW {
-            let a: Vec<u32> = plain.iter().map(|s| s[pos]).collect();
-            let b: Vec<u32> = spec.iter().map(|s| s[pos]).collect();
-            let (stat, df) = two_sample_chi2(&a, &b);
-            assert!(
-                stat < chi2_bound(df),
-                "{name}: token {} distribution differs: chi2 {stat:.1} > bound {:.1} (df {df})",
-                pos + 1,
-                chi2_bound(df)
-            );
-        }
-        let a: Vec<(u32, u32)> = plain.iter().map(|s| (s[1], s[2])).collect();
-        let b: Vec<(u32, u32)> = spec.iter().map(|s| (s[1], s[2])).collect();
-        let (stat, df) = two_sample_chi2(&a, &b);
-        assert!(
-            stat < chi2_bound(df),
-            "{name}: joint (2, 3) differs: chi2 {stat:.1} > bound {:.1}",
-            chi2_bound(df)
-        );
+        assert_same_distribution(name, &plain, spec);
     }
 }

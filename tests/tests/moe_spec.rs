@@ -21,8 +21,8 @@ use dflash_models::speculative::{
 };
 use dflash_models::{AttnPattern, DFlashDrafter, OpsMode, Qwen3Model, SeqForward, SequenceCache};
 use dflash_tests::{
-    chi2_bound, fixture, max_abs_diff, sample_continuations, single_threaded_tensor_ops,
-    two_sample_chi2,
+    assert_same_distribution, fixture, max_abs_diff, sample_continuations,
+    single_threaded_tensor_ops,
 };
 
 const PROMPTS: [&[u32]; 3] = [
@@ -267,24 +267,6 @@ fn speculative_sampling_on_a_moe_target_matches_plain_sampling_distribution() {
         "tree accepted only {tree_accepted} drafts"
     );
     for (name, spec) in [("chain", &chain), ("ddtree", &tree)] {
-        for pos in 1..NEW {
-            let a: Vec<u32> = plain.iter().map(|s| s[pos]).collect();
-            let b: Vec<u32> = spec.iter().map(|s| s[pos]).collect();
-            let (stat, df) = two_sample_chi2(&a, &b);
-            assert!(
-                stat < chi2_bound(df),
-                "{name}: token {} distribution differs: chi2 {stat:.1} > bound {:.1} (df {df})",
-                pos + 1,
-                chi2_bound(df)
-            );
-        }
-        let a: Vec<(u32, u32)> = plain.iter().map(|s| (s[1], s[2])).collect();
-        let b: Vec<(u32, u32)> = spec.iter().map(|s| (s[1], s[2])).collect();
-        let (stat, df) = two_sample_chi2(&a, &b);
-        assert!(
-            stat < chi2_bound(df),
-            "{name}: joint (2, 3) differs: chi2 {stat:.1} > bound {:.1}",
-            chi2_bound(df)
-        );
+        assert_same_distribution(name, &plain, spec);
     }
 }
