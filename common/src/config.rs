@@ -10,6 +10,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::config_moe::{parse_qwen3_moe, MoeConfig, MoeLayers};
+pub(crate) use crate::error::field_err;
 use crate::error::ConfigError;
 
 /// RoPE frequency scaling as found in `rope_scaling` (or transformers 5's `rope_parameters`).
@@ -147,14 +148,6 @@ fn read_raw(path: &Path) -> Result<(RawConfig, Value), ConfigError> {
         }
     })?;
     Ok((raw, value))
-}
-
-pub(crate) fn field_err(path: &Path, field: &str, message: impl Into<String>) -> ConfigError {
-    ConfigError::Field {
-        path: path.to_path_buf(),
-        field: field.into(),
-        message: message.into(),
-    }
 }
 
 fn parse_rope_scaling(path: &Path, raw: &RawConfig) -> Result<(f64, RopeScaling), ConfigError> {

@@ -21,6 +21,19 @@ pub enum ConfigError {
     Invalid { path: PathBuf, message: String },
 }
 
+/// A [`ConfigError::Field`] for `field` of the file at `path`.
+pub(crate) fn field_err(
+    path: &std::path::Path,
+    field: &str,
+    message: impl Into<String>,
+) -> ConfigError {
+    ConfigError::Field {
+        path: path.to_path_buf(),
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum WeightError {
     #[error("no safetensors weights in {dir}: expected model.safetensors or model.safetensors.index.json")]

@@ -1,4 +1,6 @@
 use super::*;
+use crate::config_moe::tests::coder_30b_a3b;
+use serde_json::json;
 
 #[test]
 fn default_layer_rule_matches_published_drafters() {
@@ -45,4 +47,25 @@ fn round_half_even_matches_python() {
     assert_eq!(round_half_even(2.5), 2.0);
     assert_eq!(round_half_even(3.5), 4.0);
     assert_eq!(round_half_even(1.2), 1.0);
+}
+
+/// The MoE keys reach the target config through `Qwen3Config::from_file`, by `model_type`.
+#[test]
+fn the_whole_target_config_parses_through_qwen3_config() {
+    let dir = std::env::temp_dir().join(format!("dflash-moe-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("config.json");
+    std::fs::write(&file, coder_30b_a3b().to_string()).unwrap();
+    let c = Qwen3Config::from_file(&file).unwrap();
+    assert_eq!(c.intermediate_size, 6144);
+    assert!(c.is_sparse(0) && c.is_sparse(47) && !c.is_sparse(48));
+    // A drafter made for the MoE target has dense layers of the target's intermediate_size.
+    let d = DFlashConfig::for_target(&c, 1, 16, 151669, None);
+    assert!(d.layers.moe.is_none() && !d.layers.is_sparse(0));
+    let mut dense = coder_30b_a3b();
+    dense["model_type"] = json!("qwen3");
+    std::fs::write(&file, dense.to_string()).unwrap();
+    let e = Qwen3Config::from_file(&file).unwrap_err().to_string();
+    assert!(e.contains("num_experts") && e.contains("qwen3_moe"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
