@@ -32,7 +32,9 @@ struct Dims {
 
 impl Dims {
     fn check(&self, blocks: &Tensor) -> Result<()> {
-        let Dims { h, kv, r, block, .. } = *self;
+        let Dims {
+            h, kv, r, block, ..
+        } = *self;
         if kv == 0 || h % kv != 0 {
             bail!("dflash attention: {h} heads over {kv} kv heads")
         }
@@ -40,7 +42,9 @@ impl Dims {
             bail!("dflash attention: block size {block} (1..=32) must divide {r} rows")
         }
         let nblocks = r / block;
-        if blocks.dtype() != DType::U32 || blocks.dims2()? != (nblocks, 2) || !blocks.is_contiguous()
+        if blocks.dtype() != DType::U32
+            || blocks.dims2()? != (nblocks, 2)
+            || !blocks.is_contiguous()
         {
             bail!("dflash attention: blocks must be u32 [{nblocks}, 2]")
         }
@@ -223,7 +227,11 @@ pub fn dflash_attention_fwd_packed(
         }
     };
     let lse = alloc_f32(&dev, x.h * x.r)?.reshape((x.h, x.r))?;
-    let (qp, kp, vp) = (storage_ptr(q.0, q.1)?, storage_ptr(k.0, k.1)?, storage_ptr(v.0, v.1)?);
+    let (qp, kp, vp) = (
+        storage_ptr(q.0, q.1)?,
+        storage_ptr(k.0, k.1)?,
+        storage_ptr(v.0, v.1)?,
+    );
     let off = (x.c * x.d * dtype.size_in_bytes()) as u64;
     launch_fwd(
         &dev,

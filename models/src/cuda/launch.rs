@@ -2,10 +2,10 @@
 //! uninitialised device buffers, launch configurations and error mapping, dtype checks, and
 //! host-to-device uploads of small inputs (stream-ordered, so CUDA graphs can replay them).
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchArgs, LaunchConfig};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
-use candle_core::backend::BackendStorage;
 use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
 use half::bf16;
 

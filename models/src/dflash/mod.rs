@@ -32,7 +32,7 @@ pub mod train;
 
 #[cfg(feature = "cuda")]
 pub use cuda::DraftGraph;
-pub use train::TrainSequence;
+pub use train::{TrainAttention, TrainSequence};
 
 /// One sequence's draft request.
 pub struct DraftInput<'a> {

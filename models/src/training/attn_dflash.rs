@@ -11,7 +11,7 @@
 //! (`attend` under `training_mask`, one group per sequence, as `dflash/train.rs` runs it):
 //! the reference the op is checked against here and by `gpu_check --train`.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 
@@ -87,8 +87,7 @@ pub fn dflash_attention(
     let op = DFlashAttnOp::new(blocks, ctx, block_size, window, q.device())?;
     let k = Tensor::cat(&[kc, kb], 1)?.contiguous()?;
     let v = Tensor::cat(&[vc, vb], 1)?.contiguous()?;
-    q.contiguous()?
-        .apply_op3_arc(&k, &v, Arc::new(Box::new(op)))
+    q.contiguous()?.apply_op3(&k, &v, op)
 }
 
 /// [`dflash_attention`] as candle's composition: per run of blocks with one context offset (a
@@ -313,11 +312,8 @@ impl CustomOp3 for DFlashAttnOp {
         let (kc, kb) = unpack(&cpu_f32(s2, l2)?, &d);
         let (vc, vb) = unpack(&cpu_f32(s3, l3)?, &d);
         let (out, lse) = reference::forward(d, &q, &kc, &vc, &kb, &vb, &self.blocks);
-        *self.lse.lock().expect("lse lock") = Some(Tensor::from_vec(
-            lse,
-            (d.heads, d.rows),
-            &Device::Cpu,
-        )?);
+        *self.lse.lock().expect("lse lock") =
+            Some(Tensor::from_vec(lse, (d.heads, d.rows), &Device::Cpu)?);
         let shape = Shape::from((d.rows, d.heads * d.head_dim));
         Ok(match s1 {
             CpuStorage::BF16(_) => (
@@ -399,9 +395,11 @@ impl CustomOp3 for DFlashAttnOp {
             &flat_f32(&lse)?,
         );
         let dev = q.device();
-        let dq = Tensor::from_vec(g.dq, q.shape(), dev)?.to_dtype(q.dtype())?;
-        let dk = Tensor::from_vec(pack(&g.dkc, &g.dkb, &d), k.shape(), dev)?.to_dtype(k.dtype())?;
-        let dv = Tensor::from_vec(pack(&g.dvc, &g.dvb, &d), v.shape(), dev)?.to_dtype(v.dtype())?;
+        let dq = Tensor::from_vec(g.dq, q.shape().clone(), dev)?.to_dtype(q.dtype())?;
+        let dk = Tensor::from_vec(pack(&g.dkc, &g.dkb, &d), k.shape().clone(), dev)?
+            .to_dtype(k.dtype())?;
+        let dv = Tensor::from_vec(pack(&g.dvc, &g.dvb, &d), v.shape().clone(), dev)?
+            .to_dtype(v.dtype())?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
@@ -412,11 +410,10 @@ mod tests {
 
     #[test]
     fn sequence_tables_cover_each_context_row_once() {
-        let spans = [(0, 3), (0, 5), (5, 2), (5, 7), (12, 1)]
-            .map(|(o, a)| BlockSpan {
-                ctx_offset: o,
-                anchor: a,
-            });
+        let spans = [(0, 3), (0, 5), (5, 2), (5, 7), (12, 1)].map(|(o, a)| BlockSpan {
+            ctx_offset: o,
+            anchor: a,
+        });
         let (seqs, ctx_seq) = seq_tables(&spans, 14).unwrap();
         assert_eq!(seqs, vec![0, 0, 2, 5, 2, 4, 12, 4, 5]);
         let want: Vec<u32> = [vec![0; 5], vec![1; 7], vec![2; 2]].concat();

@@ -81,9 +81,15 @@ impl AttnDims {
         );
         assert!(kv > 0 && h % kv == 0, "heads {h} over kv heads {kv}");
         assert_eq!(r, blocks.len() * self.block_size, "rows vs blocks");
-        assert_eq!(lens, [h * r * d, kv * c * d, kv * c * d, kv * r * d, kv * r * d]);
+        assert_eq!(
+            lens,
+            [h * r * d, kv * c * d, kv * c * d, kv * r * d, kv * r * d]
+        );
         for s in blocks {
-            assert!((s.ctx_offset + s.anchor) as usize <= c, "block {s:?} past the context");
+            assert!(
+                (s.ctx_offset + s.anchor) as usize <= c,
+                "block {s:?} past the context"
+            );
         }
     }
 }

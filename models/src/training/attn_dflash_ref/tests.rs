@@ -77,7 +77,10 @@ fn tensors(c: &Case) -> Vec<Tensor> {
 
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 fn flat(t: &Tensor) -> Vec<f32> {
@@ -97,8 +100,8 @@ fn forward_equals_the_masked_softmax_composition() {
         let c = case(w, 7 + i as u64);
         let (out, lse) = ref_forward(&c, &c.spans);
         let t = tensors(&c);
-        let composed = composed_attention(&t[0], &t[1], &t[2], &t[3], &t[4], &c.spans, B, w)
-            .unwrap();
+        let composed =
+            composed_attention(&t[0], &t[1], &t[2], &t[3], &t[4], &c.spans, B, w).unwrap();
         let err = max_abs(&out, &flat(&composed));
         assert!(err < 2e-5, "window {w:?}: out differs by {err}");
         assert!(lse.iter().all(|l| l.is_finite()));
@@ -137,7 +140,13 @@ fn candle_grads(c: &Case, f: impl Fn(&[Tensor]) -> Tensor) -> Vec<Vec<f32>> {
     let dout = Tensor::from_vec(c.x[5].clone(), out.shape(), &Device::Cpu).unwrap();
     let grads = (out * dout).unwrap().sum_all().unwrap().backward().unwrap();
     vars.iter()
-        .map(|v| flat(grads.get(v.as_tensor()).expect("every input has a gradient")))
+        .map(|v| {
+            flat(
+                grads
+                    .get(v.as_tensor())
+                    .expect("every input has a gradient"),
+            )
+        })
         .collect()
 }
 
