@@ -152,8 +152,10 @@ pub fn dflash_attention_fwd(
     // Every element of both outputs is written by the kernel.
     let out = alloc(&dev, dtype, (r, h, d))?.reshape((r, h * d))?;
     let lse = alloc_f32(&dev, h * r)?.reshape((h, r))?;
-    let p = [q, kc, vc, kb, vb, blocks, &out, &lse].map(ptr);
-    let p = [p[0]?, p[1]?, p[2]?, p[3]?, p[4]?, p[5]?, p[6]?, p[7]?];
+    let mut p = [0u64; 8];
+    for (a, t) in p.iter_mut().zip([q, kc, vc, kb, vb, blocks, &out, &lse]) {
+        *a = ptr(t)?;
+    }
     launch_fwd(&dev, dtype, &x, p)?;
     Ok((out, lse))
 }
