@@ -248,8 +248,9 @@ impl DFlashAttnOp {
         })
     }
 
-    fn take_lse(&self) -> Result<Tensor> {
-        match self.lse.lock().expect("lse lock").take() {
+    /// The forward's log-sum-exp (kept, so the graph can be differentiated more than once).
+    fn saved_lse(&self) -> Result<Tensor> {
+        match self.lse.lock().expect("lse lock").clone() {
             Some(l) => Ok(l),
             None => bail!("dflash attention: backward without its forward's log-sum-exp"),
         }
@@ -360,7 +361,7 @@ impl CustomOp3 for DFlashAttnOp {
         dout: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let d = self.dims(q.shape(), k.shape())?;
-        let lse = self.take_lse()?;
+        let lse = self.saved_lse()?;
         let dout = dout.to_dtype(q.dtype())?.contiguous()?;
         #[cfg(feature = "cuda")]
         if let Some((spans, seqs, ctx_seq)) = &self.tables {

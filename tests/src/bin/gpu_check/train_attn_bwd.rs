@@ -13,9 +13,10 @@
 //!    head_dim 64) on the GPU in f32, two sequences, `train_hidden_with` + the trainer's
 //!    weighted cross-entropy + backward: the loss (1e-5 relative) and every parameter
 //!    tensor's gradient (1e-4 of its largest entry) must agree.
-//! 3. Time of one attention forward + backward, fused vs composed, at the reference
-//!    training config's shape (tiny-coder-demo drafter: 4 heads over 2, head_dim 64, block
-//!    16; 8 sequences of 640 rows with 256 anchors each), bf16.
+//! 3. Time of one attention forward and of its backward (gradients left on the device),
+//!    fused vs composed, with the reference training config's attention (tiny-coder-demo
+//!    drafter: 4 heads over 2, head_dim 64, block 16, 256 anchors per sequence), bf16, for 8
+//!    sequences of 640 rows; the fused path alone for the trainer's 32 sequences of ~740.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
@@ -54,13 +55,13 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
 
 type AttnFn<'a> = &'a dyn Fn(&[Tensor], &[BlockSpan]) -> candle_core::Result<Tensor>;
 
-/// Gradients of sum(f(inputs) * dout) with respect to the five inputs, as flat f32.
-fn grads(
+/// Gradients of sum(f(inputs) * dout) with respect to the five inputs, on the device.
+fn grads_on_device(
     inputs: &[Tensor],
     dout: &Tensor,
     spans: &[BlockSpan],
     f: AttnFn,
-) -> Result<Vec<Vec<f32>>> {
+) -> Result<Vec<Tensor>> {
     let vars: Vec<Var> = inputs
         .iter()
         .map(Var::from_tensor)
@@ -70,11 +71,23 @@ fn grads(
     let g = (out.to_dtype(DType::F32)? * dout)?.sum_all()?.backward()?;
     vars.iter()
         .map(|v| {
-            let t = g
-                .get(v.as_tensor())
-                .ok_or_else(|| anyhow::anyhow!("an input got no gradient"))?;
-            flat(t)
+            g.get(v.as_tensor())
+                .cloned()
+                .ok_or_else(|| anyhow::anyhow!("an input got no gradient"))
         })
+        .collect()
+}
+
+/// [`grads_on_device`] as flat f32 on the host.
+fn grads(
+    inputs: &[Tensor],
+    dout: &Tensor,
+    spans: &[BlockSpan],
+    f: AttnFn,
+) -> Result<Vec<Vec<f32>>> {
+    grads_on_device(inputs, dout, spans, f)?
+        .iter()
+        .map(flat)
         .collect()
 }
 
@@ -269,9 +282,10 @@ fn trainer_step(dev: &Device) -> Result<Value> {
     }))
 }
 
-/// Forward and forward + backward times (ms) of both paths at the reference config's shape.
-fn speed(dev: &Device) -> Result<Value> {
-    let (seqs, len, per_seq, d) = (8usize, 640usize, 256usize, 64usize);
+/// Forward and forward + backward times (ms) of the fused path (and of the composed one with
+/// `composed`) for `seqs` sequences of `len` rows with 256 anchors each.
+fn speed(dev: &Device, seqs: usize, len: usize, composed: bool) -> Result<Value> {
+    let (per_seq, d) = (256usize, 64usize);
     let mut spans = Vec::new();
     for s in 0..seqs {
         for i in 0..per_seq {
@@ -293,19 +307,28 @@ fn speed(dev: &Device) -> Result<Value> {
     ];
     let dout = draw(&[r, HEADS * d])?.to_dtype(DType::F32)?;
     let fused: AttnFn = &|t, s| dflash_attention(&t[0], &t[1], &t[2], &t[3], &t[4], s, B, None);
-    let composed: AttnFn =
+    let composed_fn: AttnFn =
         &|t, s| composed_attention(&t[0], &t[1], &t[2], &t[3], &t[4], s, B, None);
     let mut res = serde_json::Map::new();
-    for (name, f) in [("fused", fused), ("composed", composed)] {
+    let paths = [("fused", fused), ("composed", composed_fn)];
+    for (name, f) in &paths[..if composed { 2 } else { 1 }] {
+        let f = *f;
         let fwd = time_ms(dev, 5, || {
             f(&inputs, &spans)?;
             Ok(())
         })?;
-        let both = time_ms(dev, 5, || {
-            grads(&inputs, &dout, &spans, f)?;
+        // The backward alone: one forward graph, differentiated again each time.
+        let vars: Vec<Var> = inputs
+            .iter()
+            .map(Var::from_tensor)
+            .collect::<candle_core::Result<_>>()?;
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let loss = (f(&ts, &spans)?.to_dtype(DType::F32)? * &dout)?.sum_all()?;
+        let bwd = time_ms(dev, 5, || {
+            loss.backward()?;
             Ok(())
         })?;
-        res.insert(name.into(), json!({"fwd_ms": fwd, "fwd_bwd_ms": both}));
+        res.insert(name.into(), json!({"fwd_ms": fwd, "bwd_ms": bwd}));
     }
     res.insert(
         "shape".into(),
@@ -335,6 +358,11 @@ pub fn run(dev: &Device) -> Result<Value> {
         );
     }
     record("attn_dflash_trainer_step".into(), trainer_step(dev));
-    record("attn_dflash_speed".into(), speed(dev));
+    record("attn_dflash_speed".into(), speed(dev, 8, 640, true));
+    // The trainer's shape: 32 sequences of ~740 rows (the reference run's mean).
+    record(
+        "attn_dflash_speed_trainer_shape".into(),
+        speed(dev, 32, 740, false),
+    );
     Ok(Value::Object(report))
 }
