@@ -328,7 +328,7 @@ fn speed(dev: &Device, seqs: usize, len: usize, composed: bool) -> Result<Value>
             loss.backward()?;
             Ok(())
         })?;
-        res.insert(name.into(), json!({"fwd_ms": fwd, "bwd_ms": bwd}));
+        res.insert(name.to_string(), json!({"fwd_ms": fwd, "bwd_ms": bwd}));
     }
     res.insert(
         "shape".into(),
