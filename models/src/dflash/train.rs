@@ -32,6 +32,7 @@ use dflash_common::LayerType;
 use crate::dflash::DFlashDrafter;
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::attend;
+use crate::layers::ops::OpsMode;
 use crate::training::attn_dflash::{dflash_attention, BlockSpan};
 
 /// Upper bound on the blocks attended together, so that one group's scores stay small.
@@ -94,6 +95,59 @@ pub fn training_mask(
         }
     }
     Tensor::from_vec(m, (anchors.len() * b, cols), device)
+}
+
+/// [`dflash_attention`] as candle's composition (the reference it is checked against): per run of blocks with one context offset (a
+/// sequence), `attend` over its context up to the largest anchor and its block rows under
+/// [`training_mask`], in f32 probabilities (`OpsMode::Differentiable`).
+#[allow(clippy::too_many_arguments)]
+pub fn composed_attention(
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    kb: &Tensor,
+    vb: &Tensor,
+    blocks: &[BlockSpan],
+    block_size: usize,
+    window: Option<usize>,
+) -> candle_core::Result<Tensor> {
+    let b = block_size;
+    let mut outs = Vec::new();
+    let mut first = 0;
+    while first < blocks.len() {
+        let off = blocks[first].ctx_offset;
+        let end = first
+            + blocks[first..]
+                .iter()
+                .take_while(|s| s.ctx_offset == off)
+                .count();
+        let anchors: Vec<usize> = blocks[first..end]
+            .iter()
+            .map(|s| s.anchor as usize)
+            .collect();
+        let ctx_len = anchors.iter().copied().max().unwrap_or(0);
+        let (rows, row_off) = ((end - first) * b, first * b);
+        let (kbg, vbg) = (kb.narrow(1, row_off, rows)?, vb.narrow(1, row_off, rows)?);
+        let (keys, values) = if ctx_len == 0 {
+            (kbg, vbg)
+        } else {
+            let (o, n) = (off as usize, ctx_len);
+            (
+                Tensor::cat(&[&kc.narrow(1, o, n)?, &kbg], 1)?,
+                Tensor::cat(&[&vc.narrow(1, o, n)?, &vbg], 1)?,
+            )
+        };
+        let mask = training_mask(&anchors, ctx_len, b, window, q.device())?;
+        outs.push(attend(
+            &q.narrow(1, row_off, rows)?,
+            &keys,
+            &values,
+            Some(&mask),
+            OpsMode::Differentiable,
+        )?);
+        first = end;
+    }
+    Tensor::cat(&outs, 0)
 }
 
 impl DFlashDrafter {

@@ -7,26 +7,16 @@
 //! (`--train-attention fused`): a candle custom op over `(q, [kc | kb], [vc | vb])` whose
 //! forward saves the log-sum-exp of every query row and whose backward recomputes the
 //! probabilities from it (CUDA kernels in `cuda/attn_dflash.cu`; on the CPU the f32 reference
-//! of [`super::attn_dflash_ref`]). [`composed_attention`] is the candle composition
-//! (`attend` under `training_mask`, one group per sequence, as `dflash/train.rs` runs it):
-//! the reference the op is checked against here and by `gpu_check --train`.
+//! of [`super::attn_dflash_ref`]). [`crate::dflash::train::composed_attention`] is the candle
+//! composition (`attend` under `training_mask`, one group per sequence, as `dflash/train.rs`
+//! runs it): the reference the op is checked against by the tests and `gpu_check --train`.
 
 use std::sync::Mutex;
 
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 
+pub use super::attn_dflash_ref::BlockSpan;
 use super::attn_dflash_ref::{self as reference, AttnDims};
-use crate::dflash::train::training_mask;
-use crate::layers::attention::attend;
-use crate::layers::ops::OpsMode;
-
-/// One block of the batch: where its sequence's context rows start in the context buffer,
-/// and its anchor (the context rows it sees are `ctx_offset .. ctx_offset + anchor`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BlockSpan {
-    pub ctx_offset: u32,
-    pub anchor: u32,
-}
 
 fn span_tensor(blocks: &[BlockSpan], device: &Device) -> Result<Tensor> {
     let flat: Vec<u32> = blocks
@@ -88,59 +78,6 @@ pub fn dflash_attention(
     let k = Tensor::cat(&[kc, kb], 1)?.contiguous()?;
     let v = Tensor::cat(&[vc, vb], 1)?.contiguous()?;
     q.contiguous()?.apply_op3(&k, &v, op)
-}
-
-/// [`dflash_attention`] as candle's composition: per run of blocks with one context offset (a
-/// sequence), `attend` over its context up to the largest anchor and its block rows under
-/// [`training_mask`], in f32 probabilities (`OpsMode::Differentiable`).
-#[allow(clippy::too_many_arguments)]
-pub fn composed_attention(
-    q: &Tensor,
-    kc: &Tensor,
-    vc: &Tensor,
-    kb: &Tensor,
-    vb: &Tensor,
-    blocks: &[BlockSpan],
-    block_size: usize,
-    window: Option<usize>,
-) -> Result<Tensor> {
-    let b = block_size;
-    let mut outs = Vec::new();
-    let mut first = 0;
-    while first < blocks.len() {
-        let off = blocks[first].ctx_offset;
-        let end = first
-            + blocks[first..]
-                .iter()
-                .take_while(|s| s.ctx_offset == off)
-                .count();
-        let anchors: Vec<usize> = blocks[first..end]
-            .iter()
-            .map(|s| s.anchor as usize)
-            .collect();
-        let ctx_len = anchors.iter().copied().max().unwrap_or(0);
-        let (rows, row_off) = ((end - first) * b, first * b);
-        let (kbg, vbg) = (kb.narrow(1, row_off, rows)?, vb.narrow(1, row_off, rows)?);
-        let (keys, values) = if ctx_len == 0 {
-            (kbg, vbg)
-        } else {
-            let (o, n) = (off as usize, ctx_len);
-            (
-                Tensor::cat(&[&kc.narrow(1, o, n)?, &kbg], 1)?,
-                Tensor::cat(&[&vc.narrow(1, o, n)?, &vbg], 1)?,
-            )
-        };
-        let mask = training_mask(&anchors, ctx_len, b, window, q.device())?;
-        outs.push(attend(
-            &q.narrow(1, row_off, rows)?,
-            &keys,
-            &values,
-            Some(&mask),
-            OpsMode::Differentiable,
-        )?);
-        first = end;
-    }
-    Tensor::cat(&outs, 0)
 }
 
 /// Per sequence (a run of blocks with one context offset): `(context offset, first block,

@@ -13,7 +13,13 @@
 //! (and every head of the group) that sees the key. Used by the tests here, by the CPU side of
 //! [`super::attn_dflash::dflash_attention`] and as the reference of `gpu_check --train`.
 
-use super::attn_dflash::BlockSpan;
+/// One block of the batch: where its sequence's context rows start in the context buffer,
+/// and its anchor (the context rows it sees are `ctx_offset .. ctx_offset + anchor`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSpan {
+    pub ctx_offset: u32,
+    pub anchor: u32,
+}
 
 /// Sizes of one attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

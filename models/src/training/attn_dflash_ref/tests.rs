@@ -8,8 +8,9 @@
 use candle_core::{Device, Tensor, Var};
 
 use super::*;
+use crate::dflash::train::composed_attention;
 use crate::random::WeightRng;
-use crate::training::attn_dflash::{composed_attention, dflash_attention};
+use crate::training::attn_dflash::dflash_attention;
 
 const B: usize = 4;
 const H: usize = 4;

@@ -21,8 +21,9 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use dflash_common::{DFlashConfig, LayerType, Qwen3Config, RopeScaling};
+use dflash_models::dflash::train::composed_attention;
 use dflash_models::random::WeightRng;
-use dflash_models::training::attn_dflash::{composed_attention, dflash_attention, BlockSpan};
+use dflash_models::training::attn_dflash::{dflash_attention, BlockSpan};
 use dflash_models::training::attn_dflash_ref::{self as reference, AttnDims};
 use dflash_models::{
     DFlashDrafter, OpsMode, Qwen3Model, TargetEmbeddingsAndHead, TrainAttention, TrainSequence,
