@@ -97,9 +97,11 @@ pub fn training_mask(
     Tensor::from_vec(m, (anchors.len() * b, cols), device)
 }
 
-/// [`dflash_attention`] as candle's composition (the reference it is checked against): per run of blocks with one context offset (a
-/// sequence), `attend` over its context up to the largest anchor and its block rows under
-/// [`training_mask`], in f32 probabilities (`OpsMode::Differentiable`).
+/// [`dflash_attention`] as candle's composition, grouped as [`DFlashDrafter::train_hidden`]
+/// groups it (the reference the op is checked against): per run of blocks with one context
+/// offset (a sequence), groups of at most [`MAX_GROUP_BLOCKS`] blocks, each attending over
+/// its context up to its largest anchor and its own block rows under [`training_mask`], in
+/// f32 probabilities (`OpsMode::Differentiable`).
 #[allow(clippy::too_many_arguments)]
 pub fn composed_attention(
     q: &Tensor,
@@ -121,30 +123,33 @@ pub fn composed_attention(
                 .iter()
                 .take_while(|s| s.ctx_offset == off)
                 .count();
-        let anchors: Vec<usize> = blocks[first..end]
-            .iter()
-            .map(|s| s.anchor as usize)
-            .collect();
-        let ctx_len = anchors.iter().copied().max().unwrap_or(0);
-        let (rows, row_off) = ((end - first) * b, first * b);
-        let (kbg, vbg) = (kb.narrow(1, row_off, rows)?, vb.narrow(1, row_off, rows)?);
-        let (keys, values) = if ctx_len == 0 {
-            (kbg, vbg)
-        } else {
-            let (o, n) = (off as usize, ctx_len);
-            (
-                Tensor::cat(&[&kc.narrow(1, o, n)?, &kbg], 1)?,
-                Tensor::cat(&[&vc.narrow(1, o, n)?, &vbg], 1)?,
-            )
-        };
-        let mask = training_mask(&anchors, ctx_len, b, window, q.device())?;
-        outs.push(attend(
-            &q.narrow(1, row_off, rows)?,
-            &keys,
-            &values,
-            Some(&mask),
-            OpsMode::Differentiable,
-        )?);
+        let seq_ctx = blocks[first..end].iter().map(|s| s.anchor).max();
+        let per_group = (seq_ctx.unwrap_or(0) as usize)
+            .div_ceil(b)
+            .clamp(1, MAX_GROUP_BLOCKS);
+        for (g, chunk) in blocks[first..end].chunks(per_group).enumerate() {
+            let anchors: Vec<usize> = chunk.iter().map(|s| s.anchor as usize).collect();
+            let ctx_len = anchors.iter().copied().max().unwrap_or(0);
+            let (rows, row_off) = (chunk.len() * b, (first + g * per_group) * b);
+            let (kbg, vbg) = (kb.narrow(1, row_off, rows)?, vb.narrow(1, row_off, rows)?);
+            let (keys, values) = if ctx_len == 0 {
+                (kbg, vbg)
+            } else {
+                let (o, n) = (off as usize, ctx_len);
+                (
+                    Tensor::cat(&[&kc.narrow(1, o, n)?, &kbg], 1)?,
+                    Tensor::cat(&[&vc.narrow(1, o, n)?, &vbg], 1)?,
+                )
+            };
+            let mask = training_mask(&anchors, ctx_len, b, window, q.device())?;
+            outs.push(attend(
+                &q.narrow(1, row_off, rows)?,
+                &keys,
+                &values,
+                Some(&mask),
+                OpsMode::Differentiable,
+            )?);
+        }
         first = end;
     }
     Tensor::cat(&outs, 0)
