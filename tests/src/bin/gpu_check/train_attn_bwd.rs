@@ -202,6 +202,9 @@ fn tiny_target(dev: &Device) -> Result<Qwen3Model> {
     )?)
 }
 
+/// Each parameter's name and gradient (flat f32).
+type NamedGrads = Vec<(String, Vec<f32>)>;
+
 /// A trainer step (forward, weighted CE, backward) of a random drafter: loss and gradients.
 fn trainer_step(dev: &Device) -> Result<Value> {
     let target = tiny_target(dev)?;
@@ -230,7 +233,7 @@ fn trainer_step(dev: &Device) -> Result<Value> {
         targets.push(&ex, a, B, 7.0);
     }
     let parts = TargetEmbeddingsAndHead::of(&target);
-    let run = |attention: TrainAttention| -> Result<(f32, Vec<(String, Vec<f32>)>)> {
+    let run = |attention: TrainAttention| -> Result<(f32, NamedGrads)> {
         let vars: Vec<(String, Var)> = init
             .named_tensors()
             .into_iter()
