@@ -125,7 +125,8 @@ pub fn run(target: &Qwen3Model) -> Result<Value> {
         let mut block = vec![4095u32; b];
         block[0] = (round * 7 + 3) as u32;
         let blocks = [block];
-        pooled[1].grow_to(pooled[1].len() + 3 + b)?;
+        let want = pooled[1].len() + 3 + b;
+        pooled[1].grow_to(want)?;
         let p = draft(&d, &mut [&mut pooled[1]], &ctx, &blocks)?;
         let o = draft(&alone, &mut [&mut own[1]], &ctx, &blocks)?;
         graph_worst = graph_worst.max(rel_diff(&p, &o)?);
