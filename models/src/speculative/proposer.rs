@@ -61,6 +61,35 @@ pub trait Proposer: Send {
     }
 }
 
+/// A boxed proposer is one (so wrappers such as [`crate::speculative::PeakedProposer`] take
+/// whatever proposer a server built).
+impl<P: Proposer + ?Sized> Proposer for Box<P> {
+    fn max_depth(&self) -> usize {
+        (**self).max_depth()
+    }
+    fn target_layers(&self) -> Vec<usize> {
+        (**self).target_layers()
+    }
+    fn open(&mut self, seq: SeqId, capacity: usize) -> ModelResult<()> {
+        (**self).open(seq, capacity)
+    }
+    fn propose(&mut self, batch: &[ProposeItem<'_>]) -> ModelResult<Vec<TopK>> {
+        (**self).propose(batch)
+    }
+    fn close(&mut self, seq: SeqId) {
+        (**self).close(seq)
+    }
+    fn cache_bytes_per_row(&self) -> usize {
+        (**self).cache_bytes_per_row()
+    }
+    fn use_kv_pool(&mut self, pages: usize) -> ModelResult<()> {
+        (**self).use_kv_pool(pages)
+    }
+    fn reserve(&mut self, seq: SeqId, committed: usize) -> ModelResult<()> {
+        (**self).reserve(seq, committed)
+    }
+}
+
 /// The DFlash drafter as a proposer: one batched drafter forward per round.
 pub struct DFlashProposer {
     drafter: DFlashDrafter,

@@ -78,7 +78,11 @@ pub fn run(target: &Qwen3Model) -> Result<Value> {
             .iter()
             .enumerate()
             .map(|(s, &l)| {
-                let n = if round == 0 { l } else { 1 + (s * 5 + round * 3) % b };
+                let n = if round == 0 {
+                    l
+                } else {
+                    1 + (s * 5 + round * 3) % b
+                };
                 features(n, width, s * 10 + round, &dev)
             })
             .collect::<Result<_>>()?;
@@ -95,12 +99,7 @@ pub fn run(target: &Qwen3Model) -> Result<Value> {
         let mut refs: Vec<&mut SequenceCache> = pooled.iter_mut().collect();
         let p = draft(&d, &mut refs, &contexts, &blocks)?;
         for (s, cache) in own.iter_mut().enumerate() {
-            let o = draft(
-                &alone,
-                &mut [cache],
-                &contexts[s..s + 1],
-                &blocks[s..s + 1],
-            )?;
+            let o = draft(&alone, &mut [cache], &contexts[s..s + 1], &blocks[s..s + 1])?;
             let ps = p.narrow(0, s * (b - 1), b - 1)?;
             worst = worst.max(rel_diff(&ps, &o)?);
             let am = ps.argmax(1)?.to_vec1::<u32>()?;
