@@ -22,6 +22,8 @@
 mod hybrid;
 #[path = "gpu_check/pooled.rs"]
 mod pooled;
+#[path = "gpu_check/pooled_draft.rs"]
+mod pooled_draft;
 #[path = "gpu_check/train.rs"]
 mod train;
 #[path = "gpu_check/train_attn.rs"]
