@@ -10,7 +10,7 @@ use dflash_common::WeightFiles;
 use dflash_models::qwen3_5::MtpHead;
 use dflash_models::speculative::{
     Algorithm, DFlashProposer, Engine, EngineConfig, FinishReason, GenerationRequest, MtpProposer,
-    Penalties, PeakedProposer, Proposer, SamplingParams, SimulatedAcceptance,
+    PeakedProposer, Penalties, Proposer, SamplingParams, SimulatedAcceptance,
 };
 use dflash_models::{DFlashDrafter, OpsMode, Target};
 
