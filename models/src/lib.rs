@@ -36,7 +36,9 @@ pub use batch::{ForwardOutput, SeqForward};
 pub use cache::{SequenceCache, PAGE_SIZE};
 #[cfg(feature = "cuda")]
 pub use dflash::DraftGraph;
-pub use dflash::{DFlashDrafter, DraftInput, TargetEmbeddingsAndHead, TrainSequence};
+pub use dflash::{
+    DFlashDrafter, DraftInput, TargetEmbeddingsAndHead, TrainAttention, TrainSequence,
+};
 pub use error::{ModelError, ModelResult};
 pub use layers::attention::AttnPattern;
 pub use layers::ops::OpsMode;

@@ -176,6 +176,14 @@ impl Target {
     /// A cache for `capacity` positions in which forwards of up to `rollback` tokens can be
     /// rolled back (attention caches can always be truncated; the argument only matters for
     /// recurrent layers).
+    /// Forwards replayed from a CUDA graph so far (the hybrid targets capture none yet).
+    pub fn graph_replays(&self) -> u64 {
+        match self {
+            Target::Qwen3(m) => m.graph_replays(),
+            Target::Hybrid(_) => 0,
+        }
+    }
+
     /// Bytes of K/V one cached row of a sequence takes (attention layers only).
     pub fn kv_bytes_per_row(&self) -> usize {
         match self {

@@ -221,3 +221,112 @@ fn a_pool_too_small_to_keep_everything_evicts_cached_pages_and_decodes_as_withou
         }
     }
 }
+
+#[test]
+fn sequences_sharing_a_prefix_that_outgrow_the_drafter_pool_retract_and_decode_as_alone() {
+    let t = target();
+    // Target pages of the 400-token prompt are shared, but every drafter cache holds the
+    // whole context in pages of its own: six sequences fit the target's 26 pages and not the
+    // drafter's (26 + 4), so the newest ones are retracted for drafter pages and resumed.
+    let system = system_prompt(400);
+    let pool = 26 * PAGE_SIZE;
+    for algorithm in [
+        Algorithm::Plain,
+        Algorithm::Chain,
+        Algorithm::DDTree { budget: 8 },
+    ] {
+        let requests: Vec<GenerationRequest> = (0..6)
+            .map(|k| {
+                let mut p = system.clone();
+                p.extend(user_turn(k));
+                request(&p, 24, algorithm)
+            })
+            .collect();
+        let mut alone = engine(&t, None);
+        let want: Vec<Vec<u32>> = requests
+            .iter()
+            .map(|r| alone.generate(r.clone()).unwrap().0)
+            .collect();
+        let mut e = engine(&t, Some(pool));
+        let mut ids = Vec::new();
+        let mut got: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
+        let mut retractions = 0;
+        let mut done = 0;
+        let mut steps = 0;
+        while done < requests.len() {
+            // The first request caches the prompt's pages; the others come after it.
+            if steps == 1 {
+                for r in &requests[1..] {
+                    ids.push(e.add(r.clone()).unwrap());
+                }
+            } else if steps == 0 {
+                ids.push(e.add(requests[0].clone()).unwrap());
+            }
+            for ev in e.step().unwrap() {
+                let i = ids.iter().position(|&id| id == ev.id).unwrap();
+                got[i].extend(&ev.tokens);
+                if ev.finished.is_some() {
+                    retractions += ev.stats.retractions;
+                    done += 1;
+                }
+            }
+            steps += 1;
+            assert!(steps < 10_000, "{algorithm:?}: no progress");
+        }
+        for (k, tokens) in got.iter().enumerate() {
+            assert_eq!(tokens, &want[k], "{algorithm:?}, request {k}");
+        }
+        if algorithm == Algorithm::Plain {
+            // The control: the target's pool alone holds all six.
+            assert_eq!(retractions, 0, "plain decoding retracted");
+        } else {
+            assert!(
+                retractions > 0,
+                "{algorithm:?}: the drafter's pool never ran short"
+            );
+        }
+        assert_eq!(e.kv_pool_free_tokens().map(|f| f > 0), Some(true));
+    }
+}
+
+#[test]
+fn the_drafter_takes_context_pages_as_it_fills_and_gives_them_back() {
+    use dflash_models::speculative::{ProposeItem, Proposer};
+    let t = target();
+    let cfg = DFlashConfig::for_target(t.config(), 2, 16, 8191, Some(vec![1, 2]));
+    let drafter = DFlashDrafter::random(cfg, &t, 7, OpsMode::Fused).unwrap();
+    let width = 2 * t.config().hidden_size;
+    let mut p = DFlashProposer::new(drafter);
+    p.use_kv_pool(8).unwrap();
+    assert_eq!(p.kv_pool_free_pages(), Some(8));
+    // Opened for a long context, it holds nothing yet.
+    p.open(1, 1000).unwrap();
+    assert_eq!(p.kv_pool_free_pages(), Some(8));
+    assert!(
+        p.use_kv_pool(4).is_err(),
+        "the pool is not replaced under open caches"
+    );
+    // 100 committed rows plus a block: two pages.
+    p.reserve(1, 100).unwrap();
+    assert_eq!(p.kv_pool_free_pages(), Some(6));
+    let features = candle_core::Tensor::zeros((99, width), DType::F32, &Device::Cpu).unwrap();
+    let tokens: Vec<u32> = (0..100).collect();
+    let out = p
+        .propose(&[ProposeItem {
+            seq: 1,
+            tokens: &tokens,
+            features: Some(&features),
+            top_k: 1,
+        }])
+        .unwrap();
+    assert_eq!(out.len(), 1);
+    assert_eq!(p.kv_pool_free_pages(), Some(6));
+    // More than the pool holds: refused, nothing taken.
+    assert!(matches!(
+        p.reserve(1, 600),
+        Err(dflash_models::ModelError::PoolExhausted { .. })
+    ));
+    assert_eq!(p.kv_pool_free_pages(), Some(6));
+    p.close(1);
+    assert_eq!(p.kv_pool_free_pages(), Some(8));
+}

@@ -19,7 +19,8 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor, Var};
 use dflash_common::{DFlashConfig, LayerType, Qwen3Config, RopeScaling};
 use dflash_models::{
-    DFlashDrafter, DraftInput, OpsMode, Qwen3Model, TargetEmbeddingsAndHead, TrainSequence,
+    DFlashDrafter, DraftInput, OpsMode, Qwen3Model, TargetEmbeddingsAndHead, TrainAttention,
+    TrainSequence,
 };
 use dflash_train::train::dataset::Example;
 use dflash_train::train::loss::{weighted_cross_entropy, BlockTargets};
@@ -265,6 +266,90 @@ fn training_loss_gradients_match_finite_differences_for_every_parameter() {
         assert!(
             err < 5e-3 * analytic.abs().max(numeric.abs()) + 1e-4,
             "`{name}`: autograd {analytic:.6} vs finite differences {numeric:.6}"
+        );
+    }
+}
+
+/// The fused attention op (`TrainAttention::Fused`; on the CPU its f32 reference) trains as
+/// the composed grouped attention: the same loss and the same gradient of every parameter
+/// tensor to 1e-5 (relative to the tensor's largest entry; f32 summation order only), for a
+/// drafter of one sliding and one full layer and two sequences of different lengths in one
+/// batch.
+#[test]
+fn fused_attention_gives_the_composed_loss_and_gradients() {
+    let target = target();
+    let cfg = drafter_cfg(true);
+    let init = DFlashDrafter::random(cfg.clone(), &target, 11, OpsMode::Differentiable).unwrap();
+    let (f1, t1) = sequence(14);
+    let (f2, t2) = sequence(9);
+    let (a1, a2) = ([1usize, 6, 10, 12], [2usize, 5, 8]);
+    let mut targets = BlockTargets::default();
+    for (t, a) in [(&t1, &a1[..]), (&t2, &a2[..])] {
+        let ex = Example {
+            loss_mask: vec![1; t.len()],
+            tokens: t.clone(),
+        };
+        targets.push(&ex, a, cfg.block_size, 7.0);
+    }
+    let run = |attention: TrainAttention| {
+        let vars: Vec<(String, Var)> = init
+            .named_tensors()
+            .into_iter()
+            .map(|(n, t)| (n, Var::from_tensor(&t).unwrap()))
+            .collect();
+        let tensors: HashMap<String, Tensor> = vars
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        let d = DFlashDrafter::from_tensors(
+            cfg.clone(),
+            &tensors,
+            &TargetEmbeddingsAndHead::of(&target),
+            OpsMode::Differentiable,
+        )
+        .unwrap();
+        let seqs = [
+            TrainSequence {
+                features: &f1,
+                tokens: &t1,
+                anchors: &a1,
+            },
+            TrainSequence {
+                features: &f2,
+                tokens: &t2,
+                anchors: &a2,
+            },
+        ];
+        let hidden = d.train_hidden_with(&seqs, attention).unwrap();
+        let rows = Tensor::new(targets.rows.as_slice(), &Device::Cpu).unwrap();
+        let logits = d.lm_head(&hidden.index_select(&rows, 0).unwrap()).unwrap();
+        let loss = weighted_cross_entropy(&logits, &targets, targets.total_weight(), &Device::Cpu)
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        let g: Vec<(String, Tensor)> = vars
+            .iter()
+            .map(|(n, v)| {
+                let g = grads
+                    .get(v.as_tensor())
+                    .unwrap_or_else(|| panic!("{attention:?}: no gradient reaches `{n}`"));
+                (n.clone(), g.clone())
+            })
+            .collect();
+        (loss.to_scalar::<f32>().unwrap(), g)
+    };
+    let (fused_loss, fused) = run(TrainAttention::Fused);
+    let (composed_loss, composed) = run(TrainAttention::Composed);
+    assert!(
+        (fused_loss - composed_loss).abs() <= 1e-5 * composed_loss.abs(),
+        "loss: fused {fused_loss} vs composed {composed_loss}"
+    );
+    for ((name, a), (_, b)) in fused.iter().zip(&composed) {
+        let scale = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+        let scale = scale.to_scalar::<f32>().unwrap().max(1e-6);
+        let err = max_abs(a, b);
+        assert!(
+            err <= 2e-5 * scale + 1e-7,
+            "`{name}`: fused and composed gradients differ by {err} (largest {scale})"
         );
     }
 }

@@ -1,13 +1,108 @@
-//! Launch wrapper of attn_dflash.cu: the DFlash training attention forward (one warp per query
-//! row, online softmax, log-sum-exp saved). See [`crate::training::attn_dflash`].
+//! Launch wrappers of attn_dflash.cu: the DFlash training attention forward (one warp per
+//! query row, online softmax, log-sum-exp saved) and backward (dq query-major, dk/dv
+//! key-major, no atomics). See [`crate::training::attn_dflash`]; the CPU reference is
+//! [`crate::training::attn_dflash_ref`].
 
-use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, PushKernelArg};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+use candle_core::{bail, DType, Layout, Result, Tensor};
 
-use super::launch::{alloc_bf16, alloc_f32, cfg, cuda, go, ptr};
+use super::launch::{alloc_bf16, alloc_f32, cfg, cuda, go, ptr, storage_ptr};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_dflash.ptx"));
 const MODULE: &str = "dflash_attn_dflash";
+/// Warps per CTA of the key-major backward (DKV_WARPS in the .cu).
+const DKV_WARPS: usize = 8;
+
+/// Sizes of one launch; `cs` / `bs` are the head strides (in rows) of the context and block
+/// key/value rows.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    h: usize,
+    kv: usize,
+    r: usize,
+    c: usize,
+    d: usize,
+    block: usize,
+    window: usize,
+    cs: usize,
+    bs: usize,
+}
+
+impl Dims {
+    fn check(&self, blocks: &Tensor) -> Result<()> {
+        let Dims {
+            h, kv, r, block, ..
+        } = *self;
+        if kv == 0 || h % kv != 0 {
+            bail!("dflash attention: {h} heads over {kv} kv heads")
+        }
+        if block == 0 || block > 32 || r % block != 0 {
+            bail!("dflash attention: block size {block} (1..=32) must divide {r} rows")
+        }
+        let nblocks = r / block;
+        if blocks.dtype() != DType::U32
+            || blocks.dims2()? != (nblocks, 2)
+            || !blocks.is_contiguous()
+        {
+            bail!("dflash attention: blocks must be u32 [{nblocks}, 2]")
+        }
+        Ok(())
+    }
+
+    fn ints(&self) -> [i32; 8] {
+        [
+            self.h as i32,
+            self.kv as i32,
+            self.r as i32,
+            self.c as i32,
+            self.cs as i32,
+            self.bs as i32,
+            self.block as i32,
+            self.window as i32,
+        ]
+    }
+
+    fn scale(&self) -> f32 {
+        1.0 / (self.d as f32).sqrt()
+    }
+}
+
+fn suffix(dtype: DType, d: usize) -> Result<&'static str> {
+    Ok(match (dtype, d) {
+        (DType::BF16, 64) => "bf16_d64",
+        (DType::BF16, 128) => "bf16_d128",
+        (DType::F32, 64) => "f32_d64",
+        (DType::F32, 128) => "f32_d128",
+        other => bail!("dflash attention: {other:?} is not (bf16|f32, 64|128)"),
+    })
+}
+
+fn alloc(dev: &CudaDevice, dtype: DType, shape: (usize, usize, usize)) -> Result<Tensor> {
+    match dtype {
+        DType::BF16 => alloc_bf16(dev, shape),
+        _ => alloc_f32(dev, shape.0 * shape.1 * shape.2)?.reshape(shape),
+    }
+}
+
+/// Pointers: q, kc, vc, kb, vb, blocks, out, lse.
+fn launch_fwd(dev: &CudaDevice, dtype: DType, x: &Dims, p: [u64; 8]) -> Result<()> {
+    let name = format!("dflash_attn_fwd_{}", suffix(dtype, x.d)?);
+    let [hi, kvi, ri, _, csi, bsi, bi, wi] = x.ints();
+    let scale = x.scale();
+    let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    let mut b = f.builder();
+    for v in &p {
+        b.arg(v);
+    }
+    for v in [&hi, &kvi, &ri, &csi, &bsi, &bi, &wi] {
+        b.arg(v);
+    }
+    b.arg(&scale);
+    let grid = ((x.r / x.block) as u32, x.h as u32, 1);
+    go(&mut b, cfg(grid, 32 * x.block as u32), &name)
+}
 
 /// `(out [R, H * D], lse f32 [H, R])` for q `[H, R, D]`, kc/vc `[KV, C, D]`, kb/vb
 /// `[KV, R, D]` (contiguous, one dtype: bf16 or f32; D = 64 or 128), `blocks` u32
@@ -34,7 +129,7 @@ pub fn dflash_attention_fwd(
         && vc.dims3()? == (kv, c, d)
         && kb.dims3()? == (kv, r, d)
         && vb.dims3()? == (kv, r, d);
-    if !same || d != d2 || kv == 0 || h % kv != 0 {
+    if !same || d != d2 {
         bail!(
             "dflash attention: q {:?}, context {:?}, block {:?} do not fit",
             q.shape(),
@@ -42,66 +137,196 @@ pub fn dflash_attention_fwd(
             kb.shape()
         )
     }
-    if block_size == 0 || block_size > 32 || r % block_size != 0 {
-        bail!("dflash attention: block size {block_size} (1..=32) must divide {r} rows")
-    }
-    let nblocks = r / block_size;
-    if blocks.dtype() != DType::U32 || blocks.dims2()? != (nblocks, 2) || !blocks.is_contiguous() {
-        bail!("dflash attention: blocks must be u32 [{nblocks}, 2]")
-    }
-    let name = match (dtype, d) {
-        (DType::BF16, 64) => "dflash_attn_fwd_bf16_d64",
-        (DType::BF16, 128) => "dflash_attn_fwd_bf16_d128",
-        (DType::F32, 64) => "dflash_attn_fwd_f32_d64",
-        (DType::F32, 128) => "dflash_attn_fwd_f32_d128",
-        other => bail!("dflash attention: {other:?} is not (bf16|f32, 64|128)"),
+    let x = Dims {
+        h,
+        kv,
+        r,
+        c,
+        d,
+        block: block_size,
+        window,
+        cs: c,
+        bs: r,
     };
+    x.check(blocks)?;
     // Every element of both outputs is written by the kernel.
-    let out = match dtype {
-        DType::BF16 => alloc_bf16(&dev, (r, h * d))?,
-        _ => alloc_f32(&dev, r * h * d)?.reshape((r, h * d))?,
-    };
+    let out = alloc(&dev, dtype, (r, h, d))?.reshape((r, h * d))?;
     let lse = alloc_f32(&dev, h * r)?.reshape((h, r))?;
-    let (qp, kcp, vcp, kbp, vbp, bp, op, lp) = (
-        ptr(q)?,
-        ptr(kc)?,
-        ptr(vc)?,
-        ptr(kb)?,
-        ptr(vb)?,
-        ptr(blocks)?,
-        ptr(&out)?,
-        ptr(&lse)?,
+    let mut p = [0u64; 8];
+    for (a, t) in p.iter_mut().zip([q, kc, vc, kb, vb, blocks, &out, &lse]) {
+        *a = ptr(t)?;
+    }
+    launch_fwd(&dev, dtype, &x, p)?;
+    Ok((out, lse))
+}
+
+/// Packed layout of K and V for the custom op: `[KV, C + R, D]`, each head's `ctx` context rows
+/// first, then its block rows.
+fn packed_dims(
+    q: (usize, usize, usize),
+    k: (usize, usize, usize),
+    ctx: usize,
+    block_size: usize,
+    window: usize,
+) -> Result<Dims> {
+    let (h, r, d) = q;
+    let (kv, rows, d2) = k;
+    if d != d2 || rows != ctx + r {
+        bail!("dflash attention: q {q:?} and packed keys {k:?} (context {ctx}) do not fit")
+    }
+    Ok(Dims {
+        h,
+        kv,
+        r,
+        c: ctx,
+        d,
+        block: block_size,
+        window,
+        cs: ctx + r,
+        bs: ctx + r,
+    })
+}
+
+/// The forward on storages (for [`crate::training::attn_dflash`]'s custom op): q `[H, R, D]`,
+/// packed k and v `[KV, ctx + R, D]`; returns the out storage (`[R, H * D]`, q's dtype) and
+/// the lse `[H, R]`.
+#[allow(clippy::too_many_arguments)]
+pub fn dflash_attention_fwd_packed(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    blocks: &Tensor,
+    ctx: usize,
+    block_size: usize,
+    window: usize,
+) -> Result<(CudaStorage, Tensor)> {
+    let dtype = q.0.dtype();
+    if k.0.dtype() != dtype || v.0.dtype() != dtype || k.1.shape() != v.1.shape() {
+        bail!("dflash attention: q, k and v must share dtype and k/v shape")
+    }
+    let x = packed_dims(
+        q.1.shape().dims3()?,
+        k.1.shape().dims3()?,
+        ctx,
+        block_size,
+        window,
+    )?;
+    x.check(blocks)?;
+    let dev = q.0.device.clone();
+    let n = x.r * x.h * x.d;
+    let stream = dev.cuda_stream();
+    // Every element of both outputs is written by the kernel.
+    let (out, op) = match dtype {
+        DType::BF16 => {
+            let s = unsafe { dev.alloc::<half::bf16>(n)? };
+            let p = s.device_ptr(&stream).0;
+            (CudaStorage::wrap_cuda_slice(s, dev.clone()), p)
+        }
+        _ => {
+            let s = unsafe { dev.alloc::<f32>(n)? };
+            let p = s.device_ptr(&stream).0;
+            (CudaStorage::wrap_cuda_slice(s, dev.clone()), p)
+        }
+    };
+    let lse = alloc_f32(&dev, x.h * x.r)?.reshape((x.h, x.r))?;
+    let (qp, kp, vp) = (
+        storage_ptr(q.0, q.1)?,
+        storage_ptr(k.0, k.1)?,
+        storage_ptr(v.0, v.1)?,
     );
-    let (hi, kvi, ri, ci, bi, wi) = (
-        h as i32,
-        kv as i32,
-        r as i32,
-        c as i32,
-        block_size as i32,
-        window as i32,
-    );
-    let scale = 1.0f32 / (d as f32).sqrt();
-    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
-    let mut b = f.builder();
-    b.arg(&qp)
-        .arg(&kcp)
-        .arg(&vcp)
-        .arg(&kbp)
-        .arg(&vbp)
-        .arg(&bp)
-        .arg(&op)
-        .arg(&lp)
-        .arg(&hi)
-        .arg(&kvi)
-        .arg(&ri)
-        .arg(&ci)
-        .arg(&bi)
-        .arg(&wi)
-        .arg(&scale);
-    go(
-        &mut b,
-        cfg((nblocks as u32, h as u32, 1), 32 * block_size as u32),
-        name,
+    let off = (x.c * x.d * dtype.size_in_bytes()) as u64;
+    launch_fwd(
+        &dev,
+        dtype,
+        &x,
+        [qp, kp, vp, kp + off, vp + off, ptr(blocks)?, op, ptr(&lse)?],
     )?;
     Ok((out, lse))
+}
+
+/// The backward of [`dflash_attention_fwd_packed`]: `(dq [H, R, D], dk, dv [KV, ctx + R, D])`
+/// in q's dtype from `out` / `dout` `[R, H * D]`, the forward's lse, the blocks, `seqs` u32
+/// `[nseq, 3]` (context offset, first block, end block) and `ctx_seq` u32 `[ctx]` (each context
+/// row's sequence, u32::MAX for none).
+#[allow(clippy::too_many_arguments)]
+pub fn dflash_attention_bwd_packed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    dout: &Tensor,
+    lse: &Tensor,
+    blocks: &Tensor,
+    seqs: &Tensor,
+    ctx_seq: &Tensor,
+    ctx: usize,
+    block_size: usize,
+    window: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dev = cuda(q)?;
+    let dtype = q.dtype();
+    let x = packed_dims(q.dims3()?, k.dims3()?, ctx, block_size, window)?;
+    x.check(blocks)?;
+    let all_fit = [k, v, out, dout]
+        .iter()
+        .all(|t| t.dtype() == dtype && t.is_contiguous())
+        && q.is_contiguous()
+        && v.shape() == k.shape()
+        && out.dims2()? == (x.r, x.h * x.d)
+        && dout.dims2()? == (x.r, x.h * x.d)
+        && lse.dims2()? == (x.h, x.r)
+        && lse.dtype() == DType::F32
+        && ctx_seq.elem_count() == ctx.max(1)
+        && seqs.dim(1)? == 3;
+    if !all_fit {
+        bail!(
+            "dflash attention backward: out {:?} / dout {:?} / lse {:?} do not fit q {:?}",
+            out.shape(),
+            dout.shape(),
+            lse.shape(),
+            q.shape()
+        )
+    }
+    let dq = alloc(&dev, dtype, (x.h, x.r, x.d))?;
+    let delta = alloc_f32(&dev, x.h * x.r)?;
+    let dk = alloc(&dev, dtype, (x.kv, x.c + x.r, x.d))?;
+    let dv = alloc(&dev, dtype, (x.kv, x.c + x.r, x.d))?;
+    let off = (x.c * x.d * dtype.size_in_bytes()) as u64;
+    let (qp, kp, vp, bp) = (ptr(q)?, ptr(k)?, ptr(v)?, ptr(blocks)?);
+    let (op, dop, lp, dlp) = (ptr(out)?, ptr(dout)?, ptr(lse)?, ptr(&delta)?);
+    let [hi, kvi, ri, ci, csi, bsi, bi, wi] = x.ints();
+    let scale = x.scale();
+    let suf = suffix(dtype, x.d)?;
+
+    let name = format!("dflash_attn_bwd_dq_{suf}");
+    let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    let mut b = f.builder();
+    let (kbp, vbp, dqp) = (kp + off, vp + off, ptr(&dq)?);
+    for p in [&qp, &kp, &vp, &kbp, &vbp, &bp, &op, &dop, &lp, &dqp, &dlp] {
+        b.arg(p);
+    }
+    for i in [&hi, &kvi, &ri, &csi, &bsi, &bi, &wi] {
+        b.arg(i);
+    }
+    b.arg(&scale);
+    let grid = ((x.r / x.block) as u32, x.h as u32, 1);
+    go(&mut b, cfg(grid, 32 * x.block as u32), &name)?;
+
+    let name = format!("dflash_attn_bwd_dkv_{suf}");
+    let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    let mut b = f.builder();
+    let (sp, csp, dkp, dvp) = (ptr(seqs)?, ptr(ctx_seq)?, ptr(&dk)?, ptr(&dv)?);
+    let (dkbp, dvbp) = (dkp + off, dvp + off);
+    for p in [
+        &qp, &kp, &vp, &kbp, &vbp, &bp, &sp, &csp, &dop, &lp, &dlp, &dkp, &dvp, &dkbp, &dvbp,
+    ] {
+        b.arg(p);
+    }
+    for i in [&hi, &kvi, &ri, &ci, &csi, &bsi, &bi, &wi] {
+        b.arg(i);
+    }
+    b.arg(&scale);
+    let grid = ((x.c + x.r).div_ceil(DKV_WARPS) as u32, x.kv as u32, 1);
+    go(&mut b, cfg(grid, 32 * DKV_WARPS as u32), &name)?;
+    Ok((dq, dk, dv))
 }

@@ -41,6 +41,8 @@ struct Slots {
     seen: HashMap<Key, u32>,
     /// Keys whose capture failed: never retried.
     failed: HashSet<Key>,
+    /// Forwards run from a graph so far (a server's log says whether a step replayed one).
+    replays: u64,
 }
 
 /// Marks the graph types a [`GraphSlots`] may hold and move between threads.
@@ -66,6 +68,7 @@ impl Default for GraphSlots {
             graphs: VecDeque::new(),
             seen: HashMap::new(),
             failed: HashSet::new(),
+            replays: 0,
         })))
     }
 }
@@ -84,6 +87,11 @@ impl GraphSlots {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Forwards run from a graph so far.
+    pub fn replays(&self) -> u64 {
+        self.0.lock().map(|s| s.replays).unwrap_or(0)
     }
 
     /// Runs `run` on the graph of `key` (with `state`, e.g. the cache it writes), capturing
@@ -136,7 +144,10 @@ impl GraphSlots {
             .remove(at)
             .ok_or_else(|| ModelError::Unsupported("graph slot vanished".into()))?;
         let result = match entry.1.downcast_ref::<G>() {
-            Some(g) => run(g, state),
+            Some(g) => {
+                slots.replays += 1;
+                run(g, state)
+            }
             None => Err(ModelError::Unsupported(
                 "graph cache holds another graph type under this key".into(),
             )),
@@ -175,6 +186,11 @@ impl GraphCache {
     /// Graphs held (0 when off).
     pub fn held(&self) -> usize {
         self.0.as_ref().map_or(0, GraphSlots::len)
+    }
+
+    /// Forwards run from a graph so far (0 when off).
+    pub fn replays(&self) -> u64 {
+        self.0.as_ref().map_or(0, GraphSlots::replays)
     }
 
     /// The slots when on.

@@ -2,6 +2,7 @@
 //! uninitialised device buffers, launch configurations and error mapping, dtype checks, and
 //! host-to-device uploads of small inputs (stream-ordered, so CUDA graphs can replay them).
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchArgs, LaunchConfig};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
@@ -63,6 +64,23 @@ pub(super) fn ptr(t: &Tensor) -> Result<u64> {
         other => bail!("fast kernels: unsupported dtype {other:?}"),
     };
     Ok(base + (start * t.dtype().size_in_bytes()) as u64)
+}
+
+/// Device address of the first element of a contiguous layout of `cs` (as [`ptr`], for custom
+/// ops that see storages rather than tensors).
+pub(super) fn storage_ptr(cs: &CudaStorage, layout: &candle_core::Layout) -> Result<u64> {
+    let Some((start, _)) = layout.contiguous_offsets() else {
+        bail!("fast kernels need contiguous tensors, got {:?}", layout)
+    };
+    let stream = cs.device.cuda_stream();
+    let dtype = cs.dtype();
+    let base = match dtype {
+        DType::BF16 => cs.as_cuda_slice::<bf16>()?.device_ptr(&stream).0,
+        DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        DType::U32 => cs.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
+        other => bail!("fast kernels: unsupported dtype {other:?}"),
+    };
+    Ok(base + (start * dtype.size_in_bytes()) as u64)
 }
 
 pub(super) fn alloc_bf16(dev: &CudaDevice, shape: impl Into<Shape>) -> Result<Tensor> {

@@ -37,7 +37,9 @@ mod attn_decode;
 #[cfg(feature = "cuda")]
 mod attn_dflash;
 #[cfg(feature = "cuda")]
-pub use attn_dflash::dflash_attention_fwd;
+pub use attn_dflash::{
+    dflash_attention_bwd_packed, dflash_attention_fwd, dflash_attention_fwd_packed,
+};
 mod attn_plan;
 #[cfg(feature = "cuda")]
 pub use attn_decode::{fused_attention, fused_attention_fits, FUSED_ATTN_MAX_TOKENS};

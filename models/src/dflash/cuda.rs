@@ -5,9 +5,9 @@
 
 use candle_core::Tensor;
 
-use crate::cache::SequenceCache;
+use crate::cache::{pages_for, SequenceCache};
 use crate::cuda;
-use crate::cuda::decoder_stack::{cache_key, capture_graph, AttnSeq, Stack};
+use crate::cuda::decoder_stack::{cache_key, capture_graph, AttnSeq, PooledBatch, Stack};
 use crate::cuda::graphs::Key;
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
@@ -24,12 +24,61 @@ impl DFlashDrafter {
     ) -> ModelResult<Tensor> {
         let dev = self.device().clone();
         let full = self.full_block_bits()?;
-        let lens = batch
-            .iter()
-            .map(|i| Tensor::new(&[i.cache.len() as u32], &dev))
-            .collect::<candle_core::Result<Vec<_>>>()?;
         let caches: Vec<&SequenceCache> = batch.iter().map(|i| &*i.cache).collect();
-        self.block_layers(ids, pos, &caches, &lens, &full)
+        let pooled = self.pooled_blocks(&caches)?;
+        // One upload of every committed length, narrowed per sequence.
+        let all = match &pooled {
+            Some(p) => p.cache_len.clone(),
+            None => {
+                let lens: Vec<u32> = caches.iter().map(|c| c.len() as u32).collect();
+                Tensor::new(lens.as_slice(), &dev)?
+            }
+        };
+        let lens = (0..caches.len())
+            .map(|s| all.narrow(0, s, 1))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let pages: Vec<Option<&Tensor>> = caches
+            .iter()
+            .map(|c| c.page_table().device_table())
+            .collect();
+        let runs: Vec<PooledBatch<'_>> = pooled.iter().map(PooledBlocks::batch).collect();
+        self.block_layers(ids, pos, &caches, &lens, &pages, &full, &runs)
+    }
+
+    /// The blocks of a batch whose drafter caches all live in one pool, as one pooled run:
+    /// their attention is then one set of launches per layer (every block has the same
+    /// `block_size` rows). None for a single cache or caches of their own.
+    fn pooled_blocks(&self, caches: &[&SequenceCache]) -> ModelResult<Option<PooledBlocks>> {
+        let Some(pool) = caches.first().and_then(|c| c.page_table().pool()) else {
+            return Ok(None);
+        };
+        if caches.len() < 2
+            || !caches
+                .iter()
+                .all(|c| c.page_table().pool().is_some_and(|p| p.same(pool)))
+        {
+            return Ok(None);
+        }
+        let dev = self.device();
+        let b = self.config().block_size;
+        let stride = caches
+            .iter()
+            .map(|c| c.page_table().pages().len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut table = vec![0u32; caches.len() * stride];
+        for (row, c) in table.chunks_mut(stride).zip(caches) {
+            c.page_table().copy_into(row);
+        }
+        let lens: Vec<u32> = caches.iter().map(|c| c.len() as u32).collect();
+        let full: Vec<i64> = vec![(u64::MAX >> (64 - b)) as i64; caches.len() * b];
+        Ok(Some(PooledBlocks {
+            seqs: caches.len(),
+            cache_len: Tensor::new(lens.as_slice(), dev)?,
+            pages: Tensor::from_vec(table, (caches.len(), stride), dev)?,
+            full: Tensor::from_vec(full, (caches.len() * b, 1), dev)?,
+        }))
     }
 
     /// Every block token sees the whole block: all-ones bit rows `[b, 1]`.
@@ -41,14 +90,18 @@ impl DFlashDrafter {
 
     /// The block's layers over already-uploaded inputs (no host-device copies, so a CUDA
     /// graph can capture it): sequence s's block is rows `s * b ..`, its committed length is
-    /// `lens[s]` (a `[1]` u32 tensor).
+    /// `lens[s]` (a `[1]` u32 tensor) and its page table `pages[s]` (None: a cache of its
+    /// own); `pooled` holds the runs whose attention is batched.
+    #[allow(clippy::too_many_arguments)]
     fn block_layers(
         &self,
         ids: &Tensor,
         pos: &Tensor,
         caches: &[&SequenceCache],
         lens: &[Tensor],
+        pages: &[Option<&Tensor>],
         full: &Tensor,
+        pooled: &[PooledBatch<'_>],
     ) -> ModelResult<Tensor> {
         let b = self.config().block_size;
         let seqs: Vec<AttnSeq<'_>> = caches
@@ -60,11 +113,11 @@ impl DFlashDrafter {
                 tokens: b,
                 cache_len: &lens[s],
                 tree: Some(full),
-                pages: None,
+                pages: pages.get(s).copied().flatten(),
             })
             .collect();
         let stack = Stack {
-            pooled: &[],
+            pooled,
             layers: self.layers(),
             final_norm: self.final_norm_weight(),
             rope: self.rotary(),
@@ -88,16 +141,21 @@ impl DFlashDrafter {
         pos: &Tensor,
     ) -> ModelResult<()> {
         let dev = self.device().clone();
+        let lens: Vec<u32> = batch.iter().map(|i| i.cache.len() as u32).collect();
+        let lens = Tensor::new(lens.as_slice(), &dev)?;
         let mut spans = Vec::with_capacity(batch.len());
         let mut off = 0;
-        for item in batch.iter() {
+        for (s, item) in batch.iter().enumerate() {
             let n = item.context.map(|c| c.dim(0)).transpose()?.unwrap_or(0);
-            let len = Tensor::new(&[item.cache.len() as u32], &dev)?;
-            spans.push((off, n, len));
+            spans.push((off, n, lens.narrow(0, s, 1)?));
             off += n;
         }
         let caches: Vec<&SequenceCache> = batch.iter().map(|i| &*i.cache).collect();
-        self.context_layers(ctx, pos, &caches, &spans)?;
+        let pages: Vec<Option<&Tensor>> = caches
+            .iter()
+            .map(|c| c.page_table().device_table())
+            .collect();
+        self.context_layers(ctx, pos, &caches, &spans, &pages)?;
         for (item, (_, n, _)) in batch.iter_mut().zip(&spans) {
             item.cache.advance(*n);
         }
@@ -105,13 +163,15 @@ impl DFlashDrafter {
     }
 
     /// The context path's device work (no host-device copies, so a graph can capture it):
-    /// cache s takes rows `spans[s] = (offset, rows, committed length as a [1] u32)` of `ctx`.
+    /// cache s takes rows `spans[s] = (offset, rows, committed length as a [1] u32)` of `ctx`,
+    /// through its page table `pages[s]` (None: rows in order in its own buffers).
     fn context_layers(
         &self,
         ctx: &Tensor,
         pos: &Tensor,
         caches: &[&SequenceCache],
         spans: &[(usize, usize, Tensor)],
+        pages: &[Option<&Tensor>],
     ) -> ModelResult<()> {
         let eps = self.config().layers.rms_norm_eps;
         let layers = self.layers();
@@ -126,7 +186,7 @@ impl DFlashDrafter {
             // (a third of its bytes).
             let kv_w = fused.qkv.narrow(0, nh * d, 2 * nkv * d)?;
             let kv_rows = cuda::linear(ctx, &kv_w)?;
-            for (cache, (off, n, len)) in caches.iter().zip(spans) {
+            for (s, (cache, (off, n, len))) in caches.iter().zip(spans).enumerate() {
                 if *n == 0 {
                     continue;
                 }
@@ -142,7 +202,7 @@ impl DFlashDrafter {
                     cache_len: len,
                     kc,
                     vc,
-                    pages: None,
+                    pages: pages.get(s).copied().flatten(),
                     heads: (nh, nkv, d),
                     eps,
                 })?;
@@ -169,7 +229,7 @@ impl DFlashDrafter {
         let b = self.config().block_size;
         if n == 0
             || n > crate::cuda::graphs::GRAPH_MAX_TOKENS
-            || item.cache.len() + n + b > item.cache.capacity()
+            || item.cache.len() + n + b > item.cache.backed_rows()
             || item.cache.len() + n + b > self.rotary().max_positions()
         {
             return Ok(None);
@@ -203,8 +263,17 @@ impl DFlashDrafter {
         let width = cfg.target_layer_ids.len() * cfg.layers.hidden_size;
         let features = Tensor::zeros((n, width), self.dtype(), &dev)?;
         let len = cache.len() as u32;
+        let width = self.round_page_width(cache)?;
         let inputs = Tensor::new(
-            round_inputs(self.mask_token_id(), b, n, len).as_slice(),
+            round_inputs(
+                self.mask_token_id(),
+                b,
+                n,
+                len,
+                width,
+                cache.page_table().pages(),
+            )
+            .as_slice(),
             &dev,
         )?;
         let vocab = self.lm_head_rows();
@@ -215,10 +284,16 @@ impl DFlashDrafter {
         let ctx_pos = inputs.narrow(0, 2 * b, n)?;
         let spans = [(0, n, inputs.narrow(0, 2 * b + n, 1)?)];
         let block_len = [inputs.narrow(0, 2 * b + n + 1, 1)?];
+        // A pooled cache's page table is an input too: the graph serves any cache of the pool.
+        let table = match width {
+            0 => None,
+            w => Some(inputs.narrow(0, 2 * b + n + 2, w)?.reshape((1, w))?),
+        };
+        let pages = [table.as_ref()];
         let body = || -> ModelResult<()> {
             let ctx = self.context_features(&features)?;
-            self.context_layers(&ctx, &ctx_pos, &[cache], &spans)?;
-            let h = self.block_layers(&ids, &pos, &[cache], &block_len, &full)?;
+            self.context_layers(&ctx, &ctx_pos, &[cache], &spans, &pages)?;
+            let h = self.block_layers(&ids, &pos, &[cache], &block_len, &pages, &full, &[])?;
             let out = self.lm_head(&h.narrow(0, 1, b - 1)?)?;
             logits.slice_set(&out, 0, 0)?;
             Ok(())
@@ -231,19 +306,63 @@ impl DFlashDrafter {
             _full: full,
             logits,
             mask: self.mask_token_id(),
+            width,
         })
+    }
+
+    /// Page-table entries a round graph of `cache` reads: none for a cache of its own; for a
+    /// pooled one, enough for any cache the drafter's positions allow (every round graph of
+    /// the pool has this width, whatever the capacity of the cache it was captured on).
+    fn round_page_width(&self, cache: &SequenceCache) -> ModelResult<usize> {
+        if cache.page_table().is_contiguous() {
+            return Ok(0);
+        }
+        let width = pages_for(self.rotary().max_positions() + self.config().block_size);
+        if cache.page_table().pages().len() > width {
+            return Err(ModelError::Unsupported(format!(
+                "a drafter cache of {} pages is beyond the round graphs' {width}",
+                cache.page_table().pages().len()
+            )));
+        }
+        Ok(width)
+    }
+}
+
+/// A batch's drafter caches in one pool (see [`DFlashDrafter::pooled_blocks`]): committed
+/// lengths (u32 `[seqs]`), page tables (u32 `[seqs, stride]`) and the full-block bits of
+/// every block row (i64 `[seqs * b, 1]`).
+struct PooledBlocks {
+    seqs: usize,
+    cache_len: Tensor,
+    pages: Tensor,
+    full: Tensor,
+}
+
+impl PooledBlocks {
+    fn batch(&self) -> PooledBatch<'_> {
+        PooledBatch {
+            first: 0,
+            seqs: self.seqs,
+            cache_len: &self.cache_len,
+            pages: &self.pages,
+            tree: Some(&self.full),
+        }
     }
 }
 
 /// u32 inputs of a round graph: block tokens (b), block positions (b), context positions
-/// (n), committed length, committed length after the context.
-fn round_inputs(mask: u32, b: usize, n: usize, len: u32) -> Vec<u32> {
+/// (n), committed length, committed length after the context, then (pooled caches) the page
+/// table padded to `width` entries.
+fn round_inputs(mask: u32, b: usize, n: usize, len: u32, width: usize, table: &[u32]) -> Vec<u32> {
     let start = len + n as u32;
     let mut v = vec![mask; b];
     v.extend((0..b as u32).map(|i| start + i));
     v.extend((0..n as u32).map(|i| len + i));
     v.push(len);
     v.push(start);
+    let at = v.len();
+    v.extend_from_slice(&table[..table.len().min(width)]);
+    v.resize(at + width, 0);
     v
 }
 
@@ -261,6 +380,8 @@ pub(crate) struct RoundGraph {
     /// f32 `[b - 1, vocab]`, rewritten by every replay.
     logits: Tensor,
     mask: u32,
+    /// Page-table entries in `inputs` (0: a cache of its own).
+    width: usize,
 }
 
 // SAFETY: a RoundGraph holds a CUDA graph and tensors (see `GraphObject`).
@@ -283,9 +404,19 @@ impl RoundGraph {
             ));
         }
         cache.check_room(n + b)?;
+        let pages = cache.page_table().pages();
+        if cache.len() + n + b > cache.backed_rows() || pages.len() > self.width {
+            return Err(ModelError::BadCacheOp(format!(
+                "round graph of {} page entries replayed on a cache of {} pages backing {} rows ({} needed)",
+                self.width,
+                pages.len(),
+                cache.backed_rows(),
+                cache.len() + n + b
+            )));
+        }
         self.features
             .slice_set(&features.to_dtype(self.features.dtype())?, 0, 0)?;
-        let mut host = round_inputs(self.mask, b, n, cache.len() as u32);
+        let mut host = round_inputs(self.mask, b, n, cache.len() as u32, self.width, pages);
         host[..b].copy_from_slice(block);
         cuda::upload_u32(&self.inputs, &host)?;
         self.graph
@@ -321,6 +452,11 @@ impl DFlashDrafter {
                 "draft graphs need the fused kernels (CUDA, bf16, head_dim 128)".into(),
             ));
         }
+        if !cache.page_table().is_contiguous() {
+            return Err(ModelError::Unsupported(
+                "draft graphs are captured on drafter caches of their own, not pooled ones".into(),
+            ));
+        }
         let b = self.config().block_size;
         cache.check_room(b)?;
         let dev = self.device().clone();
@@ -335,7 +471,7 @@ impl DFlashDrafter {
         let ids = inputs.narrow(0, 0, b)?;
         let pos = inputs.narrow(0, b, b)?;
         let body = || -> ModelResult<()> {
-            let h = self.block_layers(&ids, &pos, &[cache], &lens, &full)?;
+            let h = self.block_layers(&ids, &pos, &[cache], &lens, &[None], &full, &[])?;
             hidden.slice_set(&h, 0, 0)?;
             Ok(())
         };

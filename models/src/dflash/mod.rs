@@ -26,13 +26,14 @@ use crate::layers::rope::RotaryEmbedding;
 use crate::random::WeightRng;
 use crate::target::DraftTarget;
 
+mod cache;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod train;
 
 #[cfg(feature = "cuda")]
 pub use cuda::DraftGraph;
-pub use train::TrainSequence;
+pub use train::{TrainAttention, TrainSequence};
 
 /// One sequence's draft request.
 pub struct DraftInput<'a> {
@@ -401,25 +402,6 @@ impl DFlashDrafter {
     }
     pub fn target_layer_ids(&self) -> &[usize] {
         &self.cfg.target_layer_ids
-    }
-
-    /// A context cache for up to `capacity` committed positions (plus the transient block rows).
-    /// Bytes of K/V one cached context row takes across the drafter's layers.
-    pub fn kv_bytes_per_row(&self) -> usize {
-        let c = &self.cfg.layers;
-        c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * self.dtype.size_in_bytes()
-    }
-
-    pub fn new_cache(&self, capacity: usize) -> ModelResult<SequenceCache> {
-        let c = &self.cfg.layers;
-        Ok(SequenceCache::new_attention(
-            c.num_hidden_layers,
-            c.num_key_value_heads,
-            c.head_dim,
-            capacity + self.cfg.block_size,
-            self.dtype,
-            &self.device,
-        )?)
     }
 
     /// `hidden_norm(fc(features))`: the fused context feature of each committed position.

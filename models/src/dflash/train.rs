@@ -16,7 +16,11 @@
 //! [`attend`]; build the drafter with [`OpsMode::Differentiable`] to train through it. Rather
 //! than one `[N*B, S + N*B]` score matrix (almost all of it masked), anchors are attended in
 //! groups of about `S / B` blocks, each against the context plus its own group's block rows:
-//! the same result, with memory near `N*B * 2S` instead of `N*B * (S + N*B)`.
+//! the same result, with memory near `N*B * 2S` instead of `N*B * (S + N*B)`. That grouped
+//! composition is [`TrainAttention::Composed`] (the CPU's path and the reference);
+//! [`TrainAttention::Fused`] runs the flash-style custom op of
+//! [`crate::training::attn_dflash`] over all blocks at once instead (nothing of score size
+//! kept; the CUDA trainer's default), with the same visibility.
 //!
 //! [`AttnPattern::Sliding`]: crate::layers::attention::AttnPattern::Sliding
 //! [`DecoderLayer::kv`]: crate::layers::decoder_layer::DecoderLayer::kv
@@ -28,9 +32,26 @@ use dflash_common::LayerType;
 use crate::dflash::DFlashDrafter;
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::attend;
+use crate::layers::ops::OpsMode;
+use crate::training::attn_dflash::{dflash_attention, BlockSpan};
 
 /// Upper bound on the blocks attended together, so that one group's scores stay small.
 const MAX_GROUP_BLOCKS: usize = 64;
+
+/// How [`DFlashDrafter::train_hidden_with`] runs the drafter's attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TrainAttention {
+    /// candle's `attend` under [`training_mask`], groups of blocks against their context.
+    #[default]
+    Composed,
+    /// The DFlash attention custom op: online softmax, log-sum-exp saved, the backward's
+    /// kernels recompute the scores (the f32 reference on the CPU).
+    Fused,
+}
+
+/// Window of a sliding layer for the fused op: `W`, or no limit on the context (the block
+/// stays causal) when the config has none, as `training_mask` with `usize::MAX`.
+const NO_WINDOW: usize = 1 << 30;
 
 /// One sequence of a training batch.
 #[derive(Debug, Clone, Copy)]
@@ -76,6 +97,64 @@ pub fn training_mask(
     Tensor::from_vec(m, (anchors.len() * b, cols), device)
 }
 
+/// [`dflash_attention`] as candle's composition, grouped as [`DFlashDrafter::train_hidden`]
+/// groups it (the reference the op is checked against): per run of blocks with one context
+/// offset (a sequence), groups of at most [`MAX_GROUP_BLOCKS`] blocks, each attending over
+/// its context up to its largest anchor and its own block rows under [`training_mask`], in
+/// f32 probabilities (`OpsMode::Differentiable`).
+#[allow(clippy::too_many_arguments)]
+pub fn composed_attention(
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    kb: &Tensor,
+    vb: &Tensor,
+    blocks: &[BlockSpan],
+    block_size: usize,
+    window: Option<usize>,
+) -> candle_core::Result<Tensor> {
+    let b = block_size;
+    let mut outs = Vec::new();
+    let mut first = 0;
+    while first < blocks.len() {
+        let off = blocks[first].ctx_offset;
+        let end = first
+            + blocks[first..]
+                .iter()
+                .take_while(|s| s.ctx_offset == off)
+                .count();
+        let seq_ctx = blocks[first..end].iter().map(|s| s.anchor).max();
+        let per_group = (seq_ctx.unwrap_or(0) as usize)
+            .div_ceil(b)
+            .clamp(1, MAX_GROUP_BLOCKS);
+        for (g, chunk) in blocks[first..end].chunks(per_group).enumerate() {
+            let anchors: Vec<usize> = chunk.iter().map(|s| s.anchor as usize).collect();
+            let ctx_len = anchors.iter().copied().max().unwrap_or(0);
+            let (rows, row_off) = (chunk.len() * b, (first + g * per_group) * b);
+            let (kbg, vbg) = (kb.narrow(1, row_off, rows)?, vb.narrow(1, row_off, rows)?);
+            let (keys, values) = if ctx_len == 0 {
+                (kbg, vbg)
+            } else {
+                let (o, n) = (off as usize, ctx_len);
+                (
+                    Tensor::cat(&[&kc.narrow(1, o, n)?, &kbg], 1)?,
+                    Tensor::cat(&[&vc.narrow(1, o, n)?, &vbg], 1)?,
+                )
+            };
+            let mask = training_mask(&anchors, ctx_len, b, window, q.device())?;
+            outs.push(attend(
+                &q.narrow(1, row_off, rows)?,
+                &keys,
+                &values,
+                Some(&mask),
+                OpsMode::Differentiable,
+            )?);
+        }
+        first = end;
+    }
+    Tensor::cat(&outs, 0)
+}
+
 impl DFlashDrafter {
     fn check_train(&self, batch: &[TrainSequence<'_>]) -> ModelResult<()> {
         let b = self.block_size();
@@ -117,8 +196,17 @@ impl DFlashDrafter {
     }
 
     /// The drafter's final normed hidden states for every block slot of every anchor,
-    /// `[Σ anchors * block_size, hidden]`, in batch and anchor order.
+    /// `[Σ anchors * block_size, hidden]`, in batch and anchor order (composed attention).
     pub fn train_hidden(&self, batch: &[TrainSequence<'_>]) -> ModelResult<Tensor> {
+        self.train_hidden_with(batch, TrainAttention::Composed)
+    }
+
+    /// [`Self::train_hidden`] with the attention run as `attention` says.
+    pub fn train_hidden_with(
+        &self,
+        batch: &[TrainSequence<'_>],
+        attention: TrainAttention,
+    ) -> ModelResult<Tensor> {
         self.check_train(batch)?;
         let b = self.block_size();
         let mask_id = self.mask_token_id();
@@ -163,8 +251,17 @@ impl DFlashDrafter {
             types.contains(&LayerType::SlidingAttention),
         );
         let mut groups = Vec::new();
+        let mut spans = Vec::new();
         let (mut ctx_off, mut row_off) = (0, 0);
         for seq in batch {
+            spans.extend(seq.anchors.iter().map(|&a| BlockSpan {
+                ctx_offset: ctx_off as u32,
+                anchor: a as u32,
+            }));
+            if attention == TrainAttention::Fused {
+                ctx_off += *seq.anchors.iter().max().expect("checked non-empty");
+                continue;
+            }
             let c = *seq.anchors.iter().max().expect("checked non-empty");
             let per_group = c.div_ceil(b).clamp(1, MAX_GROUP_BLOCKS);
             for chunk in seq.anchors.chunks(per_group) {
@@ -190,6 +287,15 @@ impl DFlashDrafter {
             let (kc, vc) = layer.kv(&ctx, &cos_c, &sin_c)?;
             let x = layer.input_norm(&h)?;
             let (q, k, v) = layer.qkv(&x, &cos_b, &sin_b)?;
+            if attention == TrainAttention::Fused {
+                let w = match types[li] {
+                    LayerType::FullAttention => None,
+                    LayerType::SlidingAttention => Some(window.unwrap_or(NO_WINDOW).min(NO_WINDOW)),
+                };
+                let attn = dflash_attention(&q, &kc, &vc, &k, &v, &spans, b, w)?;
+                h = layer.finish(&h, &attn)?;
+                continue;
+            }
             let mut outs = Vec::with_capacity(groups.len());
             for g in &groups {
                 let keys = Tensor::cat(

@@ -248,6 +248,11 @@ impl Qwen3Model {
         self.graphs.held()
     }
 
+    /// Forwards replayed from a step graph so far (shared by the model's clones).
+    pub fn graph_replays(&self) -> u64 {
+        self.graphs.replays()
+    }
+
     /// Graphs captured under other settings must not be replayed.
     fn fresh_graphs(mut self) -> Self {
         self.graphs = self.graphs.fresh();

@@ -227,6 +227,12 @@ impl Engine {
         self.prefix = None;
         self.pool = None;
         self.pool = Some(self.target.new_kv_pool(pages)?);
+        if let Some(p) = self.proposer.as_mut() {
+            // The drafter's context rows in a pool of their own with as many pages, plus a
+            // few: a drafter cache holds a block past its context where the target holds the
+            // verify rows, so the target's pool, not the drafter's, runs out first.
+            p.use_kv_pool(pages + (pages / 32).max(4))?;
+        }
         Ok(())
     }
 

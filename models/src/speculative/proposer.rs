@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use candle_core::Tensor;
 
-use crate::cache::SequenceCache;
+use crate::cache::{KvPool, SequenceCache};
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
 use crate::speculative::spare::SpareCaches;
@@ -46,14 +46,60 @@ pub trait Proposer: Send {
     fn cache_bytes_per_row(&self) -> usize {
         0
     }
+    /// Puts the proposer's per-sequence state in a paged pool of `pages` pages from now on
+    /// (only before any sequence is opened); proposers that keep no K/V ignore it.
+    fn use_kv_pool(&mut self, pages: usize) -> ModelResult<()> {
+        let _ = pages;
+        Ok(())
+    }
+    /// Backs sequence `seq`'s state for its next round after `committed` committed positions,
+    /// taking pool pages; fails with [`ModelError::PoolExhausted`], changing nothing, when the
+    /// pool is short (the engine then retracts a sequence). Nothing to do without a pool.
+    fn reserve(&mut self, seq: SeqId, committed: usize) -> ModelResult<()> {
+        let _ = (seq, committed);
+        Ok(())
+    }
+}
+
+/// A boxed proposer is one (so wrappers such as [`crate::speculative::PeakedProposer`] take
+/// whatever proposer a server built).
+impl<P: Proposer + ?Sized> Proposer for Box<P> {
+    fn max_depth(&self) -> usize {
+        (**self).max_depth()
+    }
+    fn target_layers(&self) -> Vec<usize> {
+        (**self).target_layers()
+    }
+    fn open(&mut self, seq: SeqId, capacity: usize) -> ModelResult<()> {
+        (**self).open(seq, capacity)
+    }
+    fn propose(&mut self, batch: &[ProposeItem<'_>]) -> ModelResult<Vec<TopK>> {
+        (**self).propose(batch)
+    }
+    fn close(&mut self, seq: SeqId) {
+        (**self).close(seq)
+    }
+    fn cache_bytes_per_row(&self) -> usize {
+        (**self).cache_bytes_per_row()
+    }
+    fn use_kv_pool(&mut self, pages: usize) -> ModelResult<()> {
+        (**self).use_kv_pool(pages)
+    }
+    fn reserve(&mut self, seq: SeqId, committed: usize) -> ModelResult<()> {
+        (**self).reserve(seq, committed)
+    }
 }
 
 /// The DFlash drafter as a proposer: one batched drafter forward per round.
 pub struct DFlashProposer {
     drafter: DFlashDrafter,
     caches: HashMap<SeqId, SequenceCache>,
-    /// Caches of closed sequences, for the next ones (their round graphs stay valid).
+    /// Caches of closed sequences, for the next ones (their round graphs stay valid). Not
+    /// used with a pool: a closed sequence's pages go back to it.
     spare: SpareCaches,
+    /// The drafter's paged context pool ([`Proposer::use_kv_pool`]); None: each sequence gets
+    /// a cache of its own.
+    pool: Option<KvPool>,
 }
 
 impl DFlashProposer {
@@ -62,6 +108,7 @@ impl DFlashProposer {
             drafter,
             caches: HashMap::new(),
             spare: SpareCaches::default(),
+            pool: None,
         }
     }
 
@@ -83,11 +130,36 @@ impl Proposer for DFlashProposer {
         self.drafter.target_layer_ids().to_vec()
     }
 
+    fn use_kv_pool(&mut self, pages: usize) -> ModelResult<()> {
+        if !self.caches.is_empty() {
+            return Err(ModelError::BadCacheOp(
+                "the drafter's K/V pool is set before any sequence is opened".into(),
+            ));
+        }
+        // The old pool's memory goes before the new one is allocated.
+        self.spare = SpareCaches::default();
+        self.pool = None;
+        self.pool = Some(self.drafter.new_kv_pool(pages)?);
+        Ok(())
+    }
+
+    fn reserve(&mut self, seq: SeqId, committed: usize) -> ModelResult<()> {
+        let b = self.drafter.block_size();
+        match self.caches.get_mut(&seq) {
+            Some(cache) => cache.grow_to(committed + b),
+            None => Ok(()),
+        }
+    }
+
     fn open(&mut self, seq: SeqId, capacity: usize) -> ModelResult<()> {
         let drafter = &self.drafter;
-        let cache = self
-            .spare
-            .take_or(capacity, || drafter.new_cache(capacity))?;
+        let cache = match &self.pool {
+            // Pages come as the context fills ([`Proposer::reserve`], `propose`).
+            Some(pool) => drafter.new_cache_in(pool, capacity, 0)?,
+            None => self
+                .spare
+                .take_or(capacity, || drafter.new_cache(capacity))?,
+        };
         if let Some(old) = self.caches.insert(seq, cache) {
             self.spare_put(old);
         }
@@ -97,6 +169,16 @@ impl Proposer for DFlashProposer {
     fn propose(&mut self, batch: &[ProposeItem<'_>]) -> ModelResult<Vec<TopK>> {
         let b = self.drafter.block_size();
         let mask = self.drafter.mask_token_id();
+        if self.pool.is_some() {
+            // Back every cache for its new context and the block before anything runs, so a
+            // short pool fails the round with nothing written.
+            for item in batch {
+                let n = item.features.map(|f| f.dim(0)).transpose()?.unwrap_or(0);
+                if let Some(cache) = self.caches.get_mut(&item.seq) {
+                    cache.grow_to(cache.len() + n + b)?;
+                }
+            }
+        }
         // Take the caches out so the batch can hold one `&mut` per sequence.
         let mut caches = Vec::with_capacity(batch.len());
         for item in batch {
@@ -170,6 +252,10 @@ impl DFlashProposer {
     /// Keeps a closed sequence's cache under the capacity it was opened with
     /// ([`DFlashDrafter::new_cache`] adds room for one block).
     fn spare_put(&mut self, cache: SequenceCache) {
+        if self.pool.is_some() {
+            // Its pages go back to the pool.
+            return;
+        }
         let capacity = cache.capacity().saturating_sub(self.drafter.block_size());
         self.spare.put(capacity, cache);
     }
@@ -177,6 +263,11 @@ impl DFlashProposer {
     /// Drafter caches kept from closed sequences.
     pub fn spare_caches(&self) -> usize {
         self.spare.len()
+    }
+
+    /// Free pages of the drafter's pool (None without one).
+    pub fn kv_pool_free_pages(&self) -> Option<usize> {
+        self.pool.as_ref().map(|p| p.free_pages())
     }
 }
 

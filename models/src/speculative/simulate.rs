@@ -125,6 +125,15 @@ impl<P: Proposer> Proposer for PeakedProposer<P> {
     fn close(&mut self, seq: SeqId) {
         self.inner.close(seq)
     }
+    fn cache_bytes_per_row(&self) -> usize {
+        self.inner.cache_bytes_per_row()
+    }
+    fn use_kv_pool(&mut self, pages: usize) -> ModelResult<()> {
+        self.inner.use_kv_pool(pages)
+    }
+    fn reserve(&mut self, seq: SeqId, committed: usize) -> ModelResult<()> {
+        self.inner.reserve(seq, committed)
+    }
 }
 
 #[cfg(test)]

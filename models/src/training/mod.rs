@@ -1,11 +1,13 @@
 //! The training engine's pieces, above the kernels they launch: the fused linear +
 //! cross-entropy over the frozen LM head (`linear_ce.rs`: chunked logits, the gradient of the
 //! hidden states only) and the multi-tensor AdamW on flat f32 buffers with the clip and the
-//! non-finite skip on the device (`adamw.rs`), and the DFlash block-sparse attention forward
-//! with its log-sum-exp (`attn_dflash.rs`; the backward is still to come). Each has a CPU reference beside it, tested in
+//! non-finite skip on the device (`adamw.rs`), and the DFlash block-sparse attention, forward
+//! with its log-sum-exp and backward, as a differentiable candle op (`attn_dflash.rs`, its f32
+//! CPU reference in `attn_dflash_ref.rs`). Each has a CPU reference beside it, tested in
 //! CI; the GPU kernels are checked against the references and the candle path by the GPU
 //! check binary (`tests/src/bin/gpu_check`).
 
 pub mod adamw;
 pub mod attn_dflash;
+pub mod attn_dflash_ref;
 pub mod linear_ce;

@@ -189,6 +189,10 @@ pub trait StepEngine: Send + 'static {
     fn retracts(&self) -> bool {
         false
     }
+    /// Target forwards replayed from a CUDA graph so far (the decode log's `cuda graph:`).
+    fn graph_replays(&self) -> u64 {
+        0
+    }
 }
 
 impl StepEngine for Box<dyn StepEngine> {
@@ -212,6 +216,9 @@ impl StepEngine for Box<dyn StepEngine> {
     }
     fn kv_pool_tokens(&self) -> Option<usize> {
         (**self).kv_pool_tokens()
+    }
+    fn graph_replays(&self) -> u64 {
+        (**self).graph_replays()
     }
     fn flush_cache(&mut self) {
         (**self).flush_cache()

@@ -10,7 +10,7 @@ use dflash_common::WeightFiles;
 use dflash_models::qwen3_5::MtpHead;
 use dflash_models::speculative::{
     Algorithm, DFlashProposer, Engine, EngineConfig, FinishReason, GenerationRequest, MtpProposer,
-    Penalties, Proposer, SamplingParams, SimulatedAcceptance,
+    PeakedProposer, Penalties, Proposer, SamplingParams, SimulatedAcceptance,
 };
 use dflash_models::{DFlashDrafter, OpsMode, Target};
 
@@ -140,6 +140,16 @@ impl RealEngine {
                 log_recurrent_memory(m.config(), dtype, algorithm, proposer.as_deref(), config);
         }
         let simulate = simulated_acceptance_length()?;
+        // A random or untrained drafter's flat distributions build a wide, one-level DDTree
+        // whose simulated walk stops after a draft or two; the bench's peaked profile gives
+        // the trained drafter's deep main path (same candidates and cost).
+        let proposer = match (simulate, algorithm, proposer) {
+            (Some(_), Algorithm::DDTree { .. }, Some(p)) => {
+                tracing::warn!("{SIMULATE_ACC_LEN}: the DDTree is built from a peaked profile of the drafter's candidates (rank 1 at p = 0.8)");
+                Some(Box::new(PeakedProposer::new(p, 0.8)) as Box<dyn Proposer>)
+            }
+            (_, _, p) => p,
+        };
         let mut engine = Engine::new(
             target,
             proposer,
@@ -422,6 +432,9 @@ fn lowered(l: dflash_models::speculative::logprobs::TokenLogprob) -> crate::engi
 }
 
 impl StepEngine for RealEngine {
+    fn graph_replays(&self) -> u64 {
+        self.engine.target().graph_replays()
+    }
     fn add(&mut self, req: EngineRequest) -> Result<SeqId, AdmitError> {
         let s = &req.sampling;
         let penalties = Penalties {

@@ -56,6 +56,8 @@ pub fn spawn_engine_thread<E: StepEngine>(
         probes: Vec::new(),
         trimmer: Trimmer::new(trim_wanted.clone()),
         steps_tx,
+        graph_replays: 0,
+        last_step_graph: false,
     };
     std::thread::Builder::new()
         .name("dflash-engine".into())
@@ -123,6 +125,9 @@ struct Worker<E> {
     probes: Vec<oneshot::Sender<()>>,
     trimmer: Trimmer,
     steps_tx: watch::Sender<u64>,
+    /// The engine's graph replays after the last step, and whether that step replayed one.
+    graph_replays: u64,
+    last_step_graph: bool,
 }
 
 struct Running {
@@ -510,6 +515,9 @@ impl<E: StepEngine> Worker<E> {
             }
         };
 
+        let replays = self.engine.graph_replays();
+        self.last_step_graph = replays > self.graph_replays;
+        self.graph_replays = replays;
         let (mut tokens, mut spec_tokens, mut rounds, mut accepted) = (0u64, 0u64, 0u64, 0u64);
         for ev in &events {
             let n = ev.tokens.len() as u64;
@@ -603,10 +611,11 @@ impl<E: StepEngine> Worker<E> {
             _ => String::new(),
         };
         tracing::info!(
-            "Decode batch, #running-req: {}, #token: {}, token usage: {:.2}, {spec}cuda graph: False, gen throughput (token/s): {throughput:.2}, #queue-req: {}",
+            "Decode batch, #running-req: {}, #token: {}, token usage: {:.2}, {spec}cuda graph: {}, gen throughput (token/s): {throughput:.2}, #queue-req: {}",
             self.running.len(),
             self.reserved_tokens,
             self.reserved_tokens as f64 / self.limits.max_total_tokens.max(1) as f64,
+            if self.last_step_graph { "True" } else { "False" },
             self.waiting.len()
         );
     }

@@ -11,7 +11,9 @@
 //!
 //! With `--train` it runs only the training engine's checks (`gpu_check/train.rs`): fused
 //! linear + cross-entropy and the flat AdamW against the trainer's candle path
-//! (`gpu_check/train.rs`), and the DFlash attention forward (`gpu_check/train_attn.rs`).
+//! (`gpu_check/train.rs`), the DFlash attention forward (`gpu_check/train_attn.rs`) and its
+//! backward: a gradient check and a trainer step, fused vs composed
+//! (`gpu_check/train_attn_bwd.rs`).
 //!
 //! With `--hybrid` it runs only the hybrid-target checks and the Qwen3.6-27B-shaped benchmark
 //! (see `gpu_check/hybrid.rs`).
@@ -20,10 +22,14 @@
 mod hybrid;
 #[path = "gpu_check/pooled.rs"]
 mod pooled;
+#[path = "gpu_check/pooled_draft.rs"]
+mod pooled_draft;
 #[path = "gpu_check/train.rs"]
 mod train;
 #[path = "gpu_check/train_attn.rs"]
 mod train_attn;
+#[path = "gpu_check/train_attn_bwd.rs"]
+mod train_attn_bwd;
 
 use anyhow::{Context, Result};
 
@@ -151,12 +157,13 @@ fn main() -> Result<()> {
     let mut report = serde_json::Map::new();
     if args.iter().any(|a| a == "--train") {
         let t = train::run(&dev)?;
-        let a = if dev.is_cuda() {
-            train_attn::run(&dev)?
+        let (a, g) = if dev.is_cuda() {
+            (train_attn::run(&dev)?, train_attn_bwd::run(&dev)?)
         } else {
-            json!("the DFlash attention kernel is CUDA only")
+            let cuda_only = json!("the DFlash attention kernels are CUDA only");
+            (cuda_only.clone(), cuda_only)
         };
-        let out = json!({ "train": t, "attention": a }).to_string();
+        let out = json!({ "train": t, "attention": a, "attention_backward": g }).to_string();
         if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
             std::fs::write(path, &out)?;
         }

@@ -139,6 +139,27 @@ pub enum HeadLoss {
     Composed,
 }
 
+/// How the drafter's attention runs in training.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TrainAttentionArg {
+    /// The flash-style DFlash attention op (`dflash_models::training::attn_dflash`: online
+    /// softmax, log-sum-exp saved, scores recomputed in the backward). CUDA only: the CPU
+    /// always runs `composed`.
+    Fused,
+    /// candle's grouped masked-softmax attention (autograd): the reference.
+    Composed,
+}
+
+impl TrainAttentionArg {
+    /// The path on `device`: the fused op on CUDA only.
+    pub fn on(self, device: &candle_core::Device) -> dflash_models::TrainAttention {
+        match self {
+            Self::Fused if device.is_cuda() => dflash_models::TrainAttention::Fused,
+            _ => dflash_models::TrainAttention::Composed,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum SaveDtype {
     Bf16,
@@ -235,6 +256,10 @@ pub struct TrainArgs {
     /// (candle autograd; the reference it is checked against).
     #[arg(long, value_enum, default_value_t = HeadLoss::Fused, help_heading = "Objective")]
     pub head_loss: HeadLoss,
+    /// How the drafter's attention runs: fused (flash-style forward and backward kernels; CUDA
+    /// only, the CPU always runs composed) or composed (candle's masked softmax, autograd).
+    #[arg(long, value_enum, default_value_t = TrainAttentionArg::Fused, help_heading = "Objective")]
+    pub train_attention: TrainAttentionArg,
 
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 4, help_heading = "Optimisation")]

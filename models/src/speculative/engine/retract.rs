@@ -50,6 +50,41 @@ impl Engine {
         }
     }
 
+    /// Backs sequence `i`'s proposer state (the drafter's context pages) for its next round,
+    /// retracting newer speculating sequences while the drafter's pool is short. `false`: not
+    /// possible without retracting older ones. Always true for plain decoding.
+    fn reserve_draft(&mut self, i: usize) -> Result<bool, EngineError> {
+        if self.seqs[i].req.algorithm == Algorithm::Plain {
+            return Ok(true);
+        }
+        loop {
+            let (id, committed) = (self.seqs[i].id, self.seqs[i].tokens.len());
+            let Some(p) = self.proposer.as_mut() else {
+                return Ok(true);
+            };
+            match p.reserve(id, committed) {
+                Ok(()) => return Ok(true),
+                Err(ModelError::PoolExhausted { .. }) => {
+                    // A retracted sequence's drafter cache is reopened empty; only one past
+                    // its prefill has drafter context (and it stops being one when retracted,
+                    // so the loop ends).
+                    let victim = (0..self.seqs.len())
+                        .filter(|&j| {
+                            self.seqs[j].id > id
+                                && self.seqs[j].req.algorithm != Algorithm::Plain
+                                && self.seqs[j].prefilled
+                        })
+                        .max_by_key(|&j| self.seqs[j].id);
+                    match victim {
+                        Some(j) => self.retract(j)?,
+                        None => return Ok(false),
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
     /// Before a round: every decoding sequence, oldest first, backed for its verify rows;
     /// one that cannot be (even after retracting every newer one) is retracted itself.
     pub(super) fn make_room(&mut self) -> Result<(), EngineError> {
@@ -62,7 +97,7 @@ impl Engine {
                 continue;
             }
             let rows = s.cache.len() + self.verify_width(s.req.algorithm);
-            if !self.reserve_rows(i, rows)? {
+            if !self.reserve_rows(i, rows)? || !self.reserve_draft(i)? {
                 self.retract(i)?;
             }
         }

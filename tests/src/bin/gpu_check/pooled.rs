@@ -254,6 +254,7 @@ pub fn run(dev: &Device) -> Result<Value> {
         mixed(&m, &alone, &pool, &mut pooled, &mut own)?,
     );
     report.insert("graphs_held".into(), json!(m.step_graphs_held()));
+    report.insert("drafter".into(), super::pooled_draft::run(&m)?);
     report.insert("pool_free_pages".into(), json!(pool.free_pages()));
     Ok(Value::Object(report))
 }
