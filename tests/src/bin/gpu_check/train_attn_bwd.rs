@@ -191,6 +191,7 @@ fn tiny_target(dev: &Device) -> Result<Qwen3Model> {
         bos_token_id: None,
         layer_types: vec![LayerType::FullAttention; 4],
         sliding_window: None,
+        moe: None,
     };
     Ok(Qwen3Model::random(
         cfg,
