@@ -125,14 +125,23 @@ fn multi_turn_chat_starts_on_cached_pages_and_decodes_as_without_the_cache() {
     }
 }
 
-/// Runs `requests` together, each admitted after `delay[i]` steps; outputs and cached tokens.
-fn run_together(
-    e: &mut Engine,
-    requests: &[GenerationRequest],
-    delay: &[usize],
-) -> Vec<(Vec<u32>, usize)> {
+/// What [`run_together`] returns per request.
+struct Outcome {
+    tokens: Vec<u32>,
+    cached_tokens: usize,
+    retractions: usize,
+}
+
+/// Runs `requests` together, each admitted after `delay[i]` steps.
+fn run_together(e: &mut Engine, requests: &[GenerationRequest], delay: &[usize]) -> Vec<Outcome> {
     let mut ids: Vec<Option<SeqId>> = vec![None; requests.len()];
-    let mut out: Vec<(Vec<u32>, usize)> = vec![(Vec::new(), 0); requests.len()];
+    let mut out: Vec<Outcome> = (0..requests.len())
+        .map(|_| Outcome {
+            tokens: Vec::new(),
+            cached_tokens: 0,
+            retractions: 0,
+        })
+        .collect();
     let mut done = 0;
     let mut step = 0;
     while done < requests.len() {
@@ -143,8 +152,9 @@ fn run_together(
         }
         for ev in e.step().unwrap() {
             let i = ids.iter().position(|&id| id == Some(ev.id)).unwrap();
-            out[i].0.extend(&ev.tokens);
-            out[i].1 = ev.stats.cached_tokens;
+            out[i].tokens.extend(&ev.tokens);
+            out[i].cached_tokens = ev.stats.cached_tokens;
+            out[i].retractions = ev.stats.retractions;
             if ev.finished.is_some() {
                 done += 1;
             }
@@ -175,10 +185,10 @@ fn sequences_in_flight_together_share_a_prefix_and_decode_as_alone() {
         // The first request's prefill caches the system prompt's pages; the others arrive
         // while it decodes.
         let got = run_together(&mut e, &requests, &[0, 1, 1, 3]);
-        for (k, (tokens, cached)) in got.iter().enumerate() {
-            assert_eq!(tokens, &want[k], "{algorithm:?}, request {k}");
+        for (k, o) in got.iter().enumerate() {
+            assert_eq!(o.tokens, want[k], "{algorithm:?}, request {k}");
             if k > 0 {
-                assert_eq!(*cached, 3 * PAGE_SIZE, "{algorithm:?}, request {k}");
+                assert_eq!(o.cached_tokens, 3 * PAGE_SIZE, "{algorithm:?}, request {k}");
             }
         }
     }
@@ -216,8 +226,8 @@ fn a_pool_too_small_to_keep_everything_evicts_cached_pages_and_decodes_as_withou
             .map(|r| alone.generate(r.clone()).unwrap().0)
             .collect();
         let got = run_together(&mut e, &requests, &[0, 0, 0]);
-        for (k, (tokens, _)) in got.iter().enumerate() {
-            assert_eq!(tokens, &want[k], "{algorithm:?}, together, request {k}");
+        for (k, o) in got.iter().enumerate() {
+            assert_eq!(o.tokens, want[k], "{algorithm:?}, together, request {k}");
         }
     }
 }
@@ -248,34 +258,12 @@ fn sequences_sharing_a_prefix_that_outgrow_the_drafter_pool_retract_and_decode_a
             .map(|r| alone.generate(r.clone()).unwrap().0)
             .collect();
         let mut e = engine(&t, Some(pool));
-        let mut ids = Vec::new();
-        let mut got: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
-        let mut retractions = 0;
-        let mut done = 0;
-        let mut steps = 0;
-        while done < requests.len() {
-            // The first request caches the prompt's pages; the others come after it.
-            if steps == 1 {
-                for r in &requests[1..] {
-                    ids.push(e.add(r.clone()).unwrap());
-                }
-            } else if steps == 0 {
-                ids.push(e.add(requests[0].clone()).unwrap());
-            }
-            for ev in e.step().unwrap() {
-                let i = ids.iter().position(|&id| id == ev.id).unwrap();
-                got[i].extend(&ev.tokens);
-                if ev.finished.is_some() {
-                    retractions += ev.stats.retractions;
-                    done += 1;
-                }
-            }
-            steps += 1;
-            assert!(steps < 10_000, "{algorithm:?}: no progress");
+        // The first request caches the prompt's pages; the others come after it.
+        let got = run_together(&mut e, &requests, &[0, 1, 1, 1, 1, 1]);
+        for (k, o) in got.iter().enumerate() {
+            assert_eq!(o.tokens, want[k], "{algorithm:?}, request {k}");
         }
-        for (k, tokens) in got.iter().enumerate() {
-            assert_eq!(tokens, &want[k], "{algorithm:?}, request {k}");
-        }
+        let retractions: usize = got.iter().map(|o| o.retractions).sum();
         if algorithm == Algorithm::Plain {
             // The control: the target's pool alone holds all six.
             assert_eq!(retractions, 0, "plain decoding retracted");

@@ -342,3 +342,40 @@ pub(crate) fn cache_key(cache: &SequenceCache) -> ModelResult<u64> {
     }
     Ok(h)
 }
+
+/// The page tables of `caches` (one pool's) as one upload for a pooled batch: u32
+/// `[caches, stride]`, each row padded with zeros to the longest table.
+pub(crate) fn stacked_page_tables(
+    caches: &[&SequenceCache],
+    dev: &candle_core::Device,
+) -> ModelResult<Tensor> {
+    let stride = caches
+        .iter()
+        .map(|c| c.page_table().pages().len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut table = vec![0u32; caches.len() * stride];
+    for (row, c) in table.chunks_mut(stride).zip(caches) {
+        c.page_table().copy_into(row);
+    }
+    Ok(Tensor::from_vec(table, (caches.len(), stride), dev)?)
+}
+
+/// Page-table entries a graph captured on `cache` reads: none for a cache of its own; for a
+/// pooled one, enough for `rows` rows (a model passes the most any of its caches can hold,
+/// so every graph of the pool has one width whatever the capacity of the cache it was
+/// captured on).
+pub(crate) fn graph_page_width(cache: &SequenceCache, rows: usize) -> ModelResult<usize> {
+    if cache.page_table().is_contiguous() {
+        return Ok(0);
+    }
+    let width = crate::cache::pages_for(rows);
+    if cache.page_table().pages().len() > width {
+        return Err(ModelError::Unsupported(format!(
+            "a cache of {} pages is beyond the graphs' {width}",
+            cache.page_table().pages().len()
+        )));
+    }
+    Ok(width)
+}

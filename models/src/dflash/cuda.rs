@@ -5,9 +5,11 @@
 
 use candle_core::Tensor;
 
-use crate::cache::{pages_for, SequenceCache};
+use crate::cache::SequenceCache;
 use crate::cuda;
-use crate::cuda::decoder_stack::{cache_key, capture_graph, AttnSeq, PooledBatch, Stack};
+use crate::cuda::decoder_stack::{
+    cache_key, capture_graph, graph_page_width, stacked_page_tables, AttnSeq, PooledBatch, Stack,
+};
 use crate::cuda::graphs::Key;
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
@@ -61,22 +63,12 @@ impl DFlashDrafter {
         }
         let dev = self.device();
         let b = self.config().block_size;
-        let stride = caches
-            .iter()
-            .map(|c| c.page_table().pages().len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let mut table = vec![0u32; caches.len() * stride];
-        for (row, c) in table.chunks_mut(stride).zip(caches) {
-            c.page_table().copy_into(row);
-        }
         let lens: Vec<u32> = caches.iter().map(|c| c.len() as u32).collect();
         let full: Vec<i64> = vec![(u64::MAX >> (64 - b)) as i64; caches.len() * b];
         Ok(Some(PooledBlocks {
             seqs: caches.len(),
             cache_len: Tensor::new(lens.as_slice(), dev)?,
-            pages: Tensor::from_vec(table, (caches.len(), stride), dev)?,
+            pages: stacked_page_tables(caches, dev)?,
             full: Tensor::from_vec(full, (caches.len() * b, 1), dev)?,
         }))
     }
@@ -314,17 +306,10 @@ impl DFlashDrafter {
     /// pooled one, enough for any cache the drafter's positions allow (every round graph of
     /// the pool has this width, whatever the capacity of the cache it was captured on).
     fn round_page_width(&self, cache: &SequenceCache) -> ModelResult<usize> {
-        if cache.page_table().is_contiguous() {
-            return Ok(0);
-        }
-        let width = pages_for(self.rotary().max_positions() + self.config().block_size);
-        if cache.page_table().pages().len() > width {
-            return Err(ModelError::Unsupported(format!(
-                "a drafter cache of {} pages is beyond the round graphs' {width}",
-                cache.page_table().pages().len()
-            )));
-        }
-        Ok(width)
+        graph_page_width(
+            cache,
+            self.rotary().max_positions() + self.config().block_size,
+        )
     }
 }
 

@@ -11,7 +11,9 @@ use candle_core::Tensor;
 use crate::batch::{ForwardOutput, SeqForward, StackedBatch};
 use crate::cache::SequenceCache;
 use crate::cuda;
-use crate::cuda::decoder_stack::{cache_key, capture_graph, AttnSeq, PooledBatch, Stack};
+use crate::cuda::decoder_stack::{
+    cache_key, capture_graph, graph_page_width, stacked_page_tables, AttnSeq, PooledBatch, Stack,
+};
 use crate::cuda::graphs::{GraphObject, Key, GRAPH_MAX_TOKENS};
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::AttnPattern;
@@ -92,16 +94,6 @@ fn pooled_run(
 ) -> ModelResult<PooledInputs> {
     let caches: Vec<&SequenceCache> = run.iter().map(|s| &*s.cache).collect();
     let t = run[0].tokens.len();
-    let stride = caches
-        .iter()
-        .map(|c| c.page_table().pages().len())
-        .max()
-        .unwrap_or(0)
-        .max(1);
-    let mut table = vec![0u32; caches.len() * stride];
-    for (row, c) in table.chunks_mut(stride).zip(&caches) {
-        c.page_table().copy_into(row);
-    }
     let lens: Vec<u32> = caches.iter().map(|c| c.len() as u32).collect();
     let tree = match run[0].pattern {
         AttnPattern::Tree { .. } => {
@@ -124,7 +116,7 @@ fn pooled_run(
         first,
         seqs: run.len(),
         cache_len: Tensor::new(lens.as_slice(), dev)?,
-        pages: Tensor::from_vec(table, (caches.len(), stride), dev)?,
+        pages: stacked_page_tables(&caches, dev)?,
         tree,
     })
 }
@@ -468,17 +460,7 @@ impl Qwen3Model {
     /// own; for a pooled one, enough for any sequence the model can hold (every graph of the
     /// pool then has the same width, whatever the capacity of the cache it was captured on).
     pub(super) fn graph_page_width(&self, cache: &SequenceCache) -> ModelResult<usize> {
-        if cache.page_table().is_contiguous() {
-            return Ok(0);
-        }
-        let width = crate::cache::pages_for(self.rope.max_positions() + cuda::MAX_FAST_TOKENS);
-        if cache.page_table().pages().len() > width {
-            return Err(ModelError::Unsupported(format!(
-                "a cache of {} pages is beyond the step graphs' {width}",
-                cache.page_table().pages().len()
-            )));
-        }
-        Ok(width)
+        graph_page_width(cache, self.rope.max_positions() + cuda::MAX_FAST_TOKENS)
     }
 }
 
