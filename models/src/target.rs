@@ -173,9 +173,6 @@ impl Target {
         both!(self, m => m.forward(batch, taps))
     }
 
-    /// A cache for `capacity` positions in which forwards of up to `rollback` tokens can be
-    /// rolled back (attention caches can always be truncated; the argument only matters for
-    /// recurrent layers).
     /// Forwards replayed from a CUDA graph so far (the hybrid targets capture none yet).
     pub fn graph_replays(&self) -> u64 {
         match self {
@@ -192,6 +189,9 @@ impl Target {
         }
     }
 
+    /// A cache for `capacity` positions in which forwards of up to `rollback` tokens can be
+    /// rolled back (attention caches can always be truncated; the argument only matters for
+    /// recurrent layers).
     pub fn new_cache(&self, capacity: usize, rollback: usize) -> ModelResult<SequenceCache> {
         match self {
             Target::Qwen3(m) => m.new_cache(capacity),

@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 
+pub mod spec_harness;
+
 /// This crate's directory; `DFLASH_TESTS_DIR` overrides it where a binary built here runs from
 /// another checkout (the GPU machine).
 fn tests_dir() -> PathBuf {

@@ -10,199 +10,26 @@
 //! a commit of the wrong node's state, breaks both.
 
 use dflash_models::cache::LayerCache;
-use dflash_models::speculative::{
-    Algorithm, Engine, EngineConfig, GenerationRequest, Noise, OracleProposer, Proposer,
-    SamplingParams,
+use dflash_models::speculative::{Algorithm, Engine, OracleProposer, Proposer};
+use dflash_models::{AttnPattern, Qwen35Model, SeqForward, SequenceCache, Target};
+use dflash_tests::spec_harness::{
+    assert_committed_matches_recompute, assert_mixed_batch_matches_plain,
+    assert_runs_match_plain_greedy, generate_checked, greedy_request as request,
+    lossless_config as config, noisy_oracle, oracle_runs, pooled, PROMPTS,
 };
-use dflash_models::{AttnPattern, Qwen35Model, SeqForward, SequenceCache};
 use dflash_tests::{max_abs_diff, single_threaded_tensor_ops, tiny_hybrid};
-
-fn config() -> EngineConfig {
-    EngineConfig {
-        max_context: 160,
-        max_ddtree_budget: 32,
-        eos_token_ids: vec![],
-        seed: 0,
-    }
-}
-
-fn request(prompt: &[u32], algorithm: Algorithm, max_new_tokens: usize) -> GenerationRequest {
-    GenerationRequest {
-        prompt: prompt.to_vec(),
-        max_new_tokens,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..SamplingParams::default()
-        },
-        stop_token_ids: vec![],
-        ignore_eos: true,
-        algorithm,
-    }
-}
-
-const PROMPTS: [&[u32]; 3] = [
-    &[5, 17, 33, 2, 90, 41, 7],
-    &[60],
-    &[
-        12, 12, 12, 80, 3, 44, 19, 27, 65, 8, 1, 93, 50, 22, 71, 36, 4, 88, 9, 30,
-    ],
-];
-
-fn noisy(m: &Qwen35Model, seed: u64) -> Box<dyn Proposer> {
-    Box::new(OracleProposer::new(
-        m.clone(),
-        7,
-        Some(Noise {
-            corrupt_prob: 0.3,
-            seed,
-        }),
-    ))
-}
-
-/// The committed part of `cache` against a fresh prefill of `tokens[..cache.len()]`.
-fn check_against_recompute(m: &Qwen35Model, tokens: &[u32], cache: &SequenceCache, what: &str) {
-    let n = cache.len();
-    let tracker = cache.row_tracker().unwrap();
-    assert_eq!(
-        tracker.settled, n,
-        "{what}: per-row states outlive the commit"
-    );
-    let mut fresh = m.new_cache(n + 1).unwrap();
-    let positions: Vec<u32> = (0..n as u32).collect();
-    m.forward(
-        &mut [SeqForward {
-            cache: &mut fresh,
-            tokens: &tokens[..n],
-            positions: &positions,
-            pattern: &AttnPattern::Causal,
-            logit_rows: &[],
-        }],
-        &[],
-    )
-    .unwrap();
-    for li in 0..cache.num_layers() {
-        match (cache.layer(li), fresh.layer(li)) {
-            (LayerCache::Recurrent(a), LayerCache::Recurrent(b)) => {
-                let d_conv = max_abs_diff(&a.last().conv, &b.last().conv);
-                let d_ssm = max_abs_diff(&a.last().ssm, &b.last().ssm);
-                assert!(
-                    d_conv < 1e-4 && d_ssm < 1e-4,
-                    "{what}: layer {li} state after {n} tokens differs from recomputation (conv {d_conv}, ssm {d_ssm})"
-                );
-            }
-            (LayerCache::Attention(_), LayerCache::Attention(_)) => {
-                let (ka, va) = cache.view_kv(li, n).unwrap();
-                let (kb, vb) = fresh.view_kv(li, n).unwrap();
-                let d = max_abs_diff(&ka, &kb).max(max_abs_diff(&va, &vb));
-                assert!(d < 1e-4, "{what}: layer {li} K/V differ by {d}");
-            }
-            _ => panic!("layer kinds differ"),
-        }
-    }
-}
-
-/// Runs one request to the end, checking the committed state after every step.
-fn generate_checked(
-    e: &mut Engine,
-    m: &Qwen35Model,
-    req: GenerationRequest,
-    what: &str,
-) -> Vec<u32> {
-    let id = e.add(req).unwrap();
-    let mut out = Vec::new();
-    loop {
-        let events = e.step().unwrap();
-        if let Some((tokens, cache)) = e.sequence(id) {
-            check_against_recompute(m, tokens, cache, what);
-        }
-        for ev in events.into_iter().filter(|ev| ev.id == id) {
-            out.extend_from_slice(&ev.tokens);
-            if ev.finished.is_some() {
-                return out;
-            }
-        }
-    }
-}
 
 #[test]
 fn chain_and_ddtree_greedy_on_a_hybrid_target_match_plain_with_recomputed_states() {
     single_threaded_tensor_ops();
-    let m = tiny_hybrid(7);
-    for (p, prompt) in PROMPTS.iter().enumerate() {
-        let mut plain = Engine::new(m.clone(), None, config());
-        let want = generate_checked(
-            &mut plain,
-            &m,
-            request(prompt, Algorithm::Plain, 40),
-            "plain",
-        );
-        let runs: Vec<(&str, Box<dyn Proposer>, Algorithm)> = vec![
-            (
-                "oracle chain",
-                Box::new(OracleProposer::new(m.clone(), 7, None)),
-                Algorithm::Chain,
-            ),
-            ("noisy chain", noisy(&m, p as u64), Algorithm::Chain),
-            (
-                "noisy ddtree-4",
-                noisy(&m, 10 + p as u64),
-                Algorithm::DDTree { budget: 4 },
-            ),
-            (
-                "noisy ddtree-32",
-                noisy(&m, 20 + p as u64),
-                Algorithm::DDTree { budget: 32 },
-            ),
-        ];
-        for (name, proposer, algorithm) in runs {
-            let mut e = pooled(Engine::new(m.clone(), Some(proposer), config()));
-            let what = format!("prompt {p}, {name}");
-            let got = generate_checked(&mut e, &m, request(prompt, algorithm, 40), &what);
-            assert_eq!(
-                got, want,
-                "{what}: speculative output differs from plain greedy"
-            );
-        }
-    }
+    let t = Target::from(tiny_hybrid(7));
+    assert_runs_match_plain_greedy(&t, |p| oracle_runs(&t, p));
 }
 
 #[test]
 fn a_batch_mixing_algorithms_on_a_hybrid_target_matches_plain() {
     single_threaded_tensor_ops();
-    let m = tiny_hybrid(11);
-    let want: Vec<Vec<u32>> = PROMPTS
-        .iter()
-        .map(|p| {
-            Engine::new(m.clone(), None, config())
-                .generate(request(p, Algorithm::Plain, 24))
-                .unwrap()
-                .0
-        })
-        .collect();
-    let mut e = pooled(Engine::new(m.clone(), Some(noisy(&m, 3)), config()));
-    let algos = [
-        Algorithm::Chain,
-        Algorithm::DDTree { budget: 16 },
-        Algorithm::Plain,
-    ];
-    let ids: Vec<_> = PROMPTS
-        .iter()
-        .zip(algos)
-        .map(|(p, a)| e.add(request(p, a, 24)).unwrap())
-        .collect();
-    let mut got = vec![Vec::new(); ids.len()];
-    while e.num_active() > 0 {
-        for ev in e.step().unwrap() {
-            let i = ids.iter().position(|&id| id == ev.id).unwrap();
-            got[i].extend_from_slice(&ev.tokens);
-        }
-        for (i, &id) in ids.iter().enumerate() {
-            if let Some((tokens, cache)) = e.sequence(id) {
-                check_against_recompute(&m, tokens, cache, &format!("batch seq {i}"));
-            }
-        }
-    }
-    assert_eq!(got, want);
+    assert_mixed_batch_matches_plain(&tiny_hybrid(11).into());
 }
 
 #[test]
@@ -310,7 +137,12 @@ fn dflash_drafter_tapping_recurrent_layers_keeps_hybrid_greedy_output() {
                 config(),
             ));
             let what = format!("prompt {p}, dflash {algorithm:?}");
-            let got = generate_checked(&mut e, &m, request(prompt, algorithm, 24), &what);
+            let got = generate_checked(
+                &mut e,
+                &Target::from(m.clone()),
+                request(prompt, algorithm, 24),
+                &what,
+            );
             assert_eq!(got, want, "{what}");
         }
     }
@@ -350,7 +182,12 @@ fn mtp_head_chain_and_tree_on_a_hybrid_target_match_plain() {
             'run: loop {
                 let events = e.step().unwrap();
                 if let Some((tokens, cache)) = e.sequence(id) {
-                    check_against_recompute(&m, tokens, cache, &what);
+                    assert_committed_matches_recompute(
+                        &Target::from(m.clone()),
+                        tokens,
+                        cache,
+                        &what,
+                    );
                 }
                 for ev in events {
                     accepted += ev.round.as_ref().map_or(0, |r| r.accepted_drafts);
@@ -477,7 +314,7 @@ fn chain_and_ddtree_greedy_on_a_moe_hybrid_target_match_plain() {
     let mut plain = Engine::new(m.clone(), None, config());
     let want = generate_checked(
         &mut plain,
-        &m,
+        &Target::from(m.clone()),
         request(prompt, Algorithm::Plain, 24),
         "plain",
     );
@@ -489,7 +326,7 @@ fn chain_and_ddtree_greedy_on_a_moe_hybrid_target_match_plain() {
         ),
         (
             "noisy ddtree-8",
-            noisy(&m, 5),
+            noisy_oracle(m.clone(), 5),
             Algorithm::DDTree { budget: 8 },
         ),
         // A random MTP head whose layer is sparse too (as MoE checkpoints ship it).
@@ -513,17 +350,15 @@ fn chain_and_ddtree_greedy_on_a_moe_hybrid_target_match_plain() {
     for (name, proposer, algorithm) in runs {
         let mut e = pooled(Engine::new(m.clone(), Some(proposer), config()));
         let what = format!("moe {name}");
-        let got = generate_checked(&mut e, &m, request(prompt, algorithm, 24), &what);
+        let got = generate_checked(
+            &mut e,
+            &Target::from(m.clone()),
+            request(prompt, algorithm, 24),
+            &what,
+        );
         assert_eq!(
             got, want,
             "{what}: speculative output differs from plain greedy"
         );
     }
-}
-
-/// The speculative engines run on a paged K/V pool (the plain references in caches of their
-/// own), so every comparison also checks K/V read and compacted through page tables.
-fn pooled(mut e: Engine) -> Engine {
-    e.use_kv_pool(16 * 160).expect("K/V pool");
-    e
 }

@@ -14,14 +14,12 @@
 //! keeps the first draft unsampled gave chain token 2 a chi2 of 338 against a bound of 42.9).
 
 use candle_core::{DType, Device};
-use dflash_models::speculative::{
-    Algorithm, Engine, EngineConfig, Noise, OracleProposer, Proposer,
-};
-use dflash_models::{OpsMode, Qwen3Model};
-use dflash_tests::{assert_same_distribution, demo_model, greedy_cases, sample_continuations};
+use dflash_models::speculative::EngineConfig;
+use dflash_models::{OpsMode, Qwen3Model, Target};
+use dflash_tests::spec_harness::SamplingRun;
+use dflash_tests::{assert_same_distribution, demo_model, greedy_cases};
 
 const SAMPLES: usize = 800;
-const NEW: usize = 4;
 const IM_END: u32 = 8188;
 
 /// The lru-cache chat prompt with its request cut to "Write a Python class `LRUCache`" (25
@@ -33,60 +31,41 @@ fn prompt() -> Vec<u32> {
     [&ids[..14], &ids[end..]].concat()
 }
 
-fn sample_all(
-    t: &Qwen3Model,
-    proposer: Option<Box<dyn Proposer>>,
-    algorithm: Algorithm,
-    seed_base: u64,
-) -> (Vec<Vec<u32>>, usize) {
-    let cfg = EngineConfig {
-        max_context: 512,
-        max_ddtree_budget: 64,
-        eos_token_ids: vec![IM_END, 8186],
-        seed: 0,
-    };
-    let mut e = Engine::new(t.clone(), proposer, cfg);
-    sample_continuations(&mut e, &prompt(), algorithm, SAMPLES, NEW, seed_base)
-}
-
 #[test]
 fn speculative_sampling_matches_plain_sampling_distribution() {
-    let t = Qwen3Model::load(
-        &demo_model(),
-        DType::F32,
-        &Device::Cpu,
-        1024,
-        OpsMode::Fused,
-    )
-    .unwrap();
-    let (plain, _) = sample_all(&t, None, Algorithm::Plain, 1_000_000);
-    let (chain, chain_accepted) = sample_all(
-        &t,
-        Some(Box::new(OracleProposer::new(t.clone(), 3, None))),
-        Algorithm::Chain,
-        2_000_000,
+    let t = Target::from(
+        Qwen3Model::load(
+            &demo_model(),
+            DType::F32,
+            &Device::Cpu,
+            1024,
+            OpsMode::Fused,
+        )
+        .unwrap(),
     );
-    let (tree, tree_accepted) = sample_all(
-        &t,
-        Some(Box::new(OracleProposer::new(
-            t.clone(),
-            3,
-            Some(Noise {
-                corrupt_prob: 0.4,
-                seed: 5,
-            }),
-        ))),
-        Algorithm::DDTree { budget: 8 },
-        3_000_000,
-    );
-    for (name, spec) in [("chain", &chain), ("ddtree-8", &tree)] {
-        assert_same_distribution(name, &plain, spec);
+    let prompt = prompt();
+    let run = SamplingRun {
+        target: &t,
+        prompt: &prompt,
+        config: EngineConfig {
+            max_context: 512,
+            max_ddtree_budget: 64,
+            eos_token_ids: vec![IM_END, 8186],
+            seed: 0,
+        },
+        samples: SAMPLES,
+        new_tokens: 4,
+    };
+    let (plain, spec) = run.plain_chain_tree();
+    for (name, samples, _) in &spec {
+        assert_same_distribution(name, &plain, samples);
     }
     // The test has power: drafts decide many tokens (with depth capped at the 3 remaining
     // tokens, about 1.4 accepted drafts per sample: 1164 / 1121 of 800 when this was written),
     // and sampling does vary.
+    let [(_, _, chain_accepted), (_, _, tree_accepted)] = &spec;
     assert!(
-        chain_accepted >= SAMPLES / 2 && tree_accepted >= SAMPLES / 2,
+        *chain_accepted >= SAMPLES / 2 && *tree_accepted >= SAMPLES / 2,
         "accepted drafts: chain {chain_accepted}, tree {tree_accepted}"
     );
     let second: std::collections::HashSet<u32> = plain.iter().map(|s| s[1]).collect();
