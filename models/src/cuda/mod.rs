@@ -46,6 +46,10 @@ pub use attn_decode::{fused_attention, fused_attention_fits, FUSED_ATTN_MAX_TOKE
 #[cfg(feature = "cuda")]
 mod attn_prefill;
 #[cfg(feature = "cuda")]
+mod attn_varlen;
+#[cfg(feature = "cuda")]
+pub use attn_varlen::{attention_varlen_causal, varlen_head_dim_supported, varlen_tiles};
+#[cfg(feature = "cuda")]
 pub mod check;
 #[cfg(feature = "cuda")]
 mod check_attn;
