@@ -17,6 +17,7 @@ fn main() {
         "adamw.cu",
         "attn_dflash.cu",
         "attn_varlen.cu",
+        "attn_dflash_tc.cu",
         "common.cuh",
     ] {
         println!("cargo:rerun-if-changed=src/cuda/{f}");
@@ -47,6 +48,7 @@ fn main() {
         ("adamw.cu", "adamw.ptx"),
         ("attn_dflash.cu", "attn_dflash.ptx"),
         ("attn_varlen.cu", "attn_varlen.ptx"),
+        ("attn_dflash_tc.cu", "attn_dflash_tc.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])

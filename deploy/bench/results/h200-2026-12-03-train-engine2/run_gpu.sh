@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (issue 18, train engine 2): gpu_check --train (incl. the packed target forward
 # against the full forward), then the tiny-coder-demo reference trainer config
-# (--train-attention fused; TRAIN_ATTN overrides). Key figures go to stdout.
+# (--train-attention fused, then fused-scalar unless NO_SCALAR). Key figures go to stdout.
 mkdir -p /tmp/b && tar -xJf .gpu/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
 cp .gpu/train3000.jsonl.xz /tmp/b/
 ROOT=$PWD
@@ -27,4 +27,5 @@ run() {  # name extra-args
   grep -E "error|Error|panick" $OUT/log_$name.txt | tail -3 | cut -c1-400
   cp /tmp/run_$name/metrics.jsonl $OUT/metrics_$name.jsonl 2>/dev/null
 }
-run fused --train-attention ${TRAIN_ATTN:-fused}
+run fused --train-attention fused
+[ -n "$NO_SCALAR" ] || run fused_scalar --train-attention fused-scalar
