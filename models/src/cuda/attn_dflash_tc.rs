@@ -4,8 +4,6 @@
 //! kernels of attn_dflash.cu stay the f32 path, the other shapes' path and the block keys'
 //! dk/dv.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::CudaDevice;
@@ -20,17 +18,10 @@ const MODULE: &str = "dflash_attn_dflash_tc";
 const TILE: usize = 64;
 const MAX_GROUP: usize = 8;
 
-static TENSOR_CORES: AtomicBool = AtomicBool::new(true);
-
-/// Turns the tensor-core kernels on or off (off: the scalar kernels everywhere), for
-/// comparisons (`gpu_check --train`). On by default.
-pub fn set_dflash_tensor_cores(on: bool) {
-    TENSOR_CORES.store(on, Ordering::Relaxed);
-}
-
-/// Whether a launch of these dims takes the tensor-core kernels.
+/// Whether a launch of these dims takes the tensor-core kernels (switched by
+/// [`super::set_dflash_tensor_cores`]).
 pub(super) fn applies(dtype: DType, x: &Dims) -> bool {
-    TENSOR_CORES.load(Ordering::Relaxed)
+    super::dflash_tensor_cores()
         && dtype == DType::BF16
         && (x.d == 64 || x.d == 128)
         && x.block == 16

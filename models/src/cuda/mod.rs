@@ -86,6 +86,22 @@ pub use gemv::{
 #[cfg(feature = "cuda")]
 pub use topk::topk_rows;
 
+static DFLASH_TENSOR_CORES: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(true);
+
+/// Turns the tensor-core kernels of the DFlash training attention (`attn_dflash_tc.cu`: bf16,
+/// block 16) on or off (off: its scalar kernels everywhere), for comparisons (`gpu_check
+/// --train`, `dflash-train --train-attention fused-scalar`). On by default; process-wide. A
+/// no-op without CUDA.
+pub fn set_dflash_tensor_cores(on: bool) {
+    DFLASH_TENSOR_CORES.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_dflash_tensor_cores`] left them on.
+pub fn dflash_tensor_cores() -> bool {
+    DFLASH_TENSOR_CORES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Most rows the skinny GEMMs (`gemv*`) take; wider products go to cuBLAS.
 pub const GEMV_MAX_ROWS: usize = 16;
 

@@ -159,7 +159,6 @@ impl TrainAttentionArg {
     pub fn on(self, device: &candle_core::Device) -> dflash_models::TrainAttention {
         match self {
             Self::Fused | Self::FusedScalar if device.is_cuda() => {
-                #[cfg(feature = "cuda")]
                 dflash_models::cuda::set_dflash_tensor_cores(self == Self::Fused);
                 dflash_models::TrainAttention::Fused
             }
