@@ -26,7 +26,7 @@ pub(super) fn applies(dtype: DType, x: &Dims) -> bool {
         && (x.d == 64 || x.d == 128)
         && x.block == 16
         && x.kv > 0
-        && x.h % x.kv == 0
+        && x.h.is_multiple_of(x.kv)
         && x.h / x.kv <= MAX_GROUP
 }
 

@@ -42,8 +42,6 @@ mod attn_dflash_tc;
 pub use attn_dflash::{
     dflash_attention_bwd_packed, dflash_attention_fwd, dflash_attention_fwd_packed,
 };
-#[cfg(feature = "cuda")]
-pub use attn_dflash_tc::set_dflash_tensor_cores;
 mod attn_plan;
 #[cfg(feature = "cuda")]
 pub use attn_decode::{fused_attention, fused_attention_fits, FUSED_ATTN_MAX_TOKENS};
