@@ -9,32 +9,16 @@ use super::launch::{alloc_bf16, check_bf16, cuda, go, ptr};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_varlen.ptx"));
 const MODULE: &str = "dflash_attn_varlen";
-/// Query rows (token x q-head of one KV head) per CTA: 4 warps of 16.
-const ROWS_PER_CTA: usize = 64;
 
 /// Whether [`attention_varlen_causal`] takes tensors of this head dim.
 pub fn varlen_head_dim_supported(d: usize) -> bool {
     d == 64 || d == 128
 }
 
-/// The CTA table of a launch: (sequence, tile within it) pairs, tiles with the most keys first
-/// (they run longest), for `lens` tokens per sequence and `groups` q-heads per KV head.
-pub fn varlen_tiles(lens: &[usize], groups: usize) -> Vec<u32> {
-    let mut tiles: Vec<(u32, u32)> = lens
-        .iter()
-        .enumerate()
-        .flat_map(|(s, &l)| {
-            (0..(l * groups).div_ceil(ROWS_PER_CTA)).map(move |t| (s as u32, t as u32))
-        })
-        .collect();
-    tiles.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    tiles.into_iter().flat_map(|(s, t)| [s, t]).collect()
-}
-
 /// Causal attention of each sequence of a packed batch over its own rows only: q `[nh, total,
 /// d]`, k and v `[nkv, total, d]` (bf16, d 64 or 128, the layouts the projections produce),
 /// sequence `s` on rows `offsets[s]..offsets[s + 1]` (u32 `[seqs + 1]` on the device), `tiles`
-/// from [`varlen_tiles`] (u32 on the device). Returns `[total, nh * d]` bf16.
+/// from [`super::varlen_plan::varlen_tiles`] (u32 on the device). Returns `[total, nh * d]` bf16.
 pub fn attention_varlen_causal(
     q: &Tensor,
     k: &Tensor,

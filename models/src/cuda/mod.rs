@@ -43,6 +43,7 @@ pub use attn_dflash::{
     dflash_attention_bwd_packed, dflash_attention_fwd, dflash_attention_fwd_packed,
 };
 mod attn_plan;
+mod varlen_plan;
 #[cfg(feature = "cuda")]
 pub use attn_decode::{fused_attention, fused_attention_fits, FUSED_ATTN_MAX_TOKENS};
 #[cfg(feature = "cuda")]
@@ -50,7 +51,9 @@ mod attn_prefill;
 #[cfg(feature = "cuda")]
 mod attn_varlen;
 #[cfg(feature = "cuda")]
-pub use attn_varlen::{attention_varlen_causal, varlen_head_dim_supported, varlen_tiles};
+pub use attn_varlen::{attention_varlen_causal, varlen_head_dim_supported};
+#[cfg(feature = "cuda")]
+pub use varlen_plan::varlen_tiles;
 #[cfg(feature = "cuda")]
 pub mod check;
 #[cfg(feature = "cuda")]
