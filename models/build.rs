@@ -16,6 +16,8 @@ fn main() {
         "linear_ce.cu",
         "adamw.cu",
         "attn_dflash.cu",
+        "attn_varlen.cu",
+        "attn_dflash_tc.cu",
         "common.cuh",
     ] {
         println!("cargo:rerun-if-changed=src/cuda/{f}");
@@ -45,6 +47,8 @@ fn main() {
         ("linear_ce.cu", "linear_ce.ptx"),
         ("adamw.cu", "adamw.ptx"),
         ("attn_dflash.cu", "attn_dflash.ptx"),
+        ("attn_varlen.cu", "attn_varlen.ptx"),
+        ("attn_dflash_tc.cu", "attn_dflash_tc.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])

@@ -42,9 +42,9 @@ pub use dflash::{
 pub use error::{ModelError, ModelResult};
 pub use layers::attention::AttnPattern;
 pub use layers::ops::OpsMode;
-pub use qwen3::Qwen3Model;
 #[cfg(feature = "cuda")]
 pub use qwen3::StepGraph;
+pub use qwen3::{Qwen3Model, TapsOutput};
 pub use qwen3_5::Qwen35Model;
 pub use taps::tap_is_final_normed;
 pub use target::{DraftTarget, Target};

@@ -139,8 +139,9 @@ __device__ void dflash_bwd_dq(const T* __restrict__ q, const T* __restrict__ kc,
 
 #define DKV_WARPS 8
 
-// Grid (ceil((C + R) / DKV_WARPS), KV), DKV_WARPS warps: warp w is key row w of the context
-// (w < C) or block row w - C, for KV head blockIdx.y; dk/dv laid out as kc/vc and kb/vb.
+// Grid (ceil((C + R - w0) / DKV_WARPS), KV), DKV_WARPS warps: warp w (from w0) is key row w of
+// the context (w < C) or block row w - C, for KV head blockIdx.y; dk/dv laid out as kc/vc and
+// kb/vb. w0 = C when the tensor-core kernel (attn_dflash_tc.cu) takes the context rows.
 template <typename T, int PER>
 __device__ void dflash_bwd_dkv(const T* __restrict__ q, const T* __restrict__ kc,
                                const T* __restrict__ vc, const T* __restrict__ kb,
@@ -150,9 +151,9 @@ __device__ void dflash_bwd_dkv(const T* __restrict__ q, const T* __restrict__ kc
                                const float* __restrict__ delta, T* __restrict__ dkc,
                                T* __restrict__ dvc, T* __restrict__ dkb, T* __restrict__ dvb,
                                int H, int KV, int R, int C, int cs, int bs, int B, int window,
-                               float scale) {
+                               float scale, int w0) {
     constexpr int D = 32 * PER;
-    const int w = blockIdx.x * DKV_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int w = w0 + blockIdx.x * DKV_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     const int kvh = blockIdx.y;
     if (w >= C + R) return;
     const int G = H / KV;
@@ -238,9 +239,9 @@ __device__ void dflash_bwd_dkv(const T* __restrict__ q, const T* __restrict__ kc
         const T* q, const T* kc, const T* vc, const T* kb, const T* vb, const u32* blocks,     \
         const u32* seqs, const u32* ctx_seq, const T* dout, const float* lse,                  \
         const float* delta, T* dkc, T* dvc, T* dkb, T* dvb, int H, int KV, int R, int C,       \
-        int cs, int bs, int B, int window, float scale) {                                      \
+        int cs, int bs, int B, int window, float scale, int w0) {                              \
         dflash_bwd_dkv<T, PER>(q, kc, vc, kb, vb, blocks, seqs, ctx_seq, dout, lse, delta,     \
-                               dkc, dvc, dkb, dvb, H, KV, R, C, cs, bs, B, window, scale);     \
+                               dkc, dvc, dkb, dvb, H, KV, R, C, cs, bs, B, window, scale, w0); \
     }
 
 DFLASH(bf16_t, 2, bf16_d64)

@@ -1,6 +1,7 @@
 //! Launch wrappers of attn_dflash.cu: the DFlash training attention forward (one warp per
 //! query row, online softmax, log-sum-exp saved) and backward (dq query-major, dk/dv
-//! key-major, no atomics). See [`crate::training::attn_dflash`]; the CPU reference is
+//! key-major, no atomics; in bf16 at block size 16 the forward, dq and the context keys' dk/dv
+//! run on tensor cores instead, `attn_dflash_tc.rs`). See [`crate::training::attn_dflash`]; the CPU reference is
 //! [`crate::training::attn_dflash_ref`].
 
 use candle_core::backend::BackendStorage;
@@ -18,16 +19,16 @@ const DKV_WARPS: usize = 8;
 /// Sizes of one launch; `cs` / `bs` are the head strides (in rows) of the context and block
 /// key/value rows.
 #[derive(Debug, Clone, Copy)]
-struct Dims {
-    h: usize,
-    kv: usize,
-    r: usize,
-    c: usize,
-    d: usize,
-    block: usize,
-    window: usize,
-    cs: usize,
-    bs: usize,
+pub(super) struct Dims {
+    pub h: usize,
+    pub kv: usize,
+    pub r: usize,
+    pub c: usize,
+    pub d: usize,
+    pub block: usize,
+    pub window: usize,
+    pub cs: usize,
+    pub bs: usize,
 }
 
 impl Dims {
@@ -51,7 +52,7 @@ impl Dims {
         Ok(())
     }
 
-    fn ints(&self) -> [i32; 8] {
+    pub(super) fn ints(&self) -> [i32; 8] {
         [
             self.h as i32,
             self.kv as i32,
@@ -64,7 +65,7 @@ impl Dims {
         ]
     }
 
-    fn scale(&self) -> f32 {
+    pub(super) fn scale(&self) -> f32 {
         1.0 / (self.d as f32).sqrt()
     }
 }
@@ -88,6 +89,9 @@ fn alloc(dev: &CudaDevice, dtype: DType, shape: (usize, usize, usize)) -> Result
 
 /// Pointers: q, kc, vc, kb, vb, blocks, out, lse.
 fn launch_fwd(dev: &CudaDevice, dtype: DType, x: &Dims, p: [u64; 8]) -> Result<()> {
+    if super::attn_dflash_tc::applies(dtype, x) {
+        return super::attn_dflash_tc::launch_fwd(dev, x, p);
+    }
     let name = format!("dflash_attn_fwd_{}", suffix(dtype, x.d)?);
     let [hi, kvi, ri, _, csi, bsi, bi, wi] = x.ints();
     let scale = x.scale();
@@ -298,25 +302,41 @@ pub fn dflash_attention_bwd_packed(
     let scale = x.scale();
     let suf = suffix(dtype, x.d)?;
 
-    let name = format!("dflash_attn_bwd_dq_{suf}");
-    let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-    let mut b = f.builder();
     let (kbp, vbp, dqp) = (kp + off, vp + off, ptr(&dq)?);
-    for p in [&qp, &kp, &vp, &kbp, &vbp, &bp, &op, &dop, &lp, &dqp, &dlp] {
-        b.arg(p);
+    let (sp, csp, dkp, dvp) = (ptr(seqs)?, ptr(ctx_seq)?, ptr(&dk)?, ptr(&dv)?);
+    let (dkbp, dvbp) = (dkp + off, dvp + off);
+    // The tensor-core kernels take dq and the context rows' dk/dv; the scalar key-major
+    // kernel then only the block rows (from row C).
+    let tc = super::attn_dflash_tc::applies(dtype, &x);
+    if tc {
+        super::attn_dflash_tc::launch_bwd_dq(
+            &dev,
+            &x,
+            [qp, kp, vp, kbp, vbp, bp, op, dop, lp, dqp, dlp],
+        )?;
+        super::attn_dflash_tc::launch_bwd_dkv_ctx(
+            &dev,
+            &x,
+            [qp, kp, vp, bp, sp, csp, dop, lp, dlp, dkp, dvp],
+        )?;
+    } else {
+        let name = format!("dflash_attn_bwd_dq_{suf}");
+        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let mut b = f.builder();
+        for p in [&qp, &kp, &vp, &kbp, &vbp, &bp, &op, &dop, &lp, &dqp, &dlp] {
+            b.arg(p);
+        }
+        for i in [&hi, &kvi, &ri, &csi, &bsi, &bi, &wi] {
+            b.arg(i);
+        }
+        b.arg(&scale);
+        let grid = ((x.r / x.block) as u32, x.h as u32, 1);
+        go(&mut b, cfg(grid, 32 * x.block as u32), &name)?;
     }
-    for i in [&hi, &kvi, &ri, &csi, &bsi, &bi, &wi] {
-        b.arg(i);
-    }
-    b.arg(&scale);
-    let grid = ((x.r / x.block) as u32, x.h as u32, 1);
-    go(&mut b, cfg(grid, 32 * x.block as u32), &name)?;
 
     let name = format!("dflash_attn_bwd_dkv_{suf}");
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
     let mut b = f.builder();
-    let (sp, csp, dkp, dvp) = (ptr(seqs)?, ptr(ctx_seq)?, ptr(&dk)?, ptr(&dv)?);
-    let (dkbp, dvbp) = (dkp + off, dvp + off);
     for p in [
         &qp, &kp, &vp, &kbp, &vbp, &bp, &sp, &csp, &dop, &lp, &dlp, &dkp, &dvp, &dkbp, &dvbp,
     ] {
@@ -326,7 +346,13 @@ pub fn dflash_attention_bwd_packed(
         b.arg(i);
     }
     b.arg(&scale);
-    let grid = ((x.c + x.r).div_ceil(DKV_WARPS) as u32, x.kv as u32, 1);
-    go(&mut b, cfg(grid, 32 * DKV_WARPS as u32), &name)?;
+    let w0 = if tc { x.c } else { 0 };
+    let w0i = w0 as i32;
+    b.arg(&w0i);
+    let rows = x.c + x.r - w0;
+    if rows > 0 {
+        let grid = (rows.div_ceil(DKV_WARPS) as u32, x.kv as u32, 1);
+        go(&mut b, cfg(grid, 32 * DKV_WARPS as u32), &name)?;
+    }
     Ok((dq, dk, dv))
 }

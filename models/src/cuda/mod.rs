@@ -37,14 +37,23 @@ mod attn_decode;
 #[cfg(feature = "cuda")]
 mod attn_dflash;
 #[cfg(feature = "cuda")]
+mod attn_dflash_tc;
+#[cfg(feature = "cuda")]
 pub use attn_dflash::{
     dflash_attention_bwd_packed, dflash_attention_fwd, dflash_attention_fwd_packed,
 };
 mod attn_plan;
+mod varlen_plan;
 #[cfg(feature = "cuda")]
 pub use attn_decode::{fused_attention, fused_attention_fits, FUSED_ATTN_MAX_TOKENS};
 #[cfg(feature = "cuda")]
 mod attn_prefill;
+#[cfg(feature = "cuda")]
+mod attn_varlen;
+#[cfg(feature = "cuda")]
+pub use attn_varlen::{attention_varlen_causal, varlen_head_dim_supported};
+#[cfg(feature = "cuda")]
+pub use varlen_plan::varlen_tiles;
 #[cfg(feature = "cuda")]
 pub mod check;
 #[cfg(feature = "cuda")]
@@ -77,6 +86,22 @@ pub use gemv::{
 };
 #[cfg(feature = "cuda")]
 pub use topk::topk_rows;
+
+static DFLASH_TENSOR_CORES: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(true);
+
+/// Turns the tensor-core kernels of the DFlash training attention (`attn_dflash_tc.cu`: bf16,
+/// block 16) on or off (off: its scalar kernels everywhere), for comparisons (`gpu_check
+/// --train`, `dflash-train --train-attention fused-scalar`). On by default; process-wide. A
+/// no-op without CUDA.
+pub fn set_dflash_tensor_cores(on: bool) {
+    DFLASH_TENSOR_CORES.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_dflash_tensor_cores`] left them on.
+pub fn dflash_tensor_cores() -> bool {
+    DFLASH_TENSOR_CORES.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 /// Most rows the skinny GEMMs (`gemv*`) take; wider products go to cuBLAS.
 pub const GEMV_MAX_ROWS: usize = 16;

@@ -32,6 +32,9 @@ use crate::taps::TapCollector;
 mod batch_graph;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod taps_forward;
+
+pub use taps_forward::TapsOutput;
 
 #[cfg(feature = "cuda")]
 pub use cuda::StepGraph;

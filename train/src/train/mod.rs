@@ -146,15 +146,22 @@ pub enum TrainAttentionArg {
     /// softmax, log-sum-exp saved, scores recomputed in the backward). CUDA only: the CPU
     /// always runs `composed`.
     Fused,
+    /// The fused op with its scalar CUDA kernels only (no tensor cores in bf16): for
+    /// comparisons.
+    FusedScalar,
     /// candle's grouped masked-softmax attention (autograd): the reference.
     Composed,
 }
 
 impl TrainAttentionArg {
-    /// The path on `device`: the fused op on CUDA only.
+    /// The path on `device`: the fused op on CUDA only (selecting its kernels: the switch is
+    /// process-wide, and a run has one setting).
     pub fn on(self, device: &candle_core::Device) -> dflash_models::TrainAttention {
         match self {
-            Self::Fused if device.is_cuda() => dflash_models::TrainAttention::Fused,
+            Self::Fused | Self::FusedScalar if device.is_cuda() => {
+                dflash_models::cuda::set_dflash_tensor_cores(self == Self::Fused);
+                dflash_models::TrainAttention::Fused
+            }
             _ => dflash_models::TrainAttention::Composed,
         }
     }

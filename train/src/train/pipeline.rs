@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use dflash_models::{AttnPattern, Qwen3Model, SeqForward};
+use dflash_models::Qwen3Model;
 
 use super::dataset::Example;
 use super::error::{TrainError, TrainResult};
@@ -98,41 +98,23 @@ fn compute(
     taps: &[usize],
 ) -> TrainResult<(Tensor, Vec<SeqFeatures>)> {
     let model = &w.model;
-    let mut caches = ids
-        .iter()
-        .map(|&i| model.new_cache(examples[i].tokens.len()))
-        .collect::<Result<Vec<_>, _>>()?;
-    let positions: Vec<Vec<u32>> = ids
-        .iter()
-        .map(|&i| (0..examples[i].tokens.len() as u32).collect())
-        .collect();
-    let mut batch: Vec<SeqForward<'_>> = caches
-        .iter_mut()
-        .zip(ids)
-        .zip(&positions)
-        .map(|((cache, &i), pos)| SeqForward {
-            cache,
-            tokens: &examples[i].tokens,
-            positions: pos,
-            pattern: &AttnPattern::Causal,
-            logit_rows: &[],
-        })
-        .collect();
-    let out = model.forward(&mut batch, taps)?;
-    let taps = out.taps.expect("taps requested");
+    // Whole sequences from position 0, taps only: the cache-less packed forward (one
+    // attention launch per layer for the batch on CUDA, nothing past the deepest tap).
+    let seqs: Vec<&[u32]> = ids.iter().map(|&i| examples[i].tokens.as_slice()).collect();
+    let out = model.forward_taps(&seqs, taps)?;
     let taps = if w.keep_on_device {
         // The trainer reads them on its own thread's stream: finish this one's work first.
         model.device().synchronize()?;
-        taps
+        out.features
     } else {
-        taps.to_device(&Device::Cpu)?
+        out.features.to_device(&Device::Cpu)?
     };
     let seqs = ids
         .iter()
         .enumerate()
         .map(|(s, &example)| SeqFeatures {
             example,
-            rows: out.token_offsets[s]..out.token_offsets[s + 1],
+            rows: out.offsets[s]..out.offsets[s + 1],
         })
         .collect();
     Ok((taps, seqs))

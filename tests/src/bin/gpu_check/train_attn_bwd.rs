@@ -8,7 +8,9 @@
 //!    with anchors at 0, 1, mid-sequence and the last row. Gradient of sum(out * dout) for a
 //!    random dout. Tolerance: f32, max abs error 1e-4 of the gradient's largest entry
 //!    (summation order only); bf16 3e-2 of it (candle rounds scores and probabilities to
-//!    bf16, the kernels keep f32). A wrong visibility (anchors one later) must fail it.
+//!    bf16; the bf16 cases run the tensor-core kernels, which round P and dS to bf16 as mma
+//!    operands; the f32 cases the scalar ones). A wrong visibility (anchors one later) must
+//!    fail it.
 //! 2. A trainer step, fused vs composed: a random 2-layer drafter (one sliding, one full layer,
 //!    head_dim 64) on the GPU in f32, two sequences, `train_hidden_with` + the trainer's
 //!    weighted cross-entropy + backward: the loss (1e-5 relative) and every parameter
@@ -16,7 +18,8 @@
 //! 3. Time of one attention forward and of its backward (gradients left on the device),
 //!    fused vs composed, with the reference training config's attention (tiny-coder-demo
 //!    drafter: 4 heads over 2, head_dim 64, block 16, 256 anchors per sequence), bf16, for 8
-//!    sequences of 640 rows; the fused path alone for the trainer's 32 sequences of ~740.
+//!    sequences of 640 rows; the fused path alone for the trainer's 32 sequences of ~740,
+//!    with the tensor-core kernels and with the scalar ones only.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
@@ -369,5 +372,11 @@ pub fn run(dev: &Device) -> Result<Value> {
         "attn_dflash_speed_trainer_shape".into(),
         speed(dev, 32, 740, false),
     );
+    // The same with the scalar kernels only (the bf16 forward, dq and context dk/dv run on
+    // tensor cores by default).
+    dflash_models::cuda::set_dflash_tensor_cores(false);
+    let scalar = speed(dev, 32, 740, false);
+    dflash_models::cuda::set_dflash_tensor_cores(true);
+    record("attn_dflash_speed_trainer_shape_scalar".into(), scalar);
     Ok(Value::Object(report))
 }
