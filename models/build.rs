@@ -16,6 +16,7 @@ fn main() {
         "linear_ce.cu",
         "adamw.cu",
         "attn_dflash.cu",
+        "gdn.cu",
         "common.cuh",
     ] {
         println!("cargo:rerun-if-changed=src/cuda/{f}");
@@ -45,6 +46,7 @@ fn main() {
         ("linear_ce.cu", "linear_ce.ptx"),
         ("adamw.cu", "adamw.ptx"),
         ("attn_dflash.cu", "attn_dflash.ptx"),
+        ("gdn.cu", "gdn.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])

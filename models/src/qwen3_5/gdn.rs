@@ -32,20 +32,20 @@ pub enum DeltaForm {
 #[derive(Debug, Clone)]
 pub struct GatedDeltaNet {
     /// `[q | k | v | z | b | a]` rows stacked: one GEMM for all six projections.
-    in_proj: Tensor,
+    pub(crate) in_proj: Tensor,
     /// Depthwise conv taps `[K, conv_dim]` (tap K-1 multiplies the current token).
-    conv_taps: Tensor,
+    pub(crate) conv_taps: Tensor,
     /// `-exp(A_log)` and `dt_bias`, f32 `[Hv]`.
-    neg_a: Tensor,
-    dt_bias: Tensor,
-    norm: Tensor,
-    out_proj: Tensor,
-    hk: usize,
-    hv: usize,
-    dk: usize,
-    dv: usize,
-    kernel: usize,
-    eps: f64,
+    pub(crate) neg_a: Tensor,
+    pub(crate) dt_bias: Tensor,
+    pub(crate) norm: Tensor,
+    pub(crate) out_proj: Tensor,
+    pub(crate) hk: usize,
+    pub(crate) hv: usize,
+    pub(crate) dk: usize,
+    pub(crate) dv: usize,
+    pub(crate) kernel: usize,
+    pub(crate) eps: f64,
 }
 
 fn werr(e: candle_core::Error) -> ModelError {

@@ -1,0 +1,94 @@
+//! When [`Qwen35Model`] takes its fused CUDA forward (`cuda.rs`): the availability test, the
+//! stacked weights it reads, and the switch the benches flip to compare it with the plain path.
+
+#[cfg(feature = "cuda")]
+use candle_core::{DType, Tensor};
+
+#[cfg(feature = "cuda")]
+use crate::error::ModelError;
+use crate::error::ModelResult;
+use crate::layers::moe::FeedForward;
+#[cfg(feature = "cuda")]
+use crate::layers::ops::OpsMode;
+use crate::qwen3_5::{HybridLayer, Mixer, Qwen35Model};
+
+impl HybridLayer {
+    /// The stacked gate/up and the down projection of a dense MLP (fused path only).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn fused_mlp(&self) -> ModelResult<(&Tensor, &Tensor)> {
+        match (&self.gate_up, self.mlp.dense()) {
+            (Some(gu), Some(m)) => Ok((gu, m.weights().2)),
+            _ => Err(ModelError::Unsupported(
+                "the fused hybrid forward runs dense MLPs with stacked gate/up only".into(),
+            )),
+        }
+    }
+}
+
+impl Qwen35Model {
+    /// Whether the fused CUDA forward can run this model: CUDA, bf16, inference mode, dense
+    /// MLPs, GDN heads of 128 with a conv of at most 4 taps, and every projection in the
+    /// skinny GEMMs' shapes (`k % 256 == 0`, `n % 16 == 0`; true for the published shapes).
+    pub fn fast_kernels_available(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            let c = &self.cfg;
+            let fits = |n: usize, k: usize| n % 16 == 0 && k % 256 == 0;
+            let h = c.hidden_size;
+            let (nh, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+            let hv_dv = c.linear_num_value_heads * c.linear_value_head_dim;
+            self.device.is_cuda()
+                && self.dtype == DType::BF16
+                && self.mode == OpsMode::Fused
+                && c.moe.is_none()
+                && c.linear_key_head_dim == crate::cuda::GDN_HEAD_DIM
+                && c.linear_value_head_dim == crate::cuda::GDN_HEAD_DIM
+                && c.linear_conv_kernel_dim <= crate::cuda::GDN_MAX_CONV
+                && fits(c.conv_dim() + hv_dv + 2 * c.linear_num_value_heads, h)
+                && fits(h, hv_dv)
+                && fits(2 * nh * d + 2 * nkv * d, h)
+                && fits(h, nh * d)
+                && fits(c.intermediate_size, h)
+                && fits(h, c.intermediate_size)
+                && fits(c.vocab_size, h)
+        }
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// Where the fused forward applies, stacks the projections it reads (the separate ones
+    /// become views: same memory) and turns it on.
+    pub(super) fn prepare_fast(mut self) -> ModelResult<Self> {
+        if self.fast_kernels_available() {
+            for l in &mut self.layers {
+                if let Mixer::Full(a) = &mut l.mixer {
+                    a.fuse_projections()?;
+                }
+                if let FeedForward::Dense(m) = &mut l.mlp {
+                    l.gate_up = Some(m.stack_gate_up()?);
+                }
+            }
+            self.fast = true;
+        }
+        Ok(self)
+    }
+
+    /// Turns the fused forward on or off (off: the plain candle path, for comparisons); no
+    /// effect where it is not available.
+    pub fn with_fast_kernels(mut self, on: bool) -> Self {
+        self.fast = on && self.fast_kernels_available() && self.layers.iter().all(|l| {
+            l.gate_up.is_some()
+                && match &l.mixer {
+                    Mixer::Full(a) => a.fused_qkv().is_some(),
+                    Mixer::Linear(_) => true,
+                }
+        });
+        self
+    }
+
+    /// Whether forwards that fit take the fused CUDA path.
+    pub fn fast_kernels(&self) -> bool {
+        self.fast
+    }
+
+}
