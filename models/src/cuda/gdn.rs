@@ -126,7 +126,11 @@ pub fn gdn_chain(
         .arg(&pi)
         .arg(&ki)
         .arg(&off_b);
-    go(&mut b, cfg((hv as u32, (d / 32) as u32, 1), 128), "gdn_chain")?;
+    go(
+        &mut b,
+        cfg((hv as u32, (d / 32) as u32, 1), 128),
+        "gdn_chain",
+    )?;
 
     let y = alloc_bf16(&dev, (t, hv * d))?;
     let (wp, yp) = (ptr(w.norm)?, ptr(&y)?);

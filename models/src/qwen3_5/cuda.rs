@@ -72,18 +72,7 @@ impl Qwen35Model {
                 Mixer::Linear(g) => {
                     let proj = cuda::gemv(&x, &g.in_proj, Some(norm))?;
                     let state = seq.cache.layer(li).recurrent()?.last();
-                    let c = g.conv_dim();
-                    let ext = Tensor::cat(&[&state.conv, &proj.narrow(1, 0, c)?], 0)?;
-                    let w = cuda::GdnWeights {
-                        conv_taps: &g.conv_taps,
-                        neg_a: &g.neg_a,
-                        dt_bias: &g.dt_bias,
-                        norm: &g.norm,
-                        hk: g.hk,
-                        hv: g.hv,
-                        eps: g.eps,
-                    };
-                    let (y, states) = cuda::gdn_chain(&ext, &proj, &state.ssm, &w, keep)?;
+                    let (y, states, ext) = g.mix_fused(&proj, state, keep)?;
                     // A row's conv window after it: the K-1 rows of `ext` ending at it.
                     let w1 = g.kernel - 1;
                     let st = if keep {

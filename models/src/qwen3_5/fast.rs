@@ -76,13 +76,15 @@ impl Qwen35Model {
     /// Turns the fused forward on or off (off: the plain candle path, for comparisons); no
     /// effect where it is not available.
     pub fn with_fast_kernels(mut self, on: bool) -> Self {
-        self.fast = on && self.fast_kernels_available() && self.layers.iter().all(|l| {
-            l.gate_up.is_some()
-                && match &l.mixer {
-                    Mixer::Full(a) => a.fused_qkv().is_some(),
-                    Mixer::Linear(_) => true,
-                }
-        });
+        self.fast = on
+            && self.fast_kernels_available()
+            && self.layers.iter().all(|l| {
+                l.gate_up.is_some()
+                    && match &l.mixer {
+                        Mixer::Full(a) => a.fused_qkv().is_some(),
+                        Mixer::Linear(_) => true,
+                    }
+            });
         self
     }
 
@@ -90,5 +92,4 @@ impl Qwen35Model {
     pub fn fast_kernels(&self) -> bool {
         self.fast
     }
-
 }

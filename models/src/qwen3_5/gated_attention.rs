@@ -163,10 +163,7 @@ impl GatedAttention {
             .partial_rope(&k, cos, sin)?
             .transpose(0, 1)?
             .contiguous()?;
-        let v = v
-            .reshape((rows, nkv, d))?
-            .transpose(0, 1)?
-            .contiguous()?;
+        let v = v.reshape((rows, nkv, d))?.transpose(0, 1)?.contiguous()?;
         Ok((q, k, v, gate))
     }
 

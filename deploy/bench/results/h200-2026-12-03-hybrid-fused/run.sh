@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Device call: the hybrid checks and the Qwen3.6-27B-shaped bench (fused path against plain).
+set -euo pipefail
+mkdir -p /tmp/b && tar -xJf .gpu/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+DFLASH_TESTS_DIR=$PWD/tests gpu_check cuda "$OUT/gpu_check_hybrid.json" --hybrid 2>&1 | tail -40
