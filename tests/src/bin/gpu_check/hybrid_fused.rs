@@ -155,9 +155,19 @@ pub fn gdn_layer(dev: &candle_core::Device, cfg: &dflash_common::HybridConfig) -
         };
         let last = rows.last().context("rows")?;
         let (yf, states, ext) = g.mix_fused(&proj, &state, true)?;
+        let fused_ms = crate::time_ms(dev, 20, || {
+            g.mix_fused(&proj, &state, true)?;
+            Ok(())
+        })?;
+        let plain_ms = crate::time_ms(dev, 5, || {
+            g.mix(&proj, &forest, &[&state], &[true], false)?;
+            Ok(())
+        })?;
         res.insert(
             format!("t{t}"),
             json!({
+                "fused_mixer_ms": fused_ms,
+                "plain_mixer_ms": plain_ms,
                 "y_rel_err": rel(&yf, &y)?,
                 "last_state_rel_err": rel(&states.get(t - 1)?, &last.ssm)?,
                 "first_state_rel_err": rel(&states.get(0)?, &rows[0].ssm)?,
