@@ -106,6 +106,7 @@ pub fn fused_vs_plain(
     Ok(Value::Object(res))
 }
 
+#[cfg(feature = "cuda")]
 fn rel(a: &Tensor, b: &Tensor) -> Result<f32> {
     let a = a.to_dtype(candle_core::DType::F32)?.flatten_all()?;
     let b = b.to_dtype(candle_core::DType::F32)?.flatten_all()?;
@@ -117,8 +118,19 @@ fn rel(a: &Tensor, b: &Tensor) -> Result<f32> {
 /// One 27B-shaped Gated DeltaNet layer's mixer, fused kernels against the plain
 /// [`GatedDeltaNet::mix`] (recurrent form, per-row states), from a random state and conv
 /// window: gated-norm outputs, the last row's state and conv window, relative to the
-/// largest plain value.
+/// largest plain value, and both mixers' times.
 pub fn gdn_layer(dev: &candle_core::Device, cfg: &dflash_common::HybridConfig) -> Result<Value> {
+    #[cfg(feature = "cuda")]
+    return gdn_layer_cuda(dev, cfg);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (dev, cfg);
+        anyhow::bail!("the fused GDN mixer needs the cuda feature")
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn gdn_layer_cuda(dev: &candle_core::Device, cfg: &dflash_common::HybridConfig) -> Result<Value> {
     use candle_core::DType;
     use dflash_models::cache::{GdnState, StagedState};
     use dflash_models::qwen3_5::delta_rule::Forest;
