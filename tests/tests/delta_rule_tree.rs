@@ -121,7 +121,7 @@ fn random_trees_with_several_roots_equal_the_recurrence() {
                     .wrapping_mul(6364136223846793005)
                     .wrapping_add(1442695040888963407);
                 let r = (x >> 33) as usize;
-                (i > 0 && r % 5 != 0).then(|| r % i)
+                (i > 0 && !r.is_multiple_of(5)).then(|| r % i)
             })
             .collect();
         check(&parents, 10 + seed);

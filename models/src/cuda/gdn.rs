@@ -68,7 +68,7 @@ pub fn gdn_chain(
         || kernel == 0
         || kernel > GDN_MAX_CONV
         || hk == 0
-        || hv % hk != 0
+        || !hv.is_multiple_of(hk)
         || c != 2 * hk * d + hv * d
         || ext_c != c
         || ext_rows != kernel - 1 + t

@@ -63,7 +63,7 @@ impl Forest {
             let off = parents.len();
             spans.push((off, seg.len()));
             parents.extend(seg.iter().map(|p| p.map(|p| p + off)));
-            seg_of.extend(std::iter::repeat(j).take(seg.len()));
+            seg_of.extend(std::iter::repeat_n(j, seg.len()));
         }
         let mut depth = vec![0usize; t];
         let mut by_level: Vec<Vec<usize>> = Vec::new();
@@ -323,8 +323,7 @@ pub fn tree(
 ) -> Result<(Tensor, Vec<Tensor>)> {
     let dev = inp.q.device();
     let t = parents.len();
-    let (tq, hv, dk) = inp.k.dims3()?;
-    let dv = inp.v.dim(2)?;
+    let tq = inp.k.dim(0)?;
     if tq != t || state_of.iter().any(|&n| n >= t) {
         candle_core::bail!(
             "tree delta rule: {tq} rows of inputs, {t} parents, states asked of {state_of:?}"

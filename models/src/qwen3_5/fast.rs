@@ -33,7 +33,7 @@ impl Qwen35Model {
         #[cfg(feature = "cuda")]
         {
             let c = &self.cfg;
-            let fits = |n: usize, k: usize| n % 16 == 0 && k % 256 == 0;
+            let fits = |n: usize, k: usize| n.is_multiple_of(16) && k.is_multiple_of(256);
             let h = c.hidden_size;
             let (nh, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
             let hv_dv = c.linear_num_value_heads * c.linear_value_head_dim;
