@@ -93,3 +93,41 @@ impl Qwen35Model {
         self.fast
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device};
+    use dflash_common::HybridConfig;
+
+    use crate::layers::ops::OpsMode;
+    use crate::qwen3_5::Qwen35Model;
+    use crate::random::WeightRng;
+
+    #[test]
+    fn the_fused_forward_is_never_chosen_on_cpu_even_for_shapes_it_takes() {
+        // Sizes inside every fused-kernel constraint (GDN heads of 128, k % 256, n % 16), so
+        // only the device keeps the plain path.
+        let v = serde_json::json!({
+            "model_type": "qwen3_5_text", "vocab_size": 256, "hidden_size": 256,
+            "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 128,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+        });
+        let cfg = HybridConfig::from_value(std::path::Path::new("fused-shape"), &v).unwrap();
+        let m = Qwen35Model::random(
+            cfg,
+            &mut WeightRng::new(1),
+            DType::BF16,
+            &Device::Cpu,
+            64,
+            OpsMode::Fused,
+        )
+        .unwrap();
+        assert!(!m.fast_kernels_available());
+        assert!(!m.fast_kernels());
+        assert!(!m.with_fast_kernels(true).fast_kernels());
+    }
+}
