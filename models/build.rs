@@ -18,6 +18,7 @@ fn main() {
         "attn_dflash.cu",
         "attn_varlen.cu",
         "attn_dflash_tc.cu",
+        "gdn.cu",
         "common.cuh",
     ] {
         println!("cargo:rerun-if-changed=src/cuda/{f}");
@@ -49,6 +50,7 @@ fn main() {
         ("attn_dflash.cu", "attn_dflash.ptx"),
         ("attn_varlen.cu", "attn_varlen.ptx"),
         ("attn_dflash_tc.cu", "attn_dflash_tc.ptx"),
+        ("gdn.cu", "gdn.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])

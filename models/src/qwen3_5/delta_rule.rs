@@ -2,13 +2,15 @@
 //! FLA's kernels): per value head a `[key_dim, value_dim]` f32 memory S, for each token
 //! `S <- exp(g) S;  S <- S + k (beta (v - Sᵀk))ᵀ;  o = Sᵀ q`.
 //!
-//! Two forms with equal outputs up to rounding:
+//! Three forms with equal outputs up to rounding:
 //! - [`recurrent`] walks a forest of tokens by depth. Each token starts from its parent's state
 //!   (a chain is the one-path forest), all tokens of one depth run together, and the state after
 //!   every token is returned: what chain and tree verification need to commit any accepted node.
 //! - [`chunked`] is the prefill form: 64-token chunks, the intra-chunk updates condensed by the
 //!   UT transform (a unit lower-triangular solve), one sequential step per chunk; it returns only
 //!   the final state.
+//! - [`tree`] is the block form of a verify tree: every node's output from the committed state
+//!   through the ancestor mask, and the state only for the nodes asked (the accepted path's end).
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
@@ -61,7 +63,7 @@ impl Forest {
             let off = parents.len();
             spans.push((off, seg.len()));
             parents.extend(seg.iter().map(|p| p.map(|p| p + off)));
-            seg_of.extend(std::iter::repeat(j).take(seg.len()));
+            seg_of.extend(std::iter::repeat_n(j, seg.len()));
         }
         let mut depth = vec![0usize; t];
         let mut by_level: Vec<Vec<usize>> = Vec::new();
@@ -297,4 +299,84 @@ pub fn chunked(inp: &DeltaInputs, initial: &Tensor) -> Result<(Tensor, Tensor)> 
     }
     let out = Tensor::cat(&outs, 1)?.narrow(1, 0, t)?; // [Hv, t, dv]
     Ok((out.transpose(0, 1)?.contiguous()?, s))
+}
+
+/// The delta rule over a token tree in one block, from the committed state `initial`
+/// `[Hv, dk, dv]`: every node's output without a state per node, and the state after each node
+/// in `state_of` only (for a verify, the accepted path's end). `parents` lists each node's
+/// parent (`None`: a root, continuing from `initial`); parents precede their children.
+///
+/// The chunked form with the causal mask replaced by the ancestor mask. Along the path to
+/// node i the states are a chain, so with `γ_i` the log-decay summed over the path (i
+/// included) and `u_j` the values each node writes,
+/// `S_i = e^{γ_i} S0 + Σ_{j ∈ path(i)} e^{γ_i - γ_j} k_j u_jᵀ` and
+/// `u_i = β_i (v_i - e^{γ_i} S0ᵀ k_i - Σ_{j strict ancestor of i} e^{γ_i - γ_j} (k_i·k_j) u_j)`,
+/// a unit lower-triangular system in node order; then
+/// `o_i = e^{γ_i} S0ᵀ q_i + Σ_{j ∈ path(i)} e^{γ_i - γ_j} (q_i·k_j) u_j`.
+/// Memory is O(t²) per head: meant for verify trees (tens of nodes), not prefills (see
+/// [`chunked`]). Outputs `[t, Hv, dv]`; states `[Hv, dk, dv]`.
+pub fn tree(
+    inp: &DeltaInputs,
+    parents: &[Option<usize>],
+    initial: &Tensor,
+    state_of: &[usize],
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let dev = inp.q.device();
+    let t = parents.len();
+    let tq = inp.k.dim(0)?;
+    if tq != t || state_of.iter().any(|&n| n >= t) {
+        candle_core::bail!(
+            "tree delta rule: {tq} rows of inputs, {t} parents, states asked of {state_of:?}"
+        );
+    }
+    // on_path[i][j]: j is i or one of its ancestors.
+    let mut on_path = vec![0f32; t * t];
+    for i in 0..t {
+        match parents[i] {
+            Some(p) if p < i => {
+                let (done, rest) = on_path.split_at_mut(i * t);
+                rest[..t].copy_from_slice(&done[p * t..p * t + t]);
+            }
+            Some(p) => {
+                candle_core::bail!("tree delta rule: node {i}'s parent {p} does not precede it")
+            }
+            None => {}
+        }
+        on_path[i * t + i] = 1.0;
+    }
+    let hidden: Vec<f32> = on_path
+        .iter()
+        .map(|&m| if m > 0.0 { 0.0 } else { f32::NEG_INFINITY })
+        .collect();
+    let on_path = Tensor::from_vec(on_path, (t, t), dev)?;
+    let hidden = Tensor::from_vec(hidden, (t, t), dev)?;
+    let heads_first = |x: &Tensor| x.transpose(0, 1)?.contiguous(); // [Hv, t, x]
+    let q = heads_first(&inp.q)?;
+    let k = heads_first(&inp.k)?;
+    let v = heads_first(&inp.v)?;
+    let g = inp.g.t()?.contiguous()?; // [Hv, t]
+    let beta = inp.beta.t()?.contiguous()?.unsqueeze(2)?; // [Hv, t, 1]
+                                                          // γ_i = Σ_{j ∈ path(i)} g_j.
+    let gamma = g.matmul(&on_path.t()?.contiguous()?)?; // [Hv, t]
+                                                        // decay[i, j] = e^{γ_i - γ_j} on the path, 0 elsewhere.
+    let diff = gamma.unsqueeze(2)?.broadcast_sub(&gamma.unsqueeze(1)?)?;
+    let decay = diff.broadcast_add(&hidden)?.exp()?; // [Hv, t, t]
+    let e_gamma = gamma.exp()?.unsqueeze(2)?; // [Hv, t, 1]
+    let kt = k.transpose(1, 2)?.contiguous()?; // [Hv, dk, t]
+                                               // Only the strictly lower part is read by the solve; off-path entries are 0 there.
+    let a = (k.matmul(&kt)? * &decay)?.broadcast_mul(&beta)?;
+    let b = (v - k.matmul(initial)?.broadcast_mul(&e_gamma)?)?.broadcast_mul(&beta)?;
+    let u = unit_lower_solve(&a, &b)?; // [Hv, t, dv]
+    let o =
+        (q.matmul(initial)?.broadcast_mul(&e_gamma)? + (q.matmul(&kt)? * &decay)?.matmul(&u)?)?;
+    let states = state_of
+        .iter()
+        .map(|&n| {
+            let w = decay.narrow(1, n, 1)?; // [Hv, 1, t]: e^{γ_n - γ_j} on n's path
+            let kw = kt.broadcast_mul(&w)?; // [Hv, dk, t]
+            let e_n = e_gamma.narrow(1, n, 1)?; // [Hv, 1, 1]
+            initial.broadcast_mul(&e_n)? + kw.matmul(&u)?
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((o.transpose(0, 1)?.contiguous()?, states))
 }

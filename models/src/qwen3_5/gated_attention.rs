@@ -32,6 +32,9 @@ pub struct GatedAttention {
     rotary_dim: usize,
     eps: f64,
     mode: OpsMode,
+    /// `[q_proj; k_proj; v_proj]` stacked for the fused CUDA path (the three re-pointed at
+    /// views of it), once [`Self::fuse_projections`] ran.
+    qkv: Option<Tensor>,
 }
 
 impl GatedAttention {
@@ -64,6 +67,7 @@ impl GatedAttention {
             rotary_dim: cfg.rotary_dim,
             eps: cfg.rms_norm_eps,
             mode,
+            qkv: None,
         })
     }
 
@@ -93,6 +97,7 @@ impl GatedAttention {
             rotary_dim: cfg.rotary_dim,
             eps: cfg.rms_norm_eps,
             mode,
+            qkv: None,
         })
     }
 
@@ -122,9 +127,25 @@ impl GatedAttention {
         cos: &Tensor,
         sin: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
-        let rows = x.dim(0)?;
+        let qg = linear(x, &self.q_proj)?;
+        let k = linear(x, &self.k_proj)?;
+        let v = linear(x, &self.v_proj)?;
+        self.split_heads(&qg, &k, &v, cos, sin)
+    }
+
+    /// [`Self::qkv_gate`] from the projections already made: `qg` `[rows, 2 * heads * d]`,
+    /// `k` and `v` `[rows, kv_heads * d]` (views of one fused product are fine).
+    pub fn split_heads(
+        &self,
+        qg: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let rows = qg.dim(0)?;
         let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let qg = linear(x, &self.q_proj)?.reshape((rows, nh, 2 * d))?;
+        let qg = qg.reshape((rows, nh, 2 * d))?;
         let gate = qg.narrow(2, d, d)?.reshape((rows, nh * d))?;
         let q = rms_norm(
             &qg.narrow(2, 0, d)?.contiguous()?,
@@ -136,22 +157,55 @@ impl GatedAttention {
             .partial_rope(&q, cos, sin)?
             .transpose(0, 1)?
             .contiguous()?;
-        let k = linear(x, &self.k_proj)?.reshape((rows, nkv, d))?;
-        let k = rms_norm(&k, &self.k_norm, self.eps, self.mode)?;
+        let k = k.reshape((rows, nkv, d))?;
+        let k = rms_norm(&k.contiguous()?, &self.k_norm, self.eps, self.mode)?;
         let k = self
             .partial_rope(&k, cos, sin)?
             .transpose(0, 1)?
             .contiguous()?;
-        let v = linear(x, &self.v_proj)?
-            .reshape((rows, nkv, d))?
-            .transpose(0, 1)?
-            .contiguous()?;
+        let v = v.reshape((rows, nkv, d))?.transpose(0, 1)?.contiguous()?;
         Ok((q, k, v, gate))
+    }
+
+    /// Stacks q/k/v into one tensor for the fused path and re-points the three at views of
+    /// it (same values, same memory); inference only.
+    pub fn fuse_projections(&mut self) -> Result<()> {
+        if self.qkv.is_some() {
+            return Ok(());
+        }
+        let qkv = Tensor::cat(&[&self.q_proj, &self.k_proj, &self.v_proj], 0)?;
+        let (nq, nk) = (self.q_proj.dim(0)?, self.k_proj.dim(0)?);
+        self.q_proj = qkv.narrow(0, 0, nq)?;
+        self.k_proj = qkv.narrow(0, nq, nk)?;
+        self.v_proj = qkv.narrow(0, nq + nk, nk)?;
+        self.qkv = Some(qkv);
+        Ok(())
+    }
+
+    /// The stacked `[q_proj; k_proj; v_proj]` (after [`Self::fuse_projections`]).
+    pub fn fused_qkv(&self) -> Option<&Tensor> {
+        self.qkv.as_ref()
+    }
+
+    pub fn o_proj(&self) -> &Tensor {
+        &self.o_proj
+    }
+
+    /// `(q rows incl. the gate, k rows)` of the stacked projection.
+    pub fn qkv_widths(&self) -> (usize, usize) {
+        (
+            2 * self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+    }
+
+    /// `attn * sigmoid(gate)`, the input of `o_proj`.
+    pub fn gated(&self, attn: &Tensor, gate: &Tensor) -> Result<Tensor> {
+        attn * candle_nn::ops::sigmoid(gate)?
     }
 
     /// `o_proj(attn * sigmoid(gate))`.
     pub fn out(&self, attn: &Tensor, gate: &Tensor) -> Result<Tensor> {
-        let gated = (attn * candle_nn::ops::sigmoid(gate)?)?;
-        linear(&gated, &self.o_proj)
+        linear(&self.gated(attn, gate)?, &self.o_proj)
     }
 }

@@ -32,19 +32,19 @@ pub enum DeltaForm {
 #[derive(Debug, Clone)]
 pub struct GatedDeltaNet {
     /// `[q | k | v | z | b | a]` rows stacked: one GEMM for all six projections.
-    in_proj: Tensor,
+    pub(crate) in_proj: Tensor,
     /// Depthwise conv taps `[K, conv_dim]` (tap K-1 multiplies the current token).
     conv_taps: Tensor,
     /// `-exp(A_log)` and `dt_bias`, f32 `[Hv]`.
     neg_a: Tensor,
     dt_bias: Tensor,
     norm: Tensor,
-    out_proj: Tensor,
+    pub(crate) out_proj: Tensor,
     hk: usize,
     hv: usize,
     dk: usize,
     dv: usize,
-    kernel: usize,
+    pub(crate) kernel: usize,
     eps: f64,
 }
 
@@ -341,6 +341,32 @@ impl GatedDeltaNet {
         };
         let y = self.gated_norm(&o.to_dtype(dtype)?, &z.reshape((t, hv, dv))?)?;
         Ok((y.reshape((t, hv * dv))?, staged))
+    }
+
+    /// The fused CUDA form of [`Self::mix`] for one sequence's causal chain of `t <=`
+    /// [`crate::cuda::GDN_MAX_CHAIN`] rows (`proj` `[t, P]` bf16, from `state`): the gated-norm
+    /// output `[t, Hv * dv]`, the states after every row (`all_states`) or the last
+    /// (`[n, Hv, dk, dv]` f32), and `[state.conv; new q|k|v rows]` (`[K-1+t, conv_dim]`), whose
+    /// K-1 rows ending at row i are row i's conv window.
+    #[cfg(feature = "cuda")]
+    pub fn mix_fused(
+        &self,
+        proj: &Tensor,
+        state: &GdnState,
+        all_states: bool,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let ext = Tensor::cat(&[&state.conv, &proj.narrow(1, 0, self.conv_dim())?], 0)?;
+        let w = crate::cuda::GdnWeights {
+            conv_taps: &self.conv_taps,
+            neg_a: &self.neg_a,
+            dt_bias: &self.dt_bias,
+            norm: &self.norm,
+            hk: self.hk,
+            hv: self.hv,
+            eps: self.eps,
+        };
+        let (y, states) = crate::cuda::gdn_chain(&ext, proj, &state.ssm, &w, all_states)?;
+        Ok((y, states, ext))
     }
 
     /// HF `Qwen3_5RMSNormGated`: RMS-normalise (f32 inside), times the plain (not zero-centred)

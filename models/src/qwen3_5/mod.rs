@@ -6,7 +6,8 @@
 //! the last layer's after the final norm). This folder: the model and its forward (`mod.rs`),
 //! the Gated DeltaNet layer
 //! (`gdn.rs`) and its chunked / recurrent delta rule (`delta_rule.rs`), gated full attention
-//! (`gated_attention.rs`), the MTP head (`mtp.rs`); the dense and sparse-MoE MLPs are the shared
+//! (`gated_attention.rs`), the MTP head (`mtp.rs`), the fused CUDA forward of short causal
+//! chains (`cuda.rs`) and when it applies (`fast.rs`); the dense and sparse-MoE MLPs are the shared
 //! `layers/mlp.rs` and `layers/moe.rs`.
 //!
 //! Layers are Gated DeltaNet (`linear_attention`, recurrent state in the cache) or gated full
@@ -16,7 +17,10 @@
 //!
 //! [`Qwen3Model`]: crate::qwen3::Qwen3Model
 
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod delta_rule;
+mod fast;
 pub mod gated_attention;
 pub mod gdn;
 pub mod mtp;
@@ -55,6 +59,8 @@ pub struct HybridLayer {
     post_norm: Tensor,
     pub mixer: Mixer,
     mlp: FeedForward,
+    /// `[gate; up]` stacked for the fused CUDA path (the dense MLP's two re-pointed at views).
+    gate_up: Option<Tensor>,
 }
 
 #[derive(Debug, Clone)]
@@ -69,6 +75,8 @@ pub struct Qwen35Model {
     device: Device,
     mode: OpsMode,
     form: DeltaForm,
+    /// Short causal chains of one sequence take the fused CUDA forward (`cuda.rs`).
+    fast: bool,
 }
 
 /// Where the text weights sit: `model.language_model.` in the released multimodal checkpoints,
@@ -160,6 +168,7 @@ impl Qwen35Model {
                     dtype,
                     device,
                 )?,
+                gate_up: None,
             });
         }
         let norm = one_plus(&w.tensor(&format!("{pre}norm.weight"), &[h], dtype, device)?)?;
@@ -214,6 +223,7 @@ impl Qwen35Model {
                     dtype,
                     device,
                 )?,
+                gate_up: None,
             });
         }
         let norm = rng.norm(h, dtype, device)?;
@@ -254,7 +264,7 @@ impl Qwen35Model {
             max_positions,
             device,
         )?;
-        Ok(Self {
+        Self {
             cfg,
             embed_tokens,
             layers,
@@ -265,7 +275,9 @@ impl Qwen35Model {
             device: device.clone(),
             mode,
             form: DeltaForm::Auto,
-        })
+            fast: false,
+        }
+        .prepare_fast()
     }
 
     /// Pins the delta-rule form (tests compare the chunked and the recurrent form).
@@ -404,6 +416,10 @@ impl Qwen35Model {
             self.cfg.vocab_size,
             self.rope.max_positions(),
         )?;
+        #[cfg(feature = "cuda")]
+        if self.takes_fused(batch) {
+            return self.forward_fused(&mut batch[0], taps);
+        }
         let StackedBatch {
             tokens: all_tokens,
             positions: all_positions,

@@ -21,6 +21,8 @@
 
 #[path = "gpu_check/hybrid.rs"]
 mod hybrid;
+#[path = "gpu_check/hybrid_fused.rs"]
+mod hybrid_fused;
 #[path = "gpu_check/pooled.rs"]
 mod pooled;
 #[path = "gpu_check/pooled_draft.rs"]

@@ -73,8 +73,10 @@ pub fn parity(dev: &Device, dtype: DType) -> Result<Value> {
         cache.settle()?;
     }
     let decode_err = max_abs_diff(&candle_core::Tensor::cat(&dec, 0)?, &exp["decode_logits"]);
+    // The fixture's sizes (hidden 64, GDN heads of 16) are outside the fused kernels' shapes,
+    // so this checks the plain path on the device; `fused_path` says which one ran.
     Ok(
-        json!({"dtype": format!("{dtype:?}"), "prefill_logits_max_abs_err": prefill_err, "decode_logits_max_abs_err": decode_err}),
+        json!({"dtype": format!("{dtype:?}"), "fused_path": m.fast_kernels(), "prefill_logits_max_abs_err": prefill_err, "decode_logits_max_abs_err": decode_err}),
     )
 }
 
@@ -188,6 +190,20 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
     dev.synchronize()?;
     let prefill_1k_ms = t.elapsed().as_secs_f64() * 1e3;
     let mut res = serde_json::Map::new();
+    let plain = m.clone().with_fast_kernels(false);
+    // The fused checks record their errors instead of ending the run, so that one device call
+    // still brings back the plain figures if a fused kernel fails.
+    if m.fast_kernels() {
+        let layer = crate::hybrid_fused::gdn_layer(dev, &cfg)
+            .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+        println!("hybrid fused GDN layer vs plain {layer}");
+        res.insert("fused_gdn_layer_vs_plain".into(), layer);
+        let parity = crate::hybrid_fused::fused_vs_plain(&m, &plain, &mut cache, vocab)
+            .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+        println!("hybrid fused vs plain {parity}");
+        res.insert("fused_vs_plain".into(), parity);
+    }
+    res.insert("fused_path".into(), json!(m.fast_kernels()));
     let start = cache.len();
     let shapes: [(&str, usize, Option<bool>); 4] = [
         ("decode_1", 1, None),
@@ -211,18 +227,37 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
             }
         };
         let rows: Vec<usize> = (0..n).collect();
-        let ms = time_ms(dev, 5, || {
-            run(&m, &mut cache, &tokens, &positions, &pattern, &rows)?;
-            cache.truncate(start)?;
-            Ok(())
-        })?;
+        let mut timed = |model: &Qwen35Model| {
+            time_ms(dev, 5, || {
+                run(model, &mut cache, &tokens, &positions, &pattern, &rows)?;
+                cache.truncate(start)?;
+                Ok(())
+            })
+        };
+        // The plain path on the same weights for the shapes the fused one takes.
+        let plain_ms = if m.fast_kernels() && kind.is_none() {
+            Some(timed(&plain)?)
+        } else {
+            None
+        };
+        let ms = match timed(&m) {
+            Ok(ms) => ms,
+            Err(e) => {
+                cache.truncate(start)?;
+                res.insert(format!("{name}_error"), json!(format!("{e:#}")));
+                match plain_ms {
+                    Some(p) => p,
+                    None => return Err(e),
+                }
+            }
+        };
         // Roofline: weights once, K/V of the context, and every node's recurrent state written
         // (plus the committed state read once).
         let bytes = weight_bytes + kv_1k + (n as f64 + 1.0) * state_bytes;
         let roof = bytes / copy_bw * 1e3;
         res.insert(
             name.into(),
-            json!({"ms": ms, "roofline_ms": roof, "fraction_of_roofline": roof / ms, "bytes_GB": bytes / 1e9}),
+            json!({"ms": ms, "plain_ms": plain_ms, "roofline_ms": roof, "fraction_of_roofline": roof / ms, "bytes_GB": bytes / 1e9}),
         );
     }
     res.insert("weights_init_s".into(), json!(init_s));

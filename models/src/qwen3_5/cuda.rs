@@ -1,0 +1,163 @@
+//! The fused-kernel forward of [`Qwen35Model`] (CUDA, bf16) for one sequence's short causal
+//! chain: a decode step or a chain verify of up to [`cuda::GDN_MAX_CHAIN`] tokens. Same
+//! contract and outputs as the plain path in `qwen3_5/mod.rs` (to bf16 rounding), which stays
+//! the reference and takes everything else (trees, batches, prefills, f32, CPU).
+//!
+//! Per layer: every projection through the skinny GEMMs with the input norm, the residual add
+//! (and the next norm's sums of squares) and the SiLU-gate product fused around them
+//! (`cuda/gemv.rs`); a Gated DeltaNet layer's mixer is two launches (`cuda/gdn.cu`: conv +
+//! SiLU + L2 norms + decay/beta + the delta rule with the state in registers, then the gated
+//! RMSNorm) after one copy that joins the cached conv window to the new rows. The gated
+//! full-attention layers (head_dim 256, partial RoPE: not the dense attention kernels' shape)
+//! run the plain path's q/k norm, RoPE and attention on the fused q/k/v product.
+//!
+//! Recurrent states are staged exactly as the plain path stages them (the state after every
+//! row when the forward may be rolled back, else only the last), as views into the kernel's
+//! one state buffer per layer.
+
+use candle_core::{DType, Tensor};
+
+use crate::batch::{ForwardOutput, SeqForward};
+use crate::cache::{GdnState, StagedState};
+use crate::cuda::{self, RowNorm};
+use crate::error::{ModelError, ModelResult};
+use crate::layers::attention::{attend, AttnPattern};
+use crate::qwen3_5::{Mixer, Qwen35Model};
+use crate::taps::TapCollector;
+
+impl Qwen35Model {
+    /// Whether the fused forward applies to `batch` (see the module doc).
+    pub(crate) fn takes_fused(&self, batch: &[SeqForward<'_>]) -> bool {
+        self.fast
+            && matches!(batch, [s] if *s.pattern == AttnPattern::Causal
+                && !s.tokens.is_empty()
+                && s.tokens.len() <= cuda::GDN_MAX_CHAIN)
+    }
+
+    /// The fused forward of one causal chain (checked by the caller: [`Self::takes_fused`]).
+    pub(crate) fn forward_fused(
+        &self,
+        seq: &mut SeqForward<'_>,
+        taps: &[usize],
+    ) -> ModelResult<ForwardOutput> {
+        let dev = self.device.clone();
+        let t = seq.tokens.len();
+        let tracker = seq.cache.row_tracker().ok_or_else(|| {
+            ModelError::BadInput("a hybrid model needs a cache from Qwen35Model::new_cache".into())
+        })?;
+        tracker.check_extendable(seq.cache.len())?;
+        let keep = t <= tracker.rollback;
+        let len = seq.cache.len();
+        let eps = self.cfg.rms_norm_eps;
+        let mask = seq.pattern.mask(len, t, &dev)?;
+        let positions = Tensor::new(seq.positions, &dev)?;
+        let (cos, sin) = self.rope.gather(&positions)?;
+        let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
+        let mut x = self.embed(seq.tokens)?;
+        let mut tapped = TapCollector::new(taps, self.layers.len());
+        let mut staged: Vec<(usize, StagedState)> = Vec::new();
+        // As in the dense fused stack: the one-row q/k/v (here: in-projection) kernel sums its
+        // input row itself, so down makes no sums; with more rows the tensor-core residual
+        // kernel always makes them (it needs the counter) and they feed the next input norm.
+        let one_row = t == 1;
+        let counter = Tensor::zeros(1, DType::U32, &dev)?;
+        let mut ss: Option<Tensor> = None;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let norm = RowNorm {
+                ss: ss.as_ref(),
+                weight: &layer.input_norm,
+                eps,
+            };
+            let (mixed, o_proj) = match &layer.mixer {
+                Mixer::Linear(g) => {
+                    let proj = cuda::gemv(&x, &g.in_proj, Some(norm))?;
+                    let state = seq.cache.layer(li).recurrent()?.last();
+                    let (y, states, ext) = g.mix_fused(&proj, state, keep)?;
+                    // A row's conv window after it: the K-1 rows of `ext` ending at it.
+                    let w1 = g.kernel - 1;
+                    let st = if keep {
+                        StagedState::Rows(
+                            (0..t)
+                                .map(|i| {
+                                    Ok(GdnState {
+                                        conv: ext.narrow(0, i + 1, w1)?,
+                                        ssm: states.get(i)?,
+                                    })
+                                })
+                                .collect::<candle_core::Result<Vec<_>>>()?,
+                        )
+                    } else {
+                        StagedState::Final(GdnState {
+                            conv: ext.narrow(0, t, w1)?.copy()?,
+                            ssm: states.get(0)?,
+                        })
+                    };
+                    staged.push((li, st));
+                    (y, &g.out_proj)
+                }
+                Mixer::Full(attn) => {
+                    let qkv_w = attn.fused_qkv().ok_or_else(|| {
+                        ModelError::BadInput("fused forward on unfused weights".into())
+                    })?;
+                    let qkv = cuda::gemv(&x, qkv_w, Some(norm))?;
+                    let (nq, nk) = attn.qkv_widths();
+                    let (q, k, v, gate) = attn.split_heads(
+                        &qkv.narrow(1, 0, nq)?,
+                        &qkv.narrow(1, nq, nk)?,
+                        &qkv.narrow(1, nq + nk, nk)?,
+                        &cos,
+                        &sin,
+                    )?;
+                    seq.cache.write_kv(li, len, &k, &v)?;
+                    let (kc, vc) = seq.cache.view_kv(li, len + t)?;
+                    let a = attend(&q, &kc, &vc, mask.as_ref(), self.mode)?;
+                    (attn.gated(&a, &gate)?.contiguous()?, attn.o_proj())
+                }
+            };
+            let (x1, ss1) = cuda::gemv_resid(&mixed, o_proj, &x, Some(&counter), None)?;
+            let (gate_up, down) = layer.fused_mlp()?;
+            let norm = RowNorm {
+                ss: ss1.as_ref(),
+                weight: &layer.post_norm,
+                eps,
+            };
+            let act = cuda::gemv_silu(&x1, gate_up, Some(norm))?;
+            let down_counter = (!one_row).then_some(&counter);
+            let (x2, ss2) = cuda::gemv_resid(&act, down, &x1, down_counter, None)?;
+            x = x2;
+            ss = ss2;
+            tapped.layer_output(li, &x);
+        }
+        let h = cuda::rms_apply(
+            &x,
+            RowNorm {
+                ss: ss.as_ref(),
+                weight: &self.norm,
+                eps,
+            },
+        )?;
+        let parents: Vec<Option<usize>> = (0..t).map(|i| i.checked_sub(1)).collect();
+        seq.cache
+            .commit_recurrent(t, keep.then_some(parents.as_slice()), staged)?;
+        let taps = tapped.finish(tapped.wants_final_norm().then_some(&h))?;
+        let logits = if seq.logit_rows.is_empty() {
+            None
+        } else {
+            let rows = if seq.logit_rows.len() == t
+                && seq.logit_rows.iter().enumerate().all(|(i, &r)| r == i)
+            {
+                h
+            } else {
+                let r: Vec<u32> = seq.logit_rows.iter().map(|&r| r as u32).collect();
+                h.index_select(&Tensor::new(r.as_slice(), &dev)?, 0)?
+            };
+            Some(cuda::gemv(&rows, &self.lm_head, None)?.to_dtype(DType::F32)?)
+        };
+        Ok(ForwardOutput {
+            logits,
+            taps,
+            token_offsets: vec![0, t],
+            logit_offsets: vec![0, seq.logit_rows.len()],
+        })
+    }
+}
