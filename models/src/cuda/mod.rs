@@ -50,14 +50,16 @@ pub mod check;
 #[cfg(feature = "cuda")]
 mod check_attn;
 #[cfg(feature = "cuda")]
+pub mod check_scale;
+#[cfg(feature = "cuda")]
 pub(crate) mod decoder_stack;
 pub mod graphs;
 #[cfg(feature = "cuda")]
 mod kernels;
 #[cfg(feature = "cuda")]
 pub use kernels::{
-    add_rmsnorm, attention, kv_norm_rope_cache, linear, qk_norm_rope_cache, silu_mul, split_plan,
-    QkvRows, CHUNK,
+    add_rmsnorm, attention, attention_for_context, kv_norm_rope_cache, linear, qk_norm_rope_cache,
+    silu_mul, split_plan, QkvRows, CHUNK,
 };
 #[cfg(feature = "cuda")]
 mod launch;
@@ -78,8 +80,9 @@ pub use gemv::{
 #[cfg(feature = "cuda")]
 pub use topk::topk_rows;
 
-/// Most rows the skinny GEMMs (`gemv*`) take; wider products go to cuBLAS.
-pub const GEMV_MAX_ROWS: usize = 16;
+/// Most rows the skinny GEMMs (`gemv*`) take (four m16 tiles per warp); wider products go to
+/// cuBLAS.
+pub const GEMV_MAX_ROWS: usize = 64;
 
 /// Most rows a fused forward sends through the skinny GEMMs by default: one-row decode steps.
 /// Measured on the H200 (Qwen3-8B shape, 1K context, CUDA graphs, one call,
