@@ -51,20 +51,18 @@ pub fn one_pass_wins(t: usize, nh: usize, nkv: usize, committed: usize) -> bool 
     worth_it(t, nh, nkv) && (committed < LONG_CONTEXT || blocks >= FULL_WAVE_BLOCKS)
 }
 
-/// Warps per split block for a causal piece of `t` tokens over `committed` rows: 8 (each
-/// staged K/V tile serves 128 rows) for a long context, where the K/V bytes through L2
-/// dominate; 4 otherwise (decode, verify and short pieces, as measured before).
-pub fn split_warps(t: usize, nh: usize, nkv: usize, committed: usize) -> usize {
-    let rows = t * (nh / nkv.max(1));
-    if SPLIT8_LONG_PIECES && committed >= LONG_CONTEXT && rows > 64 {
+/// Warps per split block for a causal forward of `t` tokens: 8 (each staged K/V tile serves
+/// 128 query rows, half the K/V bytes through L2 of 4-warp blocks) once a sequence has more
+/// than 64 query rows per KV head (prefill pieces), 4 otherwise (decode and chain verify
+/// steps, as measured before). From the shape alone, never the context, so that a CUDA graph
+/// and an eager forward of the same step always take the same kernel.
+pub fn split_warps(t: usize, nh: usize, nkv: usize) -> usize {
+    if t * (nh / nkv.max(1)) > 64 {
         8
     } else {
         4
     }
 }
-
-/// Whether long-context pieces take the 8-warp split blocks (see [`split_warps`]).
-const SPLIT8_LONG_PIECES: bool = false;
 
 /// Causal attention of q `[t, nh, d]` (d = 128) over cache rows `[0, cache_len[0] + t)` of
 /// `kc`, `vc` (`[nkv, cap, d]`; rows placed by the page table `pages`, u32 `[1, n]`, or in

@@ -122,7 +122,7 @@ pub fn piece_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f6
     let kc = rand_bf16(dev, (NKV, cap, D), 1.0)?;
     let vc = rand_bf16(dev, (NKV, cap, D), 1.0)?;
     let mut out = Vec::new();
-    for c in [8192usize, 16384, 32768] {
+    for c in [1024usize, 8192, 16384, 32768] {
         for t in [64usize, 128, 256, 512] {
             let q = rand_bf16(dev, (t, NH, D), 1.0)?;
             let len = Tensor::new(&[c as u32], dev)?;
@@ -137,7 +137,7 @@ pub fn piece_attention_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f6
             })?;
             out.push(row(format!("{tag}:one_pass"), ms));
             for warps in [4usize, 8] {
-                for splits in [None, Some(4), Some(8), Some(16), Some(32), Some(64)] {
+                for splits in [None, Some(8), Some(16), Some(32), Some(64)] {
                     let ms = host_loop_ms(dev, &|| {
                         kernels::attention_split_with(&q, &kc, &vc, None, &len, None, splits, warps)
                     })?;

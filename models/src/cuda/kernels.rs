@@ -190,8 +190,11 @@ pub fn attention(
 /// [`attention`] knowing on the host that no sequence has more than `committed` committed
 /// rows (0: unknown): a causal piece over a long context then takes the split-K path even
 /// with enough query tiles for the one-pass kernel, whose few blocks would each walk every
-/// key (see [`super::attn_prefill::one_pass_wins`]). The choice never depends on anything a
-/// CUDA graph would have to re-read: graphs hold decode and verify steps, which always split.
+/// key (see [`super::attn_prefill::one_pass_wins`]); causal pieces split over 8-warp blocks
+/// (see [`super::attn_prefill::split_warps`]). Trees keep the 4-warp split. The context
+/// only decides for pieces of at least 128 one-pass blocks (256 tokens of Qwen3-8B), longer
+/// than any CUDA graph step ([`super::graphs::GRAPH_MAX_TOKENS`]), so a graph and an eager
+/// forward of one step always take the same kernel.
 pub fn attention_for_context(
     q: &Tensor,
     kc: &Tensor,
@@ -209,7 +212,10 @@ pub fn attention_for_context(
     {
         return super::attn_prefill::attention_prefill(q, kc, vc, pages, cache_len);
     }
-    let warps = super::attn_prefill::split_warps(t / seqs, nh, nkv, committed);
+    let warps = match tree_mask {
+        None => super::attn_prefill::split_warps(t / seqs, nh, nkv),
+        Some(_) => 4,
+    };
     attention_split_with(q, kc, vc, pages, cache_len, tree_mask, None, warps)
 }
 
