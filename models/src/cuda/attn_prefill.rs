@@ -35,33 +35,23 @@ pub fn worth_it(t: usize, nh: usize, nkv: usize) -> bool {
     rows.div_ceil(16 * WARPS) * nkv >= MIN_BLOCKS
 }
 
-/// Committed rows past which a piece whose one-pass grid is short of a full wave splits the
-/// keys instead: each one-pass block walks every key serially, so a grid of 128-383 blocks
-/// (a 256-1023-token piece of Qwen3-8B) leaves most of the H200's 396 block slots idle for
-/// the whole context.
+/// Committed rows from which a piece whose one-pass grid is short of [`ONE_PASS_ANY_CONTEXT_BLOCKS`]
+/// splits the keys instead: each one-pass block walks every key serially. Measured on the
+/// H200 (Qwen3-8B heads, `check_scale::piece_attention_timings`,
+/// deploy/bench/results/h200-2026-12-03-scale2): 256 tokens (128 blocks) over 8K / 16K / 32K
+/// committed rows took 0.431 / 0.832 / 1.636 ms per layer one-pass against 0.360 / 0.686 /
+/// 1.334 split; over 1K (and 4K, session 6) the one-pass kernel won.
 pub const LONG_CONTEXT: usize = 8192;
 
-/// One-pass blocks that fill the H200 (3 per SM x 132 SMs): from here the one-pass kernel wins
-/// at any context.
-pub const FULL_WAVE_BLOCKS: usize = 396;
+/// One-pass blocks from which the one-pass kernel wins at any context: 512 tokens (256
+/// blocks) over 8K / 16K / 32K took 0.512 / 0.975 / 1.914 ms per layer one-pass against
+/// 0.707 / 1.354 / 2.675 split (same measurement).
+pub const ONE_PASS_ANY_CONTEXT_BLOCKS: usize = 256;
 
 /// [`worth_it`], also knowing the most committed rows of any sequence (0: unknown).
 pub fn one_pass_wins(t: usize, nh: usize, nkv: usize, committed: usize) -> bool {
     let blocks = (t * (nh / nkv.max(1))).div_ceil(16 * WARPS) * nkv;
-    worth_it(t, nh, nkv) && (committed < LONG_CONTEXT || blocks >= FULL_WAVE_BLOCKS)
-}
-
-/// Warps per split block for a causal forward of `t` tokens: 8 (each staged K/V tile serves
-/// 128 query rows, half the K/V bytes through L2 of 4-warp blocks) once a sequence has more
-/// than 64 query rows per KV head (prefill pieces), 4 otherwise (decode and chain verify
-/// steps, as measured before). From the shape alone, never the context, so that a CUDA graph
-/// and an eager forward of the same step always take the same kernel.
-pub fn split_warps(t: usize, nh: usize, nkv: usize) -> usize {
-    if t * (nh / nkv.max(1)) > 64 {
-        8
-    } else {
-        4
-    }
+    worth_it(t, nh, nkv) && (committed < LONG_CONTEXT || blocks >= ONE_PASS_ANY_CONTEXT_BLOCKS)
 }
 
 /// Causal attention of q `[t, nh, d]` (d = 128) over cache rows `[0, cache_len[0] + t)` of

@@ -190,11 +190,10 @@ pub fn attention(
 /// [`attention`] knowing on the host that no sequence has more than `committed` committed
 /// rows (0: unknown): a causal piece over a long context then takes the split-K path even
 /// with enough query tiles for the one-pass kernel, whose few blocks would each walk every
-/// key (see [`super::attn_prefill::one_pass_wins`]); causal pieces split over 8-warp blocks
-/// (see [`super::attn_prefill::split_warps`]). Trees keep the 4-warp split. The context
-/// only decides for pieces of at least 128 one-pass blocks (256 tokens of Qwen3-8B), longer
-/// than any CUDA graph step ([`super::graphs::GRAPH_MAX_TOKENS`]), so a graph and an eager
-/// forward of one step always take the same kernel.
+/// key (see [`super::attn_prefill::one_pass_wins`]). The context only decides for pieces
+/// of at least 128 one-pass blocks (256 tokens of Qwen3-8B), longer than any CUDA graph
+/// step ([`super::graphs::GRAPH_MAX_TOKENS`]), so a graph and an eager forward of one step
+/// always take the same kernel.
 pub fn attention_for_context(
     q: &Tensor,
     kc: &Tensor,
@@ -212,11 +211,7 @@ pub fn attention_for_context(
     {
         return super::attn_prefill::attention_prefill(q, kc, vc, pages, cache_len);
     }
-    let warps = match tree_mask {
-        None => super::attn_prefill::split_warps(t / seqs, nh, nkv),
-        Some(_) => 4,
-    };
-    attention_split_with(q, kc, vc, pages, cache_len, tree_mask, None, warps)
+    attention_split(q, kc, vc, pages, cache_len, tree_mask, None)
 }
 
 /// Blocks the split-K attention aims at: at most `SPLIT_BLOCKS / (query tiles x KV heads)`
@@ -245,7 +240,9 @@ pub(super) fn attention_split(
 }
 
 /// [`attention_split`] from blocks of `warps` warps (4 or 8; 16 query rows each), so that
-/// each staged K/V tile serves `16 warps` rows.
+/// each staged K/V tile serves `16 warps` rows. 8 warps are a measured variant only
+/// (`check_scale`): on the H200 they won 1-9% for 128-512-token pieces past 16K committed
+/// rows and lost up to 1.8x at 1K-8K, too little to be worth a context-dependent choice.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention_split_with(
     q: &Tensor,
