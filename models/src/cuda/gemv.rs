@@ -221,7 +221,7 @@ fn launch(l: Launch<'_>) -> Result<(Tensor, Option<Tensor>)> {
     Ok((y, ss_out))
 }
 
-/// `norm(x) @ wᵀ` (`x` itself without a norm), `x: [m <= 16, k]`, `w: [n, k]`.
+/// `norm(x) @ wᵀ` (`x` itself without a norm), `x: [m <= 64, k]`, `w: [n, k]`.
 pub fn gemv(x: &Tensor, w: &Tensor, norm: Option<RowNorm<'_>>) -> Result<Tensor> {
     let n = w.dims2()?.0;
     Ok(launch(Launch {

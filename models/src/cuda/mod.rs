@@ -89,7 +89,9 @@ pub const GEMV_MAX_ROWS: usize = 64;
 /// deploy/bench/results/h200-2026-11-30c/skinny_vs_wide_rows.json): 1 row 4.53 ms skinny
 /// against 5.22 on cuBLAS; 2 / 4 / 8 rows 5.16 / 5.32 / 5.63 skinny against 4.96 / 5.01 /
 /// 5.21 on cuBLAS with the vectorised residual add + RMSNorm between the products (before
-/// that, 8 rows favoured the skinny kernels: 5.8 against 6.2 ms).
+/// that, 8 rows favoured the skinny kernels: 5.8 against 6.2 ms). The 17..64-row kernels lose
+/// too: a pooled decode step of 32 / 64 sequences at 640 positions took 10.59 / 18.23 ms on
+/// them against 7.48 / 9.04 on cuBLAS (deploy/bench/results/h200-2026-12-03-scale2).
 pub const GEMV_DEFAULT_ROWS: usize = 1;
 
 /// Longest per-sequence forward the fused path takes in one piece (and the longest CUDA-graph
