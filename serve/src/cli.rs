@@ -142,7 +142,7 @@ pub struct Args {
     #[arg(long, allow_negative_numbers = true, help_heading = "Scheduling")]
     pub chunked_prefill_size: Option<i64>,
     /// While other requests decode, a prompt with more tokens than this still to prefill is
-    /// prefilled this many per step (fewer past 8192 positions), so a long prompt arriving
+    /// prefilled this many per step (fewer past 4096 positions), so a long prompt arriving
     /// at a busy server stretches their inter-token latency by a bounded amount; shorter
     /// prompts go in whole; -1: only --chunked-prefill-size bounds a step [default: 256]
     #[arg(long, allow_negative_numbers = true, help_heading = "Scheduling")]

@@ -292,3 +292,18 @@ extern "C" __global__ void __launch_bounds__(128, 3) attn_split_flash(
     flash_body<4, true>(q, kc, vc, cache_len, pt, tree_mask, words, nullptr, acc_out, ml_out, t, nh,
                         nkv, cap, scale, pt_stride);
 }
+
+// The same split partials from blocks of 8 warps (128 query rows): each staged K/V tile then
+// serves twice the rows, which halves the K/V bytes a short piece over a long context pulls
+// through L2 (a 64-token piece of Qwen3-8B holds 256 rows per KV head: 4 blocks of 4 warps
+// re-read every key tile 4 times, 2 blocks of 8 twice), at one block (8 warps, 214
+// registers) per SM. A measured variant (check_scale), not on any forward's path: on the H200
+// it won 1-9% past 16K committed rows and lost up to 1.8x at 1K-8K.
+extern "C" __global__ void __launch_bounds__(256, 1) attn_split_flash8(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
+    const u32* __restrict__ cache_len, const u32* __restrict__ pt,
+    const u64* __restrict__ tree_mask, int words, float* __restrict__ acc_out,
+    float* __restrict__ ml_out, int t, int nh, int nkv, int cap, float scale, int pt_stride) {
+    flash_body<8, true>(q, kc, vc, cache_len, pt, tree_mask, words, nullptr, acc_out, ml_out, t, nh,
+                        nkv, cap, scale, pt_stride);
+}

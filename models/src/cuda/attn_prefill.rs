@@ -18,6 +18,7 @@ const MODULE: &str = "dflash_attn_prefill";
 /// tile (PPAD and PCH in attn_prefill.cu).
 const KERNEL: &str = "attn_prefill";
 const SPLIT_KERNEL: &str = "attn_split_flash";
+const SPLIT_KERNEL_8: &str = "attn_split_flash8";
 const WARPS: usize = 4;
 const PPAD: usize = 136;
 const PCH: usize = 64;
@@ -32,6 +33,25 @@ pub const MIN_BLOCKS: usize = 128;
 pub fn worth_it(t: usize, nh: usize, nkv: usize) -> bool {
     let rows = t * (nh / nkv.max(1));
     rows.div_ceil(16 * WARPS) * nkv >= MIN_BLOCKS
+}
+
+/// Committed rows from which a piece whose one-pass grid is short of [`ONE_PASS_ANY_CONTEXT_BLOCKS`]
+/// splits the keys instead: each one-pass block walks every key serially. Measured on the
+/// H200 (Qwen3-8B heads, `check_scale::piece_attention_timings`,
+/// deploy/bench/results/h200-2026-12-03-scale2): 256 tokens (128 blocks) over 8K / 16K / 32K
+/// committed rows took 0.431 / 0.832 / 1.636 ms per layer one-pass against 0.360 / 0.686 /
+/// 1.334 split; over 1K (and 4K, session 6) the one-pass kernel won.
+pub const LONG_CONTEXT: usize = 8192;
+
+/// One-pass blocks from which the one-pass kernel wins at any context: 512 tokens (256
+/// blocks) over 8K / 16K / 32K took 0.512 / 0.975 / 1.914 ms per layer one-pass against
+/// 0.707 / 1.354 / 2.675 split (same measurement).
+pub const ONE_PASS_ANY_CONTEXT_BLOCKS: usize = 256;
+
+/// [`worth_it`], also knowing the most committed rows of any sequence (0: unknown).
+pub fn one_pass_wins(t: usize, nh: usize, nkv: usize, committed: usize) -> bool {
+    let blocks = (t * (nh / nkv.max(1))).div_ceil(16 * WARPS) * nkv;
+    worth_it(t, nh, nkv) && (committed < LONG_CONTEXT || blocks >= ONE_PASS_ANY_CONTEXT_BLOCKS)
 }
 
 /// Causal attention of q `[t, nh, d]` (d = 128) over cache rows `[0, cache_len[0] + t)` of
@@ -125,16 +145,24 @@ pub(super) struct SplitArgs {
     pub seqs: usize,
     /// Page-table entries per sequence.
     pub pt_stride: i32,
+    /// Warps per block (16 query rows each): 4 (`attn_split_flash`) or 8 (`attn_split_flash8`).
+    pub warps: usize,
 }
 
 /// Launches the split partials of `rows` query rows per KV head (at most `a.nsplit` splits),
 /// for `attn_combine` to merge.
 pub(super) fn launch_split(dev: &CudaDevice, a: &SplitArgs, rows: usize) -> Result<()> {
-    let (f, cfg) = prepare(
+    let name = match a.warps {
+        4 => SPLIT_KERNEL,
+        8 => SPLIT_KERNEL_8,
+        w => bail!("attn_split_flash: {w} warps per block (4 or 8)"),
+    };
+    let (f, cfg) = prepare_warps(
         dev,
-        SPLIT_KERNEL,
+        name,
         rows,
         (a.shape.2 as usize * a.seqs, a.nsplit),
+        a.warps,
     )?;
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&f);
@@ -149,7 +177,7 @@ pub(super) fn launch_split(dev: &CudaDevice, a: &SplitArgs, rows: usize) -> Resu
         .arg(cap)
         .arg(&a.scale)
         .arg(&a.pt_stride);
-    go(&mut b, cfg, SPLIT_KERNEL)
+    go(&mut b, cfg, name)
 }
 
 /// The function `name` of this module, its shared-memory limit raised, and its launch over
@@ -158,22 +186,33 @@ fn prepare(
     dev: &CudaDevice,
     name: &str,
     rows: usize,
+    grid: (usize, usize),
+) -> Result<(CudaFunction, LaunchConfig)> {
+    prepare_warps(dev, name, rows, grid, WARPS)
+}
+
+/// [`prepare`] for blocks of `warps` warps.
+fn prepare_warps(
+    dev: &CudaDevice,
+    name: &str,
+    rows: usize,
     (nkv, nsplit): (usize, usize),
+    warps: usize,
 ) -> Result<(CudaFunction, LaunchConfig)> {
     let f = dev
         .get_or_load_custom_func(name, MODULE, PTX)?
         .into_cuda_function();
     // K and V tiles and the block's Q rows: over the 48 KB static limit, so the function must be
     // allowed that much dynamic shared memory (a per-function setting, cheap to repeat).
-    let smem = (2 * PCH + 16 * WARPS) * PPAD * 2;
+    let smem = (2 * PCH + 16 * warps) * PPAD * 2;
     f.set_attribute(
         CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
         smem as i32,
     )
     .map_err(|e| candle_core::Error::Msg(format!("{name}: shared memory {smem} B: {e}")))?;
     let cfg = LaunchConfig {
-        grid_dim: (nkv as u32, rows.div_ceil(16 * WARPS) as u32, nsplit as u32),
-        block_dim: ((32 * WARPS) as u32, 1, 1),
+        grid_dim: (nkv as u32, rows.div_ceil(16 * warps) as u32, nsplit as u32),
+        block_dim: ((32 * warps) as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     Ok((f, cfg))

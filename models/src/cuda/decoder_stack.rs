@@ -1,13 +1,14 @@
 //! The decoder-layer stack through the fused kernels, shared by the target's forward
 //! (`qwen3/cuda.rs`) and the drafter's block (`dflash/cuda.rs`). Two forms of one layer:
 //!
-//! - up to [`cuda::GEMV_MAX_ROWS`] rows (decode, verification, draft blocks): four skinny
+//! - up to the model's `gemv_rows` (at most [`cuda::GEMV_MAX_ROWS`]) rows (decode,
+//!   verification, draft blocks): four skinny
 //!   GEMMs with everything else fused around them — input norm + q/k/v, o-projection +
 //!   residual add (+ the sums of squares the next norm needs), post-attention norm + gate/up +
 //!   the SiLU product, down + residual add — plus q/k norm + RoPE + cache write and the
 //!   split-K attention (one launch for a decode step, [`cuda::fused_attention`]; three for
 //!   more tokens): 5 launches per layer for one row (the norms are applied as the input
-//!   streams in), 9 for 2 to 16 rows (the norms as their own launches);
+//!   streams in), 9 for 2 to 64 rows (the norms as their own launches);
 //! - wider (prefill chunks, wide trees): cuBLAS GEMMs, the SiLU product and residual add +
 //!   RMSNorm kernels around the same attention: 10 launches per layer.
 //!
@@ -242,7 +243,9 @@ impl Stack<'_> {
                 heads: (nh, nkv, d),
                 eps: self.eps,
             };
-            outs.push(attend(&new, first.tokens, tree)?);
+            // Host-side: the caches advance only after the forward.
+            let committed = seqs[s..s + n].iter().map(|a| a.cache.len()).max();
+            outs.push(attend(&new, first.tokens, tree, committed.unwrap_or(0))?);
             s += n;
         }
         Ok(match outs.len() {
@@ -256,20 +259,26 @@ impl Stack<'_> {
 /// one fused launch for a decode step (norm, RoPE, cache write, attention and merge, its key
 /// splits set on the device from the live length, the same for an eager step and a graph
 /// replay whatever the cache's capacity), else q/k norm + RoPE + cache write and then the
-/// attention.
-fn attend(new: &cuda::QkvRows<'_>, tokens: usize, tree: Option<&Tensor>) -> ModelResult<Tensor> {
+/// attention (its kernel chosen knowing the longest committed context, `committed`).
+fn attend(
+    new: &cuda::QkvRows<'_>,
+    tokens: usize,
+    tree: Option<&Tensor>,
+    committed: usize,
+) -> ModelResult<Tensor> {
     let (nh, nkv, _) = new.heads;
     if cuda::fused_attention_fits(tokens, nh, nkv) {
         return Ok(cuda::fused_attention(new, tree, None)?);
     }
     let q = cuda::qk_norm_rope_cache(new)?;
-    Ok(cuda::attention(
+    Ok(cuda::attention_for_context(
         &q,
         new.kc,
         new.vc,
         new.pages,
         new.cache_len,
         tree,
+        committed,
     )?)
 }
 

@@ -1,9 +1,9 @@
 // Skinny GEMMs for decode, verification and draft blocks: y[m, n] = sum_k x[m, k] * w[n, k]
-// for M <= 16 rows (x [M, K], w nn.Linear layout [N, K], bf16 in and out, f32 accumulation).
+// for M <= 64 rows (x [M, K], w nn.Linear layout [N, K], bf16 in and out, f32 accumulation).
 // Batch-1 steps are bound by streaming the weights, so the kernels are built around the loads:
 //   gemv_rows_*  M = 1 on CUDA cores: each warp instruction reads 512 contiguous bytes of one
 //                weight row (R rows per warp, U instructions per row in flight), x from L1;
-//   gemv_mma_*   M <= 16 on tensor cores (mma.m16n8k16): each warp owns 8 weight rows, reads
+//   gemv_mma_*   M <= 64 on tensor cores (mma.m16n8k16): each warp owns 8 weight rows, reads
 //                them with the same row-contiguous loads and re-reads them from shared memory
 //                in the fragment layout; the K order inside each 32-wide chunk is permuted
 //                identically for x and w so one 16-byte read feeds two mma fragments; KS warps
@@ -206,22 +206,27 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
     resid_tail(blocksum, 1, part, ss_out, counter);
 }
 
-// ---- M <= 16 on tensor cores -------------------------------------------------------------
+// ---- M <= 64 on tensor cores -------------------------------------------------------------
 // A warp owns 8 weight rows (SILU: 8 gate + 8 up) and walks its K range in 256-wide spans:
 // each span of a row is one row-contiguous 512-byte warp load (as the M = 1 kernel reads),
 // staged through the warp's own shared memory (row stride 576 bytes: conflict-free both ways)
-// and re-read in the mma fragment layout; U spans per row in flight.
-template <int U, int EPI>
+// and re-read in the mma fragment layout; U spans per row in flight. MT m16 tiles of x (M <=
+// 16 MT rows) share every weight fragment read from shared memory, so the weights are still
+// read once whatever the row count; each row's sum runs in the same order for every MT (the
+// m16 tiles are independent), so a row's result does not depend on how many rows come with it.
+template <int U, int EPI, int MT>
 __device__ void mma_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                          bf16_t* __restrict__ y, int M, int N, int K, int ks,
                          const bf16_t* __restrict__ resid, float* ss_out, float* part,
                          u32* counter) {
     constexpr int NTW = EPI == EPI_SILU ? 2 : 1;  // 8-row weight tiles per warp
     constexpr int ROWS = 8 * NTW, STRIDE = 36;    // uint4 per staged row
+    constexpr int MR = 16 * MT;                   // most x rows
+    // The K-split reduction reuses the staging buffer: MT NTW 4 x 32 floats per warp.
+    static_assert(MT * NTW * 4 * 32 * 4 <= ROWS * STRIDE * 16, "reduction fits the stage");
     __shared__ uint4 stage[4][ROWS * STRIDE];
-    __shared__ float red[4][NTW * 4 * 32];
-    __shared__ float rowsum[4][16];
-    __shared__ float blocksum[16];
+    __shared__ float rowsum[4][MR];
+    __shared__ float blocksum[MR];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
     const int groups = 4 / ks, grp = warp / ks, split = warp % ks;
     const int n0 = (blockIdx.x * groups + grp) * 8;  // this warp's first output column
@@ -232,13 +237,12 @@ __device__ void mma_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict_
 #pragma unroll
     for (int i = 0; i < ROWS; ++i)
         wrow[i] = (const uint4*)(w + (size_t)((i < 8 ? 0 : N) + (active ? n0 : 0) + (i & 7)) * K) + lane;
-    float c[NTW][4];
+    float c[MT][NTW][4];
 #pragma unroll
-    for (int j = 0; j < NTW; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) c[mt][j][0] = c[mt][j][1] = c[mt][j][2] = c[mt][j][3] = 0.f;
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    const bool lo_row = g < M, hi_row = g + 8 < M;
-    const uint4* x0 = (const uint4*)(x + (size_t)g * K) + tig;
-    const uint4* x1 = (const uint4*)(x + (size_t)(g + 8) * K) + tig;
     uint4* st = stage[warp];
     if (active) {
         for (int sp0 = s_begin; sp0 < s_end; sp0 += U) {
@@ -255,54 +259,101 @@ __device__ void mma_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict_
 #pragma unroll
                 for (int i = 0; i < ROWS; ++i) st[i * STRIDE + lane] = wv[u][i];
                 __syncwarp();
-                // All x fragments of the span first, so their L1 latencies overlap.
-                uint4 xa[8], xb[8];
+                if (MT == 1) {
+                    // All x fragments of the span first, so their L1 latencies overlap.
+                    const uint4* x0 = (const uint4*)(x + (size_t)g * K) + tig;
+                    const uint4* x1 = (const uint4*)(x + (size_t)(g + 8) * K) + tig;
+                    const bool lo_row = g < M, hi_row = g + 8 < M;
+                    uint4 xa[8], xb[8];
 #pragma unroll
-                for (int cc = 0; cc < 8; ++cc) {
-                    const int ch = (sp0 + u) * 8 + cc;
-                    xa[cc] = lo_row ? __ldg(x0 + ch * 4) : zero;
-                    xb[cc] = hi_row ? __ldg(x1 + ch * 4) : zero;
-                }
+                    for (int cc = 0; cc < 8; ++cc) {
+                        const int ch = (sp0 + u) * 8 + cc;
+                        xa[cc] = lo_row ? __ldg(x0 + ch * 4) : zero;
+                        xb[cc] = hi_row ? __ldg(x1 + ch * 4) : zero;
+                    }
 #pragma unroll
-                for (int cc = 0; cc < 8; ++cc) {
-                    const uint4 a0 = xa[cc], a1 = xb[cc];
+                    for (int cc = 0; cc < 8; ++cc) {
 #pragma unroll
-                    for (int j = 0; j < NTW; ++j) {
-                        uint4 b = st[(j * 8 + g) * STRIDE + cc * 4 + tig];
-                        mma_bf16(c[j], a0.x, a1.x, a0.y, a1.y, b.x, b.y);
-                        mma_bf16(c[j], a0.z, a1.z, a0.w, a1.w, b.z, b.w);
+                        for (int j = 0; j < NTW; ++j) {
+                            uint4 b = st[(j * 8 + g) * STRIDE + cc * 4 + tig];
+                            mma_bf16(c[0][j], xa[cc].x, xb[cc].x, xa[cc].y, xb[cc].y, b.x, b.y);
+                            mma_bf16(c[0][j], xa[cc].z, xb[cc].z, xa[cc].w, xb[cc].w, b.z, b.w);
+                        }
+                    }
+                } else {
+                    // Two 32-wide chunks of every m16 tile at a time (registers bound it).
+#pragma unroll
+                    for (int c2 = 0; c2 < 8; c2 += 2) {
+                        uint4 xa[MT][2], xb[MT][2];
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            const int ra = 16 * mt + g, rb = ra + 8;
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const int ch = (sp0 + u) * 8 + c2 + h;
+                                xa[mt][h] = ra < M ? __ldg((const uint4*)(x + (size_t)ra * K) + tig + ch * 4) : zero;
+                                xb[mt][h] = rb < M ? __ldg((const uint4*)(x + (size_t)rb * K) + tig + ch * 4) : zero;
+                            }
+                        }
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                            for (int j = 0; j < NTW; ++j) {
+                                uint4 b = st[(j * 8 + g) * STRIDE + (c2 + h) * 4 + tig];
+#pragma unroll
+                                for (int mt = 0; mt < MT; ++mt) {
+                                    const uint4 a0 = xa[mt][h], a1 = xb[mt][h];
+                                    mma_bf16(c[mt][j], a0.x, a1.x, a0.y, a1.y, b.x, b.y);
+                                    mma_bf16(c[mt][j], a0.z, a1.z, a0.w, a1.w, b.z, b.w);
+                                }
+                            }
+                        }
                     }
                 }
             }
         }
     }
-    // The K splits of one tile meet in shared memory; split 0 adds them in split order.
+    // The K splits of one tile meet in shared memory (the staging buffers, every warp done
+    // with them); split 0 adds them in split order.
     if (ks > 1) {
+        __syncthreads();
+        float* red = (float*)stage[warp];
 #pragma unroll
-        for (int j = 0; j < NTW; ++j)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) red[warp][(j * 4 + e) * 32 + lane] = c[j][e];
+            for (int j = 0; j < NTW; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) red[((mt * NTW + j) * 4 + e) * 32 + lane] = c[mt][j][e];
         __syncthreads();
         if (split == 0) {
-            for (int s = 1; s < ks; ++s)
+            for (int s = 1; s < ks; ++s) {
+                const float* other = (const float*)stage[warp + s];
 #pragma unroll
-                for (int j = 0; j < NTW; ++j)
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) c[j][e] += red[warp + s][(j * 4 + e) * 32 + lane];
+                    for (int j = 0; j < NTW; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            c[mt][j][e] += other[((mt * NTW + j) * 4 + e) * 32 + lane];
+            }
         }
     }
     const bool writer = active && split == 0;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        int row = g + 8 * half;
-        float sq = 0.f;
-        if (writer && row < M)
-            sq = store_pair(EPI, y, resid, (size_t)row * N + n0 + tig * 2, c[0][2 * half],
-                            c[0][2 * half + 1], c[NTW - 1][2 * half], c[NTW - 1][2 * half + 1]);
-        if (EPI == EPI_RESID) {
-            sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-            sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-            if (split == 0 && tig == 0) rowsum[grp][row] = sq;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            int row = 16 * mt + g + 8 * half;
+            float sq = 0.f;
+            if (writer && row < M)
+                sq = store_pair(EPI, y, resid, (size_t)row * N + n0 + tig * 2, c[mt][0][2 * half],
+                                c[mt][0][2 * half + 1], c[mt][NTW - 1][2 * half],
+                                c[mt][NTW - 1][2 * half + 1]);
+            if (EPI == EPI_RESID) {
+                sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+                sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+                if (split == 0 && tig == 0) rowsum[grp][row] = sq;
+            }
         }
     }
     if (EPI != EPI_RESID) return;
@@ -327,9 +378,9 @@ __device__ void mma_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict_
         rows_impl<R, U, EPI, NORM, KS>(x, w, y, N, K, resid, nw, eps, ss_in, ss_out, part,    \
                                        counter, pf, pf_bytes);                                \
     }
-#define MMA_KERNEL(name, U, EPI)                                                              \
+#define MMA_KERNEL(name, U, EPI, MT)                                                          \
     extern "C" __global__ void __launch_bounds__(128) name(GEMV_ARGS) {                       \
-        mma_impl<U, EPI>(x, w, y, M, N, K, ks, resid, ss_out, part, counter);                 \
+        mma_impl<U, EPI, MT>(x, w, y, M, N, K, ks, resid, ss_out, part, counter);             \
     }
 
 // Measured (H200): 2 rows per warp with 4 loads in flight per row beat 4 rows x 2 on every
@@ -346,9 +397,19 @@ ROWS_KERNEL(gemv_rows2_store_norm, 2, 4, EPI_STORE, NORM_SELF, 0, 1)
 ROWS_KERNEL(gemv_rows2_resid, 2, 4, EPI_RESID, NORM_NONE, 0, 2)
 ROWS_KERNEL(gemv_rows2_silu, 2, 2, EPI_SILU, NORM_NONE, 12, 1)
 ROWS_KERNEL(gemv_rows2_silu_norm, 2, 2, EPI_SILU, NORM_SS, 12, 1)
-MMA_KERNEL(gemv_mma_store, 1, EPI_STORE)
-MMA_KERNEL(gemv_mma_resid, 1, EPI_RESID)
-MMA_KERNEL(gemv_mma_silu, 1, EPI_SILU)
+MMA_KERNEL(gemv_mma_store, 1, EPI_STORE, 1)
+MMA_KERNEL(gemv_mma_resid, 1, EPI_RESID, 1)
+MMA_KERNEL(gemv_mma_silu, 1, EPI_SILU, 1)
+// 17..64 rows: 2, 3 or 4 m16 tiles per warp over the same weight fragments.
+MMA_KERNEL(gemv_mma_store_m2, 1, EPI_STORE, 2)
+MMA_KERNEL(gemv_mma_resid_m2, 1, EPI_RESID, 2)
+MMA_KERNEL(gemv_mma_silu_m2, 1, EPI_SILU, 2)
+MMA_KERNEL(gemv_mma_store_m3, 1, EPI_STORE, 3)
+MMA_KERNEL(gemv_mma_resid_m3, 1, EPI_RESID, 3)
+MMA_KERNEL(gemv_mma_silu_m3, 1, EPI_SILU, 3)
+MMA_KERNEL(gemv_mma_store_m4, 1, EPI_STORE, 4)
+MMA_KERNEL(gemv_mma_resid_m4, 1, EPI_RESID, 4)
+MMA_KERNEL(gemv_mma_silu_m4, 1, EPI_SILU, 4)
 
 // ss[m] = sum_k x[m, k]^2 (the first norm of a forward). One block per row.
 extern "C" __global__ void row_sumsq(const bf16_t* __restrict__ x, float* __restrict__ ss, int K) {

@@ -51,8 +51,9 @@ pub struct Prefetch<'a> {
 
 /// Which kernel runs a product: `(name, grid, k splits)`. One row streams on CUDA cores with
 /// row-contiguous loads (2 output columns per warp, or per 2 warps for the residual epilogue),
-/// the norm applied as x streams in; 2 to 16
-/// rows on tensor cores (also one row with the `mma` variant).
+/// the norm applied as x streams in; 2 to 64
+/// rows on tensor cores (also one row with the `mma` variant), 17..64 with 2-4 m16 tiles per
+/// warp sharing every weight fragment.
 fn plan(m: usize, n: usize, epi: Epi, norm: bool, variant: Option<&str>) -> (String, usize, usize) {
     let epi_name = match epi {
         Epi::Store => "store",
@@ -71,7 +72,16 @@ fn plan(m: usize, n: usize, epi: Epi, norm: bool, variant: Option<&str>) -> (Str
         );
     }
     let ks = k_splits(n / 8);
-    (format!("gemv_mma_{epi_name}"), (n / 8).div_ceil(4 / ks), ks)
+    // m16 tiles per warp: the 17..64-row kernels share each weight fragment among 2-4.
+    let tiles = match m.div_ceil(16) {
+        0 | 1 => String::new(),
+        t => format!("_m{t}"),
+    };
+    (
+        format!("gemv_mma_{epi_name}{tiles}"),
+        (n / 8).div_ceil(4 / ks),
+        ks,
+    )
 }
 
 struct Launch<'a> {
@@ -211,7 +221,7 @@ fn launch(l: Launch<'_>) -> Result<(Tensor, Option<Tensor>)> {
     Ok((y, ss_out))
 }
 
-/// `norm(x) @ wᵀ` (`x` itself without a norm), `x: [m <= 16, k]`, `w: [n, k]`.
+/// `norm(x) @ wᵀ` (`x` itself without a norm), `x: [m <= 64, k]`, `w: [n, k]`.
 pub fn gemv(x: &Tensor, w: &Tensor, norm: Option<RowNorm<'_>>) -> Result<Tensor> {
     let n = w.dims2()?.0;
     Ok(launch(Launch {

@@ -184,10 +184,31 @@ pub fn attention(
     cache_len: &Tensor,
     tree_mask: Option<&Tensor>,
 ) -> Result<Tensor> {
+    attention_for_context(q, kc, vc, pages, cache_len, tree_mask, 0)
+}
+
+/// [`attention`] knowing on the host that no sequence has more than `committed` committed
+/// rows (0: unknown): a causal piece over a long context then takes the split-K path even
+/// with enough query tiles for the one-pass kernel, whose few blocks would each walk every
+/// key (see [`super::attn_prefill::one_pass_wins`]). The context only decides for pieces
+/// of at least 128 one-pass blocks (256 tokens of Qwen3-8B), longer than any CUDA graph
+/// step ([`super::graphs::GRAPH_MAX_TOKENS`]), so a graph and an eager forward of one step
+/// always take the same kernel.
+pub fn attention_for_context(
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    pages: Option<&Tensor>,
+    cache_len: &Tensor,
+    tree_mask: Option<&Tensor>,
+    committed: usize,
+) -> Result<Tensor> {
     let (t, nh, _) = q.dims3()?;
     let nkv = kc.dims3()?.0;
     let seqs = cache_len.elem_count().max(1);
-    if tree_mask.is_none() && super::attn_prefill::worth_it(t / seqs, nh, nkv * seqs) {
+    if tree_mask.is_none()
+        && super::attn_prefill::one_pass_wins(t / seqs, nh, nkv * seqs, committed)
+    {
         return super::attn_prefill::attention_prefill(q, kc, vc, pages, cache_len);
     }
     attention_split(q, kc, vc, pages, cache_len, tree_mask, None)
@@ -215,24 +236,37 @@ pub(super) fn attention_split(
     tree_mask: Option<&Tensor>,
     max_splits: Option<usize>,
 ) -> Result<Tensor> {
+    attention_split_with(q, kc, vc, pages, cache_len, tree_mask, max_splits, 4)
+}
+
+/// [`attention_split`] from blocks of `warps` warps (4 or 8; 16 query rows each), so that
+/// each staged K/V tile serves `16 warps` rows. 8 warps are a measured variant only
+/// (`check_scale`): on the H200 they won 1-9% for 128-512-token pieces past 16K committed
+/// rows and lost up to 1.8x at 1K-8K, too little to be worth a context-dependent choice.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attention_split_with(
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    pages: Option<&Tensor>,
+    cache_len: &Tensor,
+    tree_mask: Option<&Tensor>,
+    max_splits: Option<usize>,
+    warps: usize,
+) -> Result<Tensor> {
     let (t, nh, _) = q.dims3()?;
     let nkv = kc.dims3()?.0.max(1);
     let seqs = cache_len.elem_count().max(1);
-    let tiles = ((t / seqs) * (nh / nkv)).div_ceil(64).max(1);
+    let tiles = ((t / seqs) * (nh / nkv)).div_ceil(16 * warps).max(1);
     let splits = max_splits
         .unwrap_or(SPLIT_BLOCKS / (tiles * nkv * seqs))
         .clamp(1, COMBINE_SPLITS);
-    attention_with(
-        SplitKernel::Flash,
-        q,
-        kc,
-        vc,
-        pages,
-        cache_len,
-        tree_mask,
-        splits,
-        0,
-    )
+    let kernel = if warps == 8 {
+        SplitKernel::Flash8
+    } else {
+        SplitKernel::Flash
+    };
+    attention_with(kernel, q, kc, vc, pages, cache_len, tree_mask, splits, 0)
 }
 
 /// Splits `attn_combine` stages in shared memory (COMBINE_SMEM in kernels.cu).
@@ -243,6 +277,7 @@ const COMBINE_SPLITS: usize = 1024;
 enum SplitKernel {
     CudaCores,
     Flash,
+    Flash8,
 }
 
 /// [`attention`] on CUDA cores (the first version, 4 query rows per warp), kept to check the
@@ -318,7 +353,7 @@ fn attention_with(
     let scale = 1.0f32 / (d as f32).sqrt();
     // cps 0: the flash kernel and the combine derive it from the live length.
     let cpsi = cps as i32;
-    if kernel == SplitKernel::Flash {
+    if kernel != SplitKernel::CudaCores {
         let a = super::attn_prefill::SplitArgs {
             q: args[0],
             kc: args[1],
@@ -334,6 +369,7 @@ fn attention_with(
             nsplit,
             seqs,
             pt_stride: pt_stride as i32,
+            warps: if kernel == SplitKernel::Flash8 { 8 } else { 4 },
         };
         super::attn_prefill::launch_split(&dev, &a, rows)?;
     } else {

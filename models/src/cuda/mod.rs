@@ -59,14 +59,16 @@ pub mod check;
 #[cfg(feature = "cuda")]
 mod check_attn;
 #[cfg(feature = "cuda")]
+pub mod check_scale;
+#[cfg(feature = "cuda")]
 pub(crate) mod decoder_stack;
 pub mod graphs;
 #[cfg(feature = "cuda")]
 mod kernels;
 #[cfg(feature = "cuda")]
 pub use kernels::{
-    add_rmsnorm, attention, kv_norm_rope_cache, linear, qk_norm_rope_cache, silu_mul, split_plan,
-    QkvRows, CHUNK,
+    add_rmsnorm, attention, attention_for_context, kv_norm_rope_cache, linear, qk_norm_rope_cache,
+    silu_mul, split_plan, QkvRows, CHUNK,
 };
 #[cfg(feature = "cuda")]
 mod launch;
@@ -107,15 +109,18 @@ pub fn dflash_tensor_cores() -> bool {
     DFLASH_TENSOR_CORES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Most rows the skinny GEMMs (`gemv*`) take; wider products go to cuBLAS.
-pub const GEMV_MAX_ROWS: usize = 16;
+/// Most rows the skinny GEMMs (`gemv*`) take (four m16 tiles per warp); wider products go to
+/// cuBLAS.
+pub const GEMV_MAX_ROWS: usize = 64;
 
 /// Most rows a fused forward sends through the skinny GEMMs by default: one-row decode steps.
 /// Measured on the H200 (Qwen3-8B shape, 1K context, CUDA graphs, one call,
 /// deploy/bench/results/h200-2026-11-30c/skinny_vs_wide_rows.json): 1 row 4.53 ms skinny
 /// against 5.22 on cuBLAS; 2 / 4 / 8 rows 5.16 / 5.32 / 5.63 skinny against 4.96 / 5.01 /
 /// 5.21 on cuBLAS with the vectorised residual add + RMSNorm between the products (before
-/// that, 8 rows favoured the skinny kernels: 5.8 against 6.2 ms).
+/// that, 8 rows favoured the skinny kernels: 5.8 against 6.2 ms). The 17..64-row kernels lose
+/// too: a pooled decode step of 32 / 64 sequences at 640 positions took 10.59 / 18.23 ms on
+/// them against 7.48 / 9.04 on cuBLAS (deploy/bench/results/h200-2026-12-03-scale2).
 pub const GEMV_DEFAULT_ROWS: usize = 1;
 
 /// Longest per-sequence forward the fused path takes in one piece (and the longest CUDA-graph

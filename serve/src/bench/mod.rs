@@ -87,7 +87,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 192)]
     e2e_tokens: usize,
     /// Which paths to measure: plain (candle ops), fast (fused CUDA kernels), fast_cublas (fused
-    /// kernels with every GEMM on cuBLAS), fast_skinny (fused kernels with forwards of up to 16
+    /// kernels with every GEMM on cuBLAS), fast_skinny (fused kernels with forwards of up to 64
     /// rows on the skinny tensor-core GEMMs)
     #[arg(long, value_delimiter = ',', default_value = "plain,fast")]
     variants: Vec<String>,

@@ -5,7 +5,11 @@
 //! The Qwen3-8B-shaped speed figures that used to live here moved to `dflash-serve bench`
 //! (serve/src/bench/, deploy/bench/README.md), which also checks the fused CUDA kernels.
 //!
-//! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid | --pooled | --train]
+//! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid | --pooled | --train | --scale]
+//!
+//! With `--scale` (CUDA builds) it runs only the checks and timings of steps at scale
+//! (`gpu_check/scale.rs`): prefill pieces over long contexts, the 17..64-row skinny GEMMs
+//! against cuBLAS, batched decode and mixed steps of a random Qwen3-8B.
 //!
 //! With `--pooled` it runs only the paged-pool checks (`gpu_check/pooled.rs`).
 //!
@@ -27,6 +31,9 @@ mod hybrid_fused;
 mod pooled;
 #[path = "gpu_check/pooled_draft.rs"]
 mod pooled_draft;
+#[cfg(feature = "cuda")]
+#[path = "gpu_check/scale.rs"]
+mod scale;
 #[path = "gpu_check/train.rs"]
 mod train;
 #[path = "gpu_check/train_attn.rs"]
@@ -181,6 +188,20 @@ fn main() -> Result<()> {
             std::fs::write(path, &out)?;
         }
         println!("{out}");
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if args.iter().any(|a| a == "--scale") {
+        let bw = copy_bandwidth(&dev)?;
+        println!("scale copy bandwidth {:.1} GB/s", bw / 1e9);
+        let mut p = scale::run(&dev)?;
+        if let Value::Object(m) = &mut p {
+            m.insert("copy_bandwidth_GBps".into(), json!(bw / 1e9));
+        }
+        let out = json!({ "scale": p }).to_string();
+        if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
+            std::fs::write(path, &out)?;
+        }
         return Ok(());
     }
     if args.iter().any(|a| a == "--pooled") {

@@ -291,10 +291,14 @@ impl Engine {
 
 /// The piece of a long prompt prefilled in a step while others decode, from `cap` tokens
 /// per step at the start to fewer further in (the piece's attention reads every earlier
-/// position): `cap` up to 8192 positions, then `cap * 8192 / position`, at least 32. On an
-/// H200 (Qwen3-8B) a 256-token piece costs about a decode step at the start of a prompt.
+/// position): `cap` up to 4096 positions, then `cap * 4096 / position`, at least 32, so that
+/// a piece of the default 256 attends to about 1M (query, key) pairs wherever it lies. On an
+/// H200 (Qwen3-8B, deploy/bench/results/h200-2026-12-03-scale2) a piece's attention runs at
+/// ~100 TFLOP/s, 6.5 ms per step for 1M pairs: pieces of 2M pairs (the 8192 this was before)
+/// held 16 decoding streams at 3.6x their steady inter-token latency (p50) through a 32K
+/// prompt, 1M pairs at 2.65x.
 pub(super) fn long_prompt_piece(cap: usize, position: usize) -> usize {
-    const FULL_UP_TO: usize = 8192;
+    const FULL_UP_TO: usize = 4096;
     (cap * FULL_UP_TO / position.max(FULL_UP_TO)).clamp(32.min(cap), cap)
 }
 

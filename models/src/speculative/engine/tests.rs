@@ -216,9 +216,18 @@ fn sixteen_sequences_in_a_pool_too_small_for_them_are_retracted_and_finish_as_al
 #[test]
 fn long_prompt_pieces_shrink_deep_into_a_prompt() {
     assert_eq!(long_prompt_piece(256, 0), 256);
-    assert_eq!(long_prompt_piece(256, 8192), 256);
-    assert_eq!(long_prompt_piece(256, 16384), 128);
-    assert_eq!(long_prompt_piece(256, 32768), 64);
+    assert_eq!(long_prompt_piece(256, 4096), 256);
+    assert_eq!(long_prompt_piece(256, 8192), 128);
+    assert_eq!(long_prompt_piece(256, 16384), 64);
+    assert_eq!(long_prompt_piece(256, 32768), 32);
+    // Pieces past 4096 positions attend to about the same number of (query, key) pairs.
+    for p in [5000usize, 9000, 20000, 30000] {
+        let pairs = long_prompt_piece(256, p) * p;
+        assert!(
+            (256 * 4096 * 9 / 10..=256 * 4096).contains(&pairs),
+            "{p}: {pairs}"
+        );
+    }
     assert_eq!(long_prompt_piece(256, 1 << 20), 32, "at least 32");
     assert_eq!(
         long_prompt_piece(10, 1 << 20),
