@@ -9,7 +9,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, Push
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Result};
 
-use super::attn_dflash::Dims;
+use super::attn_dflash_dims::Dims;
 use super::launch::go;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_dflash_tc.ptx"));

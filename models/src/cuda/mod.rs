@@ -37,6 +37,8 @@ mod attn_decode;
 #[cfg(feature = "cuda")]
 mod attn_dflash;
 #[cfg(feature = "cuda")]
+mod attn_dflash_dims;
+#[cfg(feature = "cuda")]
 mod attn_dflash_tc;
 #[cfg(feature = "cuda")]
 pub use attn_dflash::{
