@@ -71,7 +71,7 @@ impl Qwen35Model {
             let (mixed, o_proj) = match &layer.mixer {
                 Mixer::Linear(g) => {
                     let proj = cuda::gemv(&x, &g.in_proj, Some(norm))?;
-                    let state = seq.cache.layer(li).recurrent()?.last();
+                    let state = seq.cache.layer(li).recurrent()?.last()?;
                     let (y, states, ext) = g.mix_fused(&proj, state, keep)?;
                     // A row's conv window after it: the K-1 rows of `ext` ending at it.
                     let w1 = g.kernel - 1;

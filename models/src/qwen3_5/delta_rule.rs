@@ -321,13 +321,72 @@ pub fn tree(
     initial: &Tensor,
     state_of: &[usize],
 ) -> Result<(Tensor, Vec<Tensor>)> {
+    let t = parents.len();
+    if state_of.iter().any(|&n| n >= t) {
+        candle_core::bail!("tree delta rule: {t} nodes, states asked of {state_of:?}");
+    }
+    let s = tree_solve(inp, parents, initial)?;
+    let states = state_of
+        .iter()
+        .map(|&n| {
+            let w = s.decay.narrow(1, n, 1)?; // [Hv, 1, t]: e^{γ_n - γ_j} on n's path
+            let kw = s.kt.broadcast_mul(&w)?; // [Hv, dk, t]
+            let e_n = s.e_gamma.narrow(1, n, 1)?; // [Hv, 1, 1]
+            initial.broadcast_mul(&e_n)? + kw.matmul(&s.u)?
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((s.o.transpose(0, 1)?.contiguous()?, states))
+}
+
+/// [`tree`] without any state: every node's output `[t, Hv, dv]` and the value `u_i` it
+/// writes into the memory `[t, Hv, dv]` (`S_i = e^{g_i} S_parent + k_i u_iᵀ`). A node's `u`
+/// depends only on its own path, so keeping `k`, `u` and `g` of every node is enough to build
+/// the state of whichever node is committed later ([`state_along`]).
+pub fn tree_writes(
+    inp: &DeltaInputs,
+    parents: &[Option<usize>],
+    initial: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let s = tree_solve(inp, parents, initial)?;
+    Ok((
+        s.o.transpose(0, 1)?.contiguous()?,
+        s.u.transpose(0, 1)?.contiguous()?,
+    ))
+}
+
+/// The state after a chain of `m` rows from `initial` `[Hv, dk, dv]`, given each row's
+/// (value-head expanded) key `k` `[m, Hv, dk]`, written value `u` `[m, Hv, dv]` and log-decay
+/// `g` `[m, Hv]`: `S_m = e^{Γ_m} S0 + Σ_j e^{Γ_m - Γ_j} k_j u_jᵀ` with `Γ` the running sum of
+/// `g` (every weight is at most 1: `g <= 0`). One matmul per head, no solve.
+pub fn state_along(initial: &Tensor, k: &Tensor, u: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let m = k.dim(0)?;
+    if m == 0 {
+        return Ok(initial.clone());
+    }
+    let cum = g.t()?.contiguous()?.cumsum(1)?; // [Hv, m]
+    let total = cum.narrow(1, m - 1, 1)?; // [Hv, 1]
+    let w = total.broadcast_sub(&cum)?.exp()?.unsqueeze(1)?; // [Hv, 1, m]
+    let kw = k.permute((1, 2, 0))?.broadcast_mul(&w)?; // [Hv, dk, m]
+    let u = u.transpose(0, 1)?.contiguous()?; // [Hv, m, dv]
+    initial.broadcast_mul(&total.exp()?.unsqueeze(2)?)? + kw.contiguous()?.matmul(&u)?
+}
+
+/// The shared part of [`tree`] and [`tree_writes`]: outputs and written values heads-first
+/// (`[Hv, t, dv]`), with the path decays, `e^{γ}` and `kᵀ` the states are built from.
+struct TreeSolve {
+    o: Tensor,
+    u: Tensor,
+    decay: Tensor,
+    e_gamma: Tensor,
+    kt: Tensor,
+}
+
+fn tree_solve(inp: &DeltaInputs, parents: &[Option<usize>], initial: &Tensor) -> Result<TreeSolve> {
     let dev = inp.q.device();
     let t = parents.len();
     let tq = inp.k.dim(0)?;
-    if tq != t || state_of.iter().any(|&n| n >= t) {
-        candle_core::bail!(
-            "tree delta rule: {tq} rows of inputs, {t} parents, states asked of {state_of:?}"
-        );
+    if tq != t {
+        candle_core::bail!("tree delta rule: {tq} rows of inputs, {t} parents");
     }
     // on_path[i][j]: j is i or one of its ancestors.
     let mut on_path = vec![0f32; t * t];
@@ -369,14 +428,11 @@ pub fn tree(
     let u = unit_lower_solve(&a, &b)?; // [Hv, t, dv]
     let o =
         (q.matmul(initial)?.broadcast_mul(&e_gamma)? + (q.matmul(&kt)? * &decay)?.matmul(&u)?)?;
-    let states = state_of
-        .iter()
-        .map(|&n| {
-            let w = decay.narrow(1, n, 1)?; // [Hv, 1, t]: e^{γ_n - γ_j} on n's path
-            let kw = kt.broadcast_mul(&w)?; // [Hv, dk, t]
-            let e_n = e_gamma.narrow(1, n, 1)?; // [Hv, 1, 1]
-            initial.broadcast_mul(&e_n)? + kw.matmul(&u)?
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok((o.transpose(0, 1)?.contiguous()?, states))
+    Ok(TreeSolve {
+        o,
+        u,
+        decay,
+        e_gamma,
+        kt,
+    })
 }
