@@ -174,6 +174,24 @@ fn an_uncommitted_chain_extends_from_its_rebuilt_state_and_truncates_to_any_row(
 }
 
 #[test]
+fn a_chain_longer_than_a_chunk_stages_inputs_and_commits_any_row() {
+    single_threaded_tensor_ops();
+    let m = tiny_hybrid(19);
+    let mut cache = m.new_cache_with_rollback(96, 80).unwrap();
+    let tokens: Vec<u32> = (0..75u32).map(|i| (i * 53 + 11) % 96).collect();
+    let pos: Vec<u32> = (0..75).collect();
+    fwd(&m, &mut cache, &tokens, &pos, &AttnPattern::Causal);
+    for li in 0..cache.num_layers() {
+        if let LayerCache::Recurrent(r) = cache.layer(li) {
+            assert_eq!(r.staged_rows(), 75);
+            assert_eq!(r.staged_full_states(), 0);
+        }
+    }
+    cache.compact(40, &[40, 41, 42]).unwrap();
+    assert_state_is_recomputed(&m, &cache, &tokens[..43], "long chain");
+}
+
+#[test]
 fn a_64_node_tree_at_the_qwen3_6_27b_shape_stages_under_1_gb_per_sequence() {
     let layer_types: Vec<&str> = (0..64)
         .map(|i| {

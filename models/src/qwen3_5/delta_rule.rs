@@ -244,6 +244,23 @@ fn unit_lower_solve(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// The chunked form from `initial` `[Hv, dk, dv]`: outputs `[t, Hv, dv]` and the final state.
 pub fn chunked(inp: &DeltaInputs, initial: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (o, s, _) = chunked_form(inp, initial, false)?;
+    Ok((o, s))
+}
+
+/// [`chunked`] also returning the value each token wrote into the memory, `[t, Hv, dv]` (the
+/// chunks' corrected values, `u` of [`tree_writes`]): the staging of long rollback-able chains.
+pub fn chunked_writes(inp: &DeltaInputs, initial: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let (o, s, u) = chunked_form(inp, initial, true)?;
+    let u = u.ok_or_else(|| candle_core::Error::Msg("chunked form kept no writes".into()))?;
+    Ok((o, s, u))
+}
+
+fn chunked_form(
+    inp: &DeltaInputs,
+    initial: &Tensor,
+    keep_writes: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let dev = inp.q.device();
     let (t, hv, dk) = inp.k.dims3()?;
     let dv = inp.v.dim(2)?;
@@ -289,6 +306,7 @@ pub fn chunked(inp: &DeltaInputs, initial: &Tensor) -> Result<(Tensor, Tensor)> 
     let chunk_decay = last.exp()?.unsqueeze(3)?; // [Hv, nc, 1, 1]
     let mut s = initial.clone();
     let mut outs = Vec::with_capacity(nc);
+    let mut writes = Vec::with_capacity(if keep_writes { nc } else { 0 });
     for i in 0..nc {
         let at = |x: &Tensor| x.narrow(1, i, 1).and_then(|y| y.squeeze(1));
         let v_new = (at(&new_values)? - at(&k_cumdecay)?.contiguous()?.matmul(&s)?)?;
@@ -296,9 +314,18 @@ pub fn chunked(inp: &DeltaInputs, initial: &Tensor) -> Result<(Tensor, Tensor)> 
         outs.push((inter + at(&intra)?.contiguous()?.matmul(&v_new)?)?);
         let kd = at(&k_dec)?.transpose(1, 2)?.contiguous()?;
         s = (s.broadcast_mul(&at(&chunk_decay)?)? + kd.matmul(&v_new)?)?;
+        if keep_writes {
+            writes.push(v_new);
+        }
     }
     let out = Tensor::cat(&outs, 1)?.narrow(1, 0, t)?; // [Hv, t, dv]
-    Ok((out.transpose(0, 1)?.contiguous()?, s))
+    let writes = if keep_writes {
+        let u = Tensor::cat(&writes, 1)?.narrow(1, 0, t)?;
+        Some(u.transpose(0, 1)?.contiguous()?)
+    } else {
+        None
+    };
+    Ok((out.transpose(0, 1)?.contiguous()?, s, writes))
 }
 
 /// The delta rule over a token tree in one block, from the committed state `initial`

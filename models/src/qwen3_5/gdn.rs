@@ -15,7 +15,9 @@ use crate::cache::{GdnState, RowInputs, StagedState};
 use crate::error::{ModelError, ModelResult};
 use crate::layers::decoder_layer::linear;
 use crate::layers::ops::{rms_norm, OpsMode};
-use crate::qwen3_5::delta_rule::{chunked, recurrent, tree_writes, DeltaInputs, Forest};
+use crate::qwen3_5::delta_rule::{
+    chunked, chunked_writes, recurrent, tree_writes, DeltaInputs, Forest, CHUNK,
+};
 use crate::random::WeightRng;
 
 /// Which delta-rule form a forward uses (tests pin one to compare them).
@@ -359,7 +361,8 @@ impl GatedDeltaNet {
 
     /// The token mixer of one sequence's rollback-able forward (a chain or tree verify of
     /// `parents`, the forest's one segment, from `state`): every row's output from the tree
-    /// (ancestor-mask) form of the delta rule, and instead of a state per row the rows'
+    /// (ancestor-mask) form of the delta rule (the chunked form for chains longer than a
+    /// chunk), and instead of a state per row the rows'
     /// [`RowInputs`], from which the commit rebuilds the accepted row's state (see
     /// [`crate::cache::recurrent`]). Returns the gated-norm output `[t, Hv * dv]`.
     pub fn mix_staged(
@@ -372,7 +375,18 @@ impl GatedDeltaNet {
         let t = forest.len();
         let dtype = proj.dtype();
         let f = self.front(proj, forest, &[state])?;
-        let (o, writes) = tree_writes(&f.inp, parents, &state.ssm)?;
+        // Chains longer than a chunk take the chunked form (prefill's numerics, memory linear
+        // in t); trees and short chains the tree form (a tree cannot be chunked).
+        let chain = parents
+            .iter()
+            .enumerate()
+            .all(|(i, &p)| p == i.checked_sub(1));
+        let (o, writes) = if chain && t > CHUNK {
+            let (o, _, u) = chunked_writes(&f.inp, &state.ssm)?;
+            (o, u)
+        } else {
+            tree_writes(&f.inp, parents, &state.ssm)?
+        };
         let staged = StagedState::Inputs(RowInputs {
             pre_conv: f.mixed,
             k: f.key_heads.contiguous()?,
