@@ -1,14 +1,37 @@
 //! Recurrent (Gated DeltaNet) layer state and the row bookkeeping that lets it roll back.
 //!
 //! A GDN layer's state after row r depends on every row before it and is overwritten by each
-//! new token, so it cannot be truncated like K/V. Instead a forward that may be rolled back (a
-//! chain or tree verify, at most `rollback` rows) keeps the state *after every new row*,
-//! computed from that row's parent (tree nodes start from their parent's state, not from the
-//! previous node in flattened order). Those per-row states are views into the forward's own
-//! buffers, so keeping them costs no copy. `truncate` and `compact` then pick the state of the
-//! last surviving row; `compact` (the engine's commit) folds it into the settled base state and
-//! frees the rest, so rejected branches neither leak into the state nor stay in memory.
-//! Forwards longer than `rollback` (prefill) keep only their final state and settle at once.
+//! new token, so it cannot be truncated like K/V. A forward that may be rolled back (a chain
+//! or tree verify, at most `rollback` rows) therefore stages, per layer, what the state of any
+//! of its rows can be rebuilt from, and `truncate` / `compact` / `settle` rebuild only the
+//! state of the row that survives; `compact` (the engine's commit) folds it into the settled
+//! base state and frees the rest, so rejected branches neither leak into the state nor stay in
+//! memory. Forwards longer than `rollback` (prefill) keep only their final state and settle at
+//! once.
+//!
+//! **Compact staging (the plain path).** Along the path to a row n the delta rule is a chain,
+//! `S_j = e^{g_j} S_parent(j) + k_j u_jᵀ`, where `u_j` (the value row j writes) depends only on
+//! j's own ancestors. So with `Γ` the log-decay summed along the path from the base,
+//! `S_n = e^{Γ_n} S_base + Σ_{j ∈ path(n)} e^{Γ_n - Γ_j} k_j u_jᵀ`: one matmul per head, no
+//! solve. The verify computes every row's output through the ancestor mask
+//! (`delta_rule::tree_writes`; long chains `delta_rule::chunked_writes`), never a state per
+//! row, and stages [`RowInputs`]: per row its pre-conv q|k|v row (the conv window after row n
+//! is the last K-1 of them along n's path, after the base window), its L2-normalised key per
+//! key head, its `u` per value head and its log-decay. The tree's parents live in
+//! [`RowTracker`]; the commit hands each layer the accepted path, which it replays
+//! (`delta_rule::state_along`). A forward continuing uncommitted rows (an oracle rollout) asks
+//! [`RecurrentLayer::last`], which builds the tip state once on demand.
+//!
+//! Memory at the Qwen3.6-27B shape (48 GDN layers, Hk 16, Hv 48, heads of 128, conv_dim
+//! 10240, bf16 rows): 53,440 bytes per row per layer, 2.56 MB per verified row, **164 MB for a
+//! 64-node tree per sequence** (`HybridConfig::staged_bytes_per_verified_row`), against 147 MiB
+//! per row (9.4 GB per 64-node tree) with a full state per row. The tree form adds O(t²) per
+//! head while a layer runs (`[Hv, t, t]` f32: 0.8 MB at t = 64), freed after the layer; the
+//! commit builds one state per layer.
+//!
+//! **Full per-row states** ([`StagedState::Rows`]) remain for the fused CUDA chain forward
+//! (`qwen3_5/cuda.rs`), whose kernel writes every row's state into one buffer anyway: those
+//! rows are views into it, and a path replays from the last full state on it.
 
 use std::sync::{Arc, OnceLock};
 

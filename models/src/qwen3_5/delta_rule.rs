@@ -11,6 +11,9 @@
 //!   the final state.
 //! - [`tree`] is the block form of a verify tree: every node's output from the committed state
 //!   through the ancestor mask, and the state only for the nodes asked (the accepted path's end).
+//!   [`tree_writes`] (and [`chunked_writes`] for long chains) return instead the value each node
+//!   wrote, from which [`state_along`] rebuilds any node's state later: the verify staging of
+//!   [`crate::cache::recurrent`].
 
 use candle_core::{DType, Device, Result, Tensor, D};
 

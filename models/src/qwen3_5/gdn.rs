@@ -20,11 +20,13 @@ use crate::qwen3_5::delta_rule::{
 };
 use crate::random::WeightRng;
 
-/// Which delta-rule form a forward uses (tests pin one to compare them).
+/// Which delta-rule form a forward that settles uses (tests pin one to compare them);
+/// rollback-able forwards always take the tree form (the chunked one for chains longer than a
+/// chunk), see [`GatedDeltaNet::mix_staged`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeltaForm {
-    /// Chunked for multi-token forwards that keep no per-row state, recurrent otherwise (HF's
-    /// choice: recurrent only for cached single-token steps).
+    /// Chunked for multi-token forwards, recurrent for single tokens (HF's choice: recurrent
+    /// only for cached single-token steps).
     #[default]
     Auto,
     Recurrent,
