@@ -367,6 +367,23 @@ impl HybridConfig {
         self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
             + (self.linear_conv_kernel_dim - 1) * self.conv_dim() * conv_bytes
     }
+
+    /// Bytes one verified (rollback-able) row stages in one GDN layer on the plain path
+    /// instead of a full state: its pre-conv q|k|v row at `conv_bytes` per element, and in
+    /// f32 its key per key head, the value it wrote per value head and its log-decay per value
+    /// head (`dflash_models::cache::recurrent`).
+    pub fn staged_bytes_per_verified_row_per_layer(&self, conv_bytes: usize) -> usize {
+        self.conv_dim() * conv_bytes
+            + 4 * (self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim
+                + self.linear_num_value_heads)
+    }
+
+    /// [`Self::staged_bytes_per_verified_row_per_layer`] over every GDN layer: what one
+    /// sequence stages per verified row (a tree node) until the commit.
+    pub fn staged_bytes_per_verified_row(&self, conv_bytes: usize) -> usize {
+        self.num_linear_layers() * self.staged_bytes_per_verified_row_per_layer(conv_bytes)
+    }
 }
 
 /// Which layers are sparse and the MoE block's shape, as HF decides: every layer of

@@ -107,8 +107,13 @@ pub fn assert_committed_matches_recompute(
     for li in 0..cache.num_layers() {
         match (cache.layer(li), fresh.layer(li)) {
             (LayerCache::Recurrent(a), LayerCache::Recurrent(b)) => {
-                let d_conv = max_abs_diff(&a.last().conv, &b.last().conv);
-                let d_ssm = max_abs_diff(&a.last().ssm, &b.last().ssm);
+                assert_eq!(
+                    a.staged_rows(),
+                    0,
+                    "{what}: layer {li} keeps staged rows after the commit"
+                );
+                let d_conv = max_abs_diff(&a.last().unwrap().conv, &b.last().unwrap().conv);
+                let d_ssm = max_abs_diff(&a.last().unwrap().ssm, &b.last().unwrap().ssm);
                 assert!(
                     d_conv < 1e-4 && d_ssm < 1e-4,
                     "{what}: layer {li} state after {n} tokens differs from recomputation (conv {d_conv}, ssm {d_ssm})"

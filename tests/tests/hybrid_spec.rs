@@ -85,8 +85,8 @@ fn an_uncompacted_tree_cannot_be_extended_or_truncated_through() {
     else {
         panic!("layer 0 is GDN")
     };
-    assert!(max_abs_diff(&a.last().ssm, &b.last().ssm) < 1e-4);
-    assert!(max_abs_diff(&a.last().conv, &b.last().conv) < 1e-4);
+    assert!(max_abs_diff(&a.last().unwrap().ssm, &b.last().unwrap().ssm) < 1e-4);
+    assert!(max_abs_diff(&a.last().unwrap().conv, &b.last().unwrap().conv) < 1e-4);
 }
 
 /// A random DFlash drafter in the Qwen3.6 style (a sliding-window layer then a full one) tapping

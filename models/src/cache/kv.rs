@@ -6,8 +6,8 @@
 //! is `[num_kv_heads, capacity, head_dim]`; rows `[0, len)` are live.
 //!
 //! A cache is a list of per-layer caches behind [`LayerCache`]. Attention layers keep K/V rows;
-//! the recurrent (Gated DeltaNet) layers of the hybrid targets keep a state per rollback-able
-//! row ([`super::recurrent`]), with the same truncate/compact contract.
+//! the recurrent (Gated DeltaNet) layers of the hybrid targets keep what rebuilds the state of
+//! any rollback-able row ([`super::recurrent`]), with the same truncate/compact contract.
 
 use std::sync::Arc;
 
@@ -300,7 +300,8 @@ impl SequenceCache {
     }
 
     /// A cache mixing attention and recurrent layers. Forwards of at most `rollback` rows keep
-    /// per-row recurrent states (so they can be truncated or compacted); longer ones settle.
+    /// what rebuilds each row's recurrent state (so they can be truncated or compacted); longer
+    /// ones settle.
     pub fn new_hybrid(layers: Vec<LayerCache>, capacity: usize, rollback: usize) -> Self {
         Self {
             layers,
@@ -327,7 +328,7 @@ impl SequenceCache {
     }
 
     /// Applies a successful forward's recurrent states and makes its `t` rows live. `parents`
-    /// (relative to the new rows) is given when the forward kept per-row states.
+    /// (relative to the new rows) is given when the forward kept its rows rollback-able.
     pub(crate) fn commit_recurrent(
         &mut self,
         t: usize,
@@ -338,9 +339,10 @@ impl SequenceCache {
             ModelError::BadCacheOp("recurrent states for a cache without recurrent layers".into())
         })?;
         tracker.record(self.len, t, parents);
+        let path = tracker.live_rows_are_a_path(self.len + t);
         for (li, st) in staged {
             if let LayerCache::Recurrent(r) = &mut self.layers[li] {
-                r.apply(st);
+                r.apply(st, path);
             }
         }
         self.len += t;
@@ -348,13 +350,13 @@ impl SequenceCache {
     }
 
     /// Folds every live row into the recurrent base states: nothing before `len` can be rolled
-    /// back afterwards, and the per-row states are freed (a no-op for attention-only caches).
+    /// back afterwards, and the staged rows are freed (a no-op for attention-only caches).
     pub fn settle(&mut self) -> ModelResult<()> {
         if let Some(tracker) = self.rows.as_mut() {
-            let last = tracker.settle_all(self.len);
+            let path = tracker.settle_all(self.len);
             for layer in &mut self.layers {
                 if let LayerCache::Recurrent(r) = layer {
-                    r.settle_on(last)?;
+                    r.settle_on(&path)?;
                 }
             }
         }
@@ -433,14 +435,14 @@ impl SequenceCache {
                 self.len
             )));
         }
-        let recurrent_last = match self.rows.as_mut() {
-            Some(tracker) => Some(tracker.compact(start, keep)?),
-            None => None,
+        let recurrent_path = match self.rows.as_mut() {
+            Some(tracker) => tracker.compact(start, keep)?,
+            None => Vec::new(),
         };
         for layer in &mut self.layers {
             match layer {
                 LayerCache::Attention(kv) => kv.compact(&self.table, start, keep)?,
-                LayerCache::Recurrent(r) => r.settle_on(recurrent_last.flatten())?,
+                LayerCache::Recurrent(r) => r.settle_on(&recurrent_path)?,
             }
         }
         self.len = start + keep.len();

@@ -13,4 +13,4 @@ pub mod recurrent;
 pub use kv::{KvBuffer, LayerCache, SequenceCache};
 pub use pool::{pages_for, KvPool, PageRef, PageTable, PAGE_SIZE};
 pub use radix::{PrefixCache, PrefixMatch};
-pub use recurrent::{GdnState, RecurrentLayer, RowTracker, StagedState};
+pub use recurrent::{GdnState, RecurrentLayer, RowInputs, RowTracker, StagedState};

@@ -1,18 +1,44 @@
 //! Recurrent (Gated DeltaNet) layer state and the row bookkeeping that lets it roll back.
 //!
 //! A GDN layer's state after row r depends on every row before it and is overwritten by each
-//! new token, so it cannot be truncated like K/V. Instead a forward that may be rolled back (a
-//! chain or tree verify, at most `rollback` rows) keeps the state *after every new row*,
-//! computed from that row's parent (tree nodes start from their parent's state, not from the
-//! previous node in flattened order). Those per-row states are views into the forward's own
-//! buffers, so keeping them costs no copy. `truncate` and `compact` then pick the state of the
-//! last surviving row; `compact` (the engine's commit) folds it into the settled base state and
-//! frees the rest, so rejected branches neither leak into the state nor stay in memory.
-//! Forwards longer than `rollback` (prefill) keep only their final state and settle at once.
+//! new token, so it cannot be truncated like K/V. A forward that may be rolled back (a chain
+//! or tree verify, at most `rollback` rows) therefore stages, per layer, what the state of any
+//! of its rows can be rebuilt from, and `truncate` / `compact` / `settle` rebuild only the
+//! state of the row that survives; `compact` (the engine's commit) folds it into the settled
+//! base state and frees the rest, so rejected branches neither leak into the state nor stay in
+//! memory. Forwards longer than `rollback` (prefill) keep only their final state and settle at
+//! once.
+//!
+//! **Compact staging (the plain path).** Along the path to a row n the delta rule is a chain,
+//! `S_j = e^{g_j} S_parent(j) + k_j u_jᵀ`, where `u_j` (the value row j writes) depends only on
+//! j's own ancestors. So with `Γ` the log-decay summed along the path from the base,
+//! `S_n = e^{Γ_n} S_base + Σ_{j ∈ path(n)} e^{Γ_n - Γ_j} k_j u_jᵀ`: one matmul per head, no
+//! solve. The verify computes every row's output through the ancestor mask
+//! (`delta_rule::tree_writes`; long chains `delta_rule::chunked_writes`), never a state per
+//! row, and stages [`RowInputs`]: per row its pre-conv q|k|v row (the conv window after row n
+//! is the last K-1 of them along n's path, after the base window), its L2-normalised key per
+//! key head, its `u` per value head and its log-decay. The tree's parents live in
+//! [`RowTracker`]; the commit hands each layer the accepted path, which it replays
+//! (`delta_rule::state_along`). A forward continuing uncommitted rows (an oracle rollout) asks
+//! [`RecurrentLayer::last`], which builds the tip state once on demand.
+//!
+//! Memory at the Qwen3.6-27B shape (48 GDN layers, Hk 16, Hv 48, heads of 128, conv_dim
+//! 10240, bf16 rows): 53,440 bytes per row per layer, 2.56 MB per verified row, **164 MB for a
+//! 64-node tree per sequence** (`HybridConfig::staged_bytes_per_verified_row`), against 147 MiB
+//! per row (9.4 GB per 64-node tree) with a full state per row. The tree form adds O(t²) per
+//! head while a layer runs (`[Hv, t, t]` f32: 0.8 MB at t = 64), freed after the layer; the
+//! commit builds one state per layer.
+//!
+//! **Full per-row states** ([`StagedState::Rows`]) remain for the fused CUDA chain forward
+//! (`qwen3_5/cuda.rs`), whose kernel writes every row's state into one buffer anyway: those
+//! rows are views into it, and a path replays from the last full state on it.
+
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{DType, Device, Result, Tensor};
 
 use crate::error::{ModelError, ModelResult};
+use crate::qwen3_5::delta_rule::state_along;
 
 /// One GDN layer's state at one position.
 #[derive(Debug, Clone)]
@@ -38,21 +64,82 @@ impl GdnState {
     }
 }
 
+/// One forward's rows of one GDN layer in the compact staging: what the state after any of
+/// them can be rebuilt from (see the module doc), instead of a full state per row.
+#[derive(Debug, Clone)]
+pub struct RowInputs {
+    /// The rows' pre-convolution q|k|v projections `[t, conv_dim]` (model dtype): the conv
+    /// window after a row is the last `K - 1` of them along its path.
+    pub pre_conv: Tensor,
+    /// L2-normalised keys per key head `[t, Hk, dk]` (f32; value head j reads key head
+    /// `j / (Hv / Hk)`).
+    pub k: Tensor,
+    /// The value each row wrote into the memory, `u` in `S <- e^g S_parent + k uᵀ`
+    /// `[t, Hv, dv]` (f32).
+    pub writes: Tensor,
+    /// Log-decays `[t, Hv]` (f32).
+    pub g: Tensor,
+}
+
+impl RowInputs {
+    pub fn len(&self) -> usize {
+        self.g.dims().first().copied().unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes held for these rows.
+    pub fn bytes(&self) -> usize {
+        [&self.pre_conv, &self.k, &self.writes, &self.g]
+            .iter()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
+    }
+
+    /// Rows `[from, from + n)` of every field.
+    fn narrow(&self, from: usize, n: usize) -> Result<Self> {
+        Ok(Self {
+            pre_conv: self.pre_conv.narrow(0, from, n)?,
+            k: self.k.narrow(0, from, n)?,
+            writes: self.writes.narrow(0, from, n)?,
+            g: self.g.narrow(0, from, n)?,
+        })
+    }
+}
+
 /// What a forward leaves for one recurrent layer, applied only once every layer succeeded.
 #[derive(Debug)]
 pub enum StagedState {
-    /// The state after each new row (rows may be rolled back later).
+    /// The state after each new row (rows may be rolled back later): the fused CUDA chain's
+    /// views into its kernel's state buffer.
     Rows(Vec<GdnState>),
     /// Only the state after the last new row (the forward settles the cache).
     Final(GdnState),
+    /// The new rows' [`RowInputs`] (rows may be rolled back later): the plain path's verify.
+    Inputs(RowInputs),
+}
+
+/// One unsettled row of a layer.
+#[derive(Debug, Clone)]
+enum StagedRow {
+    /// The full state after the row.
+    State(GdnState),
+    /// Row `i` of one forward's inputs (shared by that forward's rows).
+    Inputs(Arc<RowInputs>, usize),
 }
 
 #[derive(Debug, Clone)]
 pub struct RecurrentLayer {
     /// State after the first `settled` rows of the sequence.
     base: GdnState,
-    /// State after each row in `[settled, len)`.
-    rows: Vec<GdnState>,
+    /// What each row in `[settled, len)` left.
+    rows: Vec<StagedRow>,
+    /// Whether `rows` form one path from the base (false after an uncompacted tree).
+    path: bool,
+    /// The state after the last row, once built (rows staged as inputs build it on demand).
+    tip: OnceLock<GdnState>,
 }
 
 impl RecurrentLayer {
@@ -60,45 +147,171 @@ impl RecurrentLayer {
         Self {
             base,
             rows: Vec::new(),
+            path: true,
+            tip: OnceLock::new(),
         }
     }
 
-    /// The state after the last live row (what a forward continues from).
-    pub fn last(&self) -> &GdnState {
-        self.rows.last().unwrap_or(&self.base)
+    /// The state after the last live row (what a forward continues from); built from the
+    /// staged inputs the first time it is asked after a rollback-able forward. Fails while the
+    /// live rows hold an uncommitted tree (no single "last" state).
+    pub fn last(&self) -> ModelResult<&GdnState> {
+        match self.rows.last() {
+            None => Ok(&self.base),
+            Some(_) if !self.path => Err(ModelError::BadCacheOp(
+                "the live recurrent rows hold an uncommitted tree: compact the accepted path first"
+                    .into(),
+            )),
+            Some(StagedRow::State(s)) => Ok(s),
+            Some(StagedRow::Inputs(..)) => {
+                if let Some(s) = self.tip.get() {
+                    return Ok(s);
+                }
+                let all: Vec<usize> = (0..self.rows.len()).collect();
+                let s = self.state_along(&all)?;
+                Ok(self.tip.get_or_init(|| s))
+            }
+        }
     }
 
     pub fn base(&self) -> &GdnState {
         &self.base
     }
 
-    pub(crate) fn apply(&mut self, staged: StagedState) {
+    /// Unsettled rows (each a full state or a row of staged inputs).
+    pub fn staged_rows(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// How many unsettled rows hold a full state (the fused CUDA chain's staging).
+    pub fn staged_full_states(&self) -> usize {
+        self.rows
+            .iter()
+            .filter(|r| matches!(r, StagedRow::State(_)))
+            .count()
+    }
+
+    /// Bytes the unsettled rows hold: full states, and each forward's inputs once (not the
+    /// lazily built tip).
+    pub fn staged_bytes(&self) -> usize {
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let mut seen: Vec<*const RowInputs> = Vec::new();
+        let mut total = 0;
+        for r in &self.rows {
+            match r {
+                StagedRow::State(s) => total += bytes(&s.conv) + bytes(&s.ssm),
+                StagedRow::Inputs(b, _) => {
+                    let p = Arc::as_ptr(b);
+                    if !seen.contains(&p) {
+                        seen.push(p);
+                        total += b.bytes();
+                    }
+                }
+            }
+        }
+        total
+    }
+
+    /// Applies a forward's staging; `path`: whether the live unsettled rows form one path
+    /// from the base afterwards.
+    pub(crate) fn apply(&mut self, staged: StagedState, path: bool) {
+        self.tip = OnceLock::new();
         match staged {
-            StagedState::Rows(r) => self.rows.extend(r),
+            StagedState::Rows(r) => self.rows.extend(r.into_iter().map(StagedRow::State)),
+            StagedState::Inputs(inputs) => {
+                let n = inputs.len();
+                let inputs = Arc::new(inputs);
+                self.rows
+                    .extend((0..n).map(|i| StagedRow::Inputs(inputs.clone(), i)));
+            }
             StagedState::Final(s) => {
                 self.base = s;
                 self.rows.clear();
             }
         }
+        self.path = path || self.rows.is_empty();
     }
 
-    /// Settles on `rows[i]` (relative to the settled row), or keeps the base for `None`. The
-    /// state is copied out: the per-row states are views into a whole verify level's buffer,
-    /// which must not stay alive for one row.
-    pub(crate) fn settle_on(&mut self, keep_last: Option<usize>) -> Result<()> {
-        if let Some(i) = keep_last {
-            let row = &self.rows[i];
-            self.base = GdnState {
-                conv: row.conv.copy()?,
-                ssm: row.ssm.copy()?,
+    /// The state after the last row of `path` (rows relative to the settled row, one path
+    /// from the base): from the last full state on it (or the base), the staged inputs of
+    /// the rows after it run as a chain (the delta rule's [`state_along`], the conv window
+    /// from their pre-conv rows). Always a tensor of its own, never a view into a forward's
+    /// buffer.
+    fn state_along(&self, path: &[usize]) -> Result<GdnState> {
+        let (mut start, mut rest) = (&self.base, path);
+        for (j, &r) in path.iter().enumerate().rev() {
+            if let StagedRow::State(s) = &self.rows[r] {
+                (start, rest) = (s, &path[j + 1..]);
+                break;
+            }
+        }
+        if rest.is_empty() {
+            return Ok(GdnState {
+                conv: start.conv.copy()?,
+                ssm: start.ssm.copy()?,
+            });
+        }
+        // Runs of consecutive rows of one forward, one narrow each.
+        let mut runs: Vec<RowInputs> = Vec::new();
+        let mut i = 0;
+        while i < rest.len() {
+            let StagedRow::Inputs(block, first) = &self.rows[rest[i]] else {
+                candle_core::bail!("a full state after the last one on the path");
             };
+            let mut n = 1;
+            while i + n < rest.len() {
+                match &self.rows[rest[i + n]] {
+                    StagedRow::Inputs(b, r) if Arc::ptr_eq(b, block) && *r == first + n => n += 1,
+                    _ => break,
+                }
+            }
+            runs.push(block.narrow(*first, n)?);
+            i += n;
+        }
+        let cat = |f: fn(&RowInputs) -> &Tensor| -> Result<Tensor> {
+            let parts: Vec<&Tensor> = runs.iter().map(f).collect();
+            Tensor::cat(&parts, 0)
+        };
+        let (pre, k, u, g) = (
+            cat(|r| &r.pre_conv)?,
+            cat(|r| &r.k)?,
+            cat(|r| &r.writes)?,
+            cat(|r| &r.g)?,
+        );
+        let (m, hk, dk) = k.dims3()?;
+        let hv = u.dim(1)?;
+        let k = k
+            .unsqueeze(2)?
+            .broadcast_as((m, hk, hv / hk, dk))?
+            .reshape((m, hv, dk))?;
+        let ssm = state_along(&start.ssm, &k, &u, &g)?;
+        let w = start.conv.dim(0)?;
+        let window = Tensor::cat(&[&start.conv, &pre], 0)?;
+        let conv = window.narrow(0, window.dim(0)? - w, w)?.copy()?;
+        Ok(GdnState { conv, ssm })
+    }
+
+    /// Settles on the last row of `path` (rows relative to the settled row, one path from the
+    /// base; empty: keep the base) and frees every unsettled row. The state is a tensor of its
+    /// own: full per-row states are views into a whole verify's buffer, which must not stay
+    /// alive for one row.
+    pub(crate) fn settle_on(&mut self, path: &[usize]) -> Result<()> {
+        if !path.is_empty() {
+            self.base = self.state_along(path)?;
         }
         self.rows.clear();
+        self.path = true;
+        self.tip = OnceLock::new();
         Ok(())
     }
 
+    /// Keeps the first `n` unsettled rows (the caller checked that they form one path).
     pub(crate) fn truncate_rows(&mut self, n: usize) {
-        self.rows.truncate(n);
+        if n < self.rows.len() {
+            self.rows.truncate(n);
+            self.tip = OnceLock::new();
+        }
+        self.path = true;
     }
 }
 
@@ -183,9 +396,9 @@ impl RowTracker {
         Ok(len - self.settled)
     }
 
-    /// Checks that `[settled, start) ++ keep` is one path; returns the relative index of its
-    /// last row (`None` when the path is empty), and settles at `start + keep.len()`.
-    pub(crate) fn compact(&mut self, start: usize, keep: &[usize]) -> ModelResult<Option<usize>> {
+    /// Checks that `[settled, start) ++ keep` is one path; returns it relative to the settled
+    /// row (empty when nothing stays), and settles at `start + keep.len()`.
+    pub(crate) fn compact(&mut self, start: usize, keep: &[usize]) -> ModelResult<Vec<usize>> {
         if start < self.settled {
             return Err(ModelError::BadCacheOp(format!(
                 "compact from row {start}: recurrent rows before {} are already committed",
@@ -198,17 +411,30 @@ impl RowTracker {
                 "compact(start={start}, keep={keep:?}) is not one root-to-node path of the last forward"
             )));
         }
-        let last = path.last().map(|&r| r - self.settled);
+        let relative = path.iter().map(|&r| r - self.settled).collect();
         self.settled = start + keep.len();
         self.parents.clear();
-        Ok(last)
+        Ok(relative)
     }
 
-    /// Settles every live row (nothing before `len` can be rolled back afterwards).
-    pub(crate) fn settle_all(&mut self, len: usize) -> Option<usize> {
-        let last = (len > self.settled).then(|| len - 1 - self.settled);
+    /// Whether the live rows `[settled, len)` form one path from the base.
+    pub(crate) fn live_rows_are_a_path(&self, len: usize) -> bool {
+        self.is_path(&(self.settled..len).collect::<Vec<_>>())
+    }
+
+    /// Settles every live row (nothing before `len` can be rolled back afterwards); returns
+    /// the path from the base to the last live row, relative to the old settled row (the
+    /// state the recurrent layers settle on).
+    pub(crate) fn settle_all(&mut self, len: usize) -> Vec<usize> {
+        let mut path = Vec::new();
+        let mut node = (len > self.settled).then(|| len - 1);
+        while let Some(r) = node {
+            path.push(r - self.settled);
+            node = self.parents[r - self.settled];
+        }
+        path.reverse();
         self.settled = len;
         self.parents.clear();
-        last
+        path
     }
 }

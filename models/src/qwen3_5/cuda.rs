@@ -11,9 +11,9 @@
 //! full-attention layers (head_dim 256, partial RoPE: not the dense attention kernels' shape)
 //! run the plain path's q/k norm, RoPE and attention on the fused q/k/v product.
 //!
-//! Recurrent states are staged exactly as the plain path stages them (the state after every
-//! row when the forward may be rolled back, else only the last), as views into the kernel's
-//! one state buffer per layer.
+//! Recurrent states are staged as the state after every row when the forward may be rolled
+//! back (the plain path stages the rows' delta-rule inputs instead; the cache takes both), else
+//! only the last, as views into the kernel's one state buffer per layer.
 
 use candle_core::{DType, Tensor};
 
@@ -71,7 +71,7 @@ impl Qwen35Model {
             let (mixed, o_proj) = match &layer.mixer {
                 Mixer::Linear(g) => {
                     let proj = cuda::gemv(&x, &g.in_proj, Some(norm))?;
-                    let state = seq.cache.layer(li).recurrent()?.last();
+                    let state = seq.cache.layer(li).recurrent()?.last()?;
                     let (y, states, ext) = g.mix_fused(&proj, state, keep)?;
                     // A row's conv window after it: the K-1 rows of `ext` ending at it.
                     let w1 = g.kernel - 1;

@@ -11,6 +11,9 @@
 //!   the final state.
 //! - [`tree`] is the block form of a verify tree: every node's output from the committed state
 //!   through the ancestor mask, and the state only for the nodes asked (the accepted path's end).
+//!   [`tree_writes`] (and [`chunked_writes`] for long chains) return instead the value each node
+//!   wrote, from which [`state_along`] rebuilds any node's state later: the verify staging of
+//!   [`crate::cache::recurrent`].
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
@@ -244,6 +247,23 @@ fn unit_lower_solve(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// The chunked form from `initial` `[Hv, dk, dv]`: outputs `[t, Hv, dv]` and the final state.
 pub fn chunked(inp: &DeltaInputs, initial: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (o, s, _) = chunked_form(inp, initial, false)?;
+    Ok((o, s))
+}
+
+/// [`chunked`] also returning the value each token wrote into the memory, `[t, Hv, dv]` (the
+/// chunks' corrected values, `u` of [`tree_writes`]): the staging of long rollback-able chains.
+pub fn chunked_writes(inp: &DeltaInputs, initial: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let (o, s, u) = chunked_form(inp, initial, true)?;
+    let u = u.ok_or_else(|| candle_core::Error::Msg("chunked form kept no writes".into()))?;
+    Ok((o, s, u))
+}
+
+fn chunked_form(
+    inp: &DeltaInputs,
+    initial: &Tensor,
+    keep_writes: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let dev = inp.q.device();
     let (t, hv, dk) = inp.k.dims3()?;
     let dv = inp.v.dim(2)?;
@@ -289,6 +309,7 @@ pub fn chunked(inp: &DeltaInputs, initial: &Tensor) -> Result<(Tensor, Tensor)> 
     let chunk_decay = last.exp()?.unsqueeze(3)?; // [Hv, nc, 1, 1]
     let mut s = initial.clone();
     let mut outs = Vec::with_capacity(nc);
+    let mut writes = Vec::with_capacity(if keep_writes { nc } else { 0 });
     for i in 0..nc {
         let at = |x: &Tensor| x.narrow(1, i, 1).and_then(|y| y.squeeze(1));
         let v_new = (at(&new_values)? - at(&k_cumdecay)?.contiguous()?.matmul(&s)?)?;
@@ -296,9 +317,18 @@ pub fn chunked(inp: &DeltaInputs, initial: &Tensor) -> Result<(Tensor, Tensor)> 
         outs.push((inter + at(&intra)?.contiguous()?.matmul(&v_new)?)?);
         let kd = at(&k_dec)?.transpose(1, 2)?.contiguous()?;
         s = (s.broadcast_mul(&at(&chunk_decay)?)? + kd.matmul(&v_new)?)?;
+        if keep_writes {
+            writes.push(v_new);
+        }
     }
     let out = Tensor::cat(&outs, 1)?.narrow(1, 0, t)?; // [Hv, t, dv]
-    Ok((out.transpose(0, 1)?.contiguous()?, s))
+    let writes = if keep_writes {
+        let u = Tensor::cat(&writes, 1)?.narrow(1, 0, t)?;
+        Some(u.transpose(0, 1)?.contiguous()?)
+    } else {
+        None
+    };
+    Ok((out.transpose(0, 1)?.contiguous()?, s, writes))
 }
 
 /// The delta rule over a token tree in one block, from the committed state `initial`
@@ -321,13 +351,72 @@ pub fn tree(
     initial: &Tensor,
     state_of: &[usize],
 ) -> Result<(Tensor, Vec<Tensor>)> {
+    let t = parents.len();
+    if state_of.iter().any(|&n| n >= t) {
+        candle_core::bail!("tree delta rule: {t} nodes, states asked of {state_of:?}");
+    }
+    let s = tree_solve(inp, parents, initial)?;
+    let states = state_of
+        .iter()
+        .map(|&n| {
+            let w = s.decay.narrow(1, n, 1)?; // [Hv, 1, t]: e^{γ_n - γ_j} on n's path
+            let kw = s.kt.broadcast_mul(&w)?; // [Hv, dk, t]
+            let e_n = s.e_gamma.narrow(1, n, 1)?; // [Hv, 1, 1]
+            initial.broadcast_mul(&e_n)? + kw.matmul(&s.u)?
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((s.o.transpose(0, 1)?.contiguous()?, states))
+}
+
+/// [`tree`] without any state: every node's output `[t, Hv, dv]` and the value `u_i` it
+/// writes into the memory `[t, Hv, dv]` (`S_i = e^{g_i} S_parent + k_i u_iᵀ`). A node's `u`
+/// depends only on its own path, so keeping `k`, `u` and `g` of every node is enough to build
+/// the state of whichever node is committed later ([`state_along`]).
+pub fn tree_writes(
+    inp: &DeltaInputs,
+    parents: &[Option<usize>],
+    initial: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let s = tree_solve(inp, parents, initial)?;
+    Ok((
+        s.o.transpose(0, 1)?.contiguous()?,
+        s.u.transpose(0, 1)?.contiguous()?,
+    ))
+}
+
+/// The state after a chain of `m` rows from `initial` `[Hv, dk, dv]`, given each row's
+/// (value-head expanded) key `k` `[m, Hv, dk]`, written value `u` `[m, Hv, dv]` and log-decay
+/// `g` `[m, Hv]`: `S_m = e^{Γ_m} S0 + Σ_j e^{Γ_m - Γ_j} k_j u_jᵀ` with `Γ` the running sum of
+/// `g` (every weight is at most 1: `g <= 0`). One matmul per head, no solve.
+pub fn state_along(initial: &Tensor, k: &Tensor, u: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let m = k.dim(0)?;
+    if m == 0 {
+        return Ok(initial.clone());
+    }
+    let cum = g.t()?.contiguous()?.cumsum(1)?; // [Hv, m]
+    let total = cum.narrow(1, m - 1, 1)?; // [Hv, 1]
+    let w = total.broadcast_sub(&cum)?.exp()?.unsqueeze(1)?; // [Hv, 1, m]
+    let kw = k.permute((1, 2, 0))?.broadcast_mul(&w)?; // [Hv, dk, m]
+    let u = u.transpose(0, 1)?.contiguous()?; // [Hv, m, dv]
+    initial.broadcast_mul(&total.exp()?.unsqueeze(2)?)? + kw.contiguous()?.matmul(&u)?
+}
+
+/// The shared part of [`tree`] and [`tree_writes`]: outputs and written values heads-first
+/// (`[Hv, t, dv]`), with the path decays, `e^{γ}` and `kᵀ` the states are built from.
+struct TreeSolve {
+    o: Tensor,
+    u: Tensor,
+    decay: Tensor,
+    e_gamma: Tensor,
+    kt: Tensor,
+}
+
+fn tree_solve(inp: &DeltaInputs, parents: &[Option<usize>], initial: &Tensor) -> Result<TreeSolve> {
     let dev = inp.q.device();
     let t = parents.len();
     let tq = inp.k.dim(0)?;
-    if tq != t || state_of.iter().any(|&n| n >= t) {
-        candle_core::bail!(
-            "tree delta rule: {tq} rows of inputs, {t} parents, states asked of {state_of:?}"
-        );
+    if tq != t {
+        candle_core::bail!("tree delta rule: {tq} rows of inputs, {t} parents");
     }
     // on_path[i][j]: j is i or one of its ancestors.
     let mut on_path = vec![0f32; t * t];
@@ -369,14 +458,11 @@ pub fn tree(
     let u = unit_lower_solve(&a, &b)?; // [Hv, t, dv]
     let o =
         (q.matmul(initial)?.broadcast_mul(&e_gamma)? + (q.matmul(&kt)? * &decay)?.matmul(&u)?)?;
-    let states = state_of
-        .iter()
-        .map(|&n| {
-            let w = decay.narrow(1, n, 1)?; // [Hv, 1, t]: e^{γ_n - γ_j} on n's path
-            let kw = kt.broadcast_mul(&w)?; // [Hv, dk, t]
-            let e_n = e_gamma.narrow(1, n, 1)?; // [Hv, 1, 1]
-            initial.broadcast_mul(&e_n)? + kw.matmul(&u)?
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok((o.transpose(0, 1)?.contiguous()?, states))
+    Ok(TreeSolve {
+        o,
+        u,
+        decay,
+        e_gamma,
+        kt,
+    })
 }

@@ -11,18 +11,22 @@
 use candle_core::{DType, Device, Result, Tensor, D};
 use dflash_common::{HybridConfig, WeightFiles};
 
-use crate::cache::{GdnState, StagedState};
+use crate::cache::{GdnState, RowInputs, StagedState};
 use crate::error::{ModelError, ModelResult};
 use crate::layers::decoder_layer::linear;
 use crate::layers::ops::{rms_norm, OpsMode};
-use crate::qwen3_5::delta_rule::{chunked, recurrent, DeltaInputs, Forest};
+use crate::qwen3_5::delta_rule::{
+    chunked, chunked_writes, recurrent, tree_writes, DeltaInputs, Forest, CHUNK,
+};
 use crate::random::WeightRng;
 
-/// Which delta-rule form a forward uses (tests pin one to compare them).
+/// Which delta-rule form a forward that settles uses (tests pin one to compare them);
+/// rollback-able forwards always take the tree form (the chunked one for chains longer than a
+/// chunk), see [`GatedDeltaNet::mix_staged`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeltaForm {
-    /// Chunked for multi-token forwards that keep no per-row state, recurrent otherwise (HF's
-    /// choice: recurrent only for cached single-token steps).
+    /// Chunked for multi-token forwards, recurrent for single tokens (HF's choice: recurrent
+    /// only for cached single-token steps).
     #[default]
     Auto,
     Recurrent,
@@ -251,53 +255,14 @@ impl GatedDeltaNet {
     ) -> Result<(Tensor, Vec<StagedState>)> {
         let t = forest.len();
         let dtype = proj.dtype();
-        let (hk, hv, dk, dv, kernel) = (self.hk, self.hv, self.dk, self.dv, self.kernel);
-        let conv_dim = self.conv_dim();
-        let mixed = proj.narrow(1, 0, conv_dim)?.contiguous()?;
-        let z = proj.narrow(1, conv_dim, hv * dv)?;
-        let b = proj.narrow(1, conv_dim + hv * dv, hv)?;
-        let a = proj.narrow(1, conv_dim + hv * dv + hv, hv)?;
-
-        // Short causal conv along each token's path, then SiLU. Each segment's block is its
-        // cached window followed by its new rows.
-        let mut blocks = Vec::with_capacity(2 * forest.segments.len());
-        for (state, &(off, len)) in states.iter().zip(&forest.segments) {
-            blocks.push(state.conv.clone());
-            blocks.push(mixed.narrow(0, off, len)?);
-        }
-        let ext = Tensor::cat(&blocks, 0)?;
-        let gathered = ext
-            .index_select(&forest.conv_taps, 0)?
-            .reshape((t, kernel, conv_dim))?;
-        let u = gathered
-            .broadcast_mul(&self.conv_taps.unsqueeze(0)?)?
-            .sum(1)?
-            .silu()?;
-
-        let v = u.narrow(1, 2 * hk * dk, hv * dv)?.reshape((t, hv, dv))?;
-        // q and k of every key head side by side: one L2 normalisation (in f32) for both.
-        let qk = u
-            .narrow(1, 0, 2 * hk * dk)?
-            .reshape((t, 2 * hk, dk))?
-            .to_dtype(DType::F32)?;
-        let inv = (qk.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?
-            .sqrt()?
-            .recip()?;
-        let qk = qk.broadcast_mul(&inv)?;
-        // Value head j reads key head j / r (HF repeat_interleave).
-        let expand = |x: Tensor| -> Result<Tensor> {
-            x.unsqueeze(2)?
-                .broadcast_as((t, hk, hv / hk, dk))?
-                .reshape((t, hv, dk))
-        };
-        let q = expand((qk.narrow(1, 0, hk)? * (1.0 / (dk as f64).sqrt()))?)?;
-        let k = expand(qk.narrow(1, hk, hk)?)?;
-        let v = v.to_dtype(DType::F32)?;
-        let beta = candle_nn::ops::sigmoid(&b.to_dtype(DType::F32)?.contiguous()?)?;
-        let g = softplus(&a.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias)?)?
-            .broadcast_mul(&self.neg_a)?;
-        let inp = DeltaInputs { q, k, v, g, beta };
-
+        let kernel = self.kernel;
+        let Front {
+            inp,
+            ext,
+            gathered,
+            z,
+            ..
+        } = self.front(proj, forest, states)?;
         let (o, staged) = if chunked_form {
             if states.len() != 1 {
                 candle_core::bail!("the chunked delta rule runs one sequence at a time");
@@ -339,8 +304,99 @@ impl GatedDeltaNet {
             }
             (o, staged)
         };
-        let y = self.gated_norm(&o.to_dtype(dtype)?, &z.reshape((t, hv, dv))?)?;
-        Ok((y.reshape((t, hv * dv))?, staged))
+        let y = self.gated_norm(&o.to_dtype(dtype)?, &z)?;
+        Ok((y.reshape((t, self.hv * self.dv))?, staged))
+    }
+
+    /// Everything before the delta rule, shared by [`Self::mix`] and [`Self::mix_staged`].
+    fn front(&self, proj: &Tensor, forest: &Forest, states: &[&GdnState]) -> Result<Front> {
+        let t = forest.len();
+        let (hk, hv, dk, dv, kernel) = (self.hk, self.hv, self.dk, self.dv, self.kernel);
+        let conv_dim = self.conv_dim();
+        let mixed = proj.narrow(1, 0, conv_dim)?.contiguous()?;
+        let z = proj.narrow(1, conv_dim, hv * dv)?;
+        let b = proj.narrow(1, conv_dim + hv * dv, hv)?;
+        let a = proj.narrow(1, conv_dim + hv * dv + hv, hv)?;
+
+        // Short causal conv along each token's path, then SiLU. Each segment's block is its
+        // cached window followed by its new rows.
+        let mut blocks = Vec::with_capacity(2 * forest.segments.len());
+        for (state, &(off, len)) in states.iter().zip(&forest.segments) {
+            blocks.push(state.conv.clone());
+            blocks.push(mixed.narrow(0, off, len)?);
+        }
+        let ext = Tensor::cat(&blocks, 0)?;
+        let gathered = ext
+            .index_select(&forest.conv_taps, 0)?
+            .reshape((t, kernel, conv_dim))?;
+        let u = gathered
+            .broadcast_mul(&self.conv_taps.unsqueeze(0)?)?
+            .sum(1)?
+            .silu()?;
+
+        let v = u.narrow(1, 2 * hk * dk, hv * dv)?.reshape((t, hv, dv))?;
+        // q and k of every key head side by side: one L2 normalisation (in f32) for both.
+        let qk = u
+            .narrow(1, 0, 2 * hk * dk)?
+            .reshape((t, 2 * hk, dk))?
+            .to_dtype(DType::F32)?;
+        let inv = (qk.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?
+            .sqrt()?
+            .recip()?;
+        let qk = qk.broadcast_mul(&inv)?;
+        let key_heads = qk.narrow(1, hk, hk)?;
+        let q = expand_heads((qk.narrow(1, 0, hk)? * (1.0 / (dk as f64).sqrt()))?, hv)?;
+        let k = expand_heads(key_heads.clone(), hv)?;
+        let v = v.to_dtype(DType::F32)?;
+        let beta = candle_nn::ops::sigmoid(&b.to_dtype(DType::F32)?.contiguous()?)?;
+        let g = softplus(&a.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias)?)?
+            .broadcast_mul(&self.neg_a)?;
+        Ok(Front {
+            inp: DeltaInputs { q, k, v, g, beta },
+            key_heads,
+            mixed,
+            ext,
+            gathered,
+            z: z.reshape((t, hv, dv))?,
+        })
+    }
+
+    /// The token mixer of one sequence's rollback-able forward (a chain or tree verify of
+    /// `parents`, the forest's one segment, from `state`): every row's output from the tree
+    /// (ancestor-mask) form of the delta rule (the chunked form for chains longer than a
+    /// chunk), and instead of a state per row the rows'
+    /// [`RowInputs`], from which the commit rebuilds the accepted row's state (see
+    /// [`crate::cache::recurrent`]). Returns the gated-norm output `[t, Hv * dv]`.
+    pub fn mix_staged(
+        &self,
+        proj: &Tensor,
+        forest: &Forest,
+        parents: &[Option<usize>],
+        state: &GdnState,
+    ) -> Result<(Tensor, StagedState)> {
+        let t = forest.len();
+        let dtype = proj.dtype();
+        let f = self.front(proj, forest, &[state])?;
+        // Chains longer than a chunk take the chunked form (prefill's numerics, memory linear
+        // in t); trees and short chains the tree form (a tree cannot be chunked).
+        let chain = parents
+            .iter()
+            .enumerate()
+            .all(|(i, &p)| p == i.checked_sub(1));
+        let (o, writes) = if chain && t > CHUNK {
+            let (o, _, u) = chunked_writes(&f.inp, &state.ssm)?;
+            (o, u)
+        } else {
+            tree_writes(&f.inp, parents, &state.ssm)?
+        };
+        let staged = StagedState::Inputs(RowInputs {
+            pre_conv: f.mixed,
+            k: f.key_heads.contiguous()?,
+            writes,
+            g: f.inp.g,
+        });
+        let y = self.gated_norm(&o.to_dtype(dtype)?, &f.z)?;
+        Ok((y.reshape((t, self.hv * self.dv))?, staged))
     }
 
     /// The fused CUDA form of [`Self::mix`] for one sequence's causal chain of `t <=`
@@ -376,6 +432,30 @@ impl GatedDeltaNet {
         let normed = rms_norm(&o.contiguous()?, &self.norm, self.eps, OpsMode::Fused)?;
         (normed.to_dtype(DType::F32)? * z.to_dtype(DType::F32)?.silu()?)?.to_dtype(dtype)
     }
+}
+
+/// What [`GatedDeltaNet::front`] makes of the projected rows.
+struct Front {
+    /// The delta rule's inputs (keys and queries expanded to the value heads).
+    inp: DeltaInputs,
+    /// L2-normalised keys per key head `[t, Hk, dk]` (f32), before the expansion.
+    key_heads: Tensor,
+    /// The pre-conv q|k|v rows `[t, conv_dim]`.
+    mixed: Tensor,
+    /// Each segment's `[cached window ; new rows]`, stacked.
+    ext: Tensor,
+    /// Every token's conv taps `[t, K, conv_dim]`.
+    gathered: Tensor,
+    /// The output gate `[t, Hv, dv]`.
+    z: Tensor,
+}
+
+/// Value head j reads key head j / r (HF repeat_interleave): `[t, Hk, d]` to `[t, Hv, d]`.
+fn expand_heads(x: Tensor, hv: usize) -> Result<Tensor> {
+    let (t, hk, d) = x.dims3()?;
+    x.unsqueeze(2)?
+        .broadcast_as((t, hk, hv / hk, d))?
+        .reshape((t, hv, d))
 }
 
 /// `log(1 + e^x)`, linear above 20 as torch's default threshold.

@@ -12,8 +12,9 @@
 //!
 //! Layers are Gated DeltaNet (`linear_attention`, recurrent state in the cache) or gated full
 //! attention (K/V rows), per `layer_types`; every ordinary norm is zero-centred (`1 + w`). A
-//! verify forward keeps the recurrent state after every new row, each computed from its parent
-//! (see [`crate::cache::recurrent`]); compaction commits the accepted path's.
+//! verify forward computes every row's output from the committed state through the ancestor
+//! mask and stages, instead of a state per row, the rows' delta-rule inputs; compaction builds
+//! the accepted path's state from them (see [`crate::cache::recurrent`]).
 //!
 //! [`Qwen3Model`]: crate::qwen3::Qwen3Model
 
@@ -461,7 +462,10 @@ impl Qwen35Model {
             .zip(&keep_rows)
             .map(|(f, &keep)| GatedDeltaNet::use_chunked(f.len(), keep, self.form))
             .collect();
-        let members: Vec<usize> = (0..batch.len()).filter(|&s| !chunked[s]).collect();
+        // Rollback-able forwards take the tree form one sequence at a time (`mix_staged`).
+        let members: Vec<usize> = (0..batch.len())
+            .filter(|&s| !chunked[s] && !keep_rows[s])
+            .collect();
         let plan = if members.is_empty() {
             None
         } else {
@@ -482,7 +486,7 @@ impl Qwen35Model {
         };
         let single: Vec<Option<Forest>> = (0..batch.len())
             .map(|s| {
-                chunked[s]
+                (chunked[s] || keep_rows[s])
                     .then(|| Forest::new(&[forests[s].as_slice()], kernel, &self.device))
                     .transpose()
             })
@@ -533,9 +537,9 @@ impl Qwen35Model {
                         };
                         let states = members
                             .iter()
-                            .map(|&s| batch[s].cache.layer(li).recurrent().map(|r| r.last()))
+                            .map(|&s| batch[s].cache.layer(li).recurrent()?.last())
                             .collect::<ModelResult<Vec<_>>>()?;
-                        let keep: Vec<bool> = members.iter().map(|&s| keep_rows[s]).collect();
+                        let keep = vec![false; members.len()];
                         let (y, st) = gdn.mix(&p, forest, &states, &keep, false)?;
                         for ((&s, &(off, len)), st) in members.iter().zip(&forest.segments).zip(st)
                         {
@@ -546,11 +550,16 @@ impl Qwen35Model {
                     for (s, seq) in batch.iter().enumerate() {
                         let Some(forest) = &single[s] else { continue };
                         let (off, t) = (token_offsets[s], seq.tokens.len());
-                        let state = seq.cache.layer(li).recurrent()?.last();
-                        let (y, mut st) =
-                            gdn.mix(&proj.narrow(0, off, t)?, forest, &[state], &[false], true)?;
+                        let state = seq.cache.layer(li).recurrent()?.last()?;
+                        let p = proj.narrow(0, off, t)?;
+                        let (y, st) = if keep_rows[s] {
+                            gdn.mix_staged(&p, forest, &forests[s], state)?
+                        } else {
+                            let (y, mut st) = gdn.mix(&p, forest, &[state], &[false], true)?;
+                            (y, st.remove(0))
+                        };
                         pieces[s] = Some(y);
-                        staged[s].push((li, st.remove(0)));
+                        staged[s].push((li, st));
                     }
                     let pieces = pieces
                         .into_iter()

@@ -334,9 +334,11 @@ fn cpu_pool_tokens(engine: &Engine, config: &ServeConfig, context_length: usize)
 }
 
 /// Tells the operator what hybrid verification costs beyond the K/V cache: every verified row
-/// keeps its own recurrent state until the commit (147 MiB a row at the Qwen3.6-27B shape).
-/// Returns those bytes for `--max-running-requests` sequences, which a memory-sized K/V pool
-/// sets aside.
+/// stays staged until the commit, as its delta-rule inputs on the plain path (2.5 MB a row at
+/// the Qwen3.6-27B shape) or, for chains on the fused CUDA path, as a full recurrent state
+/// (147 MiB a row). Counts the full state for chains (the fused path may take them) and for
+/// trees the larger of the compact staging and a chain-shaped tree's full states. Returns those bytes for `--max-running-requests` sequences,
+/// which a memory-sized K/V pool sets aside.
 fn log_recurrent_memory(
     cfg: &dflash_common::HybridConfig,
     dtype: CandleDType,
@@ -344,16 +346,26 @@ fn log_recurrent_memory(
     proposer: Option<&dyn Proposer>,
     config: &ServeConfig,
 ) -> usize {
-    let per_row =
-        cfg.num_linear_layers() * cfg.recurrent_state_bytes_per_layer(dtype.size_in_bytes());
-    let rows = 1 + match algorithm {
-        Algorithm::Plain => 0,
-        Algorithm::Chain => proposer.map_or(0, |p| p.max_depth()),
-        Algorithm::DDTree { budget } => budget,
+    let elem = dtype.size_in_bytes();
+    let full_state = cfg.num_linear_layers() * cfg.recurrent_state_bytes_per_layer(elem);
+    let chain_rows = 1 + proposer.map_or(0, |p| p.max_depth());
+    let (rows, per_row) = match algorithm {
+        Algorithm::Plain => (1, full_state),
+        Algorithm::Chain => (chain_rows, full_state),
+        // A tree stages compactly, but a round whose tree is one chain verifies it as a
+        // chain (the fused path, full states): whichever is larger.
+        Algorithm::DDTree { budget } => {
+            let compact = cfg.staged_bytes_per_verified_row(elem);
+            if (1 + budget) * compact >= chain_rows * full_state {
+                (1 + budget, compact)
+            } else {
+                (chain_rows, full_state)
+            }
+        }
     };
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     tracing::info!(
-        "hybrid target: {} of {} layers are Gated DeltaNet; a verify keeps {rows} recurrent-state rows of {:.1} MiB per sequence ({:.2} GiB; {:.1} GiB at --max-running-requests {})",
+        "hybrid target: {} of {} layers are Gated DeltaNet; a verify stages {rows} recurrent rows of {:.2} MiB per sequence ({:.2} GiB; {:.1} GiB at --max-running-requests {})",
         cfg.num_linear_layers(),
         cfg.num_hidden_layers,
         per_row as f64 / (1u64 << 20) as f64,

@@ -2,7 +2,7 @@
 //! 1. Parity of the tiny Qwen3.5 fixture (prefill, decode) in f32 and bf16.
 //! 2. A Qwen3.6-27B-shaped bf16 model with random weights at 1K context: decode, 16-token chain
 //!    verify, 64-node trees (shallow binary and deep DDTree-like), each against the memory
-//!    roofline, and the recurrent-state bytes every tree node costs.
+//!    roofline, and the recurrent-state bytes every tree node stages until the commit.
 
 use std::time::Instant;
 
@@ -179,6 +179,8 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
     let weight_bytes = weight_bytes(&cfg, 2.0);
     let state_per_layer = cfg.recurrent_state_bytes_per_layer(2) as f64;
     let state_bytes = cfg.num_linear_layers() as f64 * state_per_layer;
+    // What a verified row stages on the plain path (trees), instead of a full state.
+    let staged_per_row = cfg.staged_bytes_per_verified_row(2) as f64;
     let full_layers = (cfg.num_hidden_layers - cfg.num_linear_layers()) as f64;
     let kv_1k = full_layers * 2.0 * (cfg.num_key_value_heads * cfg.head_dim) as f64 * 2.0 * 1024.0;
     let vocab = cfg.vocab_size as u32;
@@ -251,9 +253,15 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
                 }
             }
         };
-        // Roofline: weights once, K/V of the context, and every node's recurrent state written
-        // (plus the committed state read once).
-        let bytes = weight_bytes + kv_1k + (n as f64 + 1.0) * state_bytes;
+        // Roofline: weights once, K/V of the context, the committed state read once, and per
+        // node its staging written: a full state on the fused chain path, the compact
+        // inputs on the plain (tree) path.
+        let per_node = if kind.is_none() && m.fast_kernels() {
+            state_bytes
+        } else {
+            staged_per_row
+        };
+        let bytes = weight_bytes + kv_1k + state_bytes + n as f64 * per_node;
         let roof = bytes / copy_bw * 1e3;
         res.insert(
             name.into(),
@@ -275,6 +283,14 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
     );
     res.insert(
         "recurrent_state_bytes_per_tree_node_MiB".into(),
+        json!(staged_per_row / (1u64 << 20) as f64),
+    );
+    res.insert(
+        "recurrent_staging_64_node_tree_per_sequence_MB".into(),
+        json!(64.0 * staged_per_row / 1e6),
+    );
+    res.insert(
+        "full_recurrent_state_MiB_per_fused_chain_row".into(),
         json!(state_bytes / (1u64 << 20) as f64),
     );
     res.insert(
