@@ -148,7 +148,7 @@ async fn hybrid_greedy_with_nextn_and_dflash_equals_plain_greedy_over_http() {
         }
         assert!(
             p.log()
-                .contains("hybrid target: 4 of 6 layers are Gated DeltaNet; a verify keeps"),
+                .contains("hybrid target: 4 of 6 layers are Gated DeltaNet; a verify stages"),
             "{}",
             p.log()
         );
