@@ -147,41 +147,8 @@ __device__ __forceinline__ void varlen_body(const bf16_t* __restrict__ q,
                 mxB = fmaxf(mxB, s[nt][2 + e]);
             }
         }
-        // Online softmax (as common.cuh's softmax_step, for ODT output tiles).
-        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
-        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
-        mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
-        mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
-        float nA = fmaxf(mA, mxA), nB = fmaxf(mB, mxB);
-        float cA = nA == -INFINITY ? 1.f : __expf(mA - nA);
-        float cB = nB == -INFINITY ? 1.f : __expf(mB - nB);
-#pragma unroll
-        for (int nt = 0; nt < ODT; ++nt) {
-            o[nt][0] *= cA; o[nt][1] *= cA; o[nt][2] *= cB; o[nt][3] *= cB;
-        }
-        mA = nA;
-        mB = nB;
-        float sumA = 0.f, sumB = 0.f;
         u32 pf[4][4];
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            float p0 = mA == -INFINITY ? 0.f : __expf(s[nt][0] - mA);
-            float p1 = mA == -INFINITY ? 0.f : __expf(s[nt][1] - mA);
-            float p2 = mB == -INFINITY ? 0.f : __expf(s[nt][2] - mB);
-            float p3 = mB == -INFINITY ? 0.f : __expf(s[nt][3] - mB);
-            u32 pa = pack2(p0, p1), pb = pack2(p2, p3);
-            sumA += lo(pa) + hi(pa);
-            sumB += lo(pb) + hi(pb);
-            int j = nt >> 1;
-            if ((nt & 1) == 0) { pf[j][0] = pa; pf[j][1] = pb; }
-            else { pf[j][2] = pa; pf[j][3] = pb; }
-        }
-        sumA += __shfl_xor_sync(0xffffffffu, sumA, 1);
-        sumA += __shfl_xor_sync(0xffffffffu, sumA, 2);
-        sumB += __shfl_xor_sync(0xffffffffu, sumB, 1);
-        sumB += __shfl_xor_sync(0xffffffffu, sumB, 2);
-        lA = lA * cA + sumA;
-        lB = lB * cB + sumB;
+        softmax_step<8, ODT>(s, mxA, mxB, o, mA, mB, lA, lB, pf);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
 #pragma unroll

@@ -85,10 +85,10 @@ __device__ __forceinline__ int chunks_per_split(int L, int chunk, int splits) {
 // fragments of P V (k-step j = key tiles 2j and 2j + 1, the even key in each pair's low half);
 // the row sums lA / lB add the rounded P, the values P V sees. Shared by the split/prefill
 // flash kernels (attn_prefill.cu) and the fused decode attention (attn_decode.cu), so both
-// round and sum alike.
-template <int NT>
+// round and sum alike. ODT: 8-column output tiles of O (16 for head_dim 128, 8 for 64).
+template <int NT, int ODT = 16>
 __device__ __forceinline__ void softmax_step(const float (&s)[NT][4], float mxA, float mxB,
-                                             float (&o)[16][4], float& mA, float& mB,
+                                             float (&o)[ODT][4], float& mA, float& mB,
                                              float& lA, float& lB, u32 (&pf)[NT / 2][4]) {
     mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
     mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
@@ -98,7 +98,7 @@ __device__ __forceinline__ void softmax_step(const float (&s)[NT][4], float mxA,
     float cA = nA == -INFINITY ? 1.f : __expf(mA - nA);
     float cB = nB == -INFINITY ? 1.f : __expf(mB - nB);
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
+    for (int nt = 0; nt < ODT; ++nt) {
         o[nt][0] *= cA; o[nt][1] *= cA; o[nt][2] *= cB; o[nt][3] *= cB;
     }
     mA = nA;
