@@ -12,7 +12,7 @@ use crate::error::ModelResult;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::FeedForward;
 pub use crate::layers::ops::linear;
-use crate::layers::ops::{rms_norm, rope, OpsMode};
+use crate::layers::ops::{qk_norm_rope, rms_norm, rope, OpsMode};
 use crate::random::WeightRng;
 
 #[derive(Debug, Clone)]
@@ -248,6 +248,9 @@ impl DecoderLayer {
     ) -> Result<Tensor> {
         let rows = x.dim(0)?;
         let mut y = linear(x, w)?.reshape((rows, heads, self.head_dim))?;
+        if let (Some(n), Some((cos, sin))) = (norm, rot) {
+            return qk_norm_rope(&y, n, cos, sin, self.eps, self.mode);
+        }
         if let Some(n) = norm {
             y = rms_norm(&y, n, self.eps, self.mode)?;
         }
@@ -288,7 +291,11 @@ impl DecoderLayer {
     pub fn finish(&self, residual: &Tensor, attn: &Tensor) -> Result<Tensor> {
         let x = (residual + linear(attn, &self.o_proj)?)?;
         let h = rms_norm(&x, &self.post_attention_layernorm, self.eps, self.mode)?;
-        x + self.mlp.forward(&h)?
+        let mlp = match &self.mlp {
+            FeedForward::Dense(m) => m.forward_with(&h, self.mode)?,
+            sparse => sparse.forward(&h)?,
+        };
+        x + mlp
     }
 
     /// Whether the MLP is the sparse-MoE block.

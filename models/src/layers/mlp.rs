@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use dflash_common::WeightFiles;
 
 use crate::error::ModelResult;
-use crate::layers::ops::linear;
+use crate::layers::ops::{linear, silu_mul, OpsMode};
 use crate::random::WeightRng;
 
 #[derive(Debug, Clone)]
@@ -61,9 +61,15 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = linear(x, &self.gate_proj)?.silu()?;
+        self.forward_with(x, OpsMode::Fused)
+    }
+
+    /// [`Self::forward`] with the SiLU-gate product as `mode` says (the trainer's layers pass
+    /// `Differentiable`, which takes the fused trainable kernel on CUDA).
+    pub fn forward_with(&self, x: &Tensor, mode: OpsMode) -> Result<Tensor> {
+        let gate = linear(x, &self.gate_proj)?;
         let up = linear(x, &self.up_proj)?;
-        linear(&(gate * up)?, &self.down_proj)
+        linear(&silu_mul(&gate, &up, mode)?, &self.down_proj)
     }
 
     /// (gate, up, down) weights.

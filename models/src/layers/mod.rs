@@ -4,7 +4,8 @@
 //! (`decoder_layer.rs`), the SwiGLU MLP (`mlp.rs`) and the sparse-MoE block every MoE family
 //! shares (`moe.rs`), attention under the patterns speculative decoding needs (causal,
 //! tree, full block, sliding window; `attention.rs`), the norm / softmax / RoPE primitives
-//! (`ops.rs`) and the rotary tables (`rope.rs`). Nothing here names a model.
+//! (`ops.rs`; their fused trainable CUDA forms in `train_ops.rs`) and the rotary tables
+//! (`rope.rs`). Nothing here names a model.
 
 pub mod attention;
 pub mod decoder_layer;
@@ -12,3 +13,4 @@ pub mod mlp;
 pub mod moe;
 pub mod ops;
 pub mod rope;
+pub mod train_ops;

@@ -26,6 +26,10 @@ pub enum OpsMode {
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, mode: OpsMode) -> Result<Tensor> {
     match mode {
         OpsMode::Fused if x.is_contiguous() => candle_nn::ops::rms_norm(x, weight, eps as f32),
+        #[cfg(feature = "cuda")]
+        OpsMode::Differentiable if super::train_ops::applies(x) => {
+            super::train_ops::rms_norm(x, weight, eps)
+        }
         _ => {
             let dtype = x.dtype();
             // Half precisions accumulate in f32 as HF does; f32/f64 stay as they are.
@@ -38,6 +42,39 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, mode: OpsMode) -> Result<
             normed.broadcast_mul(weight)
         }
     }
+}
+
+/// Per-head q/k norm then RoPE of a projection `x: [tokens, heads, head_dim]`, returned
+/// head-major `[heads, tokens, head_dim]` and contiguous (the layout attention reads): one
+/// fused differentiable kernel for training on CUDA ([`super::train_ops`]), else
+/// [`rms_norm`], [`rope`] and the transpose.
+pub fn qk_norm_rope(
+    x: &Tensor,
+    weight: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    eps: f64,
+    mode: OpsMode,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if mode == OpsMode::Differentiable && super::train_ops::applies(x) {
+        if let Some(y) = super::train_ops::qk_norm_rope(x, weight, cos, sin, eps)? {
+            return Ok(y);
+        }
+    }
+    let y = rope(&rms_norm(x, weight, eps, mode)?, cos, sin, mode)?;
+    y.transpose(0, 1)?.contiguous()
+}
+
+/// `silu(gate) * up` (the SwiGLU product): one fused differentiable kernel for training on
+/// CUDA ([`super::train_ops`]), else candle's `silu` and product.
+pub fn silu_mul(gate: &Tensor, up: &Tensor, mode: OpsMode) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if mode == OpsMode::Differentiable && super::train_ops::applies(gate) {
+        return super::train_ops::silu_mul(gate, up);
+    }
+    let _ = mode;
+    gate.silu()? * up
 }
 
 /// Softmax over the last dimension.

@@ -17,8 +17,9 @@
 //! linear + cross-entropy and the flat AdamW against the trainer's candle path
 //! (`gpu_check/train.rs`), the DFlash attention forward (`gpu_check/train_attn.rs`) and its
 //! backward: a gradient check and a trainer step, fused vs composed
-//! (`gpu_check/train_attn_bwd.rs`); and the trainer's packed target forward against the full
-//! forward (`gpu_check/train_taps.rs`).
+//! (`gpu_check/train_attn_bwd.rs`); the fused RMSNorm, q/k-norm + RoPE and SiLU-gate ops and
+//! their gradients against the compositions (`gpu_check/train_ops.rs`); and the trainer's
+//! packed target forward against the full forward (`gpu_check/train_taps.rs`).
 //!
 //! With `--hybrid` it runs only the hybrid-target checks and the Qwen3.6-27B-shaped benchmark
 //! (see `gpu_check/hybrid.rs`).
@@ -40,6 +41,8 @@ mod train;
 mod train_attn;
 #[path = "gpu_check/train_attn_bwd.rs"]
 mod train_attn_bwd;
+#[path = "gpu_check/train_ops.rs"]
+mod train_ops;
 #[path = "gpu_check/train_taps.rs"]
 mod train_taps;
 
@@ -171,19 +174,25 @@ fn main() -> Result<()> {
         let t = train::run(&dev)?;
         // The target part runs the trainer's batch shape: GPU sized (the CPU test is
         // tests/tests/taps_forward.rs).
-        let (a, g, taps) = if dev.is_cuda() {
+        let (ops, a, g, taps) = if dev.is_cuda() {
             (
+                train_ops::run(&dev)?,
                 train_attn::run(&dev)?,
                 train_attn_bwd::run(&dev)?,
                 train_taps::run(&dev)?,
             )
         } else {
-            let cuda_only = json!("the DFlash attention kernels are CUDA only");
-            (cuda_only.clone(), cuda_only.clone(), cuda_only)
+            let cuda_only = json!("the fused training kernels are CUDA only");
+            (
+                cuda_only.clone(),
+                cuda_only.clone(),
+                cuda_only.clone(),
+                cuda_only,
+            )
         };
-        let out =
-            json!({ "train": t, "attention": a, "attention_backward": g, "target_taps": taps })
-                .to_string();
+        let out = json!({ "train": t, "fused_ops": ops, "attention": a,
+                          "attention_backward": g, "target_taps": taps })
+        .to_string();
         if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
             std::fs::write(path, &out)?;
         }

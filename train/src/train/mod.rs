@@ -167,6 +167,24 @@ impl TrainAttentionArg {
     }
 }
 
+/// How the drafter's norms, RoPE and SiLU-gate run in training.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TrainOpsArg {
+    /// Fused custom ops with backward kernels (`dflash_models::layers::train_ops`). CUDA only.
+    Fused,
+    /// candle's compositions (autograd): the reference.
+    Composed,
+}
+
+impl TrainArgs {
+    /// The drafter's training paths on `device`: sets the process-wide kernel switches of
+    /// `--train-ops` and `--train-attention` (a run has one setting) and returns the attention.
+    pub fn train_paths(&self, device: &candle_core::Device) -> dflash_models::TrainAttention {
+        dflash_models::cuda::set_fused_train_ops(self.train_ops == TrainOpsArg::Fused);
+        self.train_attention.on(device)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum SaveDtype {
     Bf16,
@@ -267,6 +285,11 @@ pub struct TrainArgs {
     /// only, the CPU always runs composed) or composed (candle's masked softmax, autograd).
     #[arg(long, value_enum, default_value_t = TrainAttentionArg::Fused, help_heading = "Objective")]
     pub train_attention: TrainAttentionArg,
+    /// How the drafter's RMSNorms, q/k-norm + RoPE and SiLU-gate run: fused (one forward and
+    /// one backward kernel each; CUDA only, the CPU always runs composed) or composed (candle's
+    /// elementwise ops, autograd).
+    #[arg(long, value_enum, default_value_t = TrainOpsArg::Fused, help_heading = "Objective")]
+    pub train_ops: TrainOpsArg,
 
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 4, help_heading = "Optimisation")]

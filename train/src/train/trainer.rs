@@ -343,8 +343,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                 .collect();
             step_tokens += seqs.iter().map(|s| s.tokens.len()).sum::<usize>();
             window.target_s += bt.target_s;
-            let hidden =
-                drafter.train_hidden_with(&seqs, args.train_attention.on(drafter.device()))?;
+            let hidden = drafter.train_hidden_with(&seqs, args.train_paths(drafter.device()))?;
             let rows = Tensor::new(targets.rows.as_slice(), drafter.device())?;
             let hidden = hidden.index_select(&rows, 0)?;
             let (loss, predicted) = loss::head_cross_entropy(

@@ -11,7 +11,9 @@
 //!    bf16; the bf16 cases run the tensor-core kernels, which round P and dS to bf16 as mma
 //!    operands; the f32 cases the scalar ones). A wrong visibility (anchors one later) must
 //!    fail it.
-//! 2. A trainer step, fused vs composed: a random 2-layer drafter (one sliding, one full layer,
+//!    Also 8 heads over 2 (4 q-heads per KV head, the 8B drafters' grouping), f32 and bf16.
+//! 2. A trainer step, fused vs composed (fused attention and the fused norm / RoPE / SiLU ops
+//!    of `layers::train_ops` against the composition of both): a random 2-layer drafter (one sliding, one full layer,
 //!    head_dim 64) on the GPU in f32, two sequences, `train_hidden_with` + the trainer's
 //!    weighted cross-entropy + backward: the loss (1e-5 relative) and every parameter
 //!    tensor's gradient (1e-4 of its largest entry) must agree.
@@ -95,7 +97,13 @@ fn grads(
         .collect()
 }
 
-fn grad_case(dev: &Device, dtype: DType, d: usize, window: Option<usize>) -> Result<Value> {
+fn grad_case(
+    dev: &Device,
+    dtype: DType,
+    d: usize,
+    window: Option<usize>,
+    (heads, kv_heads): (usize, usize),
+) -> Result<Value> {
     let anchors: [(u32, &[u32]); 2] = [(0, &[0, 1, 40, 77, 149]), (150, &[5, 30, 89])];
     let spans: Vec<BlockSpan> = anchors
         .iter()
@@ -110,13 +118,13 @@ fn grad_case(dev: &Device, dtype: DType, d: usize, window: Option<usize>) -> Res
     let mut rng = WeightRng::new(33);
     let mut draw = |shape: &[usize]| rng.normal(shape, 0.0, 1.0, dtype, dev);
     let inputs = vec![
-        draw(&[HEADS, r, d])?,
-        draw(&[KV_HEADS, c, d])?,
-        draw(&[KV_HEADS, c, d])?,
-        draw(&[KV_HEADS, r, d])?,
-        draw(&[KV_HEADS, r, d])?,
+        draw(&[heads, r, d])?,
+        draw(&[kv_heads, c, d])?,
+        draw(&[kv_heads, c, d])?,
+        draw(&[kv_heads, r, d])?,
+        draw(&[kv_heads, r, d])?,
     ];
-    let dout = draw(&[r, HEADS * d])?.to_dtype(DType::F32)?;
+    let dout = draw(&[r, heads * d])?.to_dtype(DType::F32)?;
     let fused: AttnFn = &|t, s| dflash_attention(&t[0], &t[1], &t[2], &t[3], &t[4], s, B, window);
     let composed: AttnFn =
         &|t, s| composed_attention(&t[0], &t[1], &t[2], &t[3], &t[4], s, B, window);
@@ -125,8 +133,8 @@ fn grad_case(dev: &Device, dtype: DType, d: usize, window: Option<usize>) -> Res
     // The CPU reference on the same (dtype-rounded) inputs.
     let x: Vec<Vec<f32>> = inputs.iter().map(flat).collect::<Result<_>>()?;
     let dims = AttnDims {
-        heads: HEADS,
-        kv_heads: KV_HEADS,
+        heads,
+        kv_heads,
         rows: r,
         ctx: c,
         head_dim: d,
@@ -170,7 +178,7 @@ fn grad_case(dev: &Device, dtype: DType, d: usize, window: Option<usize>) -> Res
     }
     let wrong_fails = (0..5).any(|i| rel_err(&g_wrong[i], &g_composed[i]) > tol);
     Ok(json!({
-        "dtype": format!("{dtype:?}"), "head_dim": d, "window": window, "blocks": spans.len(),
+        "dtype": format!("{dtype:?}"), "heads": heads, "kv_heads": kv_heads, "head_dim": d, "window": window, "blocks": spans.len(),
         "rel_err": per, "tolerance": tol, "wrong_mask_fails": wrong_fails,
         "pass": pass && wrong_fails,
     }))
@@ -238,6 +246,9 @@ fn trainer_step(dev: &Device) -> Result<Value> {
     }
     let parts = TargetEmbeddingsAndHead::of(&target);
     let run = |attention: TrainAttention| -> Result<(f32, NamedGrads)> {
+        // Fused attention with the fused norm / RoPE / SiLU ops against the composition of
+        // everything (the switch is process-wide; left on).
+        dflash_models::cuda::set_fused_train_ops(attention == TrainAttention::Fused);
         let vars: Vec<(String, Var)> = init
             .named_tensors()
             .into_iter()
@@ -274,6 +285,7 @@ fn trainer_step(dev: &Device) -> Result<Value> {
     };
     let (lf, gf) = run(TrainAttention::Fused)?;
     let (lc, gc) = run(TrainAttention::Composed)?;
+    dflash_models::cuda::set_fused_train_ops(true);
     let loss_rel = (lf - lc).abs() / lc.abs();
     let mut worst = (String::new(), 0f32);
     for ((n, a), (_, b)) in gf.iter().zip(&gc) {
@@ -353,16 +365,26 @@ pub fn run(dev: &Device) -> Result<Value> {
         println!("{key} {v}");
         report.insert(key, v);
     };
-    for (dtype, d, window) in [
-        (DType::F32, 128, None),
-        (DType::F32, 64, Some(24)),
-        (DType::F32, 128, Some(7)),
-        (DType::BF16, 64, None),
-        (DType::BF16, 128, Some(24)),
+    // 4 heads over 2, and 8 over 2 (4 q-heads per KV head, as Qwen3-8B-shaped drafters'
+    // 32 over 8): the tensor-core kernels give each q-head of a group its own warp.
+    for (dtype, d, window, heads) in [
+        (DType::F32, 128, None, (HEADS, KV_HEADS)),
+        (DType::F32, 64, Some(24), (HEADS, KV_HEADS)),
+        (DType::F32, 128, Some(7), (HEADS, KV_HEADS)),
+        (DType::BF16, 64, None, (HEADS, KV_HEADS)),
+        (DType::BF16, 128, Some(24), (HEADS, KV_HEADS)),
+        (DType::F32, 64, None, (8, 2)),
+        (DType::BF16, 128, None, (8, 2)),
+        (DType::BF16, 64, Some(24), (8, 2)),
     ] {
         record(
-            format!("attn_dflash_grad_{dtype:?}_d{d}_w{}", window.unwrap_or(0)),
-            grad_case(dev, dtype, d, window),
+            format!(
+                "attn_dflash_grad_{dtype:?}_d{d}_w{}_h{}x{}",
+                window.unwrap_or(0),
+                heads.0,
+                heads.1
+            ),
+            grad_case(dev, dtype, d, window, heads),
         );
     }
     record("attn_dflash_trainer_step".into(), trainer_step(dev));
