@@ -113,21 +113,6 @@ pub fn dflash_tensor_cores() -> bool {
     DFLASH_TENSOR_CORES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-static FUSED_TRAIN_OPS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Turns the fused trainable RMSNorm, q/k-norm + RoPE and SiLU-gate kernels
-/// (`crate::layers::train_ops`) on or off (off: candle's compositions, the reference), for
-/// comparisons (`gpu_check --train`, `dflash-train --train-ops composed`). On by default;
-/// process-wide. A no-op without CUDA.
-pub fn set_fused_train_ops(on: bool) {
-    FUSED_TRAIN_OPS.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether [`set_fused_train_ops`] left them on.
-pub fn fused_train_ops() -> bool {
-    FUSED_TRAIN_OPS.load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// Most rows the skinny GEMMs (`gemv*`) take (four m16 tiles per warp); wider products go to
 /// cuBLAS.
 pub const GEMV_MAX_ROWS: usize = 64;

@@ -3,7 +3,9 @@
 //! candle-nn 0.11's fused `rms_norm`, `softmax_last_dim` and `rope*` are `*_no_bwd` custom ops: a
 //! backward pass through them silently yields no gradient. Inference wants the fused kernels,
 //! the trainer needs gradients, and the layer math must exist once. So every layer takes an
-//! [`OpsMode`], chosen once per model, and only these functions branch on it.
+//! [`OpsMode`], chosen once per model, and only these functions branch on it. On CUDA,
+//! `Differentiable` takes the fused custom ops with backward kernels of [`super::train_ops`]
+//! (RMSNorm, q/k-norm + RoPE, SiLU-gate) where they apply.
 
 use candle_core::{DType, Result, Tensor, D};
 

@@ -5,7 +5,7 @@
 //! block rows of a training step.
 //!
 //! [`super::ops`] routes `OpsMode::Differentiable` here only for CUDA tensors while
-//! [`crate::cuda::fused_train_ops`] is on (the default); the CPU, and CUDA with the switch off,
+//! [`fused_train_ops`] is on (the default); the CPU, and CUDA with the switch off,
 //! keep the compositions, which stay the reference the GPU check (`gpu_check --train`)
 //! compares these ops and their gradients with. Shapes the kernels do not take (a head_dim
 //! that is not a multiple of 64 or above 256, a RoPE table narrower than half the head)
@@ -13,12 +13,27 @@
 
 use candle_core::{DType, Tensor};
 
+static FUSED_TRAIN_OPS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Turns the fused trainable RMSNorm, q/k-norm + RoPE and SiLU-gate kernels
+/// (this module) on or off (off: candle's compositions, the reference), for
+/// comparisons (`gpu_check --train`, `dflash-train --train-ops composed`). On by default;
+/// process-wide. A no-op without CUDA.
+pub fn set_fused_train_ops(on: bool) {
+    FUSED_TRAIN_OPS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_fused_train_ops`] left them on.
+pub fn fused_train_ops() -> bool {
+    FUSED_TRAIN_OPS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Whether the fused forms apply to `x` (CUDA build, CUDA tensor, bf16 or f32, switch on).
 pub fn applies(x: &Tensor) -> bool {
     cfg!(feature = "cuda")
         && x.device().is_cuda()
         && matches!(x.dtype(), DType::BF16 | DType::F32)
-        && crate::cuda::fused_train_ops()
+        && fused_train_ops()
 }
 
 #[cfg(feature = "cuda")]

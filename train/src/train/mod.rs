@@ -180,7 +180,7 @@ impl TrainArgs {
     /// The drafter's training paths on `device`: sets the process-wide kernel switches of
     /// `--train-ops` and `--train-attention` (a run has one setting) and returns the attention.
     pub fn train_paths(&self, device: &candle_core::Device) -> dflash_models::TrainAttention {
-        dflash_models::cuda::set_fused_train_ops(self.train_ops == TrainOpsArg::Fused);
+        dflash_models::layers::train_ops::set_fused_train_ops(self.train_ops == TrainOpsArg::Fused);
         self.train_attention.on(device)
     }
 }

@@ -248,7 +248,7 @@ fn trainer_step(dev: &Device) -> Result<Value> {
     let run = |attention: TrainAttention| -> Result<(f32, NamedGrads)> {
         // Fused attention with the fused norm / RoPE / SiLU ops against the composition of
         // everything (the switch is process-wide; left on).
-        dflash_models::cuda::set_fused_train_ops(attention == TrainAttention::Fused);
+        dflash_models::layers::train_ops::set_fused_train_ops(attention == TrainAttention::Fused);
         let vars: Vec<(String, Var)> = init
             .named_tensors()
             .into_iter()
@@ -285,7 +285,7 @@ fn trainer_step(dev: &Device) -> Result<Value> {
     };
     let (lf, gf) = run(TrainAttention::Fused)?;
     let (lc, gc) = run(TrainAttention::Composed)?;
-    dflash_models::cuda::set_fused_train_ops(true);
+    dflash_models::layers::train_ops::set_fused_train_ops(true);
     let loss_rel = (lf - lc).abs() / lc.abs();
     let mut worst = (String::new(), 0f32);
     for ((n, a), (_, b)) in gf.iter().zip(&gc) {

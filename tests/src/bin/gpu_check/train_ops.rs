@@ -18,8 +18,8 @@
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
-use dflash_models::cuda::set_fused_train_ops;
 use dflash_models::layers::ops::{qk_norm_rope, rms_norm, silu_mul};
+use dflash_models::layers::train_ops::set_fused_train_ops;
 use dflash_models::random::WeightRng;
 use dflash_models::OpsMode;
 use serde_json::{json, Value};
