@@ -62,6 +62,15 @@ fn split_plan(live: usize, nkv: usize, row_groups: usize) -> (usize, usize) {
 /// of the `t` new tokens, each seeing the committed rows and the new rows up to itself, with
 /// their normed and rotated K and their V written into the cache on the way.
 pub fn gated_attention_chain(r: &GattnRows<'_>) -> Result<Tensor> {
+    gated_attention_chain_split(r, None)
+}
+
+/// [`gated_attention_chain`] with the keys per split forced (None: by the plan), for the
+/// checks' timings.
+pub fn gated_attention_chain_split(
+    r: &GattnRows<'_>,
+    keys_per_split: Option<usize>,
+) -> Result<Tensor> {
     let dev = cuda(r.qkv)?;
     let dtype = r.qkv.dtype();
     let suffix = match dtype {
@@ -158,7 +167,10 @@ pub fn gated_attention_chain(r: &GattnRows<'_>) -> Result<Tensor> {
     )?;
 
     let row_groups = (t * (nh / nkv)).div_ceil(ROWS_PER_WARP);
-    let (kps, splits) = split_plan(live, nkv, row_groups);
+    let (kps, splits) = match keys_per_split {
+        Some(k) if k > 0 => (k, live.div_ceil(k)),
+        _ => split_plan(live, nkv, row_groups),
+    };
     let nrows = t * nh;
     let acc = alloc_f32(&dev, splits * nrows * d)?;
     let ml = alloc_f32(&dev, splits * nrows * 2)?;

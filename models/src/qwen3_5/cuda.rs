@@ -192,5 +192,5 @@ fn fused_attention(
         });
     }
     let kv = seq.cache.layer(li).attention()?.buffers();
-    Ok(attn.attend_chain_fused(qkv, rope.0, rope.1, kv, len)?)
+    Ok(attn.attend_chain_fused(qkv, rope.0, rope.1, kv, len, None)?)
 }

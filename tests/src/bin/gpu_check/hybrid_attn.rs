@@ -4,7 +4,8 @@
 //! random committed cache of 1K rows, in f32 (tight tolerance) and bf16 (the stated one), for
 //! a decode step and a 16-token chain. Reported per case: the o_proj input's largest
 //! difference over the largest plain value, the same for the K rows written to the cache, and
-//! whether the V rows written are equal; both paths' times; and a wrong case (the fused
+//! whether the V rows written are equal; both paths' times per call (and the fused one's by
+//! keys per split); and a wrong case (the fused
 //! kernels given the RoPE tables of positions 0.. instead of 1024..: the rotation as good as
 //! skipped) that the tolerance must reject.
 
@@ -112,11 +113,20 @@ mod cuda_impl {
 
         fn fused(&self, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
             let (kc, vc) = (self.kc.copy()?, self.vc.copy()?);
-            let out = self
-                .attn
-                .attend_chain_fused(&self.qkv, cos, sin, (&kc, &vc), self.c)?
-                .context("the fused kernels did not take the 27B head size")?;
+            let out = self.fused_into(cos, sin, (&kc, &vc), None)?;
             Ok((out, kc, vc))
+        }
+
+        fn fused_into(
+            &self,
+            cos: &Tensor,
+            sin: &Tensor,
+            cache: (&Tensor, &Tensor),
+            keys_per_split: Option<usize>,
+        ) -> Result<Tensor> {
+            self.attn
+                .attend_chain_fused(&self.qkv, cos, sin, cache, self.c, keys_per_split)?
+                .context("the fused kernels did not take the 27B head size")
         }
 
         fn new_rows(&self, x: &Tensor) -> Result<Tensor> {
@@ -158,14 +168,35 @@ mod cuda_impl {
                 let committed_equal = rel(&fk.narrow(1, 0, c)?, &kc.narrow(1, 0, c)?)? == 0.0;
                 let (wcos, wsin) = rope(case.cfg, 0, t, dtype, dev)?;
                 let wrong_rel = rel(&case.fused(&wcos, &wsin)?.0, &po)?;
-                let fused_ms = crate::time_ms(dev, 20, || {
-                    case.fused(&cos, &sin)?;
+                // Per call, 20 back to back (launch overheads included, as the eager
+                // forward sees them); the fused kernels on one cache copy (they rewrite the
+                // same new rows), the plain ops with their cache copies.
+                let (kc1, vc1) = (kc.copy()?, vc.copy()?);
+                let per_call = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+                    Ok(crate::time_ms(dev, 5, || {
+                        for _ in 0..20 {
+                            f()?;
+                        }
+                        Ok(())
+                    })? * 1e3
+                        / 20.0)
+                };
+                let fused_us = per_call(&mut || {
+                    case.fused_into(&cos, &sin, (&kc1, &vc1), None)?;
                     Ok(())
                 })?;
-                let plain_ms = crate::time_ms(dev, 20, || {
+                let plain_us = per_call(&mut || {
                     case.plain(&cos, &sin)?;
                     Ok(())
                 })?;
+                let mut sweep = serde_json::Map::new();
+                for kps in [16usize, 32, 64, 128, 256] {
+                    let us = per_call(&mut || {
+                        case.fused_into(&cos, &sin, (&kc1, &vc1), Some(kps))?;
+                        Ok(())
+                    })?;
+                    sweep.insert(format!("keys_per_split_{kps}"), json!(us));
+                }
                 res.insert(
                     format!("{dtype:?}_t{t}").to_lowercase(),
                     json!({
@@ -177,8 +208,9 @@ mod cuda_impl {
                         "pass": out_rel <= tol && k_rel <= tol && v_equal && committed_equal,
                         "wrong_rope_positions_from_0_rel_err": wrong_rel,
                         "wrong_case_rejected": wrong_rel > tol,
-                        "fused_ms_incl_cache_copy": fused_ms,
-                        "plain_ms_incl_cache_copy": plain_ms,
+                        "fused_us_per_call": fused_us,
+                        "plain_us_per_call_incl_cache_copy": plain_us,
+                        "fused_us_per_call_by_split": sweep,
                     }),
                 );
             }
