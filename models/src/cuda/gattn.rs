@@ -17,10 +17,12 @@ pub const GATTN_HEAD_DIM: usize = 256;
 /// Query rows per warp of the split kernel (`RPW` in gattn.cu) and its warps per block.
 const ROWS_PER_WARP: usize = 8;
 const WARPS: usize = 8;
-/// Warps the split kernel aims at: enough loads in flight to stream a layer's K/V (a decode
-/// step at 1K context is latency-bound below a few hundred), while the partials each split
-/// writes stay smaller than the K/V it reads.
-const TARGET_WARPS: usize = 1024;
+/// Warps the split kernel aims at: its per-key loop is latency-bound, so short splits win
+/// until the partials cost more than they save. Measured on the H200 at the 27B shape, 1K
+/// context (`fused_attention_layer_vs_plain` of `gpu_check --hybrid`, per call): a decode step
+/// 53 / 65 / 99 us at 16 / 32 / 64 keys per split, 16 tokens 146 / 125 / 129 us (49 keys: 159).
+/// With keys per split rounded up to a power of two this picks 16 and 32 for those two.
+const TARGET_WARPS: usize = 2048;
 
 /// One gated-attention layer's inputs for [`gated_attention_chain`].
 pub struct GattnRows<'a> {
@@ -54,6 +56,7 @@ fn alloc(dev: &CudaDevice, dtype: DType, shape: (usize, usize)) -> Result<Tensor
 fn split_plan(live: usize, nkv: usize, row_groups: usize) -> (usize, usize) {
     let kps = (live * nkv * row_groups)
         .div_ceil(TARGET_WARPS)
+        .next_power_of_two()
         .clamp(16, 256);
     (kps, live.div_ceil(kps))
 }
