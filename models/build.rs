@@ -20,6 +20,7 @@ fn main() {
         "attn_dflash_tc.cu",
         "gdn.cu",
         "train_ops.cu",
+        "gattn.cu",
         "common.cuh",
     ] {
         println!("cargo:rerun-if-changed=src/cuda/{f}");
@@ -53,6 +54,7 @@ fn main() {
         ("attn_dflash_tc.cu", "attn_dflash_tc.ptx"),
         ("gdn.cu", "gdn.ptx"),
         ("train_ops.cu", "train_ops.ptx"),
+        ("gattn.cu", "gattn.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])

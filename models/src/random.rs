@@ -10,18 +10,39 @@ pub struct WeightRng {
     /// `None`: draw on the device with its own generator (fast for billions of weights, but
     /// not reproducible across devices).
     rng: Option<ChaCha8Rng>,
+    /// Draws rounded through this dtype before the one asked (see [`Self::rounded_to`]).
+    round: Option<DType>,
 }
 
 impl WeightRng {
     pub fn new(seed: u64) -> Self {
         Self {
             rng: Some(ChaCha8Rng::seed_from_u64(seed)),
+            round: None,
         }
     }
 
     /// Weights drawn by the device's generator: for benchmarks of full-size shapes.
     pub fn on_device() -> Self {
-        Self { rng: None }
+        Self {
+            rng: None,
+            round: None,
+        }
+    }
+
+    /// Every draw rounded to `dtype` first: an f32 model drawn so holds exactly the weights of
+    /// the bf16 model drawn from the same sequence (the benches' bf16 noise floor compares
+    /// the two).
+    pub fn rounded_to(mut self, dtype: DType) -> Self {
+        self.round = Some(dtype);
+        self
+    }
+
+    fn finish(&self, x: Tensor, dtype: DType) -> Result<Tensor> {
+        match self.round {
+            Some(r) => x.to_dtype(r)?.to_dtype(dtype),
+            None => x.to_dtype(dtype),
+        }
     }
 
     /// Normal(mean, std) entries (Box-Muller), as `dtype` on `device`.
@@ -34,7 +55,7 @@ impl WeightRng {
         device: &Device,
     ) -> Result<Tensor> {
         let Some(rng) = self.rng.as_mut() else {
-            return Tensor::randn(mean, std, shape, device)?.to_dtype(dtype);
+            return self.finish(Tensor::randn(mean, std, shape, device)?, dtype);
         };
         let n: usize = shape.iter().product();
         let mut v = Vec::with_capacity(n);
@@ -48,8 +69,7 @@ impl WeightRng {
                 v.push(mean + std * r * th.sin());
             }
         }
-        Tensor::from_vec(v, shape, &Device::Cpu)?
-            .to_dtype(dtype)?
+        self.finish(Tensor::from_vec(v, shape, &Device::Cpu)?, dtype)?
             .to_device(device)
     }
 
@@ -67,5 +87,36 @@ impl WeightRng {
     /// An RMSNorm weight near one.
     pub fn norm(&mut self, n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
         self.normal(&[n], 1.0, 0.1, dtype, device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounded_draws_give_an_f32_copy_of_the_bf16_weights() {
+        let dev = Device::Cpu;
+        let draw = |rounded: bool, dtype: DType| {
+            let rng = WeightRng::new(3);
+            let mut rng = if rounded {
+                rng.rounded_to(DType::BF16)
+            } else {
+                rng
+            };
+            rng.linear(8, 64, dtype, &dev)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let bf16 = draw(true, DType::BF16);
+        assert_eq!(draw(true, DType::F32), bf16);
+        assert_eq!(draw(false, DType::BF16), bf16);
+        // Unrounded f32 draws keep bits bf16 drops.
+        assert_ne!(draw(false, DType::F32), bf16);
     }
 }

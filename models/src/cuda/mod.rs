@@ -81,6 +81,10 @@ pub use launch::{device_address, upload_i64, upload_u32};
 #[cfg(feature = "cuda")]
 pub use linear_ce::ce_rows_in_place;
 #[cfg(feature = "cuda")]
+mod gattn;
+#[cfg(feature = "cuda")]
+pub use gattn::{gated_attention_chain, gated_attention_chain_split, GattnRows, GATTN_HEAD_DIM};
+#[cfg(feature = "cuda")]
 mod gdn;
 #[cfg(feature = "cuda")]
 pub use gdn::{gdn_chain, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN, GDN_MAX_CONV};

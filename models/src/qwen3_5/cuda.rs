@@ -7,9 +7,11 @@
 //! (and the next norm's sums of squares) and the SiLU-gate product fused around them
 //! (`cuda/gemv.rs`); a Gated DeltaNet layer's mixer is two launches (`cuda/gdn.cu`: conv +
 //! SiLU + L2 norms + decay/beta + the delta rule with the state in registers, then the gated
-//! RMSNorm) after one copy that joins the cached conv window to the new rows. The gated
-//! full-attention layers (head_dim 256, partial RoPE: not the dense attention kernels' shape)
-//! run the plain path's q/k norm, RoPE and attention on the fused q/k/v product.
+//! RMSNorm) after one copy that joins the cached conv window to the new rows. A gated
+//! full-attention layer (head_dim 256, partial RoPE, sigmoid output gate: not the dense
+//! attention kernels' shape) is three launches on the fused q|gate|k|v product
+//! (`cuda/gattn.cu`: q/k norm + RoPE + cache write, split-K attention, merge x gate); other head
+//! sizes and paged caches run the plain path's ops there.
 //!
 //! Recurrent states are staged as the state after every row when the forward may be rolled
 //! back (the plain path stages the rows' delta-rule inputs instead; the cache takes both), else
@@ -22,7 +24,7 @@ use crate::cache::{GdnState, StagedState};
 use crate::cuda::{self, RowNorm};
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::{attend, AttnPattern};
-use crate::qwen3_5::{Mixer, Qwen35Model};
+use crate::qwen3_5::{GatedAttention, Mixer, Qwen35Model};
 use crate::taps::TapCollector;
 
 impl Qwen35Model {
@@ -49,7 +51,6 @@ impl Qwen35Model {
         let keep = t <= tracker.rollback;
         let len = seq.cache.len();
         let eps = self.cfg.rms_norm_eps;
-        let mask = seq.pattern.mask(len, t, &dev)?;
         let positions = Tensor::new(seq.positions, &dev)?;
         let (cos, sin) = self.rope.gather(&positions)?;
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
@@ -100,18 +101,23 @@ impl Qwen35Model {
                         ModelError::BadInput("fused forward on unfused weights".into())
                     })?;
                     let qkv = cuda::gemv(&x, qkv_w, Some(norm))?;
-                    let (nq, nk) = attn.qkv_widths();
-                    let (q, k, v, gate) = attn.split_heads(
-                        &qkv.narrow(1, 0, nq)?,
-                        &qkv.narrow(1, nq, nk)?,
-                        &qkv.narrow(1, nq + nk, nk)?,
-                        &cos,
-                        &sin,
-                    )?;
-                    seq.cache.write_kv(li, len, &k, &v)?;
-                    let (kc, vc) = seq.cache.view_kv(li, len + t)?;
-                    let a = attend(&q, &kc, &vc, mask.as_ref(), self.mode)?;
-                    (attn.gated(&a, &gate)?.contiguous()?, attn.o_proj())
+                    if let Some(mixed) = fused_attention(seq, li, attn, &qkv, (&cos, &sin), t)? {
+                        (mixed, attn.o_proj())
+                    } else {
+                        let mask = seq.pattern.mask(len, t, &dev)?;
+                        let (nq, nk) = attn.qkv_widths();
+                        let (q, k, v, gate) = attn.split_heads(
+                            &qkv.narrow(1, 0, nq)?,
+                            &qkv.narrow(1, nq, nk)?,
+                            &qkv.narrow(1, nq + nk, nk)?,
+                            &cos,
+                            &sin,
+                        )?;
+                        seq.cache.write_kv(li, len, &k, &v)?;
+                        let (kc, vc) = seq.cache.view_kv(li, len + t)?;
+                        let a = attend(&q, &kc, &vc, mask.as_ref(), self.mode)?;
+                        (attn.gated(&a, &gate)?.contiguous()?, attn.o_proj())
+                    }
                 }
             };
             let (x1, ss1) = cuda::gemv_resid(&mixed, o_proj, &x, Some(&counter), None)?;
@@ -160,4 +166,31 @@ impl Qwen35Model {
             logit_offsets: vec![0, seq.logit_rows.len()],
         })
     }
+}
+
+/// The gated-attention layer `li` of the chain through `cuda/gattn.cu` (q/k norm + partial
+/// RoPE + the K/V write, split-K attention, the gate), or None where the kernels do not take
+/// it (head size, a paged cache): the caller runs the plain ops. The new rows are written
+/// where [`crate::cache::SequenceCache::write_kv`] puts them and made live only by the commit, as there.
+fn fused_attention(
+    seq: &SeqForward<'_>,
+    li: usize,
+    attn: &GatedAttention,
+    qkv: &Tensor,
+    rope: (&Tensor, &Tensor),
+    t: usize,
+) -> ModelResult<Option<Tensor>> {
+    let len = seq.cache.len();
+    if !seq.cache.page_table().is_contiguous() {
+        return Ok(None);
+    }
+    if len + t > seq.cache.backed_rows() {
+        return Err(ModelError::CacheFull {
+            len,
+            requested: t,
+            capacity: seq.cache.backed_rows(),
+        });
+    }
+    let kv = seq.cache.layer(li).attention()?.buffers();
+    Ok(attn.attend_chain_fused(qkv, rope.0, rope.1, kv, len, None)?)
 }

@@ -199,6 +199,44 @@ impl GatedAttention {
         )
     }
 
+    /// The fused CUDA form of [`Self::split_heads`] + cache write + attention + [`Self::gated`]
+    /// for a causal chain (`cuda/gattn.cu`): the o_proj input of the rows of `qkv` (the
+    /// stacked projection), their K/V written to rows `cache_len ..` of the cache buffers
+    /// `kc`/`vc` (`[kv_heads, capacity, head_dim]`). None where the kernels do not take the
+    /// head size (the caller keeps the plain ops). `keys_per_split`: None for the kernels'
+    /// plan (the forward), else forced (the checks' timings).
+    #[cfg(feature = "cuda")]
+    pub fn attend_chain_fused(
+        &self,
+        qkv: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        (kc, vc): (&Tensor, &Tensor),
+        cache_len: usize,
+        keys_per_split: Option<usize>,
+    ) -> Result<Option<Tensor>> {
+        if self.head_dim != crate::cuda::GATTN_HEAD_DIM {
+            return Ok(None);
+        }
+        crate::cuda::gated_attention_chain_split(
+            &crate::cuda::GattnRows {
+                qkv,
+                q_norm: &self.q_norm,
+                k_norm: &self.k_norm,
+                cos,
+                sin,
+                kc,
+                vc,
+                cache_len,
+                heads: (self.num_heads, self.num_kv_heads),
+                rotary_dim: self.rotary_dim,
+                eps: self.eps,
+            },
+            keys_per_split,
+        )
+        .map(Some)
+    }
+
     /// `attn * sigmoid(gate)`, the input of `o_proj`.
     pub fn gated(&self, attn: &Tensor, gate: &Tensor) -> Result<Tensor> {
         attn * candle_nn::ops::sigmoid(gate)?

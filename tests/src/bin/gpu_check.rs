@@ -26,8 +26,12 @@
 
 #[path = "gpu_check/hybrid.rs"]
 mod hybrid;
+#[path = "gpu_check/hybrid_attn.rs"]
+mod hybrid_attn;
 #[path = "gpu_check/hybrid_fused.rs"]
 mod hybrid_fused;
+#[path = "gpu_check/hybrid_noise.rs"]
+mod hybrid_noise;
 #[path = "gpu_check/pooled.rs"]
 mod pooled;
 #[path = "gpu_check/pooled_draft.rs"]

@@ -204,6 +204,15 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
             .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
         println!("hybrid fused vs plain {parity}");
         res.insert("fused_vs_plain".into(), parity);
+        let attn = crate::hybrid_attn::attn_layer(dev, &cfg)
+            .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+        println!("hybrid fused attention layer vs plain {attn}");
+        res.insert("fused_attention_layer_vs_plain".into(), attn);
+        // 16 layers: 4 of them full attention, and f32 beside bf16 fits the device.
+        let noise = crate::hybrid_noise::noise_floor(dev, &cfg, 16, 1024)
+            .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+        println!("hybrid bf16 noise floor {noise}");
+        res.insert("bf16_noise_floor_16_layers".into(), noise);
     }
     res.insert("fused_path".into(), json!(m.fast_kernels()));
     let start = cache.len();

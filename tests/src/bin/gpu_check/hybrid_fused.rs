@@ -9,7 +9,7 @@ use candle_core::Tensor;
 use dflash_models::{AttnPattern, Qwen35Model, SeqForward, SequenceCache};
 use serde_json::{json, Value};
 
-fn logits(
+pub(crate) fn logits(
     m: &Qwen35Model,
     cache: &mut SequenceCache,
     tokens: &[u32],
@@ -45,7 +45,7 @@ fn steps(
     Ok(Tensor::cat(&out, 0)?)
 }
 
-fn compare(fused: &Tensor, plain: &Tensor) -> Result<Value> {
+pub(crate) fn compare(fused: &Tensor, plain: &Tensor) -> Result<Value> {
     let f = fused.to_vec2::<f32>()?;
     let p = plain.to_vec2::<f32>()?;
     let argmax = |r: &[f32]| {
