@@ -7,7 +7,7 @@ use std::cell::Cell;
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::{attn_prefill, gemv, kernels};
+use super::{attn_prefill, gemv, kernels, lt_gemm, LtMode};
 
 /// Qwen3-8B attention heads: 32 q, 8 KV, head_dim 128; 36 layers.
 const NH: usize = 32;
@@ -195,6 +195,25 @@ pub fn gemv_wide_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
             let got_s = gemv::gemv_silu(&x, &wsilu, None)?;
             let (e, s) = err(&got_s, &want_s)?;
             out.push((format!("gemv_silu:n{ni}_k{k}_m{m}"), e, s));
+            for (label, mode) in [
+                ("lt_heuristic", LtMode::Heuristic),
+                ("lt_tuned", LtMode::Tuned),
+            ] {
+                let got = lt_gemm::linear_lt(&x, &w, None, mode)?;
+                let (e, s) = err(&got, &want)?;
+                out.push((format!("{label}:{tag}"), e, s));
+                let got_r = lt_gemm::linear_lt(&x, &w, Some(&resid), mode)?;
+                let (e, s) = err(&got_r, &want_r)?;
+                out.push((format!("{label}_resid:{tag}"), e, s));
+            }
+            if m == 32 {
+                // The check must be able to fail: the tuned product of w against the
+                // reference of other weights.
+                let other = rand_bf16(dev, (n, k), 0.05)?;
+                let got = lt_gemm::linear_lt(&x, &w, None, LtMode::Tuned)?;
+                let (e, s) = err(&got, &x.matmul(&other.t()?)?)?;
+                out.push((format!("lt_tuned:{tag}:wrong_weights"), e, s));
+            }
             if m > 16 {
                 // The first 16 rows alone (the one-tile kernel) against the same rows here.
                 let head = x.narrow(0, 0, 16)?.contiguous()?;
@@ -213,8 +232,9 @@ pub fn gemv_wide_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
 /// Microseconds per call on Qwen3-8B's projections at 16..64 rows: cuBLAS (plus the SiLU
 /// product or residual add the wide path runs after it) against the skinny kernels with
 /// their epilogue, cycling over enough weight copies (>= 256 MB) that L2 holds none:
-/// `(name, cublas_us, gemv_us, weight_GB)`.
-pub fn gemv_wide_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f64)>> {
+/// `(name, [cublas, lt_heuristic, lt_tuned, skinny] us, weight_GB)`; the cuBLASLt forms fuse
+/// the residual add (beta = 1) and run the SiLU product after gate/up.
+pub fn gemv_wide_timings(dev: &Device) -> Result<Vec<(String, [f64; 4], f64)>> {
     let counter = Tensor::zeros(1, DType::U32, dev)?;
     let mut out = Vec::new();
     for (name, n, k) in [
@@ -253,7 +273,22 @@ pub fn gemv_wide_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f64)>> {
                 }
                 _ => gemv::gemv(&x, pick(), None),
             })?;
-            out.push((format!("{name}_m{m}"), cublas * 1e3, skinny * 1e3, gb));
+            let lt = |mode| {
+                host_loop_ms(dev, &|| match name {
+                    "gate_up_silu" => {
+                        kernels::silu_mul(&lt_gemm::linear_lt(&x, pick(), None, mode)?)
+                    }
+                    "o_proj" | "down" => lt_gemm::linear_lt(&x, pick(), Some(&resid), mode),
+                    _ => lt_gemm::linear_lt(&x, pick(), None, mode),
+                })
+            };
+            let heur = lt(LtMode::Heuristic)?;
+            let tuned = lt(LtMode::Tuned)?;
+            out.push((
+                format!("{name}_m{m}"),
+                [cublas * 1e3, heur * 1e3, tuned * 1e3, skinny * 1e3],
+                gb,
+            ));
         }
     }
     Ok(out)

@@ -87,6 +87,10 @@ pub use gdn::{gdn_chain, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN, GDN_MAX_CONV};
 #[cfg(feature = "cuda")]
 mod gemv;
 #[cfg(feature = "cuda")]
+mod lt_gemm;
+#[cfg(feature = "cuda")]
+pub use lt_gemm::{linear_lt, tuned_timings, LtMode};
+#[cfg(feature = "cuda")]
 mod topk;
 #[cfg(feature = "cuda")]
 pub use gemv::{
@@ -124,6 +128,17 @@ pub const GEMV_MAX_ROWS: usize = 64;
 /// too: a pooled decode step of 32 / 64 sequences at 640 positions took 10.59 / 18.23 ms on
 /// them against 7.48 / 9.04 on cuBLAS (deploy/bench/results/h200-2026-12-03-scale2).
 pub const GEMV_DEFAULT_ROWS: usize = 1;
+
+/// Most rows of a cuBLASLt product with its algorithm picked by timing (`lt_gemm.rs`: a
+/// batched decode step of up to 64 sequences); wider products (prefill chunks, whose row
+/// counts are many) keep cuBLAS's default choice.
+pub const TUNED_MAX_ROWS: usize = 64;
+
+/// Most rows a fused forward's wide path sends through the tuned cuBLASLt products by
+/// default. The tuner times cuBLAS's default choice among its candidates, so it cannot pick
+/// anything slower than it (beyond timing noise); measured in
+/// deploy/bench/results/h200-2026-12-03-gemm2.
+pub const TUNED_DEFAULT_ROWS: usize = TUNED_MAX_ROWS;
 
 /// Longest per-sequence forward the fused path takes in one piece (and the longest CUDA-graph
 /// step); longer causal forwards (prefills) run as consecutive pieces.
