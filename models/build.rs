@@ -19,6 +19,7 @@ fn main() {
         "attn_varlen.cu",
         "attn_dflash_tc.cu",
         "gdn.cu",
+        "splitk.cu",
         "common.cuh",
     ] {
         println!("cargo:rerun-if-changed=src/cuda/{f}");
@@ -51,6 +52,7 @@ fn main() {
         ("attn_varlen.cu", "attn_varlen.ptx"),
         ("attn_dflash_tc.cu", "attn_dflash_tc.ptx"),
         ("gdn.cu", "gdn.ptx"),
+        ("splitk.cu", "splitk.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])

@@ -91,6 +91,10 @@ mod lt_gemm;
 #[cfg(feature = "cuda")]
 pub use lt_gemm::{linear_lt, tuned_timings, LtMode};
 #[cfg(feature = "cuda")]
+mod splitk;
+#[cfg(feature = "cuda")]
+pub use splitk::{splitk_gemm, splitk_gemm_blocks, SplitkEpi};
+#[cfg(feature = "cuda")]
 mod topk;
 #[cfg(feature = "cuda")]
 pub use gemv::{
@@ -139,6 +143,10 @@ pub const TUNED_MAX_ROWS: usize = 64;
 /// anything slower than it (beyond timing noise); measured in
 /// deploy/bench/results/h200-2026-12-03-gemm2.
 pub const TUNED_DEFAULT_ROWS: usize = TUNED_MAX_ROWS;
+
+/// Most rows a fused forward's wide path sends through the split-K kernels (`splitk.cu`) by
+/// default: none until measured to win (deploy/bench/results/h200-2026-12-03-gemm2).
+pub const SPLITK_DEFAULT_ROWS: usize = 0;
 
 /// Longest per-sequence forward the fused path takes in one piece (and the longest CUDA-graph
 /// step); longer causal forwards (prefills) run as consecutive pieces.

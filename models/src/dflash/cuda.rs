@@ -117,6 +117,7 @@ impl DFlashDrafter {
             mode: self.mode(),
             gemv_rows: self.gemv_rows(),
             tuned_rows: self.tuned_rows(),
+            splitk_rows: self.splitk_rows(),
         };
         let x = self.embed_weight().index_select(ids, 0)?;
         // The drafter's own stack: no taps.

@@ -85,6 +85,8 @@ pub struct DFlashDrafter {
     gemv_rows: usize,
     /// Most rows whose wide-path GEMMs take the timed cuBLASLt choice (`cuda/lt_gemm.rs`).
     tuned_rows: usize,
+    /// Most rows whose wide-path GEMMs take the split-K kernels (`cuda/splitk.rs`).
+    splitk_rows: usize,
     /// CUDA graphs of batch-1 draft rounds (`dflash/cuda.rs`).
     graphs: GraphCache,
 }
@@ -267,6 +269,7 @@ impl DFlashDrafter {
             fast: false,
             gemv_rows: crate::cuda::GEMV_DEFAULT_ROWS,
             tuned_rows: crate::cuda::TUNED_DEFAULT_ROWS,
+            splitk_rows: crate::cuda::SPLITK_DEFAULT_ROWS,
             graphs: GraphCache::new(false),
         };
         if drafter.fast_kernels_available() {
@@ -314,6 +317,13 @@ impl DFlashDrafter {
         self.fresh_graphs()
     }
 
+    /// Caps the rows whose wide-path GEMMs take the split-K kernels (`cuda/splitk.rs`; ahead
+    /// of the cuBLASLt choice); 0 turns them off. For comparisons.
+    pub fn with_splitk_rows(mut self, rows: usize) -> Self {
+        self.splitk_rows = rows.min(crate::cuda::TUNED_MAX_ROWS);
+        self.fresh_graphs()
+    }
+
     /// Caps the rows a fused forward sends through the skinny GEMMs (wider ones use cuBLAS);
     /// 0 keeps every forward on cuBLAS. For comparisons; the default is the measured best.
     pub fn with_gemv_rows(mut self, rows: usize) -> Self {
@@ -353,6 +363,11 @@ impl DFlashDrafter {
     /// Most rows whose wide-path GEMMs take the timed cuBLASLt choice.
     pub fn tuned_rows(&self) -> usize {
         self.tuned_rows
+    }
+
+    /// Most rows whose wide-path GEMMs take the split-K kernels.
+    pub fn splitk_rows(&self) -> usize {
+        self.splitk_rows
     }
 
     /// Every drafter-owned tensor with its z-lab name, in [`Self::parameter_shapes`] order.

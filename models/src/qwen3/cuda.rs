@@ -315,6 +315,7 @@ impl Qwen3Model {
             mode: self.mode(),
             gemv_rows: self.gemv_rows(),
             tuned_rows: self.tuned_rows(),
+            splitk_rows: self.splitk_rows(),
         };
         let x = self.embed_weight().index_select(ids, 0)?;
         let mut tapped = TapCollector::new(taps, self.cfg.num_hidden_layers);

@@ -56,6 +56,8 @@ pub struct Qwen3Model {
     gemv_rows: usize,
     /// Most rows whose wide-path GEMMs take the timed cuBLASLt choice (`cuda/lt_gemm.rs`).
     tuned_rows: usize,
+    /// Most rows whose wide-path GEMMs take the split-K kernels (`cuda/splitk.rs`).
+    splitk_rows: usize,
     /// Piece length of a fused prefill.
     prefill_chunk: usize,
     /// CUDA graphs of small batch-1 forwards (`qwen3/cuda.rs`, kept in a `cuda/graphs.rs` cache).
@@ -126,6 +128,7 @@ impl Qwen3Model {
             fast: false,
             gemv_rows: crate::cuda::GEMV_DEFAULT_ROWS,
             tuned_rows: crate::cuda::TUNED_DEFAULT_ROWS,
+            splitk_rows: crate::cuda::SPLITK_DEFAULT_ROWS,
             prefill_chunk: crate::cuda::PREFILL_CHUNK,
             graphs: GraphCache::new(false),
         }
@@ -185,6 +188,7 @@ impl Qwen3Model {
             fast: false,
             gemv_rows: crate::cuda::GEMV_DEFAULT_ROWS,
             tuned_rows: crate::cuda::TUNED_DEFAULT_ROWS,
+            splitk_rows: crate::cuda::SPLITK_DEFAULT_ROWS,
             prefill_chunk: crate::cuda::PREFILL_CHUNK,
             graphs: GraphCache::new(false),
         }
@@ -240,6 +244,13 @@ impl Qwen3Model {
     /// 0 keeps them on cuBLAS's default. For comparisons; the default is the measured best.
     pub fn with_tuned_rows(mut self, rows: usize) -> Self {
         self.tuned_rows = rows.min(crate::cuda::TUNED_MAX_ROWS);
+        self.fresh_graphs()
+    }
+
+    /// Caps the rows whose wide-path GEMMs take the split-K kernels (`cuda/splitk.rs`; ahead
+    /// of the cuBLASLt choice); 0 turns them off. For comparisons.
+    pub fn with_splitk_rows(mut self, rows: usize) -> Self {
+        self.splitk_rows = rows.min(crate::cuda::TUNED_MAX_ROWS);
         self.fresh_graphs()
     }
 
@@ -305,6 +316,11 @@ impl Qwen3Model {
     /// Most rows whose wide-path GEMMs take the timed cuBLASLt choice.
     pub fn tuned_rows(&self) -> usize {
         self.tuned_rows
+    }
+
+    /// Most rows whose wide-path GEMMs take the split-K kernels.
+    pub fn splitk_rows(&self) -> usize {
+        self.splitk_rows
     }
 
     pub fn mode(&self) -> OpsMode {

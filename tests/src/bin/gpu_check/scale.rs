@@ -157,12 +157,12 @@ pub fn run(dev: &Device, gemm_only: bool) -> Result<Value> {
     for (name, us, gb) in check_scale::gemv_wide_timings(dev)? {
         let bw = |t: f64| gb / t * 1e6;
         println!(
-            "scale gemm {name}: cublas {:.1} us ({:.0} GB/s), lt heuristic {:.1} ({:.0}), lt tuned {:.1} ({:.0}), skinny {:.1} ({:.0})",
-            us[0], bw(us[0]), us[1], bw(us[1]), us[2], bw(us[2]), us[3], bw(us[3])
+            "scale gemm {name}: cublas {:.1} us ({:.0} GB/s), lt heuristic {:.1} ({:.0}), lt tuned {:.1} ({:.0}), skinny {:.1} ({:.0}), splitk {:.1} ({:.0}), splitk528 {:.1} ({:.0})",
+            us[0], bw(us[0]), us[1], bw(us[1]), us[2], bw(us[2]), us[3], bw(us[3]), us[4], bw(us[4]), us[5], bw(us[5])
         );
         out.insert(
             format!("gemm_{name}"),
-            json!({"cublas_us": us[0], "lt_heuristic_us": us[1], "lt_tuned_us": us[2], "skinny_us": us[3], "weight_GB": gb}),
+            json!({"cublas_us": us[0], "lt_heuristic_us": us[1], "lt_tuned_us": us[2], "skinny_us": us[3], "splitk_us": us[4], "splitk528_us": us[5], "weight_GB": gb}),
         );
     }
     // What the tuner measured per shape (fastest first; L2 evicted before each run).
@@ -217,6 +217,10 @@ pub fn run(dev: &Device, gemm_only: bool) -> Result<Value> {
         .with_gemv_rows(dflash_models::cuda::GEMV_MAX_ROWS)
         .with_tuned_rows(0)
         .with_step_graphs(true);
+    let splitk = m
+        .clone()
+        .with_splitk_rows(dflash_models::cuda::TUNED_MAX_ROWS)
+        .with_step_graphs(true);
     let pool = m.new_kv_pool(64 * 12 + (long + 1024) / 64 + 8)?;
     let ctx = 640usize;
     // Batched decode steps: 32 and 64 sequences at 640 positions (512-token prompts, mean of
@@ -233,14 +237,19 @@ pub fn run(dev: &Device, gemm_only: bool) -> Result<Value> {
         let cublas = time_step(&graphs, &mut refs, &ones, 20)?;
         let lt = time_step(&tuned, &mut refs, &ones, 20)?;
         let sk = time_step(&skinny, &mut refs, &ones, 20)?;
+        let spk = if check_scale::splitk_checked() {
+            time_step(&splitk, &mut refs, &ones, 20)?
+        } else {
+            f64::NAN
+        };
         let lt_eager = time_step(&tuned.clone().with_step_graphs(false), &mut refs, &ones, 10)?;
         let cublas_eager = time_step(&eager, &mut refs, &ones, 10)?;
         println!(
-            "scale decode b{b} ctx{ctx} graph: cublas {cublas:.3} ms, lt tuned {lt:.3} ms, skinny {sk:.3} ms; eager: cublas {cublas_eager:.3}, lt tuned {lt_eager:.3}"
+            "scale decode b{b} ctx{ctx} graph: cublas {cublas:.3} ms, lt tuned {lt:.3} ms, skinny {sk:.3} ms, splitk {spk:.3} ms; eager: cublas {cublas_eager:.3}, lt tuned {lt_eager:.3}"
         );
         out.insert(
             format!("decode_b{b}_ctx{ctx}_graph"),
-            json!({"cublas_ms": cublas, "lt_tuned_ms": lt, "skinny_ms": sk, "eager_cublas_ms": cublas_eager, "eager_lt_tuned_ms": lt_eager}),
+            json!({"cublas_ms": cublas, "lt_tuned_ms": lt, "skinny_ms": sk, "splitk_ms": spk, "eager_cublas_ms": cublas_eager, "eager_lt_tuned_ms": lt_eager}),
         );
     }
     if gemm_only {
