@@ -1,13 +1,16 @@
 //! cuBLASLt products `x @ wᵀ` for decode-sized row counts (at most [`TUNED_MAX_ROWS`]), with
-//! the algorithm picked per shape by timing: cuBLAS's default choice for a 32-row step reads
-//! the weights at 1.35-2.6 TB/s of the H200's ~4.2 (o_proj 4096 x 4096 at 1.35,
-//! deploy/bench/results/h200-2026-12-03-scale2), because its heuristics pick tiles for
-//! compute, not for streaming a weight matrix past few rows. The first product of a shape
-//! asks cuBLASLt's heuristic for up to [`HEURISTICS`] algorithms, adds split-K variants of
-//! each (2..16 splits, reduced in the workspace in a fixed order), times every candidate and
-//! cuBLAS's default (candle's matmul) with CUDA events, each run after a write that evicts L2
-//! (the weights stream from HBM, as in a step), and keeps the fastest for the process: the
-//! tuned path is never slower than the default by more than the timing noise.
+//! the algorithm picked per shape by timing. The first product of a shape asks cuBLASLt's
+//! heuristic for up to [`HEURISTICS`] algorithms, adds split-K variants of each (2..16
+//! splits, reduced in the workspace in a fixed order), times every candidate and cuBLAS's
+//! default (candle's matmul) with CUDA events, each run after a write that evicts L2 (the
+//! weights stream from HBM, as in a step), and keeps the fastest for the process.
+//!
+//! Built on the reading that cuBLAS streams the weights of a 32-row step at 1.35-2.6 TB/s;
+//! measured (deploy/bench/results/h200-2026-12-03-gemm2), that reading was mostly host launch
+//! cost of back-to-back uncaptured calls: the heuristic's first choice is bit-identical to
+//! cuBLAS's, the best candidate is within 0-3% of it in GPU time, and a CUDA-graph decode step
+//! is no faster, so the decoder stack leaves it off by default ([`super::TUNED_DEFAULT_ROWS`]);
+//! kept for comparisons and for the residual epilogue (beta = 1), which does save the add.
 //!
 //! Graph capture: the workspace is allocated once per device, and a shape first seen while
 //! the stream captures takes the heuristic's first algorithm untimed (not cached), because

@@ -139,13 +139,16 @@ pub const GEMV_DEFAULT_ROWS: usize = 1;
 pub const TUNED_MAX_ROWS: usize = 64;
 
 /// Most rows a fused forward's wide path sends through the tuned cuBLASLt products by
-/// default. The tuner times cuBLAS's default choice among its candidates, so it cannot pick
-/// anything slower than it (beyond timing noise); measured in
-/// deploy/bench/results/h200-2026-12-03-gemm2.
-pub const TUNED_DEFAULT_ROWS: usize = TUNED_MAX_ROWS;
+/// default: none. Measured on the H200 (Qwen3-8B, pooled decode at 640 positions, CUDA graphs,
+/// deploy/bench/results/h200-2026-12-03-gemm2): b16 / b32 / b64 6.394 / 7.602 / 8.932 ms tuned
+/// against 6.339 / 7.429 / 9.031 on cuBLAS's default; cuBLASLt's first heuristic choice is
+/// bit-identical to cuBLAS's (the same kernel), and the best of ~24-39 timed candidates is
+/// within 0-3% of it in GPU time (a win only where the residual add is folded in).
+pub const TUNED_DEFAULT_ROWS: usize = 0;
 
 /// Most rows a fused forward's wide path sends through the split-K kernels (`splitk.cu`) by
-/// default: none until measured to win (deploy/bench/results/h200-2026-12-03-gemm2).
+/// default: none. They lose (deploy/bench/results/h200-2026-12-03-gemm2): a b32 decode step
+/// at 640 positions took 11.93 ms on them against 7.43 on cuBLAS (1.0-2.1 TB/s per product).
 pub const SPLITK_DEFAULT_ROWS: usize = 0;
 
 /// Longest per-sequence forward the fused path takes in one piece (and the longest CUDA-graph
