@@ -204,8 +204,8 @@ impl Stack<'_> {
         Ok(rows <= self.splitk_rows.min(cuda::TUNED_MAX_ROWS)
             && x.is_contiguous()
             && w.is_contiguous()
-            && k % 32 == 0
-            && outputs % 64 == 0)
+            && k.is_multiple_of(32)
+            && outputs.is_multiple_of(64))
     }
 
     /// `silu(gate) * up` of the stacked gate/up product: fused into the split-K kernel, else
