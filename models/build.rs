@@ -21,6 +21,7 @@ fn main() {
         "gdn.cu",
         "train_ops.cu",
         "gattn.cu",
+        "splitk.cu",
         "common.cuh",
     ] {
         println!("cargo:rerun-if-changed=src/cuda/{f}");
@@ -55,6 +56,7 @@ fn main() {
         ("gdn.cu", "gdn.ptx"),
         ("train_ops.cu", "train_ops.ptx"),
         ("gattn.cu", "gattn.ptx"),
+        ("splitk.cu", "splitk.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])

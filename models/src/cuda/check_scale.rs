@@ -7,13 +7,19 @@ use std::cell::Cell;
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::{attn_prefill, gemv, kernels};
+use super::{attn_prefill, gemv, kernels, lt_gemm, splitk, LtMode, SplitkEpi};
 
 /// Qwen3-8B attention heads: 32 q, 8 KV, head_dim 128; 36 layers.
 const NH: usize = 32;
 const NKV: usize = 8;
 const D: usize = 128;
 pub const LAYERS: usize = 36;
+
+/// Whether the split-K kernels are checked and timed (`GPU_CHECK_NO_SPLITK` unset): a rerun
+/// without them keeps the other figures if they ever fault.
+pub fn splitk_checked() -> bool {
+    std::env::var_os("GPU_CHECK_NO_SPLITK").is_none()
+}
 
 /// Milliseconds per call of `f`, 20 back-to-back host launches after one warm-up.
 fn host_loop_ms(dev: &Device, f: &dyn Fn() -> Result<Tensor>) -> Result<f64> {
@@ -195,6 +201,50 @@ pub fn gemv_wide_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
             let got_s = gemv::gemv_silu(&x, &wsilu, None)?;
             let (e, s) = err(&got_s, &want_s)?;
             out.push((format!("gemv_silu:n{ni}_k{k}_m{m}"), e, s));
+            for (label, mode) in [
+                ("lt_heuristic", LtMode::Heuristic),
+                ("lt_tuned", LtMode::Tuned),
+            ] {
+                let got = lt_gemm::linear_lt(&x, &w, None, mode)?;
+                let (e, s) = err(&got, &want)?;
+                out.push((format!("{label}:{tag}"), e, s));
+                let got_r = lt_gemm::linear_lt(&x, &w, Some(&resid), mode)?;
+                let (e, s) = err(&got_r, &want_r)?;
+                out.push((format!("{label}_resid:{tag}"), e, s));
+            }
+            if m == 32 {
+                // The check must be able to fail: the tuned product of w against the
+                // reference of other weights.
+                let other = rand_bf16(dev, (n, k), 0.05)?;
+                let got = lt_gemm::linear_lt(&x, &w, None, LtMode::Tuned)?;
+                let (e, s) = err(&got, &x.matmul(&other.t()?)?)?;
+                out.push((format!("lt_tuned:{tag}:wrong_weights"), e, s));
+            }
+            if splitk_checked() {
+                let sk = splitk::splitk_gemm(&x, &w, SplitkEpi::Store, None)?;
+                let (e, s) = err(&sk, &want)?;
+                out.push((format!("splitk_store:{tag}"), e, s));
+                let again = splitk::splitk_gemm(&x, &w, SplitkEpi::Store, None)?;
+                let (e, s) = err(&again, &sk)?;
+                out.push((format!("splitk_store:{tag}:repeat"), e, s));
+                let sk_r = splitk::splitk_gemm(&x, &w, SplitkEpi::Resid, Some(&resid))?;
+                let (e, s) = err(&sk_r, &want_r)?;
+                out.push((format!("splitk_resid:{tag}"), e, s));
+                let sk_s = splitk::splitk_gemm(&x, &wsilu, SplitkEpi::Silu, None)?;
+                let (e, s) = err(&sk_s, &want_s)?;
+                out.push((format!("splitk_silu:n{ni}_k{k}_m{m}"), e, s));
+                if m > 16 {
+                    let head = x.narrow(0, 0, 16)?.contiguous()?;
+                    let alone = splitk::splitk_gemm(&head, &w, SplitkEpi::Store, None)?;
+                    let (e, s) = err(&sk.narrow(0, 0, 16)?, &alone)?;
+                    out.push((format!("splitk_store:{tag}:row_independent"), e, s));
+                }
+                if m == 32 {
+                    let other = rand_bf16(dev, (n, k), 0.05)?;
+                    let (e, s) = err(&sk, &x.matmul(&other.t()?)?)?;
+                    out.push((format!("splitk_store:{tag}:wrong_weights"), e, s));
+                }
+            }
             if m > 16 {
                 // The first 16 rows alone (the one-tile kernel) against the same rows here.
                 let head = x.narrow(0, 0, 16)?.contiguous()?;
@@ -213,8 +263,10 @@ pub fn gemv_wide_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
 /// Microseconds per call on Qwen3-8B's projections at 16..64 rows: cuBLAS (plus the SiLU
 /// product or residual add the wide path runs after it) against the skinny kernels with
 /// their epilogue, cycling over enough weight copies (>= 256 MB) that L2 holds none:
-/// `(name, cublas_us, gemv_us, weight_GB)`.
-pub fn gemv_wide_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f64)>> {
+/// `(name, [cublas, lt_heuristic, lt_tuned, skinny, splitk, splitk_528] us, weight_GB)`; the
+/// cuBLASLt forms fuse the residual add (beta = 1) and run the SiLU product after gate/up,
+/// the split-K kernels fuse both (`splitk_528`: aiming for 528 blocks instead of 264).
+pub fn gemv_wide_timings(dev: &Device) -> Result<Vec<(String, [f64; 6], f64)>> {
     let counter = Tensor::zeros(1, DType::U32, dev)?;
     let mut out = Vec::new();
     for (name, n, k) in [
@@ -222,6 +274,7 @@ pub fn gemv_wide_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f64)>> {
         ("o_proj", 4096, 4096),
         ("gate_up_silu", 24576, 4096),
         ("down", 4096, 12288),
+        ("lm_head", 151936, 4096),
     ] {
         let bytes = n * k * 2;
         let copies = (256usize << 20).div_ceil(bytes).max(2);
@@ -253,7 +306,49 @@ pub fn gemv_wide_timings(dev: &Device) -> Result<Vec<(String, f64, f64, f64)>> {
                 }
                 _ => gemv::gemv(&x, pick(), None),
             })?;
-            out.push((format!("{name}_m{m}"), cublas * 1e3, skinny * 1e3, gb));
+            let lt = |mode| {
+                host_loop_ms(dev, &|| match name {
+                    "gate_up_silu" => {
+                        kernels::silu_mul(&lt_gemm::linear_lt(&x, pick(), None, mode)?)
+                    }
+                    "o_proj" | "down" => lt_gemm::linear_lt(&x, pick(), Some(&resid), mode),
+                    _ => lt_gemm::linear_lt(&x, pick(), None, mode),
+                })
+            };
+            let heur = lt(LtMode::Heuristic)?;
+            let tuned = lt(LtMode::Tuned)?;
+            let sk = |blocks| {
+                host_loop_ms(dev, &|| match name {
+                    "gate_up_silu" => {
+                        splitk::splitk_gemm_blocks(&x, pick(), SplitkEpi::Silu, None, blocks)
+                    }
+                    "o_proj" | "down" => splitk::splitk_gemm_blocks(
+                        &x,
+                        pick(),
+                        SplitkEpi::Resid,
+                        Some(&resid),
+                        blocks,
+                    ),
+                    _ => splitk::splitk_gemm_blocks(&x, pick(), SplitkEpi::Store, None, blocks),
+                })
+            };
+            let (sk264, sk528) = if splitk_checked() {
+                (sk(264)?, sk(528)?)
+            } else {
+                (f64::NAN, f64::NAN)
+            };
+            out.push((
+                format!("{name}_m{m}"),
+                [
+                    cublas * 1e3,
+                    heur * 1e3,
+                    tuned * 1e3,
+                    skinny * 1e3,
+                    sk264 * 1e3,
+                    sk528 * 1e3,
+                ],
+                gb,
+            ));
         }
     }
     Ok(out)

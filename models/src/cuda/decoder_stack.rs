@@ -71,6 +71,12 @@ pub(crate) struct Stack<'a> {
     pub mode: OpsMode,
     /// Most rows that take the skinny GEMMs.
     pub gemv_rows: usize,
+    /// Most rows whose wide-path GEMMs take the timed cuBLASLt choice ([`cuda::linear_lt`]);
+    /// wider ones cuBLAS's default.
+    pub tuned_rows: usize,
+    /// Most rows whose wide-path GEMMs take the split-K kernels ([`cuda::splitk_gemm`],
+    /// ahead of the cuBLASLt choice).
+    pub splitk_rows: usize,
 }
 
 impl Stack<'_> {
@@ -174,12 +180,12 @@ impl Stack<'_> {
         for (li, layer) in self.layers.iter().enumerate() {
             let fused = fused(layer)?;
             let post_norm = layer.norm_weights().1;
-            let qkv = cuda::linear(&h, &fused.qkv)?;
+            let qkv = self.linear(&h, &fused.qkv)?;
             let attn = self.attention(li, layer, &qkv, positions, seqs)?;
-            let o = cuda::linear(&attn, layer.o_proj())?;
+            let o = self.linear(&attn, layer.o_proj())?;
             let (x1, h1) = cuda::add_rmsnorm(&x, &o, post_norm, eps)?;
-            let act = cuda::silu_mul(&cuda::linear(&h1, &fused.gate_up)?)?;
-            let down = cuda::linear(&act, dense_down(layer)?)?;
+            let act = self.gate_up_silu(&h1, &fused.gate_up)?;
+            let down = self.linear(&act, dense_down(layer)?)?;
             // The next layer's input norm, or the final norm after the last layer.
             let next_norm = match self.layers.get(li + 1) {
                 Some(next) => next.norm_weights().0,
@@ -191,6 +197,38 @@ impl Stack<'_> {
             taps.layer_output(li, &x);
         }
         Ok(h)
+    }
+
+    fn splitk_fits(&self, x: &Tensor, w: &Tensor, outputs: usize) -> ModelResult<bool> {
+        let (rows, k) = x.dims2()?;
+        Ok(rows <= self.splitk_rows.min(cuda::TUNED_MAX_ROWS)
+            && x.is_contiguous()
+            && w.is_contiguous()
+            && k.is_multiple_of(32)
+            && outputs.is_multiple_of(64))
+    }
+
+    /// `silu(gate) * up` of the stacked gate/up product: fused into the split-K kernel, else
+    /// the product then `silu_mul`.
+    fn gate_up_silu(&self, x: &Tensor, w: &Tensor) -> ModelResult<Tensor> {
+        if self.splitk_fits(x, w, w.dim(0)? / 2)? {
+            return Ok(cuda::splitk_gemm(x, w, cuda::SplitkEpi::Silu, None)?);
+        }
+        Ok(cuda::silu_mul(&self.linear(x, w)?)?)
+    }
+
+    /// `x @ wᵀ` of the wide path: the split-K kernel up to `splitk_rows` rows, the timed
+    /// cuBLASLt choice up to `tuned_rows`, cuBLAS's default beyond.
+    fn linear(&self, x: &Tensor, w: &Tensor) -> ModelResult<Tensor> {
+        let rows = x.dim(0)?;
+        if self.splitk_fits(x, w, w.dim(0)?)? {
+            return Ok(cuda::splitk_gemm(x, w, cuda::SplitkEpi::Store, None)?);
+        }
+        if rows <= self.tuned_rows.min(cuda::TUNED_MAX_ROWS) && x.is_contiguous() {
+            Ok(cuda::linear_lt(x, w, None, cuda::LtMode::Tuned)?)
+        } else {
+            Ok(cuda::linear(x, w)?)
+        }
     }
 
     /// q/k norm + RoPE + cache write, then attention, per sequence; `[rows, heads * d]`: one

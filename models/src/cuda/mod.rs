@@ -91,6 +91,14 @@ pub use gdn::{gdn_chain, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN, GDN_MAX_CONV};
 #[cfg(feature = "cuda")]
 mod gemv;
 #[cfg(feature = "cuda")]
+mod lt_gemm;
+#[cfg(feature = "cuda")]
+pub use lt_gemm::{linear_lt, tuned_timings, LtMode};
+#[cfg(feature = "cuda")]
+mod splitk;
+#[cfg(feature = "cuda")]
+pub use splitk::{splitk_gemm, splitk_gemm_blocks, SplitkEpi};
+#[cfg(feature = "cuda")]
 mod topk;
 #[cfg(feature = "cuda")]
 pub(crate) mod train_ops;
@@ -130,6 +138,24 @@ pub const GEMV_MAX_ROWS: usize = 64;
 /// too: a pooled decode step of 32 / 64 sequences at 640 positions took 10.59 / 18.23 ms on
 /// them against 7.48 / 9.04 on cuBLAS (deploy/bench/results/h200-2026-12-03-scale2).
 pub const GEMV_DEFAULT_ROWS: usize = 1;
+
+/// Most rows of a cuBLASLt product with its algorithm picked by timing (`lt_gemm.rs`: a
+/// batched decode step of up to 64 sequences); wider products (prefill chunks, whose row
+/// counts are many) keep cuBLAS's default choice.
+pub const TUNED_MAX_ROWS: usize = 64;
+
+/// Most rows a fused forward's wide path sends through the tuned cuBLASLt products by
+/// default: none. Measured on the H200 (Qwen3-8B, pooled decode at 640 positions, CUDA graphs,
+/// deploy/bench/results/h200-2026-12-03-gemm2): b16 / b32 / b64 6.394 / 7.602 / 8.932 ms tuned
+/// against 6.339 / 7.429 / 9.031 on cuBLAS's default; cuBLASLt's first heuristic choice is
+/// bit-identical to cuBLAS's (the same kernel), and the best of ~24-39 timed candidates is
+/// within 0-3% of it in GPU time (a win only where the residual add is folded in).
+pub const TUNED_DEFAULT_ROWS: usize = 0;
+
+/// Most rows a fused forward's wide path sends through the split-K kernels (`splitk.cu`) by
+/// default: none. They lose (deploy/bench/results/h200-2026-12-03-gemm2): a b32 decode step
+/// at 640 positions took 11.93 ms on them against 7.43 on cuBLAS (1.0-2.1 TB/s per product).
+pub const SPLITK_DEFAULT_ROWS: usize = 0;
 
 /// Longest per-sequence forward the fused path takes in one piece (and the longest CUDA-graph
 /// step); longer causal forwards (prefills) run as consecutive pieces.

@@ -116,6 +116,8 @@ impl DFlashDrafter {
             eps: self.config().layers.rms_norm_eps,
             mode: self.mode(),
             gemv_rows: self.gemv_rows(),
+            tuned_rows: self.tuned_rows(),
+            splitk_rows: self.splitk_rows(),
         };
         let x = self.embed_weight().index_select(ids, 0)?;
         // The drafter's own stack: no taps.

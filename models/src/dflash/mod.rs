@@ -83,6 +83,10 @@ pub struct DFlashDrafter {
     fast: bool,
     /// Most rows a fused forward runs through the skinny GEMMs (see `cuda/decoder_stack.rs`).
     gemv_rows: usize,
+    /// Most rows whose wide-path GEMMs take the timed cuBLASLt choice (`cuda/lt_gemm.rs`).
+    tuned_rows: usize,
+    /// Most rows whose wide-path GEMMs take the split-K kernels (`cuda/splitk.rs`).
+    splitk_rows: usize,
     /// CUDA graphs of batch-1 draft rounds (`dflash/cuda.rs`).
     graphs: GraphCache,
 }
@@ -264,6 +268,8 @@ impl DFlashDrafter {
             mode,
             fast: false,
             gemv_rows: crate::cuda::GEMV_DEFAULT_ROWS,
+            tuned_rows: crate::cuda::TUNED_DEFAULT_ROWS,
+            splitk_rows: crate::cuda::SPLITK_DEFAULT_ROWS,
             graphs: GraphCache::new(false),
         };
         if drafter.fast_kernels_available() {
@@ -304,6 +310,20 @@ impl DFlashDrafter {
         self.fresh_graphs()
     }
 
+    /// Caps the rows whose wide-path GEMMs take the timed cuBLASLt choice (`cuda/lt_gemm.rs`);
+    /// 0 keeps them on cuBLAS's default. For comparisons; the default is the measured best.
+    pub fn with_tuned_rows(mut self, rows: usize) -> Self {
+        self.tuned_rows = rows.min(crate::cuda::TUNED_MAX_ROWS);
+        self.fresh_graphs()
+    }
+
+    /// Caps the rows whose wide-path GEMMs take the split-K kernels (`cuda/splitk.rs`; ahead
+    /// of the cuBLASLt choice); 0 turns them off. For comparisons.
+    pub fn with_splitk_rows(mut self, rows: usize) -> Self {
+        self.splitk_rows = rows.min(crate::cuda::TUNED_MAX_ROWS);
+        self.fresh_graphs()
+    }
+
     /// Caps the rows a fused forward sends through the skinny GEMMs (wider ones use cuBLAS);
     /// 0 keeps every forward on cuBLAS. For comparisons; the default is the measured best.
     pub fn with_gemv_rows(mut self, rows: usize) -> Self {
@@ -338,6 +358,16 @@ impl DFlashDrafter {
     #[cfg(feature = "cuda")]
     pub(crate) fn gemv_rows(&self) -> usize {
         self.gemv_rows
+    }
+
+    /// Most rows whose wide-path GEMMs take the timed cuBLASLt choice.
+    pub fn tuned_rows(&self) -> usize {
+        self.tuned_rows
+    }
+
+    /// Most rows whose wide-path GEMMs take the split-K kernels.
+    pub fn splitk_rows(&self) -> usize {
+        self.splitk_rows
     }
 
     /// Every drafter-owned tensor with its z-lab name, in [`Self::parameter_shapes`] order.

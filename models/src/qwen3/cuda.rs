@@ -314,6 +314,8 @@ impl Qwen3Model {
             eps: self.cfg.rms_norm_eps,
             mode: self.mode(),
             gemv_rows: self.gemv_rows(),
+            tuned_rows: self.tuned_rows(),
+            splitk_rows: self.splitk_rows(),
         };
         let x = self.embed_weight().index_select(ids, 0)?;
         let mut tapped = TapCollector::new(taps, self.cfg.num_hidden_layers);

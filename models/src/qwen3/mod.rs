@@ -54,6 +54,10 @@ pub struct Qwen3Model {
     fast: bool,
     /// Most rows a fused forward runs through the skinny GEMMs (see `cuda/decoder_stack.rs`).
     gemv_rows: usize,
+    /// Most rows whose wide-path GEMMs take the timed cuBLASLt choice (`cuda/lt_gemm.rs`).
+    tuned_rows: usize,
+    /// Most rows whose wide-path GEMMs take the split-K kernels (`cuda/splitk.rs`).
+    splitk_rows: usize,
     /// Piece length of a fused prefill.
     prefill_chunk: usize,
     /// CUDA graphs of small batch-1 forwards (`qwen3/cuda.rs`, kept in a `cuda/graphs.rs` cache).
@@ -123,6 +127,8 @@ impl Qwen3Model {
             mode,
             fast: false,
             gemv_rows: crate::cuda::GEMV_DEFAULT_ROWS,
+            tuned_rows: crate::cuda::TUNED_DEFAULT_ROWS,
+            splitk_rows: crate::cuda::SPLITK_DEFAULT_ROWS,
             prefill_chunk: crate::cuda::PREFILL_CHUNK,
             graphs: GraphCache::new(false),
         }
@@ -181,6 +187,8 @@ impl Qwen3Model {
             mode,
             fast: false,
             gemv_rows: crate::cuda::GEMV_DEFAULT_ROWS,
+            tuned_rows: crate::cuda::TUNED_DEFAULT_ROWS,
+            splitk_rows: crate::cuda::SPLITK_DEFAULT_ROWS,
             prefill_chunk: crate::cuda::PREFILL_CHUNK,
             graphs: GraphCache::new(false),
         }
@@ -229,6 +237,20 @@ impl Qwen3Model {
     pub fn with_fast_kernels(mut self, on: bool) -> Self {
         self.fast =
             on && self.fast_kernels_available() && self.layers.iter().all(|l| l.fused().is_some());
+        self.fresh_graphs()
+    }
+
+    /// Caps the rows whose wide-path GEMMs take the timed cuBLASLt choice (`cuda/lt_gemm.rs`);
+    /// 0 keeps them on cuBLAS's default. For comparisons; the default is the measured best.
+    pub fn with_tuned_rows(mut self, rows: usize) -> Self {
+        self.tuned_rows = rows.min(crate::cuda::TUNED_MAX_ROWS);
+        self.fresh_graphs()
+    }
+
+    /// Caps the rows whose wide-path GEMMs take the split-K kernels (`cuda/splitk.rs`; ahead
+    /// of the cuBLASLt choice); 0 turns them off. For comparisons.
+    pub fn with_splitk_rows(mut self, rows: usize) -> Self {
+        self.splitk_rows = rows.min(crate::cuda::TUNED_MAX_ROWS);
         self.fresh_graphs()
     }
 
@@ -289,6 +311,16 @@ impl Qwen3Model {
     #[cfg(feature = "cuda")]
     pub(crate) fn gemv_rows(&self) -> usize {
         self.gemv_rows
+    }
+
+    /// Most rows whose wide-path GEMMs take the timed cuBLASLt choice.
+    pub fn tuned_rows(&self) -> usize {
+        self.tuned_rows
+    }
+
+    /// Most rows whose wide-path GEMMs take the split-K kernels.
+    pub fn splitk_rows(&self) -> usize {
+        self.splitk_rows
     }
 
     pub fn mode(&self) -> OpsMode {
@@ -394,6 +426,19 @@ impl Qwen3Model {
     pub fn lm_head(&self, x: &Tensor) -> ModelResult<Tensor> {
         #[cfg(feature = "cuda")]
         if self.fast {
+            let rows = x.dim(0)?;
+            // A batched decode step's logit rows: the timed cuBLASLt choice (1.2 GB of
+            // Qwen3-8B's head is 8% of the step's weight bytes).
+            if rows > 1
+                && rows <= self.tuned_rows
+                && x.is_contiguous()
+                && self.lm_head.is_contiguous()
+                && x.dtype() == DType::BF16
+                && self.lm_head.dtype() == DType::BF16
+            {
+                let y = crate::cuda::linear_lt(x, &self.lm_head, None, crate::cuda::LtMode::Tuned)?;
+                return Ok(y.to_dtype(DType::F32)?);
+            }
             return Ok(
                 crate::cuda::project(x, &self.lm_head, self.gemv_rows)?.to_dtype(DType::F32)?
             );

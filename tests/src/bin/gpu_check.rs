@@ -207,7 +207,9 @@ fn main() -> Result<()> {
     if args.iter().any(|a| a == "--scale") {
         let bw = copy_bandwidth(&dev)?;
         println!("scale copy bandwidth {:.1} GB/s", bw / 1e9);
-        let mut p = scale::run(&dev)?;
+        // --gemm-only: the GEMM checks and timings and the batched decode steps, without the
+        // prefill-piece attention and the mixed steps.
+        let mut p = scale::run(&dev, args.iter().any(|a| a == "--gemm-only"))?;
         if let Value::Object(m) = &mut p {
             m.insert("copy_bandwidth_GBps".into(), json!(bw / 1e9));
         }

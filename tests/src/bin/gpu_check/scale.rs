@@ -122,10 +122,15 @@ fn fill(m: &Qwen3Model, cache: &mut SequenceCache, n: usize, salt: u32) -> Resul
     Ok(())
 }
 
-pub fn run(dev: &Device) -> Result<Value> {
+pub fn run(dev: &Device, gemm_only: bool) -> Result<Value> {
     let mut out = Map::new();
     let t0 = Instant::now();
-    for (name, e, s) in check_scale::piece_attention_errors(dev)? {
+    let pieces = if gemm_only {
+        Vec::new()
+    } else {
+        check_scale::piece_attention_errors(dev)?
+    };
+    for (name, e, s) in pieces {
         println!("scale {name}: max err {e:.3e} of max {s:.3}");
         out.insert(name, json!({"max_abs_err": e, "max_abs_ref": s}));
     }
@@ -137,23 +142,59 @@ pub fn run(dev: &Device) -> Result<Value> {
         );
     }
     println!("scale checks {:.1} s", t0.elapsed().as_secs_f64());
-    for (name, ms, step_ms, tflops) in check_scale::piece_attention_timings(dev)? {
+    let piece_times = if gemm_only {
+        Vec::new()
+    } else {
+        check_scale::piece_attention_timings(dev)?
+    };
+    for (name, ms, step_ms, tflops) in piece_times {
         println!("scale attn {name}: {ms:.4} ms/layer, {step_ms:.2} ms/step, {tflops:.0} TFLOP/s");
         out.insert(
             format!("attn_{name}"),
             json!({"ms_per_layer": ms, "ms_per_step": step_ms, "TFLOPs": tflops}),
         );
     }
-    for (name, cublas, gemv, gb) in check_scale::gemv_wide_timings(dev)? {
+    for (name, us, gb) in check_scale::gemv_wide_timings(dev)? {
+        let bw = |t: f64| gb / t * 1e6;
         println!(
-            "scale gemm {name}: cublas {cublas:.1} us ({:.0} GB/s), skinny {gemv:.1} us ({:.0} GB/s)",
-            gb / cublas * 1e6,
-            gb / gemv * 1e6
+            "scale gemm {name}: cublas {:.1} us ({:.0} GB/s), lt heuristic {:.1} ({:.0}), lt tuned {:.1} ({:.0}), skinny {:.1} ({:.0}), splitk {:.1} ({:.0}), splitk528 {:.1} ({:.0})",
+            us[0], bw(us[0]), us[1], bw(us[1]), us[2], bw(us[2]), us[3], bw(us[3]), us[4], bw(us[4]), us[5], bw(us[5])
         );
         out.insert(
             format!("gemm_{name}"),
-            json!({"cublas_us": cublas, "skinny_us": gemv, "weight_GB": gb}),
+            json!({"cublas_us": us[0], "lt_heuristic_us": us[1], "lt_tuned_us": us[2], "skinny_us": us[3], "splitk_us": us[4], "splitk528_us": us[5], "weight_GB": gb}),
         );
+    }
+    // What the tuner measured per shape (fastest first; L2 evicted before each run).
+    for m in [16usize, 24, 32, 48, 64] {
+        for (n, k, resid) in [
+            (6144usize, 4096usize, false),
+            (4096, 4096, true),
+            (24576, 4096, false),
+            (4096, 12288, true),
+            (4096, 4096, false),
+            (4096, 12288, false),
+        ] {
+            let t = dflash_models::cuda::tuned_timings(dev, m, n, k, resid);
+            if t.is_empty() {
+                continue;
+            }
+            let cublas = t.iter().find(|c| c.0 == "cublas").map_or(f64::NAN, |c| c.1);
+            let top: Vec<String> = t
+                .iter()
+                .take(4)
+                .map(|(l, us)| format!("{l} {us:.1}"))
+                .collect();
+            println!(
+                "scale tuner m{m} n{n} k{k} resid {resid}: {} candidates, cublas {cublas:.1} us, best {}",
+                t.len(),
+                top.join(", ")
+            );
+            out.insert(
+                format!("tuner_m{m}_n{n}_k{k}_resid{resid}"),
+                json!({"candidates": t.len(), "cublas_us": cublas, "top": top}),
+            );
+        }
     }
     println!("scale kernels done {:.1} s", t0.elapsed().as_secs_f64());
 
@@ -168,11 +209,17 @@ pub fn run(dev: &Device) -> Result<Value> {
     )?;
     // Each model of its own graph cache: a graph captured with one GEMM choice is never
     // replayed for the other.
-    let graphs = m.clone().with_step_graphs(true);
-    let eager = m.clone().with_step_graphs(false);
+    let graphs = m.clone().with_tuned_rows(0).with_step_graphs(true);
+    let tuned = m.clone().with_step_graphs(true);
+    let eager = m.clone().with_tuned_rows(0).with_step_graphs(false);
     let skinny = m
         .clone()
         .with_gemv_rows(dflash_models::cuda::GEMV_MAX_ROWS)
+        .with_tuned_rows(0)
+        .with_step_graphs(true);
+    let splitk = m
+        .clone()
+        .with_splitk_rows(dflash_models::cuda::TUNED_MAX_ROWS)
         .with_step_graphs(true);
     let pool = m.new_kv_pool(64 * 12 + (long + 1024) / 64 + 8)?;
     let ctx = 640usize;
@@ -188,12 +235,26 @@ pub fn run(dev: &Device) -> Result<Value> {
         let mut refs: Vec<&mut SequenceCache> = caches.iter_mut().take(b).collect();
         let ones = vec![1usize; b];
         let cublas = time_step(&graphs, &mut refs, &ones, 20)?;
+        let lt = time_step(&tuned, &mut refs, &ones, 20)?;
         let sk = time_step(&skinny, &mut refs, &ones, 20)?;
-        println!("scale decode b{b} ctx{ctx} graph: cublas {cublas:.3} ms, skinny {sk:.3} ms");
+        let spk = if check_scale::splitk_checked() {
+            time_step(&splitk, &mut refs, &ones, 20)?
+        } else {
+            f64::NAN
+        };
+        let lt_eager = time_step(&tuned.clone().with_step_graphs(false), &mut refs, &ones, 10)?;
+        let cublas_eager = time_step(&eager, &mut refs, &ones, 10)?;
+        println!(
+            "scale decode b{b} ctx{ctx} graph: cublas {cublas:.3} ms, lt tuned {lt:.3} ms, skinny {sk:.3} ms, splitk {spk:.3} ms; eager: cublas {cublas_eager:.3}, lt tuned {lt_eager:.3}"
+        );
         out.insert(
             format!("decode_b{b}_ctx{ctx}_graph"),
-            json!({"cublas_ms": cublas, "skinny_ms": sk}),
+            json!({"cublas_ms": cublas, "lt_tuned_ms": lt, "skinny_ms": sk, "splitk_ms": spk, "eager_cublas_ms": cublas_eager, "eager_lt_tuned_ms": lt_eager}),
         );
+    }
+    if gemm_only {
+        println!("scale done {:.1} s", t0.elapsed().as_secs_f64());
+        return Ok(Value::Object(out));
     }
     // Mixed steps: 16 decoding sequences + one piece of a long prompt.
     let mut long_cache = m.new_cache_in(&pool, long + 1024)?;
