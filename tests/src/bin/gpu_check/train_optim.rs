@@ -123,8 +123,11 @@ fn file_diff(a: &Path, b: &Path) -> Result<f32> {
     Ok(worst)
 }
 
+/// Max |a - b|, compared on the host (the fused optimizer's per-tensor state is cut there,
+/// the reference's stays on the device).
 fn max_abs(a: &Tensor, b: &Tensor) -> Result<f32> {
-    let d = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?.abs()?;
+    let host = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+    let d = (host(a)? - host(b)?)?.abs()?;
     Ok(d.flatten_all()?.max(0)?.to_scalar::<f32>()?)
 }
 
