@@ -108,6 +108,50 @@ impl FlatAdamW {
         })
     }
 
+    /// Flat buffers continuing a run (a checkpoint's per-tensor state, laid out as [`Self::new`]
+    /// lays out `params`): moments `m` and `v`, `steps` updates applied (the bias-correction
+    /// count) and `skipped` steps skipped. The counters live in f32 words on the device: exact
+    /// up to 2^24 steps.
+    pub fn restore(
+        cfg: FlatAdamWConfig,
+        params: &[Tensor],
+        m: &[Tensor],
+        v: &[Tensor],
+        (steps, skipped): (u64, u64),
+        working: Option<DType>,
+    ) -> Result<Self> {
+        let mut s = Self::new(cfg, params, working)?;
+        let (m, v) = (flatten(m)?, flatten(v)?);
+        if m.elem_count() != s.len() || v.elem_count() != s.len() {
+            candle_core::bail!(
+                "FlatAdamW: moments of {} / {} elements for {} parameters",
+                m.elem_count(),
+                v.elem_count(),
+                s.len()
+            )
+        }
+        (s.m, s.v) = (m, v);
+        let mut words = vec![0f32; STATE_WORDS];
+        (words[0], words[1]) = (steps as f32, skipped as f32);
+        s.state = Tensor::from_vec(words, STATE_WORDS, s.master.device())?;
+        Ok(s)
+    }
+
+    /// The first and second moments of each parameter, as views in its shape.
+    pub fn moment_views(&self) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+        Ok((self.views(&self.m)?, self.views(&self.v)?))
+    }
+
+    /// `(offset, shape)` of each parameter in the flat buffers.
+    pub fn segments(&self) -> &[(usize, Shape)] {
+        &self.segments
+    }
+
+    /// The flat f32 master weights (the moments: [`Self::moments`]).
+    pub fn master(&self) -> &Tensor {
+        &self.master
+    }
+
     pub fn len(&self) -> usize {
         self.master.elem_count()
     }

@@ -5,7 +5,8 @@
 //! The Qwen3-8B-shaped speed figures that used to live here moved to `dflash-serve bench`
 //! (serve/src/bench/, deploy/bench/README.md), which also checks the fused CUDA kernels.
 //!
-//! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid | --pooled | --train | --scale]
+//! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid | --pooled | --train | --scale |
+//! --trainer-optimizer]
 //!
 //! With `--scale` (CUDA builds) it runs only the checks and timings of steps at scale
 //! (`gpu_check/scale.rs`): prefill pieces over long contexts, the 17..64-row skinny GEMMs
@@ -19,7 +20,10 @@
 //! backward: a gradient check and a trainer step, fused vs composed
 //! (`gpu_check/train_attn_bwd.rs`); the fused RMSNorm, q/k-norm + RoPE and SiLU-gate ops and
 //! their gradients against the compositions (`gpu_check/train_ops.rs`); and the trainer's
-//! packed target forward against the full forward (`gpu_check/train_taps.rs`).
+//! packed target forward against the full forward (`gpu_check/train_taps.rs`); last, the
+//! trainer with the fused AdamW: resume exactness, a NaN-gradient skip and the optimizer step
+//! against the reference (`gpu_check/train_optim.rs`; alone, on any device, with
+//! `--trainer-optimizer`).
 //!
 //! With `--hybrid` it runs only the hybrid-target checks and the Qwen3.6-27B-shaped benchmark
 //! (see `gpu_check/hybrid.rs`).
@@ -47,6 +51,8 @@ mod train_attn;
 mod train_attn_bwd;
 #[path = "gpu_check/train_ops.rs"]
 mod train_ops;
+#[path = "gpu_check/train_optim.rs"]
+mod train_optim;
 #[path = "gpu_check/train_taps.rs"]
 mod train_taps;
 
@@ -174,6 +180,11 @@ fn main() -> Result<()> {
         _ => Device::new_cuda(0)?,
     };
     let mut report = serde_json::Map::new();
+    if args.iter().any(|a| a == "--trainer-optimizer") {
+        let out = json!({ "trainer_optimizer": train_optim::run(&dev)? }).to_string();
+        println!("{out}");
+        return Ok(());
+    }
     if args.iter().any(|a| a == "--train") {
         let t = train::run(&dev)?;
         // The target part runs the trainer's batch shape: GPU sized (the CPU test is
@@ -194,8 +205,11 @@ fn main() -> Result<()> {
                 cuda_only,
             )
         };
+        // Last: the trainer opens its own device, whose pool keeps what it frees.
+        let optim = train_optim::run(&dev)?;
         let out = json!({ "train": t, "fused_ops": ops, "attention": a,
-                          "attention_backward": g, "target_taps": taps })
+                          "attention_backward": g, "target_taps": taps,
+                          "trainer_optimizer": optim })
         .to_string();
         if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
             std::fs::write(path, &out)?;

@@ -22,7 +22,6 @@ use serde_json::{json, Value};
 
 use super::error::{TrainError, TrainResult};
 use super::manifest::{self, Manifest, MANIFEST_FILE};
-use super::optim::AdamW;
 use crate::durable;
 
 pub const STATE_FILE: &str = "trainer_state.json";
@@ -57,6 +56,15 @@ pub struct TrainerState {
     pub nonfinite_in_row: usize,
     pub total_steps: usize,
     pub fingerprint: RunFingerprint,
+}
+
+/// The optimizer state as a checkpoint stores it, per tensor in checkpoint order: the f32
+/// master weights and both moments (on any device; written as f32). Both optimizers
+/// (`optimizer.rs`) save and restore through this, so a checkpoint is the same whichever ran.
+pub struct OptimizerTensors {
+    pub params: Vec<(String, Tensor)>,
+    pub m: Vec<Tensor>,
+    pub v: Vec<Tensor>,
 }
 
 fn ckpt_err(path: &Path, message: impl Into<String>) -> TrainError {
@@ -196,7 +204,7 @@ pub fn save_checkpoint(
     out: &Path,
     cfg: &DFlashConfig,
     num_target_layers: usize,
-    opt: &AdamW,
+    opt: &OptimizerTensors,
     state: &TrainerState,
     save_dtype: DType,
     keep: usize,
@@ -206,15 +214,11 @@ pub fn save_checkpoint(
     let fin = out.join(&name);
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| ckpt_err(&tmp, format!("cannot create: {e}")))?;
-    let params: Vec<(String, Tensor)> = opt
-        .params
-        .iter()
-        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-        .collect();
+    let params = &opt.params;
     let mut files = Vec::from(drafter_files(
         cfg,
         num_target_layers,
-        &params,
+        params,
         save_dtype,
         &tmp,
     )?);

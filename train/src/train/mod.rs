@@ -4,7 +4,8 @@
 //!
 //! Stages: [`data`] (chat JSONL -> tokens and loss masks), [`plan`] (which sequences form each
 //! batch, deterministically), [`pipeline`] (target workers and the host-RAM buffer), [`loss`]
-//! (anchors, labels, decayed cross-entropy), [`optim`] (AdamW, schedule, clipping),
+//! (anchors, labels, decayed cross-entropy), [`optim`] (AdamW, schedule, clipping), [`optimizer`]
+//! (the trainer's choice of it: the reference or the fused flat AdamW),
 //! [`checkpoint`] (z-lab layout plus resume state, checked by its [`manifest`]), [`resume`]
 //! (which checkpoint `--resume` continues from) and [`trainer`] (the loop). The model math
 //! is `dflash_models`' drafter, run with `OpsMode::Differentiable`.
@@ -17,6 +18,7 @@ pub mod flops;
 pub mod loss;
 pub mod manifest;
 pub mod optim;
+pub mod optimizer;
 pub mod periodic_eval;
 pub mod pipeline;
 pub mod plan;
@@ -185,6 +187,31 @@ impl TrainArgs {
     }
 }
 
+/// Which AdamW the trainer steps with (both keep f32 masters and moments, and save the same
+/// checkpoint: a run may resume under the other).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OptimizerArg {
+    /// Fused on a CUDA drafter device, reference on the CPU.
+    Auto,
+    /// The flat multi-tensor AdamW (`dflash_models::training::adamw`): three launches a step,
+    /// clipping and the non-finite skip decided on the device, the working weights written in
+    /// the same pass. On the CPU it runs its host reference (for tests).
+    Fused,
+    /// Per-tensor candle ops with the norm read on the host (`optim::AdamW`).
+    Reference,
+}
+
+impl OptimizerArg {
+    /// Whether the run uses the fused optimizer on `device`.
+    pub fn fused_on(self, device: &candle_core::Device) -> bool {
+        match self {
+            Self::Auto => device.is_cuda(),
+            Self::Fused => true,
+            Self::Reference => false,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum SaveDtype {
     Bf16,
@@ -323,6 +350,14 @@ pub struct TrainArgs {
     /// Non-finite steps in a row (skipped) after which the run stops.
     #[arg(long, default_value_t = 10, help_heading = "Optimisation")]
     pub max_nonfinite_steps: usize,
+    /// Which AdamW steps: fused (flat buffers, device-side clip and skip) or reference
+    /// (per-tensor candle ops) [default: fused on CUDA, reference on the CPU].
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Auto, help_heading = "Optimisation")]
+    pub optimizer: OptimizerArg,
+    /// Fault injection for tests: the gradient of step N (1-based) is made NaN, so that step
+    /// must be skipped.
+    #[arg(long, hide = true, value_name = "N")]
+    pub inject_nan_grad_at_step: Option<usize>,
 
     /// Devices running the frozen target, one worker each: cpu, cuda:N or N (comma-separated).
     #[arg(

@@ -20,8 +20,7 @@ use super::checkpoint::{
 };
 use super::error::{TrainError, TrainResult};
 use super::manifest::{IntegrityError, MANIFEST_FILE};
-use super::optim::{AdamW, AdamWConfig};
-use super::setup;
+use super::optimizer::{OptimizerChoice, TrainOptimizer};
 use super::TrainArgs;
 use crate::durable;
 
@@ -169,13 +168,14 @@ fn set_aside(dir: &Path, problem: &IntegrityError) {
 }
 
 /// The optimizer and trainer state of a resumed run, after checking that the data settings are
-/// the checkpoint's (otherwise the resumed steps would see other batches).
+/// the checkpoint's (otherwise the resumed steps would see other batches). The checkpoint's
+/// per-tensor state serves either optimizer.
 pub fn restore(
     r: LoadedCheckpoint,
     fingerprint: &RunFingerprint,
     total_steps: usize,
-    adam: AdamWConfig,
-) -> TrainResult<(AdamW, TrainerState)> {
+    choice: OptimizerChoice,
+) -> TrainResult<(TrainOptimizer, TrainerState)> {
     if &r.state.fingerprint != fingerprint {
         return Err(TrainError::Checkpoint {
             path: r.dir.join(STATE_FILE),
@@ -192,9 +192,7 @@ pub fn restore(
     );
     let mut state = r.state;
     state.total_steps = total_steps;
-    let mut opt = AdamW::new(adam, setup::to_vars(r.params)?)?;
-    opt.m = r.m;
-    opt.v = r.v;
-    opt.t = state.adam_t;
+    let resumed = (r.m, r.v, state.adam_t, state.skipped_steps as u64);
+    let opt = TrainOptimizer::new(choice, r.params, Some(resumed))?;
     Ok((opt, state))
 }

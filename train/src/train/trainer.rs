@@ -21,7 +21,8 @@ use super::dataset::DataOptions;
 use super::error::{TrainError, TrainResult};
 use super::flops;
 use super::loss::{self, BlockTargets, Hits};
-use super::optim::{global_norm, learning_rate, AdamW, AdamWConfig};
+use super::optim::{learning_rate, AdamWConfig};
+use super::optimizer::{OptimizerChoice, TrainOptimizer};
 use super::periodic_eval::PeriodicEval;
 use super::pipeline::{ComputedBatch, Pipeline};
 use super::plan::{BatchPlan, PlanConfig};
@@ -134,8 +135,14 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         grad_accum: args.grad_accum,
     };
 
-    let (params, mut state) = match resumed {
-        Some(r) => resume::restore(r, &fingerprint, total_steps, adam_cfg(args))?,
+    let choice = OptimizerChoice {
+        fused: args.optimizer.fused_on(&drafter_device),
+        adam: adam_cfg(args),
+        clip: args.grad_clip,
+        compute_dtype: dtype,
+    };
+    let (mut opt, mut state) = match resumed {
+        Some(r) => resume::restore(r, &fingerprint, total_steps, choice)?,
         None => {
             let params = match &args.init_drafter {
                 Some(dir) => setup::load_params(&cfg, dir, &drafter_device)?,
@@ -147,7 +154,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                     args.init_from_target_layers.as_deref(),
                 )?,
             };
-            let opt = AdamW::new(adam_cfg(args), setup::to_vars(params)?)?;
+            let opt = TrainOptimizer::new(choice, params, None)?;
             let state = TrainerState {
                 step: 0,
                 batches: 0,
@@ -160,15 +167,10 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             (opt, state)
         }
     };
-    let mut opt = params;
-    let n_params: usize = opt
-        .params
-        .iter()
-        .map(|(_, v)| v.as_tensor().elem_count())
-        .sum();
     tracing::info!(
-        "drafter: {} layers, block {b}, taps {:?}, mask {}, {n_params} parameters; {total_steps} steps, gamma {gamma}",
-        cfg.layers.num_hidden_layers, cfg.target_layer_ids, cfg.mask_token_id
+        "drafter: {} layers, block {b}, taps {:?}, mask {}, {} parameters; {total_steps} steps, gamma {gamma}; {} AdamW",
+        cfg.layers.num_hidden_layers, cfg.target_layer_ids, cfg.mask_token_id, opt.num_params(),
+        if opt.is_fused() { "fused" } else { "reference" }
     );
     setup::warn_on_last_layer_tap(&cfg, &target_cfg);
 
@@ -227,9 +229,10 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         cfg.target_layer_ids.clone(),
         args.max_depth,
     );
-    // f32 compute shares storage with the variables, so one drafter serves every step.
-    let shared = if dtype == DType::F32 {
-        Some(setup::drafter_from_vars(&cfg, &opt.params, &parts, dtype)?)
+    // Variables in the compute dtype (f32 compute, or the fused optimizer's working weights)
+    // share storage with the drafter built over them, so one drafter serves every step.
+    let shared = if opt.drafter_shares_storage(dtype) {
+        Some(setup::drafter_from_vars(&cfg, opt.vars(), &parts, dtype)?)
     } else {
         None
     };
@@ -312,11 +315,11 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         let drafter = match &shared {
             Some(d) => d,
             None => {
-                rebuilt = setup::drafter_from_vars(&cfg, &opt.params, &parts, dtype)?;
+                rebuilt = setup::drafter_from_vars(&cfg, opt.vars(), &parts, dtype)?;
                 &rebuilt
             }
         };
-        let mut grads: Vec<Option<Tensor>> = vec![None; opt.params.len()];
+        let mut grads: Vec<Option<Tensor>> = vec![None; opt.vars().len()];
         // Losses and argmaxes stay on the device until the step's one read-back.
         let mut loss_parts = Vec::with_capacity(batches.len());
         let mut predicted_parts = Vec::with_capacity(batches.len());
@@ -357,11 +360,13 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             predicted_parts.push(predicted);
             clock.lap(Stage::Forward)?;
             let store = loss.backward()?;
-            for (i, (_, var)) in opt.params.iter().enumerate() {
+            for (i, (_, var)) in opt.vars().iter().enumerate() {
                 if let Some(g) = store.get(var.as_tensor()) {
+                    // Accumulated in f32 (a no-op cast for the f32 masters' gradients).
+                    let g = g.to_dtype(DType::F32)?;
                     grads[i] = Some(match grads[i].take() {
                         Some(acc) => (acc + g)?,
-                        None => g.clone(),
+                        None => g,
                     });
                 }
             }
@@ -370,40 +375,27 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             loss_parts.push(loss.detach().to_dtype(DType::F32)?);
             clock.lap(Stage::Backward)?;
         }
-        let step_loss = Tensor::stack(&loss_parts, 0)?
-            .sum_all()?
-            .to_scalar::<f32>()? as f64;
+        let loss_t = Tensor::stack(&loss_parts, 0)?.sum_all()?;
+        if args.inject_nan_grad_at_step == Some(state.step + 1) {
+            if let Some(g) = grads.iter_mut().flatten().next() {
+                *g = (&*g * f64::NAN)?;
+            }
+        }
+        state.batches += batches.len();
+        let lr = learning_rate(state.step, total_steps, warmup, args.lr);
+        // Fused: enqueued, and its outcome read with the step's one read-back below.
+        opt.step(grads, &loss_t, lr)?;
+        clock.lap(Stage::Optimizer)?;
+        let step_loss = loss_t.to_scalar::<f32>()? as f64;
         let mut step_hits = Hits::default();
         for (p, (_, targets)) in predicted_parts.iter().zip(&prepared) {
             step_hits.add(loss::hits(&p.to_vec1::<u32>()?, targets));
         }
+        let outcome = opt.outcome()?;
         clock.lap(Stage::Readback)?;
-        state.batches += batches.len();
-        let grads = opt
-            .params
-            .iter()
-            .zip(grads)
-            .map(|((_, v), g)| g.map_or_else(|| v.as_tensor().zeros_like(), Ok))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let norm = global_norm(&grads)?;
-        let lr = learning_rate(state.step, total_steps, warmup, args.lr);
-        let finite = step_loss.is_finite() && norm.is_finite();
+        let (finite, norm) = (outcome.ran, outcome.norm);
         if finite {
-            let scale = if norm > args.grad_clip {
-                args.grad_clip / (norm + 1e-6)
-            } else {
-                1.0
-            };
-            let clipped = if scale < 1.0 {
-                grads
-                    .iter()
-                    .map(|g| g * scale)
-                    .collect::<candle_core::Result<Vec<_>>>()?
-            } else {
-                grads
-            };
-            opt.step(&clipped, lr)?;
-            state.adam_t = opt.t;
+            state.adam_t = outcome.adam_t;
             state.nonfinite_in_row = 0;
         } else {
             state.skipped_steps += 1;
@@ -427,7 +419,6 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                 });
             }
         }
-        clock.lap(Stage::Optimizer)?;
         state.step += 1;
         total_tokens += step_tokens;
         let step_s = t_step.elapsed().as_secs_f64();
@@ -501,7 +492,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             window = Window::default();
         }
         if let Some(pe) = periodic.as_ref().filter(|pe| pe.due(state.step, last)) {
-            let taus = pe.run(&cfg, &opt.params, &parts)?;
+            let taus = pe.run(&cfg, opt.vars(), &parts)?;
             let line = taus
                 .iter()
                 .map(|(k, v)| format!("{k} {v:.3}"))
@@ -530,7 +521,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                 &args.output_dir,
                 &cfg,
                 target_cfg.num_hidden_layers,
-                &opt,
+                &opt.tensors()?,
                 &state,
                 save_dtype,
                 args.keep_checkpoints,
@@ -548,16 +539,11 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             .clone()
             .unwrap_or_else(|| args.output_dir.clone())
     } else {
-        let params: Vec<(String, Tensor)> = opt
-            .params
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-            .collect();
         checkpoint::write_drafter(
             &args.output_dir,
             &cfg,
             target_cfg.num_hidden_layers,
-            &params,
+            &opt.tensors()?.params,
             save_dtype,
         )?;
         args.output_dir.clone()

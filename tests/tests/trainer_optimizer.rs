@@ -1,0 +1,30 @@
+//! The GPU check of the trainer's fused AdamW (`gpu-check --trainer-optimizer`,
+//! src/bin/gpu_check/train_optim.rs) run on the CPU, where the fused optimizer runs its host
+//! reference: resume exactness, the NaN-gradient skip and the step against the reference
+//! optimizer must all pass here before they are read on the GPU.
+
+use std::process::Command;
+
+#[test]
+fn trainer_optimizer_check_passes_on_the_cpu() {
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu_check"))
+        .args(["cpu", "--trainer-optimizer"])
+        .output()
+        .expect("gpu_check runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cases: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("trainer_optimizer_"))
+        .collect();
+    assert_eq!(cases.len(), 3, "{stdout}");
+    for line in cases {
+        let (name, body) = line.split_once(' ').expect("name and JSON");
+        let v: serde_json::Value = serde_json::from_str(body).expect("JSON");
+        assert_eq!(v["pass"], true, "{name}: {v}");
+    }
+}
