@@ -45,6 +45,8 @@ pub use layers::ops::OpsMode;
 #[cfg(feature = "cuda")]
 pub use qwen3::StepGraph;
 pub use qwen3::{Qwen3Model, TapsOutput};
+#[cfg(feature = "cuda")]
+pub use qwen3_5::HybridDecodeGraph;
 pub use qwen3_5::Qwen35Model;
 pub use taps::tap_is_final_normed;
 pub use target::{DraftTarget, Target};

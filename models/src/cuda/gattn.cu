@@ -10,7 +10,10 @@
 //
 // qkv row layout (the stacked projection): per q head, GD query dims then GD gate dims, then
 // nkv K heads, then nkv V heads. The cache is [nkv, cap, GD] per K and V (contiguous
-// buffers: the fused path takes no page tables); the new rows go to rows c .. c + t.
+// buffers: the fused path takes no page tables); the new rows go to rows c .. c + t. With a
+// non-null c_dev the committed length c is read from device memory instead (a CUDA graph's
+// replays: one capture serves every cache length, the split count fixed for the capacity and
+// the splits past the live keys empty).
 
 #include "common.cuh"
 
@@ -50,7 +53,9 @@ template <typename T>
 __device__ __forceinline__ void prep_impl(const T* __restrict__ qkv, const T* __restrict__ qw,
                                           const T* __restrict__ kw, const T* __restrict__ cos_t,
                                           const T* __restrict__ sin_t, T* q_out, T* kc, T* vc,
-                                          int nh, int nkv, int r, int cap, int c, float eps) {
+                                          int nh, int nkv, int r, int cap, int c,
+                                          const u32* __restrict__ c_dev, float eps) {
+    if (c_dev) c = *c_dev;
     __shared__ float red[32];
     __shared__ float nv[GD];
     const int tok = blockIdx.x, h = blockIdx.y, dim = threadIdx.x;
@@ -91,8 +96,10 @@ __device__ __forceinline__ void prep_impl(const T* __restrict__ qkv, const T* __
 template <typename T>
 __device__ __forceinline__ void split_impl(const T* __restrict__ q, const T* __restrict__ kc,
                                            const T* __restrict__ vc, float* acc, float* ml,
-                                           int t, int nh, int nkv, int cap, int c, int kps,
-                                           int splits, float scale) {
+                                           int t, int nh, int nkv, int cap, int c,
+                                           const u32* __restrict__ c_dev, int kps, int splits,
+                                           float scale) {
+    if (c_dev) c = *c_dev;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kvh = blockIdx.x, s = blockIdx.y * SNW + warp, z = blockIdx.z;
     if (s >= splits) return;
@@ -190,13 +197,13 @@ __device__ __forceinline__ void combine_impl(const float* __restrict__ acc,
 #define GATTN(SUF, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(GD) gattn_prep_##SUF(                         \
         const T* qkv, const T* qw, const T* kw, const T* cos_t, const T* sin_t, T* q_out,      \
-        T* kc, T* vc, int nh, int nkv, int r, int cap, int c, float eps) {                     \
-        prep_impl<T>(qkv, qw, kw, cos_t, sin_t, q_out, kc, vc, nh, nkv, r, cap, c, eps);       \
+        T* kc, T* vc, int nh, int nkv, int r, int cap, int c, const u32* c_dev, float eps) {   \
+        prep_impl<T>(qkv, qw, kw, cos_t, sin_t, q_out, kc, vc, nh, nkv, r, cap, c, c_dev, eps); \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SNW * 32) gattn_split_##SUF(                  \
         const T* q, const T* kc, const T* vc, float* acc, float* ml, int t, int nh, int nkv,   \
-        int cap, int c, int kps, int splits, float scale) {                                    \
-        split_impl<T>(q, kc, vc, acc, ml, t, nh, nkv, cap, c, kps, splits, scale);             \
+        int cap, int c, const u32* c_dev, int kps, int splits, float scale) {                  \
+        split_impl<T>(q, kc, vc, acc, ml, t, nh, nkv, cap, c, c_dev, kps, splits, scale);      \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GD) gattn_combine_##SUF(                      \
         const float* acc, const float* ml, const T* qkv, T* out, int t, int nh, int nkv,       \

@@ -39,10 +39,31 @@ pub struct GattnRows<'a> {
     pub kc: &'a Tensor,
     pub vc: &'a Tensor,
     pub cache_len: usize,
+    /// For a CUDA graph: the committed length read from this u32 `[1]` device tensor at each
+    /// launch instead of `cache_len` (then only a bound for the checks), over a fixed split.
+    pub graph: Option<GraphSplit<'a>>,
     /// `(query heads, KV heads)`.
     pub heads: (usize, usize),
     pub rotary_dim: usize,
     pub eps: f64,
+}
+
+/// A graph's fixed split: the device-side committed length and `keys_per_split` keys per
+/// split over as many splits as cover the whole cache (splits past the live keys are empty
+/// and the merge skips them, so the result equals the eager launch with the same keys per
+/// split at every length).
+#[derive(Clone, Copy)]
+pub struct GraphSplit<'a> {
+    pub cache_len: &'a Tensor,
+    pub keys_per_split: usize,
+}
+
+/// Keys per split the eager plan picks for `live` keys and `t` new tokens of `heads`
+/// (query, KV): a graph replay equals the eager forward bit for bit only while this is the
+/// graph's [`GraphSplit::keys_per_split`].
+pub fn planned_keys_per_split(live: usize, t: usize, (nh, nkv): (usize, usize)) -> usize {
+    let row_groups = (t * (nh / nkv.max(1))).div_ceil(ROWS_PER_WARP);
+    split_plan(live, nkv, row_groups).0
 }
 
 fn alloc(dev: &CudaDevice, dtype: DType, shape: (usize, usize)) -> Result<Tensor> {
@@ -87,6 +108,14 @@ pub fn gated_attention_chain_split(
     let (kh, cap, kd) = r.kc.dims3()?;
     let rot = r.rotary_dim;
     let live = r.cache_len + t;
+    if let Some(g) = &r.graph {
+        if g.cache_len.dtype() != DType::U32
+            || g.cache_len.elem_count() != 1
+            || g.keys_per_split == 0
+        {
+            bail!("gated_attention_chain: a graph's cache length is one u32 and keys per split > 0")
+        }
+    }
     if t == 0
         || nkv == 0
         || !nh.is_multiple_of(nkv)
@@ -143,6 +172,10 @@ pub fn gated_attention_chain_split(
         t as i32,
     );
 
+    let c_dev = match &r.graph {
+        Some(g) => ptr(g.cache_len)?,
+        None => 0u64,
+    };
     let q = alloc(&dev, dtype, (t * nh, d))?;
     let qp = ptr(&q)?;
     let eps = r.eps as f32;
@@ -162,6 +195,7 @@ pub fn gated_attention_chain_split(
         .arg(&roti)
         .arg(&capi)
         .arg(&ci)
+        .arg(&c_dev)
         .arg(&eps);
     go(
         &mut b,
@@ -170,8 +204,10 @@ pub fn gated_attention_chain_split(
     )?;
 
     let row_groups = (t * (nh / nkv)).div_ceil(ROWS_PER_WARP);
-    let (kps, splits) = match keys_per_split {
-        Some(k) if k > 0 => (k, live.div_ceil(k)),
+    // A graph covers the whole cache: its replays may see any length up to the capacity.
+    let (kps, splits) = match (&r.graph, keys_per_split) {
+        (Some(g), _) => (g.keys_per_split, cap.div_ceil(g.keys_per_split)),
+        (None, Some(k)) if k > 0 => (k, live.div_ceil(k)),
         _ => split_plan(live, nkv, row_groups),
     };
     let nrows = t * nh;
@@ -189,6 +225,7 @@ pub fn gated_attention_chain_split(
         .arg(&nkvi)
         .arg(&capi)
         .arg(&ci)
+        .arg(&c_dev)
         .arg(&kpsi)
         .arg(&splitsi)
         .arg(&scale);

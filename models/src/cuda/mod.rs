@@ -83,7 +83,10 @@ pub use linear_ce::ce_rows_in_place;
 #[cfg(feature = "cuda")]
 mod gattn;
 #[cfg(feature = "cuda")]
-pub use gattn::{gated_attention_chain, gated_attention_chain_split, GattnRows, GATTN_HEAD_DIM};
+pub use gattn::{
+    gated_attention_chain, gated_attention_chain_split, planned_keys_per_split, GattnRows,
+    GraphSplit, GATTN_HEAD_DIM,
+};
 #[cfg(feature = "cuda")]
 mod gdn;
 #[cfg(feature = "cuda")]

@@ -192,6 +192,15 @@ impl GatedAttention {
     }
 
     /// `(q rows incl. the gate, k rows)` of the stacked projection.
+    /// `(query heads, KV heads)`.
+    pub fn heads(&self) -> (usize, usize) {
+        (self.num_heads, self.num_kv_heads)
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
     pub fn qkv_widths(&self) -> (usize, usize) {
         (
             2 * self.num_heads * self.head_dim,
@@ -215,6 +224,23 @@ impl GatedAttention {
         cache_len: usize,
         keys_per_split: Option<usize>,
     ) -> Result<Option<Tensor>> {
+        self.attend_chain_fused_graph(qkv, cos, sin, (kc, vc), cache_len, keys_per_split, None)
+    }
+
+    /// [`Self::attend_chain_fused`] that reads the committed length from a device tensor
+    /// (`graph`: a CUDA graph's replays), over a split fixed for the whole cache.
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_chain_fused_graph(
+        &self,
+        qkv: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        (kc, vc): (&Tensor, &Tensor),
+        cache_len: usize,
+        keys_per_split: Option<usize>,
+        graph: Option<crate::cuda::GraphSplit<'_>>,
+    ) -> Result<Option<Tensor>> {
         if self.head_dim != crate::cuda::GATTN_HEAD_DIM {
             return Ok(None);
         }
@@ -228,6 +254,7 @@ impl GatedAttention {
                 kc,
                 vc,
                 cache_len,
+                graph,
                 heads: (self.num_heads, self.num_kv_heads),
                 rotary_dim: self.rotary_dim,
                 eps: self.eps,

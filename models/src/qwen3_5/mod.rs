@@ -24,6 +24,8 @@ pub mod delta_rule;
 mod fast;
 pub mod gated_attention;
 pub mod gdn;
+#[cfg(feature = "cuda")]
+mod graph;
 pub mod mtp;
 
 use std::path::Path;
@@ -45,6 +47,8 @@ use crate::random::WeightRng;
 use crate::taps::TapCollector;
 pub use gated_attention::{one_plus, GatedAttention};
 pub use gdn::{DeltaForm, GatedDeltaNet};
+#[cfg(feature = "cuda")]
+pub use graph::HybridDecodeGraph;
 pub use mtp::MtpHead;
 
 #[derive(Debug, Clone)]

@@ -34,6 +34,9 @@ mod hybrid;
 mod hybrid_attn;
 #[path = "gpu_check/hybrid_fused.rs"]
 mod hybrid_fused;
+#[cfg(feature = "cuda")]
+#[path = "gpu_check/hybrid_graph.rs"]
+mod hybrid_graph;
 #[path = "gpu_check/hybrid_noise.rs"]
 mod hybrid_noise;
 #[path = "gpu_check/pooled.rs"]

@@ -204,6 +204,15 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
             .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
         println!("hybrid fused vs plain {parity}");
         res.insert("fused_vs_plain".into(), parity);
+        #[cfg(feature = "cuda")]
+        {
+            // The decode roofline as below: weights, 1K of K/V, the state read and written.
+            let roof = (weight_bytes + kv_1k + 2.0 * state_bytes) / copy_bw * 1e3;
+            let graph = crate::hybrid_graph::graph_vs_eager(dev, &m, &mut cache, vocab, roof)
+                .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+            println!("hybrid decode graph vs eager {graph}");
+            res.insert("decode_graph_vs_eager".into(), graph);
+        }
         let attn = crate::hybrid_attn::attn_layer(dev, &cfg)
             .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
         println!("hybrid fused attention layer vs plain {attn}");

@@ -1,0 +1,319 @@
+//! A CUDA graph of the hybrid's fused decode step (`qwen3_5/cuda.rs`, one token, bf16): the
+//! ~450 launches of a step replayed with one host call. The eager fused forward stays the
+//! reference; a replay equals it bit for bit (checked by `gpu_check --hybrid`).
+//!
+//! What varies per step lives in device memory written before each replay: the token, its
+//! position and the committed cache length (u32 `[3]`). The gated-attention layers read the
+//! length from there and split the keys over a split count fixed for the whole capacity
+//! (`cuda::GraphSplit`: the splits past the live keys are empty). The K/V rows go into the
+//! cache's own buffers, whose addresses the graph bakes in (checked by the graph's cache key).
+//!
+//! The recurrent (Gated DeltaNet) states are not at fixed addresses in the cache: each commit
+//! stores new tensors. So the graph owns one state buffer and one conv-window buffer per GDN
+//! layer, reads them and writes the layer's new state and window back into them at its end.
+//! Before a replay the cache's current state is copied in unless it is the copy the previous
+//! replay handed to the cache (a truncate, a rollback or an eager forward in between makes
+//! it another tensor); after a replay the new state is copied out into fresh tensors that the
+//! cache commits, as the eager forward's staging. Verify graphs (t > 1) would have to copy
+//! out a full state per row (2.4 GB at 16 rows of the 27B shape), so only decode is captured.
+
+use candle_core::cuda_backend::cudarc::driver::CudaGraph;
+use candle_core::{DType, Tensor};
+
+use crate::cache::{GdnState, LayerCache, SequenceCache, StagedState};
+use crate::cuda::decoder_stack::capture_graph;
+use crate::cuda::{self, GraphSplit, RowNorm};
+use crate::error::{ModelError, ModelResult};
+use crate::qwen3_5::{Mixer, Qwen35Model};
+
+/// One GDN layer's state buffers owned by the graph.
+struct GraphState {
+    layer: usize,
+    /// f32, the cache's state shape.
+    ssm: Tensor,
+    /// bf16 `[K-1, conv_dim]`.
+    conv: Tensor,
+    /// The state the last replay handed to the cache (it is also in the buffers then).
+    handed: Option<GdnState>,
+}
+
+/// A captured fused decode step over one [`SequenceCache`] (see the module doc).
+pub struct HybridDecodeGraph {
+    graph: CudaGraph,
+    /// u32 `[token, position, cache length]`.
+    inputs: Tensor,
+    /// f32 `[1, vocab]`, rewritten by every replay.
+    logits: Tensor,
+    states: Vec<GraphState>,
+    cache_key: u64,
+    keys_per_split: usize,
+    /// `(query heads, KV heads)` of the attention layers (None: no attention layers).
+    heads: Option<(usize, usize)>,
+    /// Whether the step stages its state as a rollback-able row (the cache's rollback >= 1).
+    keep: bool,
+}
+
+impl Qwen35Model {
+    /// Captures the fused decode step for `cache` (contiguous, with room for a token). Fails
+    /// where the eager fused path would not run every layer through the fused kernels.
+    pub fn capture_decode_graph(&self, cache: &SequenceCache) -> ModelResult<HybridDecodeGraph> {
+        let unsupported = |why: &str| Err(ModelError::Unsupported(format!("hybrid graph: {why}")));
+        if !self.fast {
+            return unsupported("needs the fused path (CUDA, bf16)");
+        }
+        if !cache.page_table().is_contiguous() {
+            return unsupported("needs a cache in buffers of its own");
+        }
+        let tracker = cache.row_tracker().ok_or_else(|| {
+            ModelError::BadInput("a hybrid model needs a cache from Qwen35Model::new_cache".into())
+        })?;
+        let keep = tracker.rollback >= 1;
+        let len = cache.len();
+        if len + 1 > cache.backed_rows() {
+            return Err(ModelError::CacheFull {
+                len,
+                requested: 1,
+                capacity: cache.backed_rows(),
+            });
+        }
+        let dev = self.device.clone();
+        let mut heads = None;
+        let mut states = Vec::new();
+        for (li, layer) in self.layers.iter().enumerate() {
+            match &layer.mixer {
+                Mixer::Linear(_) => {
+                    let s = cache.layer(li).recurrent()?.last()?;
+                    states.push(GraphState {
+                        layer: li,
+                        ssm: s.ssm.copy()?,
+                        conv: s.conv.copy()?,
+                        handed: None,
+                    });
+                }
+                Mixer::Full(a) => {
+                    if a.fused_qkv().is_none() || a.head_dim() != cuda::GATTN_HEAD_DIM {
+                        return unsupported("gated attention outside the fused kernels' shape");
+                    }
+                    heads = Some(a.heads());
+                }
+            }
+        }
+        let keys_per_split = heads.map_or(1, |h| cuda::planned_keys_per_split(len + 1, 1, h));
+        let inputs = Tensor::new(&[0u32, len as u32, len as u32], &dev)?;
+        let logits = Tensor::zeros((1, self.cfg.vocab_size), DType::F32, &dev)?;
+        let body = || self.decode_body(cache, &inputs, &logits, &states, keys_per_split);
+        let graph = capture_graph(&dev, body)?;
+        Ok(HybridDecodeGraph {
+            graph,
+            inputs,
+            logits,
+            states,
+            cache_key: attention_key(cache)?,
+            keys_per_split,
+            heads,
+            keep,
+        })
+    }
+
+    /// The captured work: the eager fused decode step with its varying inputs in `inputs`
+    /// and the recurrent states in `states` (read, then overwritten with the new ones). Makes
+    /// no host-device copies.
+    fn decode_body(
+        &self,
+        cache: &SequenceCache,
+        inputs: &Tensor,
+        logits: &Tensor,
+        states: &[GraphState],
+        keys_per_split: usize,
+    ) -> ModelResult<()> {
+        let eps = self.cfg.rms_norm_eps;
+        let (ids, positions, cache_len) = (
+            inputs.narrow(0, 0, 1)?,
+            inputs.narrow(0, 1, 1)?,
+            inputs.narrow(0, 2, 1)?,
+        );
+        let (cos, sin) = self.rope.gather(&positions)?;
+        let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
+        let mut x = self.embed_tokens.index_select(&ids, 0)?;
+        let counter = Tensor::zeros(1, DType::U32, &self.device)?;
+        let mut ss: Option<Tensor> = None;
+        let mut gdn = states.iter();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let norm = RowNorm {
+                ss: ss.as_ref(),
+                weight: &layer.input_norm,
+                eps,
+            };
+            let (mixed, o_proj) = match &layer.mixer {
+                Mixer::Linear(g) => {
+                    let st = gdn.next().filter(|s| s.layer == li).ok_or_else(|| {
+                        ModelError::Unsupported("graph states out of step".into())
+                    })?;
+                    let proj = cuda::gemv(&x, &g.in_proj, Some(norm))?;
+                    let from = GdnState {
+                        conv: st.conv.clone(),
+                        ssm: st.ssm.clone(),
+                    };
+                    // As the eager step: one state (after the only row) either way.
+                    let (y, new, ext) = g.mix_fused(&proj, &from, true)?;
+                    st.ssm
+                        .slice_set(&new.get(0)?.reshape(st.ssm.shape())?, 0, 0)?;
+                    st.conv.slice_set(&ext.narrow(0, 1, g.kernel - 1)?, 0, 0)?;
+                    (y, &g.out_proj)
+                }
+                Mixer::Full(attn) => {
+                    let qkv_w = attn.fused_qkv().ok_or_else(|| {
+                        ModelError::BadInput("fused forward on unfused weights".into())
+                    })?;
+                    let qkv = cuda::gemv(&x, qkv_w, Some(norm))?;
+                    let kv = cache.layer(li).attention()?.buffers();
+                    let split = GraphSplit {
+                        cache_len: &cache_len,
+                        keys_per_split,
+                    };
+                    let mixed = attn
+                        .attend_chain_fused_graph(&qkv, &cos, &sin, kv, 0, None, Some(split))?
+                        .ok_or_else(|| {
+                            ModelError::Unsupported("hybrid graph: attention shape".into())
+                        })?;
+                    (mixed, attn.o_proj())
+                }
+            };
+            let (x1, ss1) = cuda::gemv_resid(&mixed, o_proj, &x, Some(&counter), None)?;
+            let (gate_up, down) = layer.fused_mlp()?;
+            let norm = RowNorm {
+                ss: ss1.as_ref(),
+                weight: &layer.post_norm,
+                eps,
+            };
+            let act = cuda::gemv_silu(&x1, gate_up, Some(norm))?;
+            // One row: down makes no sums (the next in-projection sums its row), as eager.
+            let (x2, ss2) = cuda::gemv_resid(&act, down, &x1, None, None)?;
+            x = x2;
+            ss = ss2;
+        }
+        let h = cuda::rms_apply(
+            &x,
+            RowNorm {
+                ss: ss.as_ref(),
+                weight: &self.norm,
+                eps,
+            },
+        )?;
+        let out = cuda::gemv(&h, &self.lm_head, None)?.to_dtype(DType::F32)?;
+        logits.slice_set(&out, 0, 0)?;
+        Ok(())
+    }
+}
+
+impl HybridDecodeGraph {
+    /// Keys per split the graph's attention uses.
+    pub fn keys_per_split(&self) -> usize {
+        self.keys_per_split
+    }
+
+    /// Runs the captured step for `token` at `position` on `cache` (the one it was captured
+    /// for) and commits it. Returns the logits `[1, vocab]` (f32, a copy). An error where the
+    /// graph no longer matches the cache (other buffers, a full cache, another rollback
+    /// setting, a length where the eager plan splits the keys otherwise): recapture then.
+    pub fn step(
+        &mut self,
+        cache: &mut SequenceCache,
+        token: u32,
+        position: u32,
+    ) -> ModelResult<Tensor> {
+        let stale = |why: String| Err(ModelError::BadInput(format!("stale hybrid graph: {why}")));
+        if attention_key(cache)? != self.cache_key {
+            return stale("captured for another cache".into());
+        }
+        let tracker = cache
+            .row_tracker()
+            .ok_or_else(|| ModelError::BadInput("not a hybrid cache".into()))?;
+        tracker.check_extendable(cache.len())?;
+        if (tracker.rollback >= 1) != self.keep {
+            return stale("the cache's rollback setting changed".into());
+        }
+        let len = cache.len();
+        if len + 1 > cache.backed_rows() {
+            return Err(ModelError::CacheFull {
+                len,
+                requested: 1,
+                capacity: cache.backed_rows(),
+            });
+        }
+        if let Some(h) = self.heads {
+            let plan = cuda::planned_keys_per_split(len + 1, 1, h);
+            if plan != self.keys_per_split {
+                return stale(format!(
+                    "the eager plan splits {} keys by {plan}, the graph by {}",
+                    len + 1,
+                    self.keys_per_split
+                ));
+            }
+        }
+        for st in &mut self.states {
+            let last = cache.layer(st.layer).recurrent()?.last()?;
+            let same = match &st.handed {
+                Some(h) => same_storage(&h.ssm, &last.ssm)? && same_storage(&h.conv, &last.conv)?,
+                None => false,
+            };
+            if !same {
+                st.ssm.slice_set(&last.ssm.reshape(st.ssm.shape())?, 0, 0)?;
+                st.conv.slice_set(&last.conv.contiguous()?, 0, 0)?;
+            }
+        }
+        cuda::upload_u32(&self.inputs, &[token, position, len as u32])?;
+        self.graph
+            .launch()
+            .map_err(|e| ModelError::Unsupported(format!("graph launch: {e}")))?;
+        let mut staged = Vec::with_capacity(self.states.len());
+        for st in &mut self.states {
+            let s = GdnState {
+                conv: st.conv.copy()?,
+                ssm: st.ssm.copy()?,
+            };
+            st.handed = Some(s.clone());
+            let staged_state = if self.keep {
+                StagedState::Rows(vec![s])
+            } else {
+                StagedState::Final(s)
+            };
+            staged.push((st.layer, staged_state));
+        }
+        let parents = [None];
+        cache.commit_recurrent(1, self.keep.then_some(&parents[..]), staged)?;
+        Ok(self.logits.copy()?)
+    }
+}
+
+/// A hybrid cache's identity for the graph, which bakes in the address of every attention
+/// layer's K and V buffer: their addresses and the capacity (FNV-1a), as the dense graphs'
+/// `cache_key`, which reads every layer as an attention layer.
+fn attention_key(cache: &SequenceCache) -> ModelResult<u64> {
+    let mut h: u64 = 0xcbf29ce484222325;
+    let mut eat = |v: u64| {
+        for b in v.to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+    };
+    eat(cache.capacity() as u64);
+    for i in 0..cache.num_layers() {
+        if let LayerCache::Attention(a) = cache.layer(i) {
+            let (k, v) = a.buffers();
+            eat(i as u64);
+            eat(cuda::device_address(k)?);
+            eat(cuda::device_address(v)?);
+        }
+    }
+    Ok(h)
+}
+
+/// Whether two tensors are the same memory (the graph keeps the handed tensors alive, so an
+/// equal address cannot be a reused allocation).
+fn same_storage(a: &Tensor, b: &Tensor) -> ModelResult<bool> {
+    Ok(a.shape() == b.shape()
+        && a.is_contiguous()
+        && b.is_contiguous()
+        && cuda::device_address(a)? == cuda::device_address(b)?)
+}
