@@ -13,9 +13,9 @@ const NKV: usize = 8;
 const D: usize = 128;
 const PAGE: usize = 64;
 
-/// The batched launches compared: the default first.
+/// The batched launches compared (`BATCH_SPLIT_BLOCKS` was 1024 when they were measured).
 pub const VARIANTS: [(BatchKernel, usize); 8] = [
-    (BatchKernel::Base, BATCH_SPLIT_BLOCKS),
+    (BatchKernel::Base, 1024),
     (BatchKernel::Base, 512),
     (BatchKernel::Base, 2048),
     (BatchKernel::Blocks3, 1024),
@@ -24,6 +24,18 @@ pub const VARIANTS: [(BatchKernel, usize); 8] = [
     (BatchKernel::Blocks4OneStage, 2048),
     (BatchKernel::Blocks4OneStage, 4096),
 ];
+
+/// The variants to compare: [`VARIANTS`], or those named in `GPU_CHECK_ATTN_VARIANTS`
+/// (comma-separated [`variant_name`]s; a rerun without one that faults keeps the others).
+pub fn variants() -> Vec<(BatchKernel, usize)> {
+    match std::env::var("GPU_CHECK_ATTN_VARIANTS") {
+        Ok(list) => VARIANTS
+            .into_iter()
+            .filter(|&v| list.split(',').any(|n| n.trim() == variant_name(v)))
+            .collect(),
+        Err(_) => VARIANTS.to_vec(),
+    }
+}
 
 /// A variant's name in the reports.
 pub fn variant_name((k, blocks): (BatchKernel, usize)) -> String {
@@ -181,7 +193,7 @@ pub fn batch_attention_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     ] {
         let bt = batch(dev, &lens, lens.len() as u64)?;
         let reference = bt.per_sequence()?;
-        for v in VARIANTS {
+        for v in variants() {
             let o = bt.batched(v)?;
             let (e, s) = err(&o, &reference)?;
             out.push((format!("batch_attn:{tag}:{}", variant_name(v)), e, s));
@@ -212,7 +224,7 @@ pub fn batch_attention_timings(dev: &Device) -> Result<Vec<(String, String, f64,
             let layers = (0..copies)
                 .map(|i| batch(dev, &vec![ctx; b], i as u64))
                 .collect::<Result<Vec<_>>>()?;
-            for v in VARIANTS {
+            for v in variants() {
                 attn_decode::set_batch_launch(v.0, v.1)?;
                 let body = || -> crate::error::ModelResult<()> {
                     for i in 0..20 {

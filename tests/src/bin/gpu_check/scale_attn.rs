@@ -6,7 +6,7 @@
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
-use dflash_models::cuda::check_attn_batch::{self, VARIANTS};
+use dflash_models::cuda::check_attn_batch;
 use dflash_models::cuda::{set_batch_launch, BatchKernel, BATCH_SPLIT_BLOCKS};
 use dflash_models::random::WeightRng;
 use dflash_models::{OpsMode, Qwen3Model, SequenceCache};
@@ -83,7 +83,7 @@ pub fn run(dev: &Device, bw_bytes_per_s: f64) -> Result<Value> {
         let mut refs: Vec<&mut SequenceCache> = caches.iter_mut().take(b).collect();
         let ones = vec![1usize; b];
         let mut row = Map::new();
-        for v in VARIANTS {
+        for v in check_attn_batch::variants() {
             // A model of its own graph cache per variant: graphs keep the launch captured.
             let graphs = m.clone().with_tuned_rows(0).with_step_graphs(true);
             set_batch_launch(v.0, v.1)?;
