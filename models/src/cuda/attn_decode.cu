@@ -214,7 +214,9 @@ __device__ __forceinline__ void load_committed(const Args& a, int kvh, int k0, i
     }
 }
 
-template <int RT>
+// ONE: a single shared K/V buffer even when a block walks several chunks (each chunk loaded
+// after the previous one is consumed): half the shared memory, so more blocks per SM.
+template <int RT, bool ONE>
 __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     constexpr int KS = NW / RT;  // warps sharing a row tile
     constexpr int KW = CH / KS;  // keys of a chunk per warp
@@ -223,7 +225,7 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ u32 is_last;
     __shared__ float rowD[TR];
-    const int stages = a.cps == 1 ? 1 : 2;
+    const int stages = (ONE || a.cps == 1) ? 1 : 2;
     bf16_t* kvbuf = (bf16_t*)smem;  // stages x {K, V} x CH x KPAD
     bf16_t* qs = kvbuf + stages * 2 * CH * KPAD;  // TR x KPAD
     const int kvh = blockIdx.x, split = blockIdx.y, z = blockIdx.z % a.tiles;
@@ -289,7 +291,15 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
         for (int nt = 0; nt < 16; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
         float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
         for (int sc = 0; sc < nch; ++sc) {
-            if (sc + 1 < nch) {
+            if (stages == 1 && sc > 0) {
+                // The previous chunk's buffer is free (barrier at the loop's end).
+                int k1 = kbeg + sc * CH, kf = max(k1, c);
+                load_committed(a, kvh, k1, c, L, kvbuf, kvbuf + CH * KPAD);
+                heads(a, kvh, 0, 0, nullptr, kf, max(0, min(k1 + CH, L) - kf), c, k1, kvbuf,
+                      kvbuf + CH * KPAD, to_cache);
+                cp_async_commit();
+                cp_async_wait<0>();
+            } else if (stages == 2 && sc + 1 < nch) {
                 bf16_t* nb = kvbuf + ((sc + 1) & 1) * 2 * CH * KPAD;
                 int k1 = kbeg + (sc + 1) * CH, kf = max(k1, c);
                 load_committed(a, kvh, k1, c, L, nb, nb + CH * KPAD);
@@ -303,7 +313,7 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
             __syncthreads();
             const int k0 = kbeg + sc * CH + kofs;  // this warp's first key
             if (!dead && k0 < L && k0 <= c + wlast) {
-                const bf16_t* kb = kvbuf + (sc & 1) * 2 * CH * KPAD + kofs * KPAD;
+                const bf16_t* kb = kvbuf + (stages == 2 ? (sc & 1) : 0) * 2 * CH * KPAD + kofs * KPAD;
                 const bf16_t* vb = kb + CH * KPAD;
                 float s[NT][4];
 #pragma unroll
@@ -465,10 +475,15 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
     if (tid == 0) *cnt = 0u;  // re-armed for the next launch
 }
 
-#define ATTN_DECODE(RT)                                                                          \
-    extern "C" __global__ void __launch_bounds__(NW * 32) attn_decode_rt##RT(Args a) {           \
-        attn_decode_impl<RT>(for_sequence(a, blockIdx.z / a.tiles));                             \
+#define ATTN_DECODE(NAME, RT, MINB, ONE)                                                        \
+    extern "C" __global__ void __launch_bounds__(NW * 32, MINB) NAME(Args a) {                  \
+        attn_decode_impl<RT, ONE>(for_sequence(a, blockIdx.z / a.tiles));                       \
     }
-ATTN_DECODE(1)
-ATTN_DECODE(2)
-ATTN_DECODE(4)
+ATTN_DECODE(attn_decode_rt1, 1, 1, false)
+ATTN_DECODE(attn_decode_rt2, 2, 1, false)
+ATTN_DECODE(attn_decode_rt4, 4, 1, false)
+// Batched decode (one row tile per block): the register file caps the blocks per SM (255
+// registers x 128 threads: 2 blocks, 8 warps), hence variants held to 3 blocks (168
+// registers, two stages: 3 x 74 KB shared) and to 4 (128 registers, one stage: 4 x 39 KB).
+ATTN_DECODE(attn_decode_rt1_b3, 1, 3, false)
+ATTN_DECODE(attn_decode_rt1_b4s1, 1, 4, true)

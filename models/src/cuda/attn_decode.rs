@@ -13,7 +13,9 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::attn_plan::{attn_plan, runtime_plan, CHUNK_KEYS, MAX_SHARED_BYTES};
+use super::attn_plan::{
+    attn_plan, one_stage_shared_bytes, runtime_plan, CHUNK_KEYS, MAX_SHARED_BYTES,
+};
 use super::kernels::{QkvRows, CHUNK};
 use super::launch::{alloc_bf16, alloc_f32, cuda, go, opt_ptr, page_stride, ptr};
 
@@ -36,8 +38,48 @@ pub fn fused_attention_fits(t: usize, nh: usize, nkv: usize) -> bool {
     t == 1 && nkv > 0 && nh / nkv <= 16
 }
 
-/// Blocks a batched launch aims at (see `fused_attention_rt`).
-const BATCH_SPLIT_BLOCKS: usize = 1024;
+/// Blocks a batched launch aims at (see `fused_attention_rt`). 512 rather than 1024: fewer
+/// splits per sequence, so each block streams more chunks through its double buffer and the
+/// merge reads fewer partials. Measured on the H200 (h200-2026-12-03-decode-attn, Qwen3-8B
+/// heads, the launch alone): B 16 / 32 / 64 at 640 positions 46.4 / 69.5 / 98.1 us at 1024
+/// against 38.6 / 52.3 / 79.6 at 512 (2048: slower still), 4096 positions 123 / 201 / 353
+/// against 106 / 181 / 335.
+pub const BATCH_SPLIT_BLOCKS: usize = 512;
+
+/// The kernel of a batched decode launch (several sequences, one row tile, chunks per split
+/// set on the device): the register file caps `attn_decode_rt1` at 2 blocks (8 warps) per SM;
+/// the variants hold it to 3 (two stages) or 4 (one shared stage) blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchKernel {
+    /// `attn_decode_rt1`: 255 registers, two stages.
+    Base,
+    /// `attn_decode_rt1_b3`: 168 registers, two stages.
+    Blocks3,
+    /// `attn_decode_rt1_b4s1`: 128 registers, one stage.
+    Blocks4OneStage,
+}
+
+/// The batched decode launch's kernel and the blocks it aims at (a measurement knob of
+/// `gpu_check --scale`: graphs keep the launch they captured, so compare them on models of
+/// their own graph caches).
+static BATCH_LAUNCH: Mutex<(BatchKernel, usize)> =
+    Mutex::new((BatchKernel::Base, BATCH_SPLIT_BLOCKS));
+
+/// Sets the batched decode launch's kernel and target block count (see [`BatchKernel`]).
+pub fn set_batch_launch(kernel: BatchKernel, blocks: usize) -> Result<()> {
+    let mut l = BATCH_LAUNCH
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("fused_attention: launch lock poisoned".into()))?;
+    *l = (kernel, blocks.max(1));
+    Ok(())
+}
+
+fn batch_launch() -> Result<(BatchKernel, usize)> {
+    BATCH_LAUNCH
+        .lock()
+        .map(|l| *l)
+        .map_err(|_| candle_core::Error::Msg("fused_attention: launch lock poisoned".into()))
+}
 
 /// Merge counters per device (each launch uses `kv_heads * sequences * row tiles` of them).
 const COUNTERS: usize = 16384;
@@ -191,12 +233,26 @@ pub(crate) fn fused_attention_rt(
     .map_err(|e| candle_core::Error::Msg(format!("fused_attention: {e}")))?;
     let (rt, tiles, cps) = (plan.rt, plan.tiles, plan.cps);
     // A batch fills the GPU with its sequences: fewer splits each (every block of a split
-    // past the live keys still takes part in the merge's count), about BATCH_SPLIT_BLOCKS
-    // blocks in all. The kernel sets the chunks per split from each sequence's length.
-    let nsplit = if seqs > 1 && cps == 0 {
-        (BATCH_SPLIT_BLOCKS / (nkv * tiles * seqs)).clamp(1, plan.nsplit)
+    // past the live keys still takes part in the merge's count), about `blocks` blocks in
+    // all. The kernel sets the chunks per split from each sequence's length.
+    let batched = seqs > 1 && cps == 0;
+    let (kernel, blocks) = if batched {
+        batch_launch()?
+    } else {
+        (BatchKernel::Base, BATCH_SPLIT_BLOCKS)
+    };
+    let nsplit = if batched {
+        (blocks / (nkv * tiles * seqs)).clamp(1, plan.nsplit)
     } else {
         plan.nsplit
+    };
+    let (name, shared_bytes) = match (kernel, rt) {
+        (BatchKernel::Blocks3, 1) => ("attn_decode_rt1_b3".to_string(), plan.shared_bytes),
+        (BatchKernel::Blocks4OneStage, 1) => (
+            "attn_decode_rt1_b4s1".to_string(),
+            one_stage_shared_bytes(rt),
+        ),
+        _ => (format!("attn_decode_rt{rt}"), plan.shared_bytes),
     };
     if nkv * tiles * seqs > COUNTERS {
         bail!("fused_attention: {nkv} KV heads x {seqs} sequences x {tiles} row tiles exceed {COUNTERS} counters")
@@ -232,7 +288,6 @@ pub(crate) fn fused_attention_rt(
         scale: 1.0 / (d as f32).sqrt(),
         eps: eps as f32,
     };
-    let name = format!("attn_decode_rt{rt}");
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
     // Always the same value, so graphs captured earlier keep launching with theirs.
     f.set_attribute(
@@ -245,7 +300,7 @@ pub(crate) fn fused_attention_rt(
     let cfg = LaunchConfig {
         grid_dim: (nkv as u32, nsplit as u32, (tiles * seqs) as u32),
         block_dim: (128, 1, 1),
-        shared_mem_bytes: plan.shared_bytes as u32,
+        shared_mem_bytes: shared_bytes as u32,
     };
     let mut b = f.builder();
     b.arg(&args);

@@ -77,6 +77,13 @@ fn max_splits(rt: usize) -> usize {
     }
 }
 
+/// Shared memory of a one-stage block (`attn_decode_rt1_b4s1`): one K/V buffer however many
+/// chunks the block walks, and the q rows; the block partial and the merge's table reuse the
+/// K/V buffer (checked in the tests for the most splits).
+pub(crate) fn one_stage_shared_bytes(rt: usize) -> usize {
+    2 * CHUNK_KEYS * ROW_BYTES + 16 * rt * ROW_BYTES
+}
+
 /// The plan whose chunks per split the kernel sets at run time from the live length (`cps` 0:
 /// `ceil(live chunks / nsplit)`): the most splits for its row tiles, shared memory for two
 /// stages. One launch, or one CUDA graph, then fits every length and cache capacity, and an
@@ -140,6 +147,17 @@ mod tests {
             assert!(2 * 4 * p.nsplit * 16 * p.rt <= p.stages * 2 * CHUNK_KEYS * ROW_BYTES);
         }
         assert!(runtime_plan(0, None).is_err());
+    }
+
+    #[test]
+    fn one_stage_blocks_fit_their_partials_and_merge_table() {
+        let kv = 2 * CHUNK_KEYS * ROW_BYTES;
+        assert_eq!(one_stage_shared_bytes(1), kv + 16 * ROW_BYTES);
+        assert!(4 * 16 * 128 * 4 + 4 * 16 * 2 * 4 <= kv);
+        assert!(2 * 4 * max_splits(1) * 16 <= kv);
+        // Four such blocks fit an H200 SM's 227 KB; two-stage ones fit three.
+        assert!(4 * one_stage_shared_bytes(1) <= 227 * 1024);
+        assert!(3 * runtime_plan(4, Some(1)).unwrap().shared_bytes <= 227 * 1024);
     }
 
     #[test]

@@ -47,7 +47,10 @@ pub use attn_dflash::{
 mod attn_plan;
 mod varlen_plan;
 #[cfg(feature = "cuda")]
-pub use attn_decode::{fused_attention, fused_attention_fits, FUSED_ATTN_MAX_TOKENS};
+pub use attn_decode::{
+    fused_attention, fused_attention_fits, set_batch_launch, BatchKernel, BATCH_SPLIT_BLOCKS,
+    FUSED_ATTN_MAX_TOKENS,
+};
 #[cfg(feature = "cuda")]
 mod attn_prefill;
 #[cfg(feature = "cuda")]
@@ -60,6 +63,8 @@ pub use varlen_plan::varlen_tiles;
 pub mod check;
 #[cfg(feature = "cuda")]
 mod check_attn;
+#[cfg(feature = "cuda")]
+pub mod check_attn_batch;
 #[cfg(feature = "cuda")]
 pub mod check_scale;
 #[cfg(feature = "cuda")]

@@ -46,6 +46,9 @@ mod pooled_draft;
 #[cfg(feature = "cuda")]
 #[path = "gpu_check/scale.rs"]
 mod scale;
+#[cfg(feature = "cuda")]
+#[path = "gpu_check/scale_attn.rs"]
+mod scale_attn;
 #[path = "gpu_check/train.rs"]
 mod train;
 #[path = "gpu_check/train_attn.rs"]
@@ -224,6 +227,19 @@ fn main() -> Result<()> {
     if args.iter().any(|a| a == "--scale") {
         let bw = copy_bandwidth(&dev)?;
         println!("scale copy bandwidth {:.1} GB/s", bw / 1e9);
+        // --attn-only: the batched decode attention's checks and timings and the batched
+        // decode steps with each of its variants.
+        if args.iter().any(|a| a == "--attn-only") {
+            let mut p = scale_attn::run(&dev, bw)?;
+            if let Value::Object(m) = &mut p {
+                m.insert("copy_bandwidth_GBps".into(), json!(bw / 1e9));
+            }
+            let out = json!({ "scale": p }).to_string();
+            if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
+                std::fs::write(path, &out)?;
+            }
+            return scale_attn::verdict(&p);
+        }
         // --gemm-only: the GEMM checks and timings and the batched decode steps, without the
         // prefill-piece attention and the mixed steps.
         let mut p = scale::run(&dev, args.iter().any(|a| a == "--gemm-only"))?;

@@ -15,7 +15,7 @@ use dflash_models::random::WeightRng;
 use dflash_models::{AttnPattern, OpsMode, Qwen3Model, SeqForward, SequenceCache};
 use serde_json::{json, Map, Value};
 
-fn qwen3_8b(max_positions: usize) -> Qwen3Config {
+pub(crate) fn qwen3_8b(max_positions: usize) -> Qwen3Config {
     Qwen3Config {
         vocab_size: 151936,
         hidden_size: 4096,
@@ -78,7 +78,7 @@ fn step(m: &Qwen3Model, caches: &mut [&mut SequenceCache], t: &[usize], salt: u3
 
 /// Milliseconds per step (median of `reps`, after 3 warm-ups that capture any graph), every
 /// cache truncated back after each step.
-fn time_step(
+pub(crate) fn time_step(
     m: &Qwen3Model,
     caches: &mut [&mut SequenceCache],
     t: &[usize],
@@ -102,7 +102,7 @@ fn time_step(
     Ok(times[times.len() / 2])
 }
 
-fn fill(m: &Qwen3Model, cache: &mut SequenceCache, n: usize, salt: u32) -> Result<()> {
+pub(crate) fn fill(m: &Qwen3Model, cache: &mut SequenceCache, n: usize, salt: u32) -> Result<()> {
     while cache.len() < n {
         let k = (n - cache.len()).min(4096);
         let start = cache.len() as u32;
