@@ -341,7 +341,7 @@ pub struct TrainArgs {
     pub warmup_ratio: f64,
     #[arg(long, default_value_t = 0.0, help_heading = "Optimisation")]
     pub weight_decay: f64,
-    /// Global gradient-norm clip.
+    /// Global gradient-norm clip; 0 turns clipping off.
     #[arg(long, default_value_t = 1.0, help_heading = "Optimisation")]
     pub grad_clip: f64,
     /// Seed of the initialisation, the shuffles and the anchors.

@@ -148,7 +148,8 @@ impl TrainOptimizer {
                 let norm = global_norm(&grads)?;
                 let ran = step_loss.is_finite() && norm.is_finite();
                 if ran {
-                    let scale = if norm > self.clip {
+                    // 0 turns clipping off, as in the fused kernel (adamw.cu).
+                    let scale = if self.clip > 0.0 && norm > self.clip {
                         self.clip / (norm + 1e-6)
                     } else {
                         1.0
