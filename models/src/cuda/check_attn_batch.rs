@@ -14,10 +14,11 @@ const D: usize = 128;
 const PAGE: usize = 64;
 
 /// The batched launches compared (`BATCH_SPLIT_BLOCKS` was 1024 when they were measured).
-pub const VARIANTS: [(BatchKernel, usize); 8] = [
+pub const VARIANTS: [(BatchKernel, usize); 9] = [
     (BatchKernel::Base, 1024),
     (BatchKernel::Base, 512),
     (BatchKernel::Base, 2048),
+    (BatchKernel::Base, 256),
     (BatchKernel::Blocks3, 1024),
     (BatchKernel::Blocks3, 2048),
     (BatchKernel::Blocks4OneStage, 1024),
