@@ -159,6 +159,46 @@ fn fused_and_composed_head_losses_train_alike() {
     std::fs::remove_dir_all(&b).unwrap();
 }
 
+/// `--serialize-target` (profiling: target and drafter one after the other) trains on the same
+/// batches as the overlapped pipeline, so the losses are identical; and the trainer then waits
+/// for every batch, at least as long as the target computed it.
+#[test]
+fn serialized_target_trains_the_same_batches_and_waits_for_each() {
+    let (a, b) = (scratch("overlapped"), scratch("serialized"));
+    let steps = ["--max-steps", "6", "--save-every", "1000"];
+    // Two micro-batches per step: the held credits pass from one to the next.
+    let overlapped = train(&tiny_run(
+        &a,
+        &[&steps[..], &["--grad-accum", "2"]].concat(),
+    ))
+    .unwrap();
+    let serialized = train(&tiny_run(
+        &b,
+        &[&steps[..], &["--grad-accum", "2", "--serialize-target"]].concat(),
+    ))
+    .unwrap();
+    assert_eq!(serialized.losses.len(), 6);
+    assert_eq!(
+        serialized.losses, overlapped.losses,
+        "same batches, same losses"
+    );
+    for w in jsonl(&b.join("metrics.jsonl"), "window") {
+        let (wait, target) = (
+            w["queue_wait_s"].as_f64().unwrap(),
+            w["target_forward_s"].as_f64().unwrap(),
+        );
+        assert!(target > 0.0, "{w}");
+        // The wait spans the target's forward (less the worker's own bookkeeping after it).
+        assert!(
+            wait >= 0.9 * target,
+            "waited {wait} s for a {target} s target forward"
+        );
+        assert!(w["queue_depth"].as_f64().unwrap() <= 2.0, "{w}");
+    }
+    std::fs::remove_dir_all(&a).unwrap();
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
 fn jsonl(path: &Path, kind: &str) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
         .unwrap()

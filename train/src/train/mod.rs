@@ -382,6 +382,12 @@ pub struct TrainArgs {
     /// Width of a length bucket, in tokens.
     #[arg(long, default_value_t = 256, help_heading = "Pipeline")]
     pub bucket_width: usize,
+    /// Run the target forward and the drafter step one after the other instead of
+    /// overlapping them: the target computes the next batch only once the trainer is done
+    /// with the previous one, so `target_forward_s` is the target alone and the drafter's
+    /// stages (and `step_s - queue_wait_s`) the drafter alone. For profiling; slower.
+    #[arg(long, help_heading = "Pipeline")]
+    pub serialize_target: bool,
 
     /// Checkpoints and the final drafter go here.
     #[arg(long, value_name = "DIR", help_heading = "Output")]

@@ -8,6 +8,10 @@
 //! GPU when the worker shares the drafter's device, so they never make a round trip).
 //! Workers finish batches out of order; the buffer reorders them by batch index, which keeps a
 //! run deterministic whatever the number of workers.
+//!
+//! [`Depth::Serialized`] holds a taken batch's credits until the trainer asks for the next one
+//! (its step is done), with room for one batch: the target then never runs beside the drafter,
+//! so each side's time is measured alone (profiling; the batches and results are the same).
 
 use std::collections::BTreeMap;
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
@@ -71,12 +75,23 @@ impl Credits {
     }
 }
 
+/// How much the target workers may compute ahead of the trainer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Depth {
+    /// Up to this many sequences computed or in flight beside the trainer's step.
+    Overlapped(usize),
+    /// One batch of this many sequences, computed only while the trainer waits for it.
+    Serialized(usize),
+}
+
 pub struct Pipeline {
     results: Option<Receiver<TrainResult<ComputedBatch>>>,
     pending: BTreeMap<usize, ComputedBatch>,
     next: usize,
     credits: Arc<Credits>,
     max_depth: usize,
+    /// Credits of the batch the trainer is working on ([`Depth::Serialized`] only).
+    held: Option<usize>,
     threads: Vec<JoinHandle<()>>,
     /// A worker error seen while draining for metrics, returned by the next `next_batch`.
     failed: Option<TrainError>,
@@ -129,8 +144,12 @@ impl Pipeline {
         first_index: usize,
         workers: Vec<TargetWorker>,
         taps: Vec<usize>,
-        max_depth: usize,
+        depth: Depth,
     ) -> Self {
+        let (max_depth, held) = match depth {
+            Depth::Overlapped(n) => (n, None),
+            Depth::Serialized(n) => (n, Some(0)),
+        };
         let credits = Arc::new(Credits {
             state: Mutex::new((max_depth, false)),
             cond: Condvar::new(),
@@ -160,6 +179,7 @@ impl Pipeline {
             next: first_index,
             credits,
             max_depth,
+            held,
             threads,
             failed: None,
         }
@@ -172,10 +192,17 @@ impl Pipeline {
         if let Some(e) = self.failed.take() {
             return Err(e);
         }
+        // Serialized: asking for the next batch means the last one's step is done.
+        if let Some(held) = self.held.as_mut() {
+            self.credits.release(std::mem::take(held));
+        }
         loop {
             if let Some(b) = self.pending.remove(&self.next) {
                 self.next += 1;
-                self.credits.release(b.seqs.len());
+                match self.held.as_mut() {
+                    Some(held) => *held = b.seqs.len(),
+                    None => self.credits.release(b.seqs.len()),
+                }
                 return Ok((Some(b), t0.elapsed()));
             }
             let Some(rx) = &self.results else {

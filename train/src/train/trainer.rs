@@ -24,7 +24,7 @@ use super::loss::{self, BlockTargets, Hits};
 use super::optim::{learning_rate, AdamWConfig};
 use super::optimizer::{OptimizerChoice, TrainOptimizer};
 use super::periodic_eval::PeriodicEval;
-use super::pipeline::{ComputedBatch, Pipeline};
+use super::pipeline::{ComputedBatch, Depth, Pipeline};
 use super::plan::{BatchPlan, PlanConfig};
 use super::resume;
 use super::setup;
@@ -227,7 +227,11 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         state.batches,
         workers,
         cfg.target_layer_ids.clone(),
-        args.max_depth,
+        if args.serialize_target {
+            Depth::Serialized(args.batch_size)
+        } else {
+            Depth::Overlapped(args.max_depth)
+        },
     );
     // Variables in the compute dtype (f32 compute, or the fused optimizer's working weights)
     // share storage with the drafter built over them, so one drafter serves every step.
