@@ -35,6 +35,12 @@ mod hybrid_attn;
 #[path = "gpu_check/hybrid_fused.rs"]
 mod hybrid_fused;
 #[cfg(feature = "cuda")]
+#[path = "gpu_check/hybrid_gdn.rs"]
+mod hybrid_gdn;
+#[cfg(feature = "cuda")]
+#[path = "gpu_check/hybrid_paths.rs"]
+mod hybrid_paths;
+#[cfg(feature = "cuda")]
 #[path = "gpu_check/hybrid_graph.rs"]
 mod hybrid_graph;
 #[path = "gpu_check/hybrid_noise.rs"]
