@@ -284,9 +284,18 @@ impl RecurrentLayer {
             cat(|r| &r.g)?,
         );
         let ssm = rebuild_state(&start.ssm, &k, &u, &g)?;
-        let w = start.conv.dim(0)?;
-        let window = Tensor::cat(&[&start.conv, &pre], 0)?;
-        let conv = window.narrow(0, window.dim(0)? - w, w)?.copy()?;
+        // The conv window after the path: its last w pre-conv rows, reaching back into the
+        // start's window only when the path is shorter (one copy of w rows in the common case:
+        // a commit is a launch or two per layer, and its host time adds up over 48 layers).
+        let (w, n) = (start.conv.dim(0)?, pre.dim(0)?);
+        let conv = if n >= w {
+            pre.narrow(0, n - w, w)?.force_contiguous()?
+        } else {
+            let window = Tensor::cat(&[&start.conv, &pre], 0)?;
+            window
+                .narrow(0, window.dim(0)? - w, w)?
+                .force_contiguous()?
+        };
         Ok(GdnState { conv, ssm })
     }
 

@@ -142,7 +142,12 @@ pub fn gdn_chain(
 
 /// `gdn_gated_norm` of the raw outputs `o` (f32 `[t, hv, dv]`) with the gate z of `proj`
 /// (`[t, P]`, z at column `conv_dim`): bf16 `[t, hv * dv]`, the input of `out_proj`.
-pub(super) fn gated_norm(o: &Tensor, proj: &Tensor, w: &GdnWeights<'_>, t: usize) -> Result<Tensor> {
+pub(super) fn gated_norm(
+    o: &Tensor,
+    proj: &Tensor,
+    w: &GdnWeights<'_>,
+    t: usize,
+) -> Result<Tensor> {
     let dev = cuda(proj)?;
     let (d, hv) = (GDN_HEAD_DIM, w.hv);
     let p = proj.dim(1)?;
@@ -164,4 +169,3 @@ pub(super) fn gated_norm(o: &Tensor, proj: &Tensor, w: &GdnWeights<'_>, t: usize
     go(&mut b, cfg((hv as u32, t as u32, 1), 128), "gdn_gated_norm")?;
     Ok(y)
 }
-

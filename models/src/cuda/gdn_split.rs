@@ -99,7 +99,12 @@ pub fn gdn_split(
     let g = alloc_f32(&dev, t * hv)?;
     let beta = alloc_f32(&dev, t * hv)?;
     let (hki, hvi, ci, pi, ki, ti) = (
-        hk as i32, hv as i32, c as i32, p as i32, kernel as i32, t as i32,
+        hk as i32,
+        hv as i32,
+        c as i32,
+        p as i32,
+        kernel as i32,
+        t as i32,
     );
     let off_b = (c + hv * d) as i32;
     let (winp, pp, tp, ap, bp) = (
@@ -160,9 +165,7 @@ pub fn gdn_split(
     let y = gated_norm(&o, proj, w, t)?;
     Ok(SplitOut {
         y,
-        states: s_out
-            .map(|s| s.reshape((n_states, hv, d, d)))
-            .transpose()?,
+        states: s_out.map(|s| s.reshape((n_states, hv, d, d))).transpose()?,
         k: k.reshape((t, hk, d))?,
         g: g.reshape((t, hv))?,
         u: u.map(|u| u.reshape((t, hv, d))).transpose()?,
@@ -205,6 +208,10 @@ pub fn gdn_state_along(s0: &Tensor, k: &Tensor, u: &Tensor, g: &Tensor) -> Resul
     let mut b = f.builder();
     b.arg(&sp).arg(&kp).arg(&upt).arg(&gp).arg(&op);
     b.arg(&mi).arg(&hki).arg(&hvi).arg(&dki).arg(&dvi);
-    go(&mut b, cfg((n.div_ceil(256) as u32, 1, 1), 256), "gdn_state_along")?;
+    go(
+        &mut b,
+        cfg((n.div_ceil(256) as u32, 1, 1), 256),
+        "gdn_state_along",
+    )?;
     out.reshape((hv, dk, dv))
 }

@@ -101,11 +101,11 @@ mod gdn_split;
 #[cfg(feature = "cuda")]
 pub use gdn_split::{gdn_split, gdn_state_along, ScanStates, SplitOut};
 #[cfg(feature = "cuda")]
-pub mod phases;
-#[cfg(feature = "cuda")]
 mod gemv;
 #[cfg(feature = "cuda")]
 mod lt_gemm;
+#[cfg(feature = "cuda")]
+pub mod phases;
 #[cfg(feature = "cuda")]
 pub use lt_gemm::{linear_lt, tuned_timings, LtMode};
 #[cfg(feature = "cuda")]

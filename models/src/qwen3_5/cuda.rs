@@ -212,9 +212,7 @@ fn gdn_mix(
                 .collect::<candle_core::Result<Vec<_>>>()?,
         ))
     };
-    let join = |state: &GdnState| {
-        Tensor::cat(&[&state.conv, &proj.narrow(1, 0, g.conv_dim())?], 0)
-    };
+    let join = |state: &GdnState| Tensor::cat(&[&state.conv, &proj.narrow(1, 0, g.conv_dim())?], 0);
     Ok(match (path, keep) {
         (GdnPath::Chain, _) => {
             let (y, states, ext) = g.mix_fused(proj, state, keep)?;
@@ -233,9 +231,9 @@ fn gdn_mix(
             mark(proj.device(), "gdn.join");
             let ext = join(state)?;
             let out = g.mix_split(proj, state, ScanStates::All, false)?;
-            let states = out.states.ok_or_else(|| {
-                ModelError::BadInput("gdn_split returned no states".into())
-            })?;
+            let states = out
+                .states
+                .ok_or_else(|| ModelError::BadInput("gdn_split returned no states".into()))?;
             mark(proj.device(), "gdn.stage");
             (out.y, rows_staging(&ext, &states)?)
         }
@@ -255,12 +253,18 @@ fn gdn_mix(
         }
         (GdnPath::SplitStates | GdnPath::SplitInputs, false) => {
             let out = g.mix_split(proj, state, ScanStates::Last, false)?;
-            let ssm = out.states.ok_or_else(|| {
-                ModelError::BadInput("gdn_split returned no state".into())
-            })?;
+            let ssm = out
+                .states
+                .ok_or_else(|| ModelError::BadInput("gdn_split returned no state".into()))?;
             mark(proj.device(), "gdn.stage");
             let conv = join(state)?.narrow(0, t, w1)?.copy()?;
-            (out.y, StagedState::Final(GdnState { conv, ssm: ssm.get(0)? }))
+            (
+                out.y,
+                StagedState::Final(GdnState {
+                    conv,
+                    ssm: ssm.get(0)?,
+                }),
+            )
         }
     })
 }

@@ -45,8 +45,8 @@ use crate::layers::rope::RotaryEmbedding;
 use crate::qwen3_5::delta_rule::Forest;
 use crate::random::WeightRng;
 use crate::taps::TapCollector;
-pub use gated_attention::{one_plus, GatedAttention};
 pub use fast::{GdnPath, GdnPaths};
+pub use gated_attention::{one_plus, GatedAttention};
 pub use gdn::{DeltaForm, GatedDeltaNet};
 #[cfg(feature = "cuda")]
 pub use graph::HybridDecodeGraph;

@@ -38,13 +38,13 @@ mod hybrid_fused;
 #[path = "gpu_check/hybrid_gdn.rs"]
 mod hybrid_gdn;
 #[cfg(feature = "cuda")]
-#[path = "gpu_check/hybrid_paths.rs"]
-mod hybrid_paths;
-#[cfg(feature = "cuda")]
 #[path = "gpu_check/hybrid_graph.rs"]
 mod hybrid_graph;
 #[path = "gpu_check/hybrid_noise.rs"]
 mod hybrid_noise;
+#[cfg(feature = "cuda")]
+#[path = "gpu_check/hybrid_paths.rs"]
+mod hybrid_paths;
 #[path = "gpu_check/pooled.rs"]
 mod pooled;
 #[path = "gpu_check/pooled_draft.rs"]

@@ -129,9 +129,16 @@ pub fn gdn_layer_paths(dev: &Device, cfg: &HybridConfig) -> Result<Value> {
             &g.mix_split(&proj, &zero_window, ScanStates::None, true)?.y,
             &y,
         )?;
-        let pass = [chain_y, chain_last, split_y, split_last, split_first, rebuilt_last]
-            .iter()
-            .all(|&e| e < TOL)
+        let pass = [
+            chain_y,
+            chain_last,
+            split_y,
+            split_last,
+            split_first,
+            rebuilt_last,
+        ]
+        .iter()
+        .all(|&e| e < TOL)
             && rebuilt_bits_last == 0.0
             && rebuilt_bits_first == 0.0
             && y_bits == 0.0

@@ -116,11 +116,16 @@ pub fn paths(
         // Ratio of this path's verify to this path's decode, and decode against the roofline.
         let d = out["decode_1"]["ms"].as_f64().unwrap_or(f64::NAN);
         let v = out["verify_chain_16"]["ms"].as_f64().unwrap_or(f64::NAN);
-        let dc = out["decode_1"]["with_commit_ms"].as_f64().unwrap_or(f64::NAN);
+        let dc = out["decode_1"]["with_commit_ms"]
+            .as_f64()
+            .unwrap_or(f64::NAN);
         let vc = out["verify_chain_16"]["with_commit_ms"]
             .as_f64()
             .unwrap_or(f64::NAN);
-        out.insert("decode_fraction_of_roofline".into(), json!(roof_decode_ms / d));
+        out.insert(
+            "decode_fraction_of_roofline".into(),
+            json!(roof_decode_ms / d),
+        );
         out.insert("verify_16_over_decode".into(), json!(v / d));
         out.insert("verify_16_over_decode_with_commits".into(), json!(vc / dc));
 
@@ -151,14 +156,14 @@ pub fn paths(
         }
         let f = commit_then_decode(&model, cache, &v16, ACCEPT, 4242 % vocab)?;
         let p = commit_then_decode(plain, cache, &v16, ACCEPT, 4242 % vocab)?;
-        parity.insert(
-            "verify_16_commit_8_then_decode".into(),
-            compare(&f, &p)?,
-        );
+        parity.insert("verify_16_commit_8_then_decode".into(), compare(&f, &p)?);
         out.insert("vs_plain".into(), Value::Object(parity));
         res.insert(name(path).into(), Value::Object(out));
     }
     res.insert("decode_ms_by_path".into(), Value::Object(decode_ms));
-    res.insert("default_paths".into(), json!(format!("{:?}", m.gdn_paths())));
+    res.insert(
+        "default_paths".into(),
+        json!(format!("{:?}", m.gdn_paths())),
+    );
     Ok(Value::Object(res))
 }
