@@ -5,17 +5,23 @@
 //!
 //! Per layer: every projection through the skinny GEMMs with the input norm, the residual add
 //! (and the next norm's sums of squares) and the SiLU-gate product fused around them
-//! (`cuda/gemv.rs`); a Gated DeltaNet layer's mixer is two launches (`cuda/gdn.cu`: conv +
-//! SiLU + L2 norms + decay/beta + the delta rule with the state in registers, then the gated
-//! RMSNorm) after one copy that joins the cached conv window to the new rows. A gated
-//! full-attention layer (head_dim 256, partial RoPE, sigmoid output gate: not the dense
-//! attention kernels' shape) is three launches on the fused q|gate|k|v product
-//! (`cuda/gattn.cu`: q/k norm + RoPE + cache write, split-K attention, merge x gate); other head
-//! sizes and paged caches run the plain path's ops there.
+//! (`cuda/gemv.rs`); a Gated DeltaNet layer's mixer is the [`GdnPath`] the model's
+//! [`crate::qwen3_5::GdnPaths`] name for the chain's length: `Chain` (decode's default: one copy
+//! joining the cached conv window to the new rows, then `cuda/gdn.cu`'s `gdn_chain`, conv +
+//! SiLU + L2 norms + decay/beta + the delta rule with the state in registers, and the gated
+//! RMSNorm) or the split kernels (`cuda/gdn_split.cu`: a prologue once per channel and token, a
+//! warp-shuffle scan over 4x the warps, the same gated RMSNorm). A gated full-attention layer
+//! (head_dim 256, partial RoPE, sigmoid output gate: not the dense attention kernels' shape) is
+//! three launches on the fused q|gate|k|v product (`cuda/gattn.cu`: q/k norm + RoPE + cache
+//! write, split-K attention, merge x gate); other head sizes and paged caches run the plain
+//! path's ops there.
 //!
-//! Recurrent states are staged as the state after every row when the forward may be rolled
-//! back (the plain path stages the rows' delta-rule inputs instead; the cache takes both), else
-//! only the last, as views into the kernel's one state buffer per layer.
+//! A forward that may be rolled back stages, per GDN layer, either the state after every row
+//! (`Chain`, `SplitStates`: views into the kernel's one state buffer) or, on `SplitInputs`
+//! (the verify default), the rows' inputs as the plain path does (pre-conv rows, keys, the
+//! values the scan wrote, log-decays), from which the commit rebuilds the accepted row's state
+//! in one launch per layer (`cache/recurrent.rs`). A longer forward stages only the last state.
+//! `cuda::phases` marks label the launches for the benches' GPU-timeline profile.
 
 use candle_core::{DType, Tensor};
 
@@ -77,7 +83,6 @@ impl Qwen35Model {
                     let state = seq.cache.layer(li).recurrent()?.last()?;
                     let (y, st) = gdn_mix(g, &proj, state, keep, self.gdn_paths.for_tokens(t))?;
                     staged.push((li, st));
-                    mark(&dev, "gdn.out_proj");
                     (y, &g.out_proj)
                 }
                 Mixer::Full(attn) => {
@@ -87,9 +92,7 @@ impl Qwen35Model {
                     mark(&dev, "attn.qkv");
                     let qkv = cuda::gemv(&x, qkv_w, Some(norm))?;
                     mark(&dev, "attn.mix");
-                    let mixed = fused_attention(seq, li, attn, &qkv, (&cos, &sin), t)?;
-                    mark(&dev, "attn.o_proj");
-                    if let Some(mixed) = mixed {
+                    if let Some(mixed) = fused_attention(seq, li, attn, &qkv, (&cos, &sin), t)? {
                         (mixed, attn.o_proj())
                     } else {
                         let mask = seq.pattern.mask(len, t, &dev)?;
@@ -108,6 +111,11 @@ impl Qwen35Model {
                     }
                 }
             };
+            let out_label = match &layer.mixer {
+                Mixer::Linear(_) => "gdn.out_proj",
+                Mixer::Full(_) => "attn.o_proj",
+            };
+            mark(&dev, out_label);
             let (x1, ss1) = cuda::gemv_resid(&mixed, o_proj, &x, Some(&counter), None)?;
             mark(&dev, "mlp");
             let (gate_up, down) = layer.fused_mlp()?;
