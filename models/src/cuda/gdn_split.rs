@@ -1,5 +1,5 @@
 //! Launch wrappers of gdn_split.cu: the Gated DeltaNet chain mixer as a prologue (conv, norms,
-//! gates: once per channel and token) and a warp-shuffle scan over many more warps than
+//! gates: once per channel and token) and a warp-shuffle scan over twice the warps of
 //! `gdn_chain`, which can skip the per-row states and write instead what the commit rebuilds
 //! the accepted row's state from (`RowInputs`, see `cache/recurrent.rs`); and that rebuild.
 //! Shapes are checked here because the kernels trust them.

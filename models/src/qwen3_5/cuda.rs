@@ -10,7 +10,7 @@
 //! joining the cached conv window to the new rows, then `cuda/gdn.cu`'s `gdn_chain`, conv +
 //! SiLU + L2 norms + decay/beta + the delta rule with the state in registers, and the gated
 //! RMSNorm) or the split kernels (`cuda/gdn_split.cu`: a prologue once per channel and token, a
-//! warp-shuffle scan over 4x the warps, the same gated RMSNorm). A gated full-attention layer
+//! warp-shuffle scan over twice the warps, the same gated RMSNorm). A gated full-attention layer
 //! (head_dim 256, partial RoPE, sigmoid output gate: not the dense attention kernels' shape) is
 //! three launches on the fused q|gate|k|v product (`cuda/gattn.cu`: q/k norm + RoPE + cache
 //! write, split-K attention, merge x gate); other head sizes and paged caches run the plain

@@ -19,7 +19,7 @@ pub enum GdnPath {
     /// `gdn_chain` (one kernel; every column block recomputes its head's conv), the state
     /// after every row staged ([`crate::cache::StagedState::Rows`]).
     Chain,
-    /// `gdn_split` (prologue, then a warp-shuffle scan over 4x the warps), the state after
+    /// `gdn_split` (prologue, then a warp-shuffle scan over twice the warps), the state after
     /// every row staged.
     SplitStates,
     /// `gdn_split` writing each row's value `u` instead of its state: the rows stage
