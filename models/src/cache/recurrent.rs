@@ -29,9 +29,14 @@
 //! head while a layer runs (`[Hv, t, t]` f32: 0.8 MB at t = 64), freed after the layer; the
 //! commit builds one state per layer.
 //!
-//! **Full per-row states** ([`StagedState::Rows`]) remain for the fused CUDA chain forward
-//! (`qwen3_5/cuda.rs`), whose kernel writes every row's state into one buffer anyway: those
-//! rows are views into it, and a path replays from the last full state on it.
+//! The fused CUDA chain forward (`qwen3_5/cuda.rs`) stages [`RowInputs`] too on its default
+//! verify path (`GdnPath::SplitInputs`: its scan writes each row's `u`, no state); on CUDA the
+//! replay is one kernel per layer (`gdn_state_along`), which repeats the scan's operations and
+//! so rebuilds its state bit for bit.
+//!
+//! **Full per-row states** ([`StagedState::Rows`]) remain for the fused forward's other paths
+//! (`GdnPath::Chain`, `SplitStates`), whose kernels write every row's state into one buffer:
+//! those rows are views into it, and a path replays from the last full state on it.
 
 use std::sync::{Arc, OnceLock};
 
@@ -278,16 +283,19 @@ impl RecurrentLayer {
             cat(|r| &r.writes)?,
             cat(|r| &r.g)?,
         );
-        let (m, hk, dk) = k.dims3()?;
-        let hv = u.dim(1)?;
-        let k = k
-            .unsqueeze(2)?
-            .broadcast_as((m, hk, hv / hk, dk))?
-            .reshape((m, hv, dk))?;
-        let ssm = state_along(&start.ssm, &k, &u, &g)?;
-        let w = start.conv.dim(0)?;
-        let window = Tensor::cat(&[&start.conv, &pre], 0)?;
-        let conv = window.narrow(0, window.dim(0)? - w, w)?.copy()?;
+        let ssm = rebuild_state(&start.ssm, &k, &u, &g)?;
+        // The conv window after the path: its last w pre-conv rows, reaching back into the
+        // start's window only when the path is shorter (one copy of w rows in the common case:
+        // a commit is a launch or two per layer, and its host time adds up over 48 layers).
+        let (w, n) = (start.conv.dim(0)?, pre.dim(0)?);
+        let conv = if n >= w {
+            pre.narrow(0, n - w, w)?.force_contiguous()?
+        } else {
+            let window = Tensor::cat(&[&start.conv, &pre], 0)?;
+            window
+                .narrow(0, window.dim(0)? - w, w)?
+                .force_contiguous()?
+        };
         Ok(GdnState { conv, ssm })
     }
 
@@ -313,6 +321,30 @@ impl RecurrentLayer {
         }
         self.path = true;
     }
+}
+
+/// The delta-rule state after a chain of rows from `initial` (`[Hv, dk, dv]` f32), given their
+/// keys per key head `k` `[m, Hk, dk]`, written values `u` `[m, Hv, dv]` and log-decays `g`
+/// `[m, Hv]`. On CUDA one kernel (`gdn_state_along`: the state read and written once, the
+/// fused scan's own operations, so it rebuilds that scan's states bit for bit); elsewhere the
+/// matmul form [`state_along`].
+fn rebuild_state(initial: &Tensor, k: &Tensor, u: &Tensor, g: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if initial.device().is_cuda() && [initial, k, u, g].iter().all(|t| t.dtype() == DType::F32) {
+        return crate::cuda::gdn_state_along(
+            &initial.contiguous()?,
+            &k.contiguous()?,
+            &u.contiguous()?,
+            &g.contiguous()?,
+        );
+    }
+    let (m, hk, dk) = k.dims3()?;
+    let hv = u.dim(1)?;
+    let k = k
+        .unsqueeze(2)?
+        .broadcast_as((m, hk, hv / hk, dk))?
+        .reshape((m, hv, dk))?;
+    state_along(initial, &k, u, g)
 }
 
 /// Which rows of a hybrid sequence can still be rolled back, and what each one's parent is.

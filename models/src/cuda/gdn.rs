@@ -6,6 +6,7 @@ use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, ptr};
+use super::phases::mark;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn.ptx"));
 const MODULE: &str = "dflash_gdn";
@@ -108,6 +109,7 @@ pub fn gdn_chain(
         kernel as i32,
     );
     let off_b = (c + hv * d) as i32;
+    mark(proj.device(), "gdn.chain");
     let f = dev.get_or_load_custom_func("gdn_chain", MODULE, PTX)?;
     let mut b = f.builder();
     b.arg(&ep)
@@ -132,8 +134,27 @@ pub fn gdn_chain(
         "gdn_chain",
     )?;
 
+    mark(proj.device(), "gdn.norm");
+    let y = gated_norm(&o, proj, w, t)?;
+    drop(o);
+    Ok((y, states.reshape((n_states, hv, d, d))?))
+}
+
+/// `gdn_gated_norm` of the raw outputs `o` (f32 `[t, hv, dv]`) with the gate z of `proj`
+/// (`[t, P]`, z at column `conv_dim`): bf16 `[t, hv * dv]`, the input of `out_proj`.
+pub(super) fn gated_norm(
+    o: &Tensor,
+    proj: &Tensor,
+    w: &GdnWeights<'_>,
+    t: usize,
+) -> Result<Tensor> {
+    let dev = cuda(proj)?;
+    let (d, hv) = (GDN_HEAD_DIM, w.hv);
+    let p = proj.dim(1)?;
+    let c = w.conv_taps.dim(1)?;
     let y = alloc_bf16(&dev, (t, hv * d))?;
-    let (wp, yp) = (ptr(w.norm)?, ptr(&y)?);
+    let (op, pp, wp, yp) = (ptr(o)?, ptr(proj)?, ptr(w.norm)?, ptr(&y)?);
+    let (hvi, pi) = (hv as i32, p as i32);
     let (z_off, eps) = (c as i32, w.eps as f32);
     let f = dev.get_or_load_custom_func("gdn_gated_norm", MODULE, PTX)?;
     let mut b = f.builder();
@@ -146,6 +167,5 @@ pub fn gdn_chain(
         .arg(&z_off)
         .arg(&eps);
     go(&mut b, cfg((hv as u32, t as u32, 1), 128), "gdn_gated_norm")?;
-    drop(o);
-    Ok((y, states.reshape((n_states, hv, d, d))?))
+    Ok(y)
 }

@@ -97,9 +97,15 @@ mod gdn;
 #[cfg(feature = "cuda")]
 pub use gdn::{gdn_chain, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN, GDN_MAX_CONV};
 #[cfg(feature = "cuda")]
+mod gdn_split;
+#[cfg(feature = "cuda")]
+pub use gdn_split::{gdn_split, gdn_state_along, ScanStates, SplitOut};
+#[cfg(feature = "cuda")]
 mod gemv;
 #[cfg(feature = "cuda")]
 mod lt_gemm;
+#[cfg(feature = "cuda")]
+pub mod phases;
 #[cfg(feature = "cuda")]
 pub use lt_gemm::{linear_lt, tuned_timings, LtMode};
 #[cfg(feature = "cuda")]

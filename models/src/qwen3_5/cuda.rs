@@ -5,26 +5,33 @@
 //!
 //! Per layer: every projection through the skinny GEMMs with the input norm, the residual add
 //! (and the next norm's sums of squares) and the SiLU-gate product fused around them
-//! (`cuda/gemv.rs`); a Gated DeltaNet layer's mixer is two launches (`cuda/gdn.cu`: conv +
-//! SiLU + L2 norms + decay/beta + the delta rule with the state in registers, then the gated
-//! RMSNorm) after one copy that joins the cached conv window to the new rows. A gated
-//! full-attention layer (head_dim 256, partial RoPE, sigmoid output gate: not the dense
-//! attention kernels' shape) is three launches on the fused q|gate|k|v product
-//! (`cuda/gattn.cu`: q/k norm + RoPE + cache write, split-K attention, merge x gate); other head
-//! sizes and paged caches run the plain path's ops there.
+//! (`cuda/gemv.rs`); a Gated DeltaNet layer's mixer is the [`GdnPath`] the model's
+//! [`crate::qwen3_5::GdnPaths`] name for the chain's length: `Chain` (decode's default: one copy
+//! joining the cached conv window to the new rows, then `cuda/gdn.cu`'s `gdn_chain`, conv +
+//! SiLU + L2 norms + decay/beta + the delta rule with the state in registers, and the gated
+//! RMSNorm) or the split kernels (`cuda/gdn_split.cu`: a prologue once per channel and token, a
+//! warp-shuffle scan over twice the warps, the same gated RMSNorm). A gated full-attention layer
+//! (head_dim 256, partial RoPE, sigmoid output gate: not the dense attention kernels' shape) is
+//! three launches on the fused q|gate|k|v product (`cuda/gattn.cu`: q/k norm + RoPE + cache
+//! write, split-K attention, merge x gate); other head sizes and paged caches run the plain
+//! path's ops there.
 //!
-//! Recurrent states are staged as the state after every row when the forward may be rolled
-//! back (the plain path stages the rows' delta-rule inputs instead; the cache takes both), else
-//! only the last, as views into the kernel's one state buffer per layer.
+//! A forward that may be rolled back stages, per GDN layer, either the state after every row
+//! (`Chain`, `SplitStates`: views into the kernel's one state buffer) or, on `SplitInputs`
+//! (the verify default), the rows' inputs as the plain path does (pre-conv rows, keys, the
+//! values the scan wrote, log-decays), from which the commit rebuilds the accepted row's state
+//! in one launch per layer (`cache/recurrent.rs`). A longer forward stages only the last state.
+//! `cuda::phases` marks label the launches for the benches' GPU-timeline profile.
 
 use candle_core::{DType, Tensor};
 
 use crate::batch::{ForwardOutput, SeqForward};
-use crate::cache::{GdnState, StagedState};
-use crate::cuda::{self, RowNorm};
+use crate::cache::{GdnState, RowInputs, StagedState};
+use crate::cuda::phases::mark;
+use crate::cuda::{self, RowNorm, ScanStates};
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::{attend, AttnPattern};
-use crate::qwen3_5::{GatedAttention, Mixer, Qwen35Model};
+use crate::qwen3_5::{GatedAttention, GatedDeltaNet, GdnPath, Mixer, Qwen35Model};
 use crate::taps::TapCollector;
 
 impl Qwen35Model {
@@ -71,28 +78,10 @@ impl Qwen35Model {
             };
             let (mixed, o_proj) = match &layer.mixer {
                 Mixer::Linear(g) => {
+                    mark(&dev, "gdn.in_proj");
                     let proj = cuda::gemv(&x, &g.in_proj, Some(norm))?;
                     let state = seq.cache.layer(li).recurrent()?.last()?;
-                    let (y, states, ext) = g.mix_fused(&proj, state, keep)?;
-                    // A row's conv window after it: the K-1 rows of `ext` ending at it.
-                    let w1 = g.kernel - 1;
-                    let st = if keep {
-                        StagedState::Rows(
-                            (0..t)
-                                .map(|i| {
-                                    Ok(GdnState {
-                                        conv: ext.narrow(0, i + 1, w1)?,
-                                        ssm: states.get(i)?,
-                                    })
-                                })
-                                .collect::<candle_core::Result<Vec<_>>>()?,
-                        )
-                    } else {
-                        StagedState::Final(GdnState {
-                            conv: ext.narrow(0, t, w1)?.copy()?,
-                            ssm: states.get(0)?,
-                        })
-                    };
+                    let (y, st) = gdn_mix(g, &proj, state, keep, self.gdn_paths.for_tokens(t))?;
                     staged.push((li, st));
                     (y, &g.out_proj)
                 }
@@ -100,7 +89,9 @@ impl Qwen35Model {
                     let qkv_w = attn.fused_qkv().ok_or_else(|| {
                         ModelError::BadInput("fused forward on unfused weights".into())
                     })?;
+                    mark(&dev, "attn.qkv");
                     let qkv = cuda::gemv(&x, qkv_w, Some(norm))?;
+                    mark(&dev, "attn.mix");
                     if let Some(mixed) = fused_attention(seq, li, attn, &qkv, (&cos, &sin), t)? {
                         (mixed, attn.o_proj())
                     } else {
@@ -120,7 +111,13 @@ impl Qwen35Model {
                     }
                 }
             };
+            let out_label = match &layer.mixer {
+                Mixer::Linear(_) => "gdn.out_proj",
+                Mixer::Full(_) => "attn.o_proj",
+            };
+            mark(&dev, out_label);
             let (x1, ss1) = cuda::gemv_resid(&mixed, o_proj, &x, Some(&counter), None)?;
+            mark(&dev, "mlp");
             let (gate_up, down) = layer.fused_mlp()?;
             let norm = RowNorm {
                 ss: ss1.as_ref(),
@@ -134,6 +131,7 @@ impl Qwen35Model {
             ss = ss2;
             tapped.layer_output(li, &x);
         }
+        mark(&dev, "head");
         let h = cuda::rms_apply(
             &x,
             RowNorm {
@@ -142,6 +140,7 @@ impl Qwen35Model {
                 eps,
             },
         )?;
+        mark(&dev, "end");
         let parents: Vec<Option<usize>> = (0..t).map(|i| i.checked_sub(1)).collect();
         seq.cache
             .commit_recurrent(t, keep.then_some(parents.as_slice()), staged)?;
@@ -193,4 +192,87 @@ fn fused_attention(
     }
     let kv = seq.cache.layer(li).attention()?.buffers();
     Ok(attn.attend_chain_fused(qkv, rope.0, rope.1, kv, len, None)?)
+}
+
+/// One GDN layer's mixer on the fused path `path` from `state`: the gated-norm output (the
+/// `out_proj` input) and what the layer stages. `keep`: the forward may be rolled back, so
+/// every row's state must be recoverable (a full state per row, or the rows' inputs);
+/// otherwise only the state after the last row.
+fn gdn_mix(
+    g: &GatedDeltaNet,
+    proj: &Tensor,
+    state: &GdnState,
+    keep: bool,
+    path: GdnPath,
+) -> ModelResult<(Tensor, StagedState)> {
+    let t = proj.dim(0)?;
+    let w1 = g.kernel - 1;
+    // A row's conv window after it: the K-1 rows of [window; new rows] ending at it.
+    let rows_staging = |ext: &Tensor, states: &Tensor| -> candle_core::Result<StagedState> {
+        Ok(StagedState::Rows(
+            (0..t)
+                .map(|i| {
+                    Ok(GdnState {
+                        conv: ext.narrow(0, i + 1, w1)?,
+                        ssm: states.get(i)?,
+                    })
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?,
+        ))
+    };
+    let join = |state: &GdnState| Tensor::cat(&[&state.conv, &proj.narrow(1, 0, g.conv_dim())?], 0);
+    Ok(match (path, keep) {
+        (GdnPath::Chain, _) => {
+            let (y, states, ext) = g.mix_fused(proj, state, keep)?;
+            mark(proj.device(), "gdn.stage");
+            let st = if keep {
+                rows_staging(&ext, &states)?
+            } else {
+                StagedState::Final(GdnState {
+                    conv: ext.narrow(0, t, w1)?.copy()?,
+                    ssm: states.get(0)?,
+                })
+            };
+            (y, st)
+        }
+        (GdnPath::SplitStates, true) => {
+            mark(proj.device(), "gdn.join");
+            let ext = join(state)?;
+            let out = g.mix_split(proj, state, ScanStates::All, false)?;
+            let states = out
+                .states
+                .ok_or_else(|| ModelError::BadInput("gdn_split returned no states".into()))?;
+            mark(proj.device(), "gdn.stage");
+            (out.y, rows_staging(&ext, &states)?)
+        }
+        (GdnPath::SplitInputs, true) => {
+            let out = g.mix_split(proj, state, ScanStates::None, true)?;
+            mark(proj.device(), "gdn.stage");
+            let writes = out.u.ok_or_else(|| {
+                ModelError::BadInput("gdn_split returned no written values".into())
+            })?;
+            let st = StagedState::Inputs(RowInputs {
+                pre_conv: proj.narrow(1, 0, g.conv_dim())?,
+                k: out.k,
+                writes,
+                g: out.g,
+            });
+            (out.y, st)
+        }
+        (GdnPath::SplitStates | GdnPath::SplitInputs, false) => {
+            let out = g.mix_split(proj, state, ScanStates::Last, false)?;
+            let ssm = out
+                .states
+                .ok_or_else(|| ModelError::BadInput("gdn_split returned no state".into()))?;
+            mark(proj.device(), "gdn.stage");
+            let conv = join(state)?.narrow(0, t, w1)?.copy()?;
+            (
+                out.y,
+                StagedState::Final(GdnState {
+                    conv,
+                    ssm: ssm.get(0)?,
+                }),
+            )
+        }
+    })
 }

@@ -12,6 +12,49 @@ use crate::layers::moe::FeedForward;
 use crate::layers::ops::OpsMode;
 use crate::qwen3_5::{HybridLayer, Mixer, Qwen35Model};
 
+/// Which fused Gated DeltaNet mixer a fused chain forward runs (`cuda.rs`), and how it stages
+/// the recurrent states of a forward that may be rolled back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GdnPath {
+    /// `gdn_chain` (one kernel; every column block recomputes its head's conv), the state
+    /// after every row staged ([`crate::cache::StagedState::Rows`]).
+    Chain,
+    /// `gdn_split` (prologue, then a warp-shuffle scan over twice the warps), the state after
+    /// every row staged.
+    SplitStates,
+    /// `gdn_split` writing each row's value `u` instead of its state: the rows stage
+    /// [`crate::cache::RowInputs`] and the commit rebuilds the accepted row's state (one
+    /// `gdn_state_along` launch per layer), so a verify writes no per-row states at all.
+    SplitInputs,
+}
+
+/// The [`GdnPath`] of a decode step (1 token) and of a longer chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdnPaths {
+    pub decode: GdnPath,
+    pub verify: GdnPath,
+}
+
+impl Default for GdnPaths {
+    fn default() -> Self {
+        Self {
+            decode: GdnPath::Chain,
+            verify: GdnPath::SplitInputs,
+        }
+    }
+}
+
+impl GdnPaths {
+    /// The path of a forward of `t` tokens.
+    pub fn for_tokens(&self, t: usize) -> GdnPath {
+        if t == 1 {
+            self.decode
+        } else {
+            self.verify
+        }
+    }
+}
+
 impl HybridLayer {
     /// The stacked gate/up and the down projection of a dense MLP (fused path only).
     #[cfg(feature = "cuda")]
@@ -86,6 +129,17 @@ impl Qwen35Model {
                     }
             });
         self
+    }
+
+    /// Chooses the fused GDN mixers (the benches compare them; the default is what measured
+    /// fastest).
+    pub fn with_gdn_paths(mut self, paths: GdnPaths) -> Self {
+        self.gdn_paths = paths;
+        self
+    }
+
+    pub fn gdn_paths(&self) -> GdnPaths {
+        self.gdn_paths
     }
 
     /// Whether forwards that fit take the fused CUDA path.

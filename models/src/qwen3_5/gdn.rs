@@ -411,6 +411,7 @@ impl GatedDeltaNet {
         state: &GdnState,
         all_states: bool,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        crate::cuda::phases::mark(proj.device(), "gdn.join");
         let ext = Tensor::cat(&[&state.conv, &proj.narrow(1, 0, self.conv_dim())?], 0)?;
         let w = crate::cuda::GdnWeights {
             conv_taps: &self.conv_taps,
@@ -423,6 +424,30 @@ impl GatedDeltaNet {
         };
         let (y, states) = crate::cuda::gdn_chain(&ext, proj, &state.ssm, &w, all_states)?;
         Ok((y, states, ext))
+    }
+
+    /// The split fused form (`cuda/gdn_split.cu`: prologue, warp-shuffle scan, gated norm) of
+    /// [`Self::mix_fused`], reading the conv window from `state` and the new rows from `proj`
+    /// directly; the states it writes and whether it writes each row's `u` are the caller's
+    /// choice (see [`crate::cuda::gdn_split`]).
+    #[cfg(feature = "cuda")]
+    pub fn mix_split(
+        &self,
+        proj: &Tensor,
+        state: &GdnState,
+        states: crate::cuda::ScanStates,
+        writes: bool,
+    ) -> Result<crate::cuda::SplitOut> {
+        let w = crate::cuda::GdnWeights {
+            conv_taps: &self.conv_taps,
+            neg_a: &self.neg_a,
+            dt_bias: &self.dt_bias,
+            norm: &self.norm,
+            hk: self.hk,
+            hv: self.hv,
+            eps: self.eps,
+        };
+        crate::cuda::gdn_split(&state.conv, proj, &state.ssm, &w, states, writes)
     }
 
     /// HF `Qwen3_5RMSNormGated`: RMS-normalise (f32 inside), times the plain (not zero-centred)

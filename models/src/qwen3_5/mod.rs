@@ -45,6 +45,7 @@ use crate::layers::rope::RotaryEmbedding;
 use crate::qwen3_5::delta_rule::Forest;
 use crate::random::WeightRng;
 use crate::taps::TapCollector;
+pub use fast::{GdnPath, GdnPaths};
 pub use gated_attention::{one_plus, GatedAttention};
 pub use gdn::{DeltaForm, GatedDeltaNet};
 #[cfg(feature = "cuda")]
@@ -82,6 +83,8 @@ pub struct Qwen35Model {
     form: DeltaForm,
     /// Short causal chains of one sequence take the fused CUDA forward (`cuda.rs`).
     fast: bool,
+    /// Which fused GDN mixer that forward runs for a decode step and for a chain verify.
+    gdn_paths: GdnPaths,
 }
 
 /// Where the text weights sit: `model.language_model.` in the released multimodal checkpoints,
@@ -281,6 +284,7 @@ impl Qwen35Model {
             mode,
             form: DeltaForm::Auto,
             fast: false,
+            gdn_paths: GdnPaths::default(),
         }
         .prepare_fast()
     }

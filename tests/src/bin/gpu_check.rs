@@ -35,10 +35,16 @@ mod hybrid_attn;
 #[path = "gpu_check/hybrid_fused.rs"]
 mod hybrid_fused;
 #[cfg(feature = "cuda")]
+#[path = "gpu_check/hybrid_gdn.rs"]
+mod hybrid_gdn;
+#[cfg(feature = "cuda")]
 #[path = "gpu_check/hybrid_graph.rs"]
 mod hybrid_graph;
 #[path = "gpu_check/hybrid_noise.rs"]
 mod hybrid_noise;
+#[cfg(feature = "cuda")]
+#[path = "gpu_check/hybrid_paths.rs"]
+mod hybrid_paths;
 #[path = "gpu_check/pooled.rs"]
 mod pooled;
 #[path = "gpu_check/pooled_draft.rs"]

@@ -200,6 +200,13 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
             .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
         println!("hybrid fused GDN layer vs plain {layer}");
         res.insert("fused_gdn_layer_vs_plain".into(), layer);
+        #[cfg(feature = "cuda")]
+        {
+            let paths = crate::hybrid_gdn::gdn_layer_paths(dev, &cfg)
+                .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+            println!("hybrid GDN layer paths {paths}");
+            res.insert("gdn_layer_paths".into(), paths);
+        }
         let parity = crate::hybrid_fused::fused_vs_plain(&m, &plain, &mut cache, vocab)
             .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
         println!("hybrid fused vs plain {parity}");
@@ -272,9 +279,13 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
             }
         };
         // Roofline: weights once, K/V of the context, the committed state read once, and per
-        // node its staging written: a full state on the fused chain path, the compact
-        // inputs on the plain (tree) path.
-        let per_node = if kind.is_none() && m.fast_kernels() {
+        // node its staging written: a full state on the fused chain paths that stage states,
+        // the compact inputs on the plain (tree) path and the fused `SplitInputs` path.
+        let full_states = !matches!(
+            m.gdn_paths().for_tokens(n),
+            dflash_models::qwen3_5::GdnPath::SplitInputs
+        );
+        let per_node = if kind.is_none() && m.fast_kernels() && full_states {
             state_bytes
         } else {
             staged_per_row
@@ -285,6 +296,14 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
             name.into(),
             json!({"ms": ms, "plain_ms": plain_ms, "roofline_ms": roof, "fraction_of_roofline": roof / ms, "bytes_GB": bytes / 1e9}),
         );
+    }
+    #[cfg(feature = "cuda")]
+    if m.fast_kernels() {
+        let roof = (weight_bytes + kv_1k + 2.0 * state_bytes) / copy_bw * 1e3;
+        let p = crate::hybrid_paths::paths(dev, &m, &plain, &mut cache, vocab, roof)
+            .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+        println!("hybrid GDN paths, whole model {p}");
+        res.insert("gdn_paths_whole_model".into(), p);
     }
     res.insert("weights_init_s".into(), json!(init_s));
     res.insert("weight_bytes_GB".into(), json!(weight_bytes / 1e9));

@@ -1,0 +1,217 @@
+//! Launch wrappers of gdn_split.cu: the Gated DeltaNet chain mixer as a prologue (conv, norms,
+//! gates: once per channel and token) and a warp-shuffle scan over twice the warps of
+//! `gdn_chain`, which can skip the per-row states and write instead what the commit rebuilds
+//! the accepted row's state from (`RowInputs`, see `cache/recurrent.rs`); and that rebuild.
+//! Shapes are checked here because the kernels trust them.
+
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+use candle_core::{bail, DType, Result, Tensor};
+
+use super::gdn::{gated_norm, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN, GDN_MAX_CONV};
+use super::launch::{alloc_f32, cfg, check_bf16, cuda, go, ptr};
+use super::phases::mark;
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn_split.ptx"));
+const MODULE: &str = "dflash_gdn_split";
+
+/// Which recurrent states the scan writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScanStates {
+    /// None (the commit rebuilds the accepted row's state from the written values).
+    None,
+    /// The state after the last token, `[1, hv, dk, dv]`.
+    Last,
+    /// The state after every token, `[t, hv, dk, dv]`.
+    All,
+}
+
+/// What [`gdn_split`] returns.
+pub struct SplitOut {
+    /// The gated-norm output, bf16 `[t, hv * dv]` (before `out_proj`).
+    pub y: Tensor,
+    /// As asked: f32 `[1 or t, hv, dk, dv]`.
+    pub states: Option<Tensor>,
+    /// L2-normalised keys per key head, f32 `[t, hk, dk]`.
+    pub k: Tensor,
+    /// Log-decays, f32 `[t, hv]`.
+    pub g: Tensor,
+    /// The value each token wrote into the state, f32 `[t, hv, dv]` (when asked).
+    pub u: Option<Tensor>,
+}
+
+fn check_f32(name: &str, t: &Tensor, n: usize) -> Result<()> {
+    if t.dtype() != DType::F32 || !t.is_contiguous() || t.elem_count() != n {
+        bail!(
+            "{name} must be contiguous f32 of {n} elements, got {:?} {:?}",
+            t.dtype(),
+            t.shape()
+        )
+    }
+    Ok(())
+}
+
+/// The mixer over `t` new tokens from the cached conv window `win` (bf16 `[K-1, conv_dim]`)
+/// and state `s0` (f32 `[hv, dk, dv]`); `proj` bf16 `[t, P]` is the whole in-projection.
+/// Three launches: `gdn_prep`, `gdn_scan`, `gdn_gated_norm`.
+pub fn gdn_split(
+    win: &Tensor,
+    proj: &Tensor,
+    s0: &Tensor,
+    w: &GdnWeights<'_>,
+    states: ScanStates,
+    writes: bool,
+) -> Result<SplitOut> {
+    let dev = cuda(proj)?;
+    let cdev = proj.device().clone();
+    check_bf16("gdn win", win)?;
+    check_bf16("gdn proj", proj)?;
+    check_bf16("gdn conv taps", w.conv_taps)?;
+    check_bf16("gdn norm", w.norm)?;
+    let (d, hk, hv) = (GDN_HEAD_DIM, w.hk, w.hv);
+    let (t, p) = proj.dims2()?;
+    let (kernel, c) = w.conv_taps.dims2()?;
+    let (win_rows, win_c) = win.dims2()?;
+    if t == 0
+        || t > GDN_MAX_CHAIN
+        || kernel == 0
+        || kernel > GDN_MAX_CONV
+        || hk == 0
+        || !hv.is_multiple_of(hk)
+        || c != 2 * hk * d + hv * d
+        || win_c != c
+        || win_rows != kernel - 1
+        || p != c + hv * d + 2 * hv
+        || w.norm.dims1()? != d
+    {
+        bail!(
+            "gdn_split: proj {:?}, win {:?}, taps {:?}, hk {hk}, hv {hv}: needs 1..={GDN_MAX_CHAIN} tokens, head size {d}, conv kernel <= {GDN_MAX_CONV}",
+            proj.shape(),
+            win.shape(),
+            w.conv_taps.shape()
+        )
+    }
+    check_f32("gdn neg_a", w.neg_a, hv)?;
+    check_f32("gdn dt_bias", w.dt_bias, hv)?;
+    check_f32("gdn state", s0, hv * d * d)?;
+    let q = alloc_f32(&dev, t * hk * d)?;
+    let k = alloc_f32(&dev, t * hk * d)?;
+    let v = alloc_f32(&dev, t * hv * d)?;
+    let g = alloc_f32(&dev, t * hv)?;
+    let beta = alloc_f32(&dev, t * hv)?;
+    let (hki, hvi, ci, pi, ki, ti) = (
+        hk as i32,
+        hv as i32,
+        c as i32,
+        p as i32,
+        kernel as i32,
+        t as i32,
+    );
+    let off_b = (c + hv * d) as i32;
+    let (winp, pp, tp, ap, bp) = (
+        ptr(win)?,
+        ptr(proj)?,
+        ptr(w.conv_taps)?,
+        ptr(w.neg_a)?,
+        ptr(w.dt_bias)?,
+    );
+    let (qp, kp, vp, gp, betap) = (ptr(&q)?, ptr(&k)?, ptr(&v)?, ptr(&g)?, ptr(&beta)?);
+    mark(&cdev, "gdn.prep");
+    let f = dev.get_or_load_custom_func("gdn_prep", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&winp).arg(&pp).arg(&tp).arg(&ap).arg(&bp);
+    b.arg(&qp).arg(&kp).arg(&vp).arg(&gp).arg(&betap);
+    b.arg(&hki).arg(&hvi).arg(&ci).arg(&pi).arg(&ki).arg(&off_b);
+    go(
+        &mut b,
+        cfg(((c / d + 1) as u32, t as u32, 1), 128),
+        "gdn_prep",
+    )?;
+
+    let o = alloc_f32(&dev, t * hv * d)?;
+    let u = if writes {
+        Some(alloc_f32(&dev, t * hv * d)?)
+    } else {
+        None
+    };
+    let n_states = match states {
+        ScanStates::None => 0,
+        ScanStates::Last => 1,
+        ScanStates::All => t,
+    };
+    let s_out = if n_states > 0 {
+        Some(alloc_f32(&dev, n_states * hv * d * d)?)
+    } else {
+        None
+    };
+    let mode = match states {
+        ScanStates::None => 0i32,
+        ScanStates::Last => 1,
+        ScanStates::All => 2,
+    };
+    let opt = |x: &Option<Tensor>| x.as_ref().map_or(Ok(0u64), ptr);
+    let (sp, op, up, outp) = (ptr(s0)?, ptr(&o)?, opt(&u)?, opt(&s_out)?);
+    mark(&cdev, "gdn.scan");
+    let f = dev.get_or_load_custom_func("gdn_scan", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&sp).arg(&qp).arg(&kp).arg(&vp).arg(&gp).arg(&betap);
+    b.arg(&op).arg(&up).arg(&outp);
+    b.arg(&ti).arg(&mode).arg(&hki).arg(&hvi);
+    go(
+        &mut b,
+        cfg((hv as u32, (d / 16) as u32, 1), 128),
+        "gdn_scan",
+    )?;
+    mark(&cdev, "gdn.norm");
+    let y = gated_norm(&o, proj, w, t)?;
+    Ok(SplitOut {
+        y,
+        states: s_out.map(|s| s.reshape((n_states, hv, d, d))).transpose()?,
+        k: k.reshape((t, hk, d))?,
+        g: g.reshape((t, hv))?,
+        u: u.map(|u| u.reshape((t, hv, d))).transpose()?,
+    })
+}
+
+/// The state after `m` rows from `s0` (f32 `[hv, dk, dv]`), given their keys per key head `k`
+/// (f32 `[m, hk, dk]`), written values `u` (f32 `[m, hv, dv]`) and log-decays `g` (f32
+/// `[m, hv]`): the delta rule's `S_i = e^{g_i} S_{i-1} + k_i u_iᵀ` with `gdn_scan`'s operations
+/// in its order, so rebuilding from the scan's writes gives its states bit for bit. One launch;
+/// reads the state once and writes it once.
+pub fn gdn_state_along(s0: &Tensor, k: &Tensor, u: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let dev = cuda(s0)?;
+    let (hv, dk, dv) = s0.dims3()?;
+    let (m, hk, kd) = k.dims3()?;
+    let (um, uh, ud) = u.dims3()?;
+    let (gm, gh) = g.dims2()?;
+    if kd != dk
+        || (um, uh, ud) != (m, hv, dv)
+        || (gm, gh) != (m, hv)
+        || hk == 0
+        || !hv.is_multiple_of(hk)
+    {
+        bail!(
+            "gdn_state_along: state {:?}, k {:?}, u {:?}, g {:?}",
+            s0.shape(),
+            k.shape(),
+            u.shape(),
+            g.shape()
+        )
+    }
+    for (name, x) in [("state", s0), ("k", k), ("u", u), ("g", g)] {
+        check_f32(name, x, x.elem_count())?;
+    }
+    let n = hv * dk * dv;
+    let out = alloc_f32(&dev, n)?;
+    let (sp, kp, upt, gp, op) = (ptr(s0)?, ptr(k)?, ptr(u)?, ptr(g)?, ptr(&out)?);
+    let (mi, hki, hvi, dki, dvi) = (m as i32, hk as i32, hv as i32, dk as i32, dv as i32);
+    let f = dev.get_or_load_custom_func("gdn_state_along", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&sp).arg(&kp).arg(&upt).arg(&gp).arg(&op);
+    b.arg(&mi).arg(&hki).arg(&hvi).arg(&dki).arg(&dvi);
+    go(
+        &mut b,
+        cfg((n.div_ceil(256) as u32, 1, 1), 256),
+        "gdn_state_along",
+    )?;
+    out.reshape((hv, dk, dv))
+}

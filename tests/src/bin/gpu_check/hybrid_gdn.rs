@@ -1,0 +1,213 @@
+//! One 27B-shaped Gated DeltaNet layer's fused mixers against the plain
+//! [`GatedDeltaNet::mix`] (recurrent form, per-row states) at t = 1 and 16
+//! (`gpu-check cuda --hybrid`, issue 20): `gdn_chain` (one kernel), `gdn_split` writing every
+//! row's state, and `gdn_split` writing each row's `u` with the state rebuilt by
+//! `gdn_state_along` (what a verify's commit runs). Checked: gated-norm outputs and states
+//! relative to the largest plain value (bf16 tolerance), the rebuilt states equal to the
+//! split scan's own bit for bit, and two deliberately wrong cases that the tolerance must
+//! reject (a state rebuilt one row short; a zeroed conv window). Timed: per synchronised call,
+//! and each launch's GPU time with the queue filled ahead (a 1 GB memset first, so the host's
+//! launches do not show as gaps).
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use dflash_common::HybridConfig;
+use dflash_models::cache::{GdnState, StagedState};
+use dflash_models::cuda::{gdn_state_along, phases, ScanStates};
+use dflash_models::qwen3_5::delta_rule::Forest;
+use dflash_models::qwen3_5::GatedDeltaNet;
+use dflash_models::random::WeightRng;
+use serde_json::{json, Value};
+
+/// Largest tolerated difference over the largest plain value for bf16 outputs and states
+/// (the bf16 rounding the plain path does and the kernels do not; `gdn_chain` measured
+/// 0.5-1.1%).
+const TOL: f32 = 2e-2;
+
+fn rel(a: &Tensor, b: &Tensor) -> Result<f32> {
+    let a = a.to_dtype(DType::F32)?.flatten_all()?;
+    let b = b.to_dtype(DType::F32)?.flatten_all()?;
+    let diff = (&a - &b)?.abs()?.max(0)?.to_scalar::<f32>()?;
+    let scale = b.abs()?.max(0)?.to_scalar::<f32>()?;
+    Ok(diff / scale)
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    let a = a.to_dtype(DType::F32)?.flatten_all()?;
+    let b = b.to_dtype(DType::F32)?.flatten_all()?;
+    Ok((&a - &b)?.abs()?.max(0)?.to_scalar::<f32>()?)
+}
+
+/// GPU milliseconds per launch label of `reps` back-to-back calls of `f`, queued behind a
+/// 1 GB memset so that the host is ahead of the GPU.
+fn gpu_phases(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<Value> {
+    f()?;
+    dev.synchronize()?;
+    let fill = Tensor::zeros(1usize << 28, DType::F32, dev)?;
+    phases::start();
+    for _ in 0..reps {
+        f()?;
+    }
+    phases::mark(dev, "end");
+    let spans = phases::finish()?;
+    drop(fill);
+    let mut out = serde_json::Map::new();
+    let mut total = 0.0;
+    for (label, ms, _) in spans {
+        let us = ms * 1e3 / reps as f64;
+        total += us;
+        out.insert(format!("{label}_us"), json!(us));
+    }
+    out.insert("total_us".into(), json!(total));
+    Ok(Value::Object(out))
+}
+
+pub fn gdn_layer_paths(dev: &Device, cfg: &HybridConfig) -> Result<Value> {
+    let mut rng = WeightRng::new(7);
+    let g = GatedDeltaNet::random(&mut rng, cfg, DType::BF16, dev)?;
+    let (hv, dk, dv) = (
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
+    );
+    let p = g.conv_dim() + hv * dv + 2 * hv;
+    let k = cfg.linear_conv_kernel_dim;
+    let state = GdnState {
+        conv: rng.normal(&[k - 1, g.conv_dim()], 0.0, 1.0, DType::BF16, dev)?,
+        ssm: rng.normal(&[hv, dk, dv], 0.0, 0.1, DType::F32, dev)?,
+    };
+    let zero_window = GdnState {
+        conv: state.conv.zeros_like()?,
+        ssm: state.ssm.clone(),
+    };
+    let mut res = serde_json::Map::new();
+    let mut all_pass = true;
+    for t in [1usize, 16] {
+        let proj = rng.normal(&[t, p], 0.0, 1.0, DType::BF16, dev)?;
+        let chain: Vec<Option<usize>> = (0..t).map(|i| i.checked_sub(1)).collect();
+        let forest = Forest::new(&[chain.as_slice()], k, dev)?;
+        let (y, staged) = g.mix(&proj, &forest, &[&state], &[true], false)?;
+        let Some(StagedState::Rows(rows)) = staged.into_iter().next() else {
+            anyhow::bail!("the plain mix kept no per-row states");
+        };
+        let last = &rows.last().context("rows")?.ssm;
+
+        // gdn_chain (the path before this session).
+        let (yc, sc, _) = g.mix_fused(&proj, &state, true)?;
+        // gdn_split, every row's state.
+        let so = g.mix_split(&proj, &state, ScanStates::All, false)?;
+        let ss = so.states.context("split states")?;
+        // gdn_split, u only; the states rebuilt as the commit does.
+        let si = g.mix_split(&proj, &state, ScanStates::None, true)?;
+        let u = si.u.context("split writes")?;
+        let rebuild = |n: usize| -> Result<Tensor> {
+            Ok(gdn_state_along(
+                &state.ssm,
+                &si.k.narrow(0, 0, n)?.contiguous()?,
+                &u.narrow(0, 0, n)?.contiguous()?,
+                &si.g.narrow(0, 0, n)?.contiguous()?,
+            )?)
+        };
+        let (r_last, r_first) = (rebuild(t)?, rebuild(1)?);
+        let rebuilt_bits_last = max_diff(&r_last, &ss.get(t - 1)?)?;
+        let rebuilt_bits_first = max_diff(&r_first, &ss.get(0)?)?;
+        let y_bits = max_diff(&si.y, &so.y)?;
+
+        let chain_y = rel(&yc, &y)?;
+        let chain_last = rel(&sc.get(t - 1)?, last)?;
+        let split_y = rel(&so.y, &y)?;
+        let split_last = rel(&ss.get(t - 1)?, last)?;
+        let split_first = rel(&ss.get(0)?, &rows[0].ssm)?;
+        let rebuilt_last = rel(&r_last, last)?;
+        // Wrong cases: must exceed the tolerance.
+        let wrong_short = if t > 1 {
+            Some(rel(&rebuild(t - 1)?, last)?)
+        } else {
+            None
+        };
+        let wrong_window = rel(
+            &g.mix_split(&proj, &zero_window, ScanStates::None, true)?.y,
+            &y,
+        )?;
+        let pass = [
+            chain_y,
+            chain_last,
+            split_y,
+            split_last,
+            split_first,
+            rebuilt_last,
+        ]
+        .iter()
+        .all(|&e| e < TOL)
+            && rebuilt_bits_last == 0.0
+            && rebuilt_bits_first == 0.0
+            && y_bits == 0.0
+            && wrong_short.is_none_or(|e| e > TOL)
+            && wrong_window > TOL;
+        all_pass &= pass;
+
+        let call = |f: &mut dyn FnMut() -> Result<()>| crate::time_ms(dev, 20, f);
+        let chain_ms = call(&mut || {
+            g.mix_fused(&proj, &state, true)?;
+            Ok(())
+        })?;
+        let states_ms = call(&mut || {
+            g.mix_split(&proj, &state, ScanStates::All, false)?;
+            Ok(())
+        })?;
+        let inputs_ms = call(&mut || {
+            g.mix_split(&proj, &state, ScanStates::None, true)?;
+            Ok(())
+        })?;
+        let n = t.min(8);
+        let (kk, uu, gg) = (
+            si.k.narrow(0, 0, n)?.contiguous()?,
+            u.narrow(0, 0, n)?.contiguous()?,
+            si.g.narrow(0, 0, n)?.contiguous()?,
+        );
+        let commit_ms = call(&mut || {
+            gdn_state_along(&state.ssm, &kk, &uu, &gg)?;
+            Ok(())
+        })?;
+        let copy_ms = call(&mut || {
+            ss.get(n - 1)?.copy()?;
+            Ok(())
+        })?;
+        let plain_ms = crate::time_ms(dev, 5, || {
+            g.mix(&proj, &forest, &[&state], &[true], false)?;
+            Ok(())
+        })?;
+        let gpu = json!({
+            "chain_all_states": gpu_phases(dev, 10, || { g.mix_fused(&proj, &state, true)?; Ok(()) })?,
+            "split_all_states": gpu_phases(dev, 10, || { g.mix_split(&proj, &state, ScanStates::All, false)?; Ok(()) })?,
+            "split_last_state": gpu_phases(dev, 10, || { g.mix_split(&proj, &state, ScanStates::Last, false)?; Ok(()) })?,
+            "split_writes_only": gpu_phases(dev, 10, || { g.mix_split(&proj, &state, ScanStates::None, true)?; Ok(()) })?,
+            "commit_rebuild_8_rows": gpu_phases(dev, 10, || { phases::mark(dev, "state_along"); gdn_state_along(&state.ssm, &kk, &uu, &gg)?; Ok(()) })?,
+            "commit_copy_one_state": gpu_phases(dev, 10, || { phases::mark(dev, "copy"); ss.get(n - 1)?.copy()?; Ok(()) })?,
+        });
+        res.insert(
+            format!("t{t}"),
+            json!({
+                "pass": pass,
+                "tolerance": TOL,
+                "chain": {"y_rel_err": chain_y, "last_state_rel_err": chain_last},
+                "split": {"y_rel_err": split_y, "last_state_rel_err": split_last, "first_state_rel_err": split_first},
+                "split_inputs": {
+                    "rebuilt_last_state_rel_err": rebuilt_last,
+                    "rebuilt_vs_split_state_max_abs_diff_last_first": [rebuilt_bits_last, rebuilt_bits_first],
+                    "y_vs_split_states_max_abs_diff": y_bits,
+                },
+                "wrong_state_rebuilt_one_row_short_rel_err": wrong_short,
+                "wrong_zeroed_conv_window_y_rel_err": wrong_window,
+                "call_ms": {
+                    "plain": plain_ms, "chain_all_states": chain_ms, "split_all_states": states_ms,
+                    "split_writes_only": inputs_ms,
+                    format!("commit_rebuild_{n}_rows"): commit_ms, "commit_copy_one_state": copy_ms,
+                },
+                "gpu_per_call_queued": gpu,
+            }),
+        );
+    }
+    res.insert("pass".into(), json!(all_pass));
+    Ok(Value::Object(res))
+}
