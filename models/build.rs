@@ -22,6 +22,8 @@ fn main() {
         "train_ops.cu",
         "gattn.cu",
         "splitk.cu",
+        "moe.cu",
+        "gemv_impl.cuh",
         "common.cuh",
     ] {
         println!("cargo:rerun-if-changed=src/cuda/{f}");
@@ -57,6 +59,7 @@ fn main() {
         ("train_ops.cu", "train_ops.ptx"),
         ("gattn.cu", "gattn.ptx"),
         ("splitk.cu", "splitk.ptx"),
+        ("moe.cu", "moe.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])
