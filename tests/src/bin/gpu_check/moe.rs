@@ -25,8 +25,13 @@ use serde_json::{json, Value};
 
 use crate::time_ms;
 
-/// Passing tolerance: largest |device - plain| over the largest |plain| of a block's output.
-pub const TOL: f32 = 1e-2;
+/// Passing tolerances of a block's output against the plain one: the largest |device - plain|
+/// over the largest |plain| (2-4 bf16 ulps of the largest outputs: the expert sums run in
+/// another f32 order, which flips some bf16 roundings, and each of the k + 1 rounded additions
+/// after them can carry a flip on), and the mean |device - plain| over the mean |plain| (one
+/// misrouted expert in one of 16 rows moves it about 5e-3; rounding flips about 2e-4).
+pub const TOL: f32 = 2e-2;
+pub const MEAN_TOL: f32 = 1e-3;
 
 pub fn coder_block() -> MoeConfig {
     MoeConfig {
@@ -40,11 +45,22 @@ pub fn coder_block() -> MoeConfig {
 
 /// max |a - b| / max |b|.
 fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
+    Ok(errs(a, b)?[0])
+}
+
+/// [max |a - b| / max |b|, mean |a - b| / mean |b|].
+fn errs(a: &Tensor, b: &Tensor) -> Result<[f32; 2]> {
     let a = a.to_dtype(DType::F32)?;
     let b = b.to_dtype(DType::F32)?;
-    let d = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
-    let s = b.abs()?.max_all()?.to_scalar::<f32>()?;
-    Ok(d / s)
+    let d = (&a - &b)?.abs()?;
+    let babs = b.abs()?;
+    let max = d.max_all()?.to_scalar::<f32>()? / babs.max_all()?.to_scalar::<f32>()?;
+    let mean = d.mean_all()?.to_scalar::<f32>()? / babs.mean_all()?.to_scalar::<f32>()?;
+    Ok([max, mean])
+}
+
+fn within(e: [f32; 2]) -> bool {
+    e[0] <= TOL && e[1] <= MEAN_TOL
 }
 
 /// Routing kernel against the host on the same logits: (rows whose top-k differ, largest
@@ -113,22 +129,25 @@ pub fn block_check(dev: &Device) -> Result<Value> {
             row.insert("experts_used".into(), json!(routing.experts_used()?));
             let (y, _) =
                 cuda::moe_experts(&x, None, &weights(true, 8), &routing, Some(&resid), false)?;
-            let e = rel_err(&y, &plain)?;
-            pass &= e <= TOL;
-            row.insert("same_routing_rel_err_vs_plain_bf16".into(), json!(e));
+            let e = errs(&y, &plain)?;
+            pass &= within(e);
+            row.insert(
+                "same_routing_max_mean_rel_err_vs_plain_bf16".into(),
+                json!(e),
+            );
         }
         // 2b. The whole block on the device, its own router GEMV.
         let (y, ss) = cuda::moe_block(&x, None, &weights(true, 8), Some(&resid), t > 1)?;
-        let e16 = rel_err(&y, &plain)?;
-        let e32 = rel_err(&y, &plain32)?;
-        let plain_vs_f32 = rel_err(&plain, &plain32)?;
+        let e16 = errs(&y, &plain)?;
+        let e32 = errs(&y, &plain32)?;
+        let plain_vs_f32 = errs(&plain, &plain32)?;
         // Against f32 only for information: f32 router logits route a few rows differently
         // from bf16 ones (the plain bf16 block shows the same against f32).
-        pass &= e16 <= TOL;
-        row.insert("block_rel_err_vs_plain_bf16".into(), json!(e16));
-        row.insert("block_rel_err_vs_plain_f32".into(), json!(e32));
+        pass &= within(e16);
+        row.insert("block_max_mean_rel_err_vs_plain_bf16".into(), json!(e16));
+        row.insert("block_max_mean_rel_err_vs_plain_f32".into(), json!(e32));
         row.insert(
-            "plain_bf16_rel_err_vs_plain_f32".into(),
+            "plain_bf16_max_mean_rel_err_vs_f32".into(),
             json!(plain_vs_f32),
         );
         if let Some(ss) = ss {
@@ -139,8 +158,8 @@ pub fn block_check(dev: &Device) -> Result<Value> {
         }
         // 2c. Deliberately wrong: the weights left unnormalised must fail.
         let (bad, _) = cuda::moe_block(&x, None, &weights(false, 8), Some(&resid), false)?;
-        let e_bad = rel_err(&bad, &plain)?;
-        let fails = e_bad > TOL;
+        let e_bad = errs(&bad, &plain)?;
+        let fails = !within(e_bad);
         pass &= fails;
         row.insert("wrong_unnormalised_rel_err".into(), json!(e_bad));
         row.insert("wrong_case_fails".into(), json!(fails));
@@ -159,7 +178,7 @@ pub fn block_check(dev: &Device) -> Result<Value> {
         }
         res.insert(format!("rows_{t}"), Value::Object(row));
     }
-    res.insert("tolerance_rel".into(), json!(TOL));
+    res.insert("tolerance_max_mean_rel".into(), json!([TOL, MEAN_TOL]));
     res.insert("pass".into(), json!(pass));
     Ok(Value::Object(res))
 }
