@@ -1,6 +1,6 @@
 //! The CUDA wing of the crate (`cuda` feature): the kernels (`*.cu`, `common.cuh`) and their
 //! launch wrappers (`launch.rs` the shared helpers; `kernels.rs`, `gemv.rs`, `attn_*.rs`,
-//! `topk.rs`, `argmax.rs` one per kernel file), the decoder-layer stack the models' fused
+//! `topk.rs`, `argmax.rs`, `moe.rs` (the sparse-MoE block) one per kernel file), the decoder-layer stack the models' fused
 //! forwards run through (`decoder_stack.rs`), CUDA-graph capture and replay generic over the
 //! forward recorded (`graphs.rs`), and the kernel checks the GPU bench runs (`check*.rs`).
 //! Nothing here names a model; the models' CUDA forwards live in their folders (`cuda.rs`).
