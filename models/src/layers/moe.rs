@@ -4,10 +4,12 @@
 //!
 //! Per token: `p = softmax_f32(gate(x))`, the top-k experts by `p` (ties to the lower index, as
 //! `torch.topk` on the CPU), weights `p_i` renormalised to sum 1 when `norm_topk_prob`, cast to
-//! the model dtype; the output is `sum_i w_i * expert_i(x)`, plus `sigmoid(shared_expert_gate(x))
-//! * shared_expert(x)` for the hybrids, whose block has a shared expert (`qwen3_moe`'s has none).
-//! Routing runs on the host: it is a handful of floats per token, and the exact top-k order is
-//! what decides which experts run.
+//! the model dtype; the output is `sum_i w_i * expert_i(x)`, plus
+//! `sigmoid(shared_expert_gate(x)) * shared_expert(x)` for the hybrids, whose block has a shared
+//! expert (`qwen3_moe`'s has none). Here routing runs on the host (a handful of floats per
+//! token, and the exact top-k order decides which experts run): this is the reference, and the
+//! path of wide forwards. The fused CUDA stack runs the same math on the device for a few rows
+//! (`cuda/moe.rs`, over the experts stacked by [`SparseMoe::stack_experts`]).
 //!
 //! Experts load from either on-disk form: the 3D tensors `experts.gate_up_proj` `[E, 2I, H]`
 //! (gate rows, then up rows) and `experts.down_proj` `[E, H, I]` that the Qwen3.5-MoE releases
