@@ -23,6 +23,8 @@ fn main() {
         "train_ops.cu",
         "gattn.cu",
         "splitk.cu",
+        "moe.cu",
+        "gemv_impl.cuh",
         "common.cuh",
     ] {
         println!("cargo:rerun-if-changed=src/cuda/{f}");
@@ -59,6 +61,7 @@ fn main() {
         ("train_ops.cu", "train_ops.ptx"),
         ("gattn.cu", "gattn.ptx"),
         ("splitk.cu", "splitk.ptx"),
+        ("moe.cu", "moe.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])

@@ -12,14 +12,22 @@
 //! - wider (prefill chunks, wide trees): cuBLAS GEMMs, the SiLU product and residual add +
 //!   RMSNorm kernels around the same attention: 10 launches per layer.
 //!
-//! Both make no host-device copies, so a CUDA graph can capture them.
+//! A sparse-MoE layer (`qwen3_moe`) runs its block on the device instead of gate/up and down
+//! ([`cuda::moe_block`]: router, routing, the selected experts only): 4 launches for one row
+//! (the norm, the weighted combine and the residual add fused around them), 5-6 for up to 64,
+//! in pieces of 64 up to [`MOE_DEVICE_MAX_ROWS`] rows; wider forwards (prefills) take the
+//! plain block (routing on the host, one product per used expert).
+//!
+//! Both make no host-device copies up to [`MOE_DEVICE_MAX_ROWS`] rows, so a CUDA graph can
+//! capture them.
 
 use candle_core::{DType, Tensor};
 
 use crate::cache::SequenceCache;
 use crate::cuda::{self, RowNorm};
 use crate::error::{ModelError, ModelResult};
-use crate::layers::decoder_layer::DecoderLayer;
+use crate::layers::decoder_layer::{DecoderLayer, FusedWeights};
+use crate::layers::moe::StackedExperts;
 use crate::layers::ops::{rms_norm, OpsMode};
 use crate::layers::rope::RotaryEmbedding;
 use crate::taps::TapCollector;
@@ -31,6 +39,13 @@ use crate::taps::TapCollector;
 /// from gate/up +0.03, 16 MB of the next q/k/v from down +0.03, 4 MB of either +-0.015
 /// (deploy/bench/results/h200-2026-11-30-decode).
 const GATE_UP_PREFETCH: usize = 8 << 20;
+
+/// Most rows whose sparse-MoE blocks run on the device ([`cuda::moe_block`], in pieces of
+/// [`cuda::MOE_MAX_ROWS`] that each read every expert their rows use); wider forwards run the
+/// plain block, which reads each used expert once but routes on the host (a sync per layer:
+/// no CUDA graph can hold it). Covers every single-sequence step graph and batched decode
+/// graphs of up to 512 sequences.
+pub(crate) const MOE_DEVICE_MAX_ROWS: usize = 512;
 
 /// One sequence's rows in a fused layer pass.
 pub(crate) struct AttnSeq<'a> {
@@ -102,7 +117,11 @@ impl Stack<'_> {
     fn skinny_shapes(&self) -> ModelResult<bool> {
         for layer in self.layers {
             let f = fused(layer)?;
-            for w in [&f.qkv, &f.gate_up, layer.o_proj(), dense_down(layer)?] {
+            let mut ws = vec![&f.qkv, layer.o_proj()];
+            if f.experts.is_none() {
+                ws.extend([dense_gate_up(f)?, dense_down(layer)?]);
+            }
+            for w in ws {
                 let (n, k) = w.dims2()?;
                 if k % 256 != 0 || n % 32 != 0 {
                     return Ok(false);
@@ -138,10 +157,16 @@ impl Stack<'_> {
             let qkv = cuda::gemv(&x, &fused.qkv, Some(norm))?;
             let attn = self.attention(li, layer, &qkv, positions, seqs)?;
             // The o-projection is short and leaves bandwidth unused; its blocks start the
-            // gate/up weights into L2 as they finish.
-            let warm = cuda::Prefetch {
-                weight: &fused.gate_up,
-                bytes: GATE_UP_PREFETCH,
+            // gate/up weights (a sparse layer: the router, read next) into L2 as they finish.
+            let warm = match &fused.experts {
+                Some(ex) => cuda::Prefetch {
+                    weight: &ex.router,
+                    bytes: ex.router.elem_count() * 2,
+                },
+                None => cuda::Prefetch {
+                    weight: dense_gate_up(fused)?,
+                    bytes: GATE_UP_PREFETCH,
+                },
             };
             let (x1, ss1) =
                 cuda::gemv_resid(&attn, layer.o_proj(), &x, Some(&counter), Some(warm))?;
@@ -150,9 +175,17 @@ impl Stack<'_> {
                 weight: post_norm,
                 eps,
             };
-            let act = cuda::gemv_silu(&x1, &fused.gate_up, Some(norm))?;
-            let down_counter = (!one_row).then_some(&counter);
-            let (x2, ss2) = cuda::gemv_resid(&act, dense_down(layer)?, &x1, down_counter, None)?;
+            let (x2, ss2) = match &fused.experts {
+                // One row: the next layer's q/k/v blocks sum their input themselves.
+                Some(ex) => {
+                    cuda::moe_block(&x1, Some(norm), &moe_weights(ex), Some(&x1), !one_row)?
+                }
+                None => {
+                    let act = cuda::gemv_silu(&x1, dense_gate_up(fused)?, Some(norm))?;
+                    let down_counter = (!one_row).then_some(&counter);
+                    cuda::gemv_resid(&act, dense_down(layer)?, &x1, down_counter, None)?
+                }
+            };
             x = x2;
             ss = ss2;
             taps.layer_output(li, &x);
@@ -184,8 +217,16 @@ impl Stack<'_> {
             let attn = self.attention(li, layer, &qkv, positions, seqs)?;
             let o = self.linear(&attn, layer.o_proj())?;
             let (x1, h1) = cuda::add_rmsnorm(&x, &o, post_norm, eps)?;
-            let act = self.gate_up_silu(&h1, &fused.gate_up)?;
-            let down = self.linear(&act, dense_down(layer)?)?;
+            let down = match &fused.experts {
+                Some(ex) if h1.dim(0)? <= MOE_DEVICE_MAX_ROWS => {
+                    cuda::moe_block(&h1, None, &moe_weights(ex), None, false)?.0
+                }
+                Some(_) => layer.mlp().forward(&h1)?,
+                None => {
+                    let act = self.gate_up_silu(&h1, dense_gate_up(fused)?)?;
+                    self.linear(&act, dense_down(layer)?)?
+                }
+            };
             // The next layer's input norm, or the final norm after the last layer.
             let next_norm = match self.layers.get(li + 1) {
                 Some(next) => next.norm_weights().0,
@@ -320,15 +361,31 @@ fn attend(
     )?)
 }
 
-/// A dense layer's down projection; sparse-MoE layers never reach the fused stack
-/// (`Qwen3Model::fast_kernels_available`), so meeting one is refused, not run.
+/// A dense layer's down projection (sparse layers take the MoE kernels before asking).
 fn dense_down(layer: &DecoderLayer) -> ModelResult<&Tensor> {
-    layer.down_proj().ok_or_else(|| {
-        ModelError::Unsupported("the fused CUDA stack runs dense MLPs only, not sparse-MoE".into())
-    })
+    layer
+        .down_proj()
+        .ok_or_else(|| ModelError::Unsupported("a sparse-MoE layer has no dense down".into()))
 }
 
-fn fused(layer: &DecoderLayer) -> ModelResult<&crate::layers::decoder_layer::FusedWeights> {
+/// A dense layer's stacked `[gate; up]`.
+fn dense_gate_up(f: &FusedWeights) -> ModelResult<&Tensor> {
+    f.gate_up
+        .as_ref()
+        .ok_or_else(|| ModelError::Unsupported("a sparse-MoE layer has no dense gate/up".into()))
+}
+
+fn moe_weights(ex: &StackedExperts) -> cuda::MoeWeights<'_> {
+    cuda::MoeWeights {
+        router: &ex.router,
+        gate_up: &ex.gate_up,
+        down: &ex.down,
+        top_k: ex.top_k,
+        norm_topk_prob: ex.norm_topk_prob,
+    }
+}
+
+fn fused(layer: &DecoderLayer) -> ModelResult<&FusedWeights> {
     layer
         .fused()
         .ok_or_else(|| ModelError::BadInput("fused forward on unfused weights".into()))

@@ -22,7 +22,7 @@ enum Epi {
 
 /// Warps splitting K per 8-column tile in the tensor-core kernel (1, 2 or 4), from the shape
 /// alone so that a row's result never depends on how many rows come with it.
-fn k_splits(tiles: usize) -> usize {
+pub(super) fn k_splits(tiles: usize) -> usize {
     match tiles {
         0..=1023 => 4,
         1024..=2047 => 2,

@@ -1,6 +1,6 @@
 //! The CUDA wing of the crate (`cuda` feature): the kernels (`*.cu`, `common.cuh`) and their
 //! launch wrappers (`launch.rs` the shared helpers; `kernels.rs`, `gemv.rs`, `attn_*.rs`,
-//! `topk.rs`, `argmax.rs` one per kernel file), the decoder-layer stack the models' fused
+//! `topk.rs`, `argmax.rs`, `moe.rs` (the sparse-MoE block) one per kernel file), the decoder-layer stack the models' fused
 //! forwards run through (`decoder_stack.rs`), CUDA-graph capture and replay generic over the
 //! forward recorded (`graphs.rs`), and the kernel checks the GPU bench runs (`check*.rs`).
 //! Nothing here names a model; the models' CUDA forwards live in their folders (`cuda.rs`).
@@ -109,6 +109,10 @@ pub mod phases;
 #[cfg(feature = "cuda")]
 pub use lt_gemm::{linear_lt, tuned_timings, LtMode};
 #[cfg(feature = "cuda")]
+mod moe;
+#[cfg(feature = "cuda")]
+pub use moe::{moe_block, moe_experts, moe_route, MoeRouting, MoeWeights};
+#[cfg(feature = "cuda")]
 mod splitk;
 #[cfg(feature = "cuda")]
 pub use splitk::{splitk_gemm, splitk_gemm_blocks, SplitkEpi};
@@ -170,6 +174,25 @@ pub const TUNED_DEFAULT_ROWS: usize = 0;
 /// default: none. They lose (deploy/bench/results/h200-2026-12-03-gemm2): a b32 decode step
 /// at 640 positions took 11.93 ms on them against 7.43 on cuBLAS (1.0-2.1 TB/s per product).
 pub const SPLITK_DEFAULT_ROWS: usize = 0;
+
+/// Most rows one routing and expert launch set of the device MoE block takes (`moe.cu`); more
+/// rows run as consecutive pieces.
+pub const MOE_MAX_ROWS: usize = 64;
+/// Most experts and experts per token the MoE routing kernel holds (`moe.cu`'s shared arrays).
+pub const MOE_MAX_EXPERTS: usize = 512;
+pub const MOE_MAX_TOP_K: usize = 16;
+
+/// Whether the device MoE kernels take a block of `e` experts (top `k`), hidden size `h` and
+/// expert width `i`: true for every published Qwen MoE shape (Qwen3-30B-A3B: 128 / 8 / 2048 /
+/// 768; Qwen3.5/3.6-35B-A3B: 256 / 8 / 2048 / 512).
+pub fn moe_shape_fits(e: usize, h: usize, i: usize, k: usize) -> bool {
+    e.is_multiple_of(32)
+        && e <= MOE_MAX_EXPERTS
+        && (1..=MOE_MAX_TOP_K.min(e)).contains(&k)
+        && h.is_multiple_of(256)
+        && i.is_multiple_of(256)
+        && (256..=1024).contains(&i)
+}
 
 /// Longest per-sequence forward the fused path takes in one piece (and the longest CUDA-graph
 /// step); longer causal forwards (prefills) run as consecutive pieces.

@@ -10,7 +10,7 @@ use dflash_common::{Qwen3Config, WeightFiles};
 
 use crate::error::ModelResult;
 use crate::layers::mlp::Mlp;
-use crate::layers::moe::FeedForward;
+use crate::layers::moe::{FeedForward, StackedExperts};
 pub use crate::layers::ops::linear;
 use crate::layers::ops::{qk_norm_rope, rms_norm, rope, OpsMode};
 use crate::random::WeightRng;
@@ -38,11 +38,14 @@ pub struct DecoderLayer {
 
 /// `[q; k; v]` and `[gate; up]` stacked along the output dimension: one GEMM each. The
 /// layer's own q/k/v/gate/up tensors become views into these, so no weight is stored twice.
-/// Dense layers only: the fused CUDA stack has no sparse-MoE path.
+/// A sparse-MoE layer has its experts stacked instead (`experts`, no `gate_up`).
 #[derive(Debug, Clone)]
 pub struct FusedWeights {
     pub qkv: Tensor,
-    pub gate_up: Tensor,
+    /// The dense MLP's `[gate; up]` (None for a sparse-MoE layer).
+    pub gate_up: Option<Tensor>,
+    /// The sparse-MoE block stacked for the device kernels (None for a dense layer).
+    pub experts: Option<StackedExperts>,
 }
 
 impl DecoderLayer {
@@ -298,6 +301,12 @@ impl DecoderLayer {
         x + mlp
     }
 
+    /// The MLP block (dense or sparse-MoE), for the plain forward of a fused stack's rows that
+    /// the device MoE kernels leave to it (prefills).
+    pub fn mlp(&self) -> &FeedForward {
+        &self.mlp
+    }
+
     /// Whether the MLP is the sparse-MoE block.
     pub fn is_sparse(&self) -> bool {
         matches!(self.mlp, FeedForward::Sparse(_))
@@ -309,22 +318,30 @@ impl DecoderLayer {
 
     /// Stacks q/k/v and gate/up into [`FusedWeights`] and re-points the separate tensors at
     /// views of them (same values, same memory). Inference only: a trainer's parameters must
-    /// stay separate variables. A sparse-MoE layer stays unfused ([`Self::fused`] None), so a
-    /// model holding one keeps the plain path.
+    /// stay separate variables. A sparse-MoE layer gets its experts stacked instead
+    /// ([`crate::layers::moe::SparseMoe::stack_experts`]); one with a shared expert stays
+    /// unfused ([`Self::fused`] None), so a model holding one keeps the plain path.
     pub fn fuse_projections(&mut self) -> Result<()> {
-        let FeedForward::Dense(mlp) = &mut self.mlp else {
-            return Ok(());
-        };
         if self.fused.is_some() {
             return Ok(());
         }
+        let (gate_up, experts) = match &mut self.mlp {
+            FeedForward::Dense(mlp) => (Some(mlp.stack_gate_up()?), None),
+            FeedForward::Sparse(moe) => match moe.stack_experts()? {
+                Some(stacked) => (None, Some(stacked)),
+                None => return Ok(()),
+            },
+        };
         let qkv = Tensor::cat(&[&self.q_proj, &self.k_proj, &self.v_proj], 0)?;
-        let gate_up = mlp.stack_gate_up()?;
         let (nq, nk) = (self.q_proj.dim(0)?, self.k_proj.dim(0)?);
         self.q_proj = qkv.narrow(0, 0, nq)?;
         self.k_proj = qkv.narrow(0, nq, nk)?;
         self.v_proj = qkv.narrow(0, nq + nk, nk)?;
-        self.fused = Some(FusedWeights { qkv, gate_up });
+        self.fused = Some(FusedWeights {
+            qkv,
+            gate_up,
+            experts,
+        });
         Ok(())
     }
 

@@ -4,10 +4,12 @@
 //!
 //! Per token: `p = softmax_f32(gate(x))`, the top-k experts by `p` (ties to the lower index, as
 //! `torch.topk` on the CPU), weights `p_i` renormalised to sum 1 when `norm_topk_prob`, cast to
-//! the model dtype; the output is `sum_i w_i * expert_i(x)`, plus `sigmoid(shared_expert_gate(x))
-//! * shared_expert(x)` for the hybrids, whose block has a shared expert (`qwen3_moe`'s has none).
-//! Routing runs on the host: it is a handful of floats per token, and the exact top-k order is
-//! what decides which experts run.
+//! the model dtype; the output is `sum_i w_i * expert_i(x)`, plus
+//! `sigmoid(shared_expert_gate(x)) * shared_expert(x)` for the hybrids, whose block has a shared
+//! expert (`qwen3_moe`'s has none). Here routing runs on the host (a handful of floats per
+//! token, and the exact top-k order decides which experts run): this is the reference, and the
+//! path of wide forwards. The fused CUDA stack runs the same math on the device for a few rows
+//! (`cuda/moe.rs`, over the experts stacked by [`SparseMoe::stack_experts`]).
 //!
 //! Experts load from either on-disk form: the 3D tensors `experts.gate_up_proj` `[E, 2I, H]`
 //! (gate rows, then up rows) and `experts.down_proj` `[E, H, I]` that the Qwen3.5-MoE releases
@@ -222,6 +224,37 @@ impl SparseMoe {
         })
     }
 
+    /// The same block with every weight cast to `dtype` (a bf16 block and its exact f32 copy
+    /// for the kernel checks).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        let cast = |m: &Mlp| -> Result<Mlp> {
+            let (g, u, d) = m.weights();
+            Ok(Mlp::from_parts(
+                g.to_dtype(dtype)?,
+                u.to_dtype(dtype)?,
+                d.to_dtype(dtype)?,
+            ))
+        };
+        Ok(Self {
+            gate: self.gate.to_dtype(dtype)?,
+            experts: self.experts.iter().map(cast).collect::<Result<_>>()?,
+            shared: match &self.shared {
+                Some(s) => Some(SharedExpert {
+                    mlp: cast(&s.mlp)?,
+                    gate: s.gate.to_dtype(dtype)?,
+                }),
+                None => None,
+            },
+            top_k: self.top_k,
+            norm_topk_prob: self.norm_topk_prob,
+        })
+    }
+
+    /// The router `[E, H]`.
+    pub fn router(&self) -> &Tensor {
+        &self.gate
+    }
+
     /// `[T, H] -> [T, H]`; every row is routed on its own, so any batch of rows (prefill,
     /// decode, verify trees) gives each token exactly what a one-token forward would.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -260,6 +293,51 @@ impl SparseMoe {
             }
             None => Ok(out),
         }
+    }
+}
+
+/// A sparse block's weights stacked for the device kernels (`cuda/moe.rs`): the experts'
+/// gate and up rows `[E, 2I, H]` (gate rows first in each expert) and down projections
+/// `[E, H, I]`, with the router and the routing switches.
+#[derive(Debug, Clone)]
+pub struct StackedExperts {
+    pub router: Tensor,
+    pub gate_up: Tensor,
+    pub down: Tensor,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+}
+
+impl SparseMoe {
+    /// Stacks the experts into [`StackedExperts`] and re-points every expert at views of the
+    /// stacks (same values; the per-expert tensors are freed, so nothing is stored twice).
+    /// None for a block with a shared expert (the hybrids'), which the kernels do not run.
+    pub fn stack_experts(&mut self) -> Result<Option<StackedExperts>> {
+        if self.shared.is_some() {
+            return Ok(None);
+        }
+        let (mut gates, mut ups, mut downs) = (Vec::new(), Vec::new(), Vec::new());
+        for m in &self.experts {
+            let (g, u, d) = m.weights();
+            gates.push(g.clone());
+            ups.push(u.clone());
+            downs.push(d.clone());
+        }
+        let gate_up = Tensor::cat(&[Tensor::stack(&gates, 0)?, Tensor::stack(&ups, 0)?], 1)?;
+        let down = Tensor::stack(&downs, 0)?;
+        drop((gates, ups, downs));
+        let i = gate_up.dim(1)? / 2;
+        for (x, m) in self.experts.iter_mut().enumerate() {
+            let gu = gate_up.get(x)?;
+            *m = Mlp::from_parts(gu.narrow(0, 0, i)?, gu.narrow(0, i, i)?, down.get(x)?);
+        }
+        Ok(Some(StackedExperts {
+            router: self.gate.clone(),
+            gate_up,
+            down,
+            top_k: self.top_k,
+            norm_topk_prob: self.norm_topk_prob,
+        }))
     }
 }
 
@@ -349,6 +427,45 @@ mod tests {
                 assert!(d < 1e-6, "row {t} differs by {d} when batched");
             }
         }
+    }
+
+    /// The device kernels read the stacked experts; the plain forward must not change when the
+    /// experts become views of the stacks.
+    #[test]
+    fn stacking_the_experts_keeps_the_block() {
+        let cfg = MoeConfig {
+            num_experts: 4,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 8,
+            shared_expert_intermediate_size: None,
+            norm_topk_prob: true,
+        };
+        let mut rng = WeightRng::new(5);
+        let mut m = SparseMoe::random(&mut rng, &cfg, 16, DType::F32, &Device::Cpu).unwrap();
+        let x = rng
+            .normal(&[3, 16], 0.0, 1.0, DType::F32, &Device::Cpu)
+            .unwrap();
+        let before = m.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        let (g, u, d) = m.experts[2].weights();
+        let (g, u, d) = (g.clone(), u.clone(), d.clone());
+        let s = m.stack_experts().unwrap().unwrap();
+        assert_eq!(s.gate_up.dims(), &[4, 16, 16]);
+        assert_eq!(s.down.dims(), &[4, 16, 8]);
+        let same = |a: &candle_core::Tensor, b: &candle_core::Tensor| {
+            a.to_vec2::<f32>().unwrap() == b.to_vec2::<f32>().unwrap()
+        };
+        let gu = s.gate_up.get(2).unwrap();
+        assert!(same(&gu.narrow(0, 0, 8).unwrap(), &g));
+        assert!(same(&gu.narrow(0, 8, 8).unwrap(), &u));
+        assert!(same(&s.down.get(2).unwrap(), &d));
+        assert_eq!(m.forward(&x).unwrap().to_vec2::<f32>().unwrap(), before);
+        // A block with a shared expert is left as it is.
+        let shared = MoeConfig {
+            shared_expert_intermediate_size: Some(8),
+            ..cfg
+        };
+        let mut h = SparseMoe::random(&mut rng, &shared, 16, DType::F32, &Device::Cpu).unwrap();
+        assert!(h.stack_experts().unwrap().is_none());
     }
 
     #[test]

@@ -75,6 +75,12 @@ impl Qwen3Model {
             return Ok(None);
         }
         let t = batch[0].tokens.len();
+        // Sparse-MoE blocks route on the host past this many rows: no graph can hold that.
+        if self.config().moe.is_some()
+            && padded_batch(n) * t > crate::cuda::decoder_stack::MOE_DEVICE_MAX_ROWS
+        {
+            return Ok(None);
+        }
         let tree = parents(&batch[0]).is_some();
         let Some(pool) = batch[0].cache.page_table().pool().cloned() else {
             return Ok(None);

@@ -1,6 +1,7 @@
 //! The fused-kernel forward of [`Qwen3Model`] (CUDA, bf16): the layer stack of
 //! `cuda/decoder_stack.rs` (7 launches per layer for up to 64 rows, 10 for wider forwards, instead
-//! of about 40), chunked prefill and CUDA-graph steps; same contract and outputs as the plain
+//! of about 40; `qwen3_moe` layers run the device MoE block there), chunked prefill and
+//! CUDA-graph steps; same contract and outputs as the plain
 //! path in `qwen3/mod.rs` (to bf16 rounding), which stays the reference. Small batch-1
 //! forwards inside [`Qwen3Model::forward`] replay CUDA graphs ([`StepGraph`], kept in the
 //! model's graph cache, `cuda/graphs.rs`), so every caller gets single-launch decode and

@@ -225,11 +225,20 @@ impl Qwen3Model {
         Ok(self.fresh_graphs())
     }
 
-    /// Whether [`crate::cuda`]'s fused kernels can run this model. Not with sparse-MoE layers
-    /// (`qwen3_moe`): the fused stack has no MoE path yet, so those models take the plain one.
+    /// Whether [`crate::cuda`]'s fused kernels can run this model: sparse-MoE layers
+    /// (`qwen3_moe`) where the device MoE kernels take the block's shape (every published one;
+    /// a shared expert, which `qwen3_moe` never has, is not run there).
     pub fn fast_kernels_available(&self) -> bool {
-        self.cfg.moe.is_none()
-            && crate::cuda::available(&self.device, self.dtype, self.cfg.head_dim, self.mode)
+        let moe_fits = self.cfg.moe.as_ref().map(|m| &m.block).is_none_or(|m| {
+            m.shared_expert_intermediate_size.is_none()
+                && crate::cuda::moe_shape_fits(
+                    m.num_experts,
+                    self.cfg.hidden_size,
+                    m.moe_intermediate_size,
+                    m.num_experts_per_tok,
+                )
+        });
+        moe_fits && crate::cuda::available(&self.device, self.dtype, self.cfg.head_dim, self.mode)
     }
 
     /// Turns the fused kernels on or off (off: the plain candle path, for comparisons). Has

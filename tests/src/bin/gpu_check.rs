@@ -5,7 +5,7 @@
 //! The Qwen3-8B-shaped speed figures that used to live here moved to `dflash-serve bench`
 //! (serve/src/bench/, deploy/bench/README.md), which also checks the fused CUDA kernels.
 //!
-//! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid | --pooled | --train | --scale |
+//! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid | --pooled | --train | --scale | --moe |
 //! --trainer-optimizer]
 //!
 //! With `--scale` (CUDA builds) it runs only the checks and timings of steps at scale
@@ -13,6 +13,10 @@
 //! against cuBLAS, batched decode and mixed steps of a random Qwen3-8B.
 //!
 //! With `--pooled` it runs only the paged-pool checks (`gpu_check/pooled.rs`).
+//!
+//! With `--moe` (CUDA builds) it runs only the sparse-MoE checks and the
+//! Qwen3-Coder-30B-A3B-shaped benchmark (`gpu_check/moe.rs`, `gpu_check/moe_forward.rs`;
+//! `--moe-layers=N` benches N layers instead of 48).
 //!
 //! With `--train` it runs only the training engine's checks (`gpu_check/train.rs`): fused
 //! linear + cross-entropy and the flat AdamW against the trainer's candle path
@@ -45,6 +49,12 @@ mod hybrid_noise;
 #[cfg(feature = "cuda")]
 #[path = "gpu_check/hybrid_paths.rs"]
 mod hybrid_paths;
+#[cfg(feature = "cuda")]
+#[path = "gpu_check/moe.rs"]
+mod moe;
+#[cfg(feature = "cuda")]
+#[path = "gpu_check/moe_forward.rs"]
+mod moe_forward;
 #[path = "gpu_check/pooled.rs"]
 mod pooled;
 #[path = "gpu_check/pooled_draft.rs"]
@@ -256,6 +266,38 @@ fn main() -> Result<()> {
         if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
             std::fs::write(path, &out)?;
         }
+        return Ok(());
+    }
+    // --moe: the device sparse-MoE block and a qwen3_moe target's fused path against the
+    // plain ones, then the Qwen3-Coder-30B-A3B-shaped benchmark (gpu_check/moe*.rs). Each
+    // part records its error instead of ending the run.
+    #[cfg(feature = "cuda")]
+    if args.iter().any(|a| a == "--moe") {
+        let out_path = args.get(2).filter(|a| !a.starts_with("--")).cloned();
+        let save = |report: &serde_json::Map<String, Value>| -> Result<()> {
+            if let Some(path) = &out_path {
+                std::fs::write(path, Value::Object(report.clone()).to_string())?;
+            }
+            Ok(())
+        };
+        let or_err = |r: Result<Value>| r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+        let b = or_err(moe::block_check(&dev));
+        println!("moe block {b}");
+        report.insert("moe_block".into(), b);
+        save(&report)?;
+        let f = or_err(moe_forward::forward_check(&dev));
+        println!("moe forward {f}");
+        report.insert("moe_target_fused_vs_plain_4_layers".into(), f);
+        save(&report)?;
+        let bw = copy_bandwidth(&dev)?;
+        let layers = args
+            .iter()
+            .find_map(|a| a.strip_prefix("--moe-layers="))
+            .map_or(Ok(48), str::parse)?;
+        let b = or_err(moe_forward::bench(&dev, bw, layers));
+        println!("moe bench {b}");
+        report.insert("qwen3_coder_30b_a3b_shape_bench".into(), b);
+        save(&report)?;
         return Ok(());
     }
     if args.iter().any(|a| a == "--pooled") {

@@ -1,0 +1,372 @@
+//! Launch wrappers of moe.cu: the sparse-MoE block (`layers/moe.rs`'s math) on the device for
+//! up to [`MOE_MAX_ROWS`] rows per launch set, routing included, with no host round trip (so a
+//! CUDA graph can capture it) and reading only the selected experts' weights. One row (decode):
+//! router GEMV (the post-attention norm applied as the row streams in), routing, gate/up, and
+//! down with the weighted combine and the residual add in its epilogue: 4 launches. 2..64 rows:
+//! the norm, router, routing, one tensor-core gate/up and one down launch over every used
+//! expert (each expert's weights read once for all the rows routed to it), the combine: 6.
+//! Shapes are checked here because the kernels trust them.
+
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{bail, DType, Result, Tensor};
+
+use super::gemv::{gemv, k_splits, rms_apply, row_sumsq, RowNorm};
+use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, opt_ptr, ptr};
+use super::{moe_shape_fits, MOE_MAX_EXPERTS, MOE_MAX_ROWS, MOE_MAX_TOP_K};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
+const MODULE: &str = "dflash_moe";
+
+/// A sparse-MoE block's weights as the kernels read them: the router `[E, H]`, the experts'
+/// gate and up rows stacked `[E, 2I, H]` (gate rows first) and their down projections
+/// `[E, H, I]`.
+#[derive(Clone, Copy)]
+pub struct MoeWeights<'a> {
+    pub router: &'a Tensor,
+    pub gate_up: &'a Tensor,
+    pub down: &'a Tensor,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+}
+
+impl MoeWeights<'_> {
+    /// `(E, H, I)`, checked against each other and against what the kernels take.
+    pub fn dims(&self) -> Result<(usize, usize, usize)> {
+        let (e, h) = self.router.dims2()?;
+        let (e2, i2, h2) = self.gate_up.dims3()?;
+        let (e3, h3, i) = self.down.dims3()?;
+        if e2 != e || e3 != e || h2 != h || h3 != h || i2 != 2 * i {
+            bail!(
+                "moe: router {:?}, gate_up {:?}, down {:?} disagree",
+                self.router.shape(),
+                self.gate_up.shape(),
+                self.down.shape()
+            )
+        }
+        if !moe_shape_fits(e, h, i, self.top_k) {
+            bail!(
+                "moe: {e} experts (top {}), hidden {h}, width {i}: the kernels need experts % 32 == 0 and <= {MOE_MAX_EXPERTS}, top-k <= {MOE_MAX_TOP_K}, hidden and width % 256 == 0, width <= 1024",
+                self.top_k
+            )
+        }
+        Ok((e, h, i))
+    }
+}
+
+/// The routing of up to [`MOE_MAX_ROWS`] rows, on the device (layout: moe.cu's header).
+pub struct MoeRouting {
+    meta: Tensor,
+    wts: Tensor,
+    rows: usize,
+    k: usize,
+}
+
+impl MoeRouting {
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Every row's `(expert, weight)` top k, highest first, as `layers::moe::route` returns
+    /// them (a host copy: for checks).
+    pub fn to_host(&self) -> Result<Vec<Vec<(usize, f32)>>> {
+        let p = self.rows * self.k;
+        let ids = self.meta.narrow(0, 1, p)?.to_vec1::<u32>()?;
+        let w = self.wts.narrow(0, 0, p)?.to_vec1::<f32>()?;
+        Ok((0..self.rows)
+            .map(|r| {
+                (0..self.k)
+                    .map(|j| (ids[r * self.k + j] as usize, w[r * self.k + j]))
+                    .collect()
+            })
+            .collect())
+    }
+
+    /// How many distinct experts the rows use (a host copy).
+    pub fn experts_used(&self) -> Result<usize> {
+        Ok(self.meta.narrow(0, 0, 1)?.to_vec1::<u32>()?[0] as usize)
+    }
+}
+
+fn alloc_u32(dev: &CudaDevice, n: usize) -> Result<Tensor> {
+    use candle_core::cuda_backend::CudaStorage;
+    // Every element the expert kernels read is written by the routing kernel first.
+    let s = unsafe { dev.alloc::<u32>(n)? };
+    Ok(Tensor::from_storage(
+        candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
+        n,
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
+}
+
+/// Routes `logits` (`[t <= 64, E]`, bf16 or f32): softmax in f32, the top `k` (ties to the
+/// lower expert), renormalised when `norm`; and groups the (row, expert) pairs by expert.
+pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<MoeRouting> {
+    let dev = cuda(logits)?;
+    let (t, e) = logits.dims2()?;
+    let is_bf16 = match logits.dtype() {
+        DType::BF16 => 1i32,
+        DType::F32 => 0i32,
+        other => bail!("moe_route: logits must be bf16 or f32, got {other:?}"),
+    };
+    if !logits.is_contiguous()
+        || t == 0
+        || t > MOE_MAX_ROWS
+        || !e.is_multiple_of(32)
+        || e > MOE_MAX_EXPERTS
+        || k == 0
+        || k > MOE_MAX_TOP_K.min(e)
+    {
+        bail!(
+            "moe_route: logits {:?}, top {k}: needs 1..={MOE_MAX_ROWS} contiguous rows, experts % 32 == 0 and <= {MOE_MAX_EXPERTS}, 1 <= k <= {MOE_MAX_TOP_K}",
+            logits.shape()
+        )
+    }
+    let p = t * k;
+    let meta = alloc_u32(&dev, 2 + 6 * p)?;
+    let wts = alloc_f32(&dev, 2 * p)?;
+    let (lp, mp, wp) = (ptr(logits)?, ptr(&meta)?, ptr(&wts)?);
+    let (ti, ei, ki, ni) = (t as i32, e as i32, k as i32, norm as i32);
+    let f = dev.get_or_load_custom_func("moe_route", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&lp)
+        .arg(&is_bf16)
+        .arg(&ti)
+        .arg(&ei)
+        .arg(&ki)
+        .arg(&ni)
+        .arg(&mp)
+        .arg(&wp);
+    go(&mut b, cfg((1, 1, 1), 256), "moe_route")?;
+    Ok(MoeRouting {
+        meta,
+        wts,
+        rows: t,
+        k,
+    })
+}
+
+/// The experts of a routed block: `(y, ss)` with `y = resid + sum_k w_k expert_k(norm(x))`
+/// (`[t, H]` bf16; without `resid` the sum alone) and, when `want_ss`, its row sums of
+/// squares (f32 `[t]`, for the next [`RowNorm`]). `routing` must come from `x`'s rows.
+pub fn moe_experts(
+    x: &Tensor,
+    norm: Option<RowNorm<'_>>,
+    w: &MoeWeights<'_>,
+    routing: &MoeRouting,
+    resid: Option<&Tensor>,
+    want_ss: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let dev = cuda(x)?;
+    let (e, h, i) = w.dims()?;
+    check_bf16("moe x", x)?;
+    for (name, t) in [
+        ("router", w.router),
+        ("gate_up", w.gate_up),
+        ("down", w.down),
+    ] {
+        check_bf16(name, t)?;
+        if ptr(t)? % 16 != 0 {
+            bail!("moe: {name} must start on a 16-byte boundary")
+        }
+    }
+    let t = x.dims2()?.0;
+    if x.dims2()? != (routing.rows, h) || routing.k != w.top_k || ptr(x)? % 16 != 0 {
+        bail!(
+            "moe: x {:?} against {} routed rows of top {} (hidden {h})",
+            x.shape(),
+            routing.rows,
+            routing.k
+        )
+    }
+    if let Some(r) = resid {
+        check_bf16("moe residual", r)?;
+        if r.dims2()? != (t, h) {
+            bail!("moe: residual must be [{t}, {h}]")
+        }
+    }
+    let k = w.top_k;
+    let p = t * k;
+    let (pi, hi, ii, ki) = (p as i32, h as i32, i as i32, k as i32);
+    let (mp, wp) = (ptr(&routing.meta)?, ptr(&routing.wts)?);
+    let y = alloc_bf16(&dev, (t, h))?;
+    let act = alloc_bf16(&dev, (p, i))?;
+    let (gp, dp, ap, yp, rp) = (
+        ptr(w.gate_up)?,
+        ptr(w.down)?,
+        ptr(&act)?,
+        ptr(&y)?,
+        opt_ptr(resid)?,
+    );
+    if t == 1 {
+        // Decode: one pair per block row of gate/up, the norm applied as x streams in; down
+        // combines and adds the residual in its epilogue.
+        let summed;
+        let (name, nw, eps, ss_in) = match norm {
+            Some(nm) => {
+                check_bf16("moe norm weight", nm.weight)?;
+                if nm.weight.dims1()? != h {
+                    bail!("moe: norm weight must be [{h}]")
+                }
+                let ss = match nm.ss {
+                    Some(ss) => ss,
+                    None => {
+                        summed = row_sumsq(x)?;
+                        &summed
+                    }
+                };
+                if ss.dtype() != DType::F32 || ss.dims1()? != t {
+                    bail!("moe: norm sums must be f32 [{t}]")
+                }
+                (
+                    "moe_gate_up_rows_norm",
+                    ptr(nm.weight)?,
+                    nm.eps as f32,
+                    ptr(ss)?,
+                )
+            }
+            None => ("moe_gate_up_rows", 0u64, 0f32, 0u64),
+        };
+        let xp = ptr(x)?;
+        let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&xp)
+            .arg(&gp)
+            .arg(&ap)
+            .arg(&ii)
+            .arg(&hi)
+            .arg(&mp)
+            .arg(&pi)
+            .arg(&nw)
+            .arg(&eps)
+            .arg(&ss_in);
+        go(&mut b, cfg((i.div_ceil(8) as u32, p as u32, 1), 128), name)?;
+        let name = format!("moe_down_rows_sp{}", i / 256);
+        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&ap)
+            .arg(&dp)
+            .arg(&yp)
+            .arg(&rp)
+            .arg(&hi)
+            .arg(&ki)
+            .arg(&mp)
+            .arg(&wp)
+            .arg(&pi);
+        go(&mut b, cfg((h.div_ceil(8) as u32, 1, 1), 128), &name)?;
+        let ss = want_ss.then(|| row_sumsq(&y)).transpose()?;
+        return Ok((y, ss));
+    }
+    // 2..64 rows: every used expert's weights once for the rows routed to it.
+    let normed;
+    let h_in = match norm {
+        Some(nm) => {
+            normed = rms_apply(x, nm)?;
+            &normed
+        }
+        None => x,
+    };
+    let mt = t.div_ceil(16);
+    let slots = e.min(p) as u32;
+    let pair_out = alloc_bf16(&dev, (p, h))?;
+    let op = ptr(&pair_out)?;
+    let xp = ptr(h_in)?;
+    for (name, src, wgt, dst, n, kk) in [
+        (format!("moe_gate_up_mma_m{mt}"), xp, gp, ap, i, h),
+        (format!("moe_down_mma_m{mt}"), ap, dp, op, h, i),
+    ] {
+        let ks = k_splits(n / 8);
+        let (ni, kki, ksi) = (n as i32, kk as i32, ks as i32);
+        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&src)
+            .arg(&wgt)
+            .arg(&dst)
+            .arg(&ni)
+            .arg(&kki)
+            .arg(&ksi)
+            .arg(&mp)
+            .arg(&pi);
+        go(
+            &mut b,
+            cfg(((n / 8).div_ceil(4 / ks) as u32, slots, 1), 128),
+            &name,
+        )?;
+    }
+    let ss = if want_ss {
+        Some(alloc_f32(&dev, t)?)
+    } else {
+        None
+    };
+    let sp = opt_ptr(ss.as_ref())?;
+    let f = dev.get_or_load_custom_func("moe_combine", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&op)
+        .arg(&rp)
+        .arg(&yp)
+        .arg(&sp)
+        .arg(&hi)
+        .arg(&ki)
+        .arg(&mp)
+        .arg(&wp)
+        .arg(&pi);
+    go(&mut b, cfg((t as u32, 1, 1), 256), "moe_combine")?;
+    Ok((y, ss))
+}
+
+/// The whole block on the device for `x: [t, H]` (any `t`, in pieces of [`MOE_MAX_ROWS`]):
+/// `norm(x)` (RMSNorm with `norm`'s weight, or x itself), the router, the routing, the
+/// experts, `+ resid`. Returns `(y, ss)` as [`moe_experts`].
+pub fn moe_block(
+    x: &Tensor,
+    norm: Option<RowNorm<'_>>,
+    w: &MoeWeights<'_>,
+    resid: Option<&Tensor>,
+    want_ss: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let t = x.dims2()?.0;
+    if t <= MOE_MAX_ROWS {
+        return moe_piece(x, norm, w, resid, want_ss);
+    }
+    let (mut ys, mut sss) = (Vec::new(), Vec::new());
+    for start in (0..t).step_by(MOE_MAX_ROWS) {
+        let n = MOE_MAX_ROWS.min(t - start);
+        let ss = norm
+            .and_then(|nm| nm.ss)
+            .map(|s| s.narrow(0, start, n))
+            .transpose()?;
+        let nm = norm.map(|nm| RowNorm {
+            ss: ss.as_ref(),
+            ..nm
+        });
+        let r = resid.map(|r| r.narrow(0, start, n)).transpose()?;
+        let (y, s) = moe_piece(&x.narrow(0, start, n)?, nm, w, r.as_ref(), want_ss)?;
+        ys.push(y);
+        sss.extend(s);
+    }
+    let ss = want_ss.then(|| Tensor::cat(&sss, 0)).transpose()?;
+    Ok((Tensor::cat(&ys, 0)?, ss))
+}
+
+fn moe_piece(
+    x: &Tensor,
+    norm: Option<RowNorm<'_>>,
+    w: &MoeWeights<'_>,
+    resid: Option<&Tensor>,
+    want_ss: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    if x.dims2()?.0 == 1 {
+        // The one-row GEMV applies the norm itself; so does the gate/up kernel.
+        let logits = gemv(x, w.router, norm)?;
+        let routing = moe_route(&logits, w.top_k, w.norm_topk_prob)?;
+        return moe_experts(x, norm, w, &routing, resid, want_ss);
+    }
+    let h = match norm {
+        Some(nm) => rms_apply(x, nm)?,
+        None => x.clone(),
+    };
+    let logits = gemv(&h, w.router, None)?;
+    let routing = moe_route(&logits, w.top_k, w.norm_topk_prob)?;
+    moe_experts(&h, None, w, &routing, resid, want_ss)
+}

@@ -1,0 +1,184 @@
+//! `gpu-check cuda <out.json> --moe`: the sparse-MoE block on the device (`cuda/moe.rs`)
+//! against the plain block (`layers/moe.rs`, routing on the host), all at the
+//! Qwen3-Coder-30B-A3B block shape (hidden 2048, 128 experts, top 8 renormalised, width 768)
+//! with random weights (bf16, and their exact f32 copy).
+//! 1. Routing: the routing kernel on the plain block's own router logits (f32, and bf16 as
+//!    the bf16 block makes them) against `layers::moe::route` on the same logits: every row's
+//!    experts must be the host's, in order, and the weights within 1e-6.
+//! 2. Block, 1 / 2 / 16 / 64 / 100 rows, with a residual: the device experts under the plain
+//!    block's routing (only f32 summation order differs: pass at 1e-2 of the largest output),
+//!    and the whole device block (its own router GEMV), each against the plain bf16 block
+//!    (reported beside both against the plain f32 block: f32 logits route some rows
+//!    differently, so that figure is the bf16 noise floor, not a pass criterion); then a
+//!    deliberately wrong block (top-k weights not renormalised) that must fail the tolerance.
+//! 3. A 4-layer `qwen3_moe` target of that shape (`moe_forward.rs`): its fused forward (eager
+//!    and step graphs) against its plain path, and the 48-layer benchmark.
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use dflash_common::MoeConfig;
+use dflash_models::cuda::{self, MoeWeights};
+use dflash_models::layers::moe::{route, SparseMoe};
+use dflash_models::layers::ops::linear;
+use dflash_models::random::WeightRng;
+use serde_json::{json, Value};
+
+use crate::time_ms;
+
+/// Passing tolerances of a block's output against the plain one: the largest |device - plain|
+/// over the largest |plain| (2-4 bf16 ulps of the largest outputs: the expert sums run in
+/// another f32 order, which flips some bf16 roundings, and each of the k + 1 rounded additions
+/// after them can carry a flip on), and the mean |device - plain| over the mean |plain| (one
+/// misrouted expert in one of 16 rows moves it about 5e-3; rounding flips about 2e-4).
+pub const TOL: f32 = 2e-2;
+pub const MEAN_TOL: f32 = 1e-3;
+
+pub fn coder_block() -> MoeConfig {
+    MoeConfig {
+        num_experts: 128,
+        num_experts_per_tok: 8,
+        moe_intermediate_size: 768,
+        shared_expert_intermediate_size: None,
+        norm_topk_prob: true,
+    }
+}
+
+/// max |a - b| / max |b|.
+fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
+    Ok(errs(a, b)?[0])
+}
+
+/// [max |a - b| / max |b|, mean |a - b| / mean |b|].
+fn errs(a: &Tensor, b: &Tensor) -> Result<[f32; 2]> {
+    let a = a.to_dtype(DType::F32)?;
+    let b = b.to_dtype(DType::F32)?;
+    let d = (&a - &b)?.abs()?;
+    let babs = b.abs()?;
+    let max = d.max_all()?.to_scalar::<f32>()? / babs.max_all()?.to_scalar::<f32>()?;
+    let mean = d.mean_all()?.to_scalar::<f32>()? / babs.mean_all()?.to_scalar::<f32>()?;
+    Ok([max, mean])
+}
+
+fn within(e: [f32; 2]) -> bool {
+    e[0] <= TOL && e[1] <= MEAN_TOL
+}
+
+/// Routing kernel against the host on the same logits: (rows whose top-k differ, largest
+/// weight difference).
+fn route_check(logits: &Tensor, k: usize, norm: bool) -> Result<(usize, f32)> {
+    let dev_routes = cuda::moe_route(logits, k, norm)?.to_host()?;
+    let host_logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let (mut bad, mut werr) = (0, 0f32);
+    for (row, got) in host_logits.iter().zip(&dev_routes) {
+        let want = route(row, k, norm);
+        if want.iter().map(|x| x.0).ne(got.iter().map(|x| x.0)) {
+            bad += 1;
+        }
+        for (w, g) in want.iter().zip(got) {
+            werr = werr.max((w.1 - g.1).abs());
+        }
+    }
+    Ok((bad, werr))
+}
+
+pub fn block_check(dev: &Device) -> Result<Value> {
+    let cfg = coder_block();
+    let h = 2048;
+    let mut rng = WeightRng::on_device().rounded_to(DType::BF16);
+    let f32_block = SparseMoe::random(&mut rng, &cfg, h, DType::F32, dev)?;
+    let bf16_block = f32_block.to_dtype(DType::BF16)?;
+    let stacked = bf16_block
+        .clone()
+        .stack_experts()?
+        .ok_or_else(|| anyhow::anyhow!("no shared expert here"))?;
+    let weights = |norm: bool, k: usize| MoeWeights {
+        router: &stacked.router,
+        gate_up: &stacked.gate_up,
+        down: &stacked.down,
+        top_k: k,
+        norm_topk_prob: norm,
+    };
+    let mut res = serde_json::Map::new();
+    let mut pass = true;
+    for t in [1usize, 2, 16, 64, 100] {
+        let x = rng.normal(&[t, h], 0.0, 1.0, DType::BF16, dev)?;
+        let resid = rng.normal(&[t, h], 0.0, 1.0, DType::BF16, dev)?;
+        let x32 = x.to_dtype(DType::F32)?;
+        let plain = (&resid + bf16_block.forward(&x)?)?;
+        let plain32 = (resid.to_dtype(DType::F32)? + f32_block.forward(&x32)?)?;
+        let mut row = serde_json::Map::new();
+        if t <= cuda::MOE_MAX_ROWS {
+            // 1. Routing on the plain path's own logits.
+            let l32 = linear(&x32, f32_block.router())?;
+            let l16 = linear(&x, bf16_block.router())?;
+            let (bad32, w32) = route_check(&l32, 8, true)?;
+            let (bad16, w16) = route_check(&l16, 8, true)?;
+            let (bad_nonorm, w_nonorm) = route_check(&l16, 8, false)?;
+            pass &= bad32 == 0 && bad16 == 0 && bad_nonorm == 0;
+            pass &= w32 <= 1e-6 && w16 <= 1e-6 && w_nonorm <= 1e-6;
+            row.insert(
+                "routing_rows_differing_f32_bf16_unnormalised".into(),
+                json!([bad32, bad16, bad_nonorm]),
+            );
+            row.insert(
+                "routing_max_weight_err_f32_bf16_unnormalised".into(),
+                json!([w32, w16, w_nonorm]),
+            );
+            // 2a. The experts under the plain block's routing.
+            let routing = cuda::moe_route(&l16, 8, true)?;
+            row.insert("experts_used".into(), json!(routing.experts_used()?));
+            let (y, _) =
+                cuda::moe_experts(&x, None, &weights(true, 8), &routing, Some(&resid), false)?;
+            let e = errs(&y, &plain)?;
+            pass &= within(e);
+            row.insert(
+                "same_routing_max_mean_rel_err_vs_plain_bf16".into(),
+                json!(e),
+            );
+        }
+        // 2b. The whole block on the device, its own router GEMV.
+        let (y, ss) = cuda::moe_block(&x, None, &weights(true, 8), Some(&resid), t > 1)?;
+        let e16 = errs(&y, &plain)?;
+        let e32 = errs(&y, &plain32)?;
+        let plain_vs_f32 = errs(&plain, &plain32)?;
+        // Against f32 only for information: f32 router logits route a few rows differently
+        // from bf16 ones (the plain bf16 block shows the same against f32).
+        pass &= within(e16);
+        row.insert("block_max_mean_rel_err_vs_plain_bf16".into(), json!(e16));
+        row.insert("block_max_mean_rel_err_vs_plain_f32".into(), json!(e32));
+        row.insert(
+            "plain_bf16_max_mean_rel_err_vs_f32".into(),
+            json!(plain_vs_f32),
+        );
+        if let Some(ss) = ss {
+            let want = y.to_dtype(DType::F32)?.sqr()?.sum(1)?;
+            let e = rel_err(&ss, &want)?;
+            pass &= e <= 1e-4;
+            row.insert("row_sumsq_rel_err".into(), json!(e));
+        }
+        // 2c. Deliberately wrong: the weights left unnormalised must fail.
+        let (bad, _) = cuda::moe_block(&x, None, &weights(false, 8), Some(&resid), false)?;
+        let e_bad = errs(&bad, &plain)?;
+        let fails = !within(e_bad);
+        pass &= fails;
+        row.insert("wrong_unnormalised_rel_err".into(), json!(e_bad));
+        row.insert("wrong_case_fails".into(), json!(fails));
+        // Timings: the device block against the plain block (host routing).
+        if t == 1 || t == 16 {
+            let dev_ms = time_ms(dev, 20, || {
+                cuda::moe_block(&x, None, &weights(true, 8), Some(&resid), false)?;
+                Ok(())
+            })?;
+            let plain_ms = time_ms(dev, 5, || {
+                (&resid + bf16_block.forward(&x)?)?;
+                Ok(())
+            })?;
+            row.insert("device_ms".into(), json!(dev_ms));
+            row.insert("plain_ms".into(), json!(plain_ms));
+        }
+        res.insert(format!("rows_{t}"), Value::Object(row));
+    }
+    res.insert("tolerance_max_mean_rel".into(), json!([TOL, MEAN_TOL]));
+    res.insert("pass".into(), json!(pass));
+    Ok(Value::Object(res))
+}
