@@ -205,6 +205,7 @@ def interference(base, streams, long_len, output_len, vocab, seed, timeout):
     steady_from = time.perf_counter()
     time.sleep(2.0)
     long_ids = [rng.randrange(10, vocab) for _ in range(long_len)]
+    t0_unix = time.time()
     t0 = time.perf_counter()
     long_times = []
     status = stream_times(base, long_ids, 1, timeout, long_times)
@@ -220,9 +221,14 @@ def interference(base, streams, long_len, output_len, vocab, seed, timeout):
     steady = [g for p in per for (a, _), (b, n) in zip(p, p[1:]) if steady_from <= a and b <= t0
               for g in [(b - a) / n] * n]
     during = gaps(t0, t1)
+    # The largest gaps: (ms per token, ms after the long prompt was sent, stream), to find
+    # the server's step that made them (its step log, RUST_LOG=dflash_serve::steps=debug).
+    top = sorted(((b - a) / n * 1e3, (a - t0) * 1e3, i) for i, p in enumerate(per)
+                 for (a, _), (b, n) in zip(p, p[1:]) if a < t1 and b > t0)[-10:][::-1]
     pct = lambda xs: {k: (v * 1e3 if v is not None else None) for k, v in percentiles(xs).items()}
     med = percentiles(steady)["p50"]
     return {"streams": streams, "long_prompt_tokens": long_len, "long_status": status,
+            "long_sent_unix": t0_unix, "largest_gaps_ms_at_ms_stream": top,
             "long_prefill_ms": (t1 - t0) * 1e3, "steady_itl_ms": pct(steady),
             "itl_during_prefill_ms": pct(during) | {"max": max(during) * 1e3 if during else None},
             "max_during_over_steady_p50": (max(during) / med) if during and med else None}
