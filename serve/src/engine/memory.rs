@@ -61,34 +61,6 @@ pub fn pool_tokens(
     (budget / bytes_per_token as f64) as usize
 }
 
-/// Keeps memory freed into the CUDA device's default pool (what candle allocates from, with
-/// `cuMemAllocAsync`) instead of giving it back to the driver at every synchronisation: the
-/// pool's release threshold is 0 by default, so every uncaptured step (a prefill, a step that
-/// mixes a prompt's piece with decoding rows) mapped its activations' memory again. The pool
-/// then holds the activations' high-water mark, which `--mem-fraction-static` leaves room
-/// for. Called once the K/V pool is allocated (so its sizing sees the loader's freed memory
-/// as free). A no-op off CUDA.
-pub fn keep_freed_device_memory(device: &candle_core::Device) -> Result<(), String> {
-    #[cfg(feature = "cuda")]
-    if let candle_core::Device::Cuda(cd) = device {
-        use candle_core::cuda_backend::cudarc::driver::{result, sys};
-        let dev = cd.cuda_stream().context().cu_device();
-        let mut threshold = u64::MAX;
-        // SAFETY: `dev` comes from a live context; the attribute takes a u64 (CUDA docs).
-        unsafe {
-            let pool = result::device::get_default_mem_pool(dev).map_err(|e| e.to_string())?;
-            result::mem_pool::set_attribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut threshold as *mut u64).cast(),
-            )
-            .map_err(|e| e.to_string())?;
-        }
-    }
-    let _ = device;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

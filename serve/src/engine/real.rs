@@ -207,12 +207,6 @@ impl RealEngine {
                 ),
             })?;
         let pool_tokens = engine.kv_pool_tokens();
-        // DFLASH_CUDA_RELEASE_FREED (any value): the driver's default, to measure against.
-        if std::env::var_os("DFLASH_CUDA_RELEASE_FREED").is_none() {
-            if let Err(e) = super::memory::keep_freed_device_memory(&device) {
-                tracing::warn!("CUDA memory pool: freed memory goes back to the driver at every synchronisation ({e})");
-            }
-        }
         if config.disable_radix_cache {
             tracing::info!("prefix cache (radix cache): off (--disable-radix-cache)");
         } else {

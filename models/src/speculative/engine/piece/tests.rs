@@ -125,6 +125,21 @@ fn tokens_within_is_the_largest_count_that_fits() {
 }
 
 #[test]
+fn pieces_are_cut_to_whole_row_quanta_unless_that_leaves_too_few() {
+    assert_eq!(aligned(100, 16, MIN_PIECE), 96);
+    assert_eq!(aligned(256, 16, MIN_PIECE), 256, "272 rows already");
+    assert_eq!(aligned(20, 16, MIN_PIECE), 16);
+    assert_eq!(aligned(16, 17, MIN_PIECE), 16, "15 would be under the floor");
+    assert_eq!(aligned(5, 20, 0), 5, "nothing to cut down to");
+    assert_eq!(aligned(40, 20, 0), 28);
+    for n in 1..300 {
+        let a = aligned(n, 3, MIN_PIECE);
+        assert!(a <= n && (a == n || (3 + a) % ROW_QUANTUM == 0), "{n} -> {a}");
+        assert!(a >= aligned(n - 1, 3, MIN_PIECE).min(a), "monotone");
+    }
+}
+
+#[test]
 fn calibration_follows_measured_steps_and_ignores_one_off_stalls() {
     let mut cal = Calibration::default();
     assert_eq!((cal.decode, cal.piece), (1.0, 1.0));
@@ -220,6 +235,10 @@ fn an_engine_sizes_pieces_by_cost_and_the_tokens_stay_those_of_each_request_alon
         assert_eq!(sizes.iter().sum::<usize>(), long.len(), "{case}");
         assert!(sizes.iter().all(|&n| n > 0 && n <= cap.min(chunk.unwrap_or(cap))), "{case}");
         assert!(sizes.windows(2).all(|w| w[1] <= w[0]), "{case}");
+        // One decoding row: a piece that is not the prompt's last fills whole row quanta
+        // unless it is near the floor.
+        let head = &sizes[..sizes.len() - 1];
+        assert!(head.iter().all(|&n| (1 + n) % ROW_QUANTUM == 0 || n < 2 * ROW_QUANTUM - 1), "{case}");
         assert!(sizes[0] > MIN_PIECE && *sizes.last().unwrap() < sizes[0], "{case}");
     }
 }
