@@ -152,7 +152,7 @@ pub struct Args {
     /// tokens; calibrated from measured steps) within this many of their decode steps, so a
     /// long prompt arriving at a busy server stretches their inter-token latency about this
     /// much; 0: pieces of --prefill-tokens-while-decoding only [default: 2.0]
-    #[arg(long, help_heading = "Scheduling")]
+    #[arg(long, allow_negative_numbers = true, help_heading = "Scheduling")]
     pub mixed_step_budget: Option<f64>,
     /// Prefill in a forward of its own instead of in the running requests' decode and
     /// verify forward (SGLang's mixed chunk, which is on by default here:

@@ -175,8 +175,6 @@ fn a_prompt_arriving_while_others_decode_is_prefilled_in_the_smaller_budget() {
     let mut e = Engine::new(t.clone(), None, config());
     e.set_chunked_prefill(Some(4096));
     e.set_prefill_while_decoding(Some(30));
-    // The bound alone (the cost budget, on by default, is tested in the engine's unit tests).
-    e.set_mixed_step_budget(None);
     // Nothing decodes yet: the whole 100-token prompt is prefilled in the first step.
     let first = e.add(request(&long, 40, Algorithm::Plain)).unwrap();
     assert!(e.step().unwrap().iter().any(|ev| ev.id == first));

@@ -26,9 +26,10 @@ pub use crate::speculative::request::{
     Algorithm, EngineConfig, EngineError, FinishReason, GenerationRequest, SeqEvent,
 };
 
-/// [`Engine::set_mixed_step_budget`] unless set: a step that prefills beside decoding
-/// sequences is sized to cost about two of their decode steps, so their inter-token latency
-/// stays near 2x (the issue's bound is 3x; the rest is the model's error and the host).
+/// The server's [`Engine::set_mixed_step_budget`] unless set (`--mixed-step-budget`): a step
+/// that prefills beside decoding sequences is sized to cost about two of their decode steps, so
+/// their inter-token latency stays near 2x (issue 17's bound is 3x; the rest is for the
+/// model's error and the host).
 pub const DEFAULT_MIXED_STEP_BUDGET: f64 = 2.0;
 
 /// Smallest cache a sequence gets, in rows ([`Engine::cache_capacity`]).
@@ -130,7 +131,7 @@ impl Engine {
             prefill_while_decoding: None,
             mixed_prefill: true,
             mixed_steps: 0,
-            step_budget: Some(DEFAULT_MIXED_STEP_BUDGET),
+            step_budget: None,
             cost,
             calibration: None,
             last_step: piece::StepReport::default(),
@@ -161,7 +162,8 @@ impl Engine {
     /// estimated cost within `budget` decode steps of the running batch (`engine/piece.rs`
     /// has the cost model); the first piece gets at least a few tokens, and the bound of
     /// [`Engine::set_prefill_while_decoding`] and the chunk size still cap them. `None`: the
-    /// fixed pieces of that bound (fewer deep into a long prompt) alone. Outputs do not change.
+    /// fixed pieces of that bound (fewer deep into a long prompt) alone, the default. Outputs
+    /// do not change.
     pub fn set_mixed_step_budget(&mut self, budget: Option<f64>) {
         self.step_budget = budget.filter(|b| b.is_finite() && *b > 1.0);
     }

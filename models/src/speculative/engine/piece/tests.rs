@@ -91,8 +91,11 @@ fn pieces_shrink_with_position_never_vanish_and_finish_the_prompt() {
     let p = pieces(&c, 2.0, rows, cached, 256, 32_768);
     assert_eq!(p.iter().sum::<usize>(), 32_768);
     assert!(p.windows(2).all(|w| w[1] <= w[0]), "non-increasing: {p:?}");
-    assert_eq!(p[0], 256, "the start of a prompt is cheap: the cap binds");
-    let last = *p.last().unwrap();
+    // The start of a prompt costs its rows alone: ~230 tokens fit in one decode step.
+    assert!((200..=256).contains(&p[0]), "{}", p[0]);
+    assert_eq!(pieces(&c, 3.0, rows, cached, 256, 32_768)[0], 256, "the cap binds");
+    // (The last piece is what was left.)
+    let last = p[p.len() - 2];
     assert!((16..=32).contains(&last), "~20 tokens at 32K positions, got {last}");
     // Every step within the bound (no piece needed the floor here).
     let bound = 2.0 * c.decode(rows, cached);
@@ -150,8 +153,9 @@ fn calibration_follows_measured_steps_and_ignores_one_off_stalls() {
     }
     assert!((cal.decode - 1.5).abs() < 1e-3, "{}", cal.decode);
     // A graph capture (0.5 s) moves it by at most a tenth of 3x.
+    let before = cal.decode;
     cal.observe_decode(0.5, 0.006);
-    assert!(cal.decode < 1.5 + 0.1 * 3.0, "{}", cal.decode);
+    assert!(cal.decode <= before + 0.1 * (3.0 * before - before) + 1e-12, "{}", cal.decode);
     // Mixed steps: the time past the decode reference over the pieces' estimate.
     let mut cal = Calibration::default();
     cal.observe_decode(0.006, 0.006);
@@ -184,6 +188,7 @@ fn engine() -> Engine {
             seed: 0,
         },
     );
+    e.set_mixed_step_budget(Some(2.0));
     // Rates for the tiny target (f32: 81,920 weight bytes, 36,864 FLOPs a token, 256 a pair)
     // under which a decode step is ~87K "seconds" and a piece token 1,000 + 10 per position
     // before it: pieces of the cap at the start, down to the floor by ~400 positions.
