@@ -386,7 +386,7 @@ impl ServeConfig {
         };
         let mixed_step_budget = match args.mixed_step_budget {
             None => Some(dflash_models::speculative::DEFAULT_MIXED_STEP_BUDGET),
-            Some(b) if b == 0.0 => None,
+            Some(0.0) => None,
             Some(b) if b.is_finite() && b > 1.0 => Some(b),
             Some(b) => {
                 return Err(ConfigError::BadValue {

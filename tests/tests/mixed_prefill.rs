@@ -134,7 +134,10 @@ fn mixed_steps_give_the_tokens_of_separate_prefills_and_of_each_request_alone() 
         budgeted.set_mixed_step_budget(Some(2.0));
         budgeted.calibrate_step_costs(true);
         let budgeted_out = run(&mut budgeted, &reqs);
-        assert!(budgeted.mixed_steps() >= mixed.mixed_steps(), "{algorithm:?}");
+        assert!(
+            budgeted.mixed_steps() >= mixed.mixed_steps(),
+            "{algorithm:?}"
+        );
         assert_eq!(budgeted_out, alone, "{algorithm:?}: cost-sized pieces");
     }
 }

@@ -20,10 +20,10 @@ use tokio::sync::{mpsc as tmpsc, oneshot, watch};
 
 use super::admission::NewTokenRatio;
 use super::handle::{Command, Submission};
-use super::steplog::StepClock;
 pub use super::handle::{
     EngineFailure, EngineHandle, EngineStats, SchedulerLimits, SeqUpdate, StatsSnapshot,
 };
+use super::steplog::StepClock;
 use super::{EngineRequest, EngineSampling, SeqId, StepEngine, StepEvent};
 use crate::memory::Trimmer;
 use crate::metrics::ServerMetrics;

@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use super::piece::{self, StepReport};
+use super::piece::StepReport;
 use super::{isolate, Engine, EngineError, Sequence};
 use crate::speculative::request::SeqEvent;
 
@@ -151,7 +151,8 @@ impl Engine {
             return None;
         }
         let scale = self.calibration.unwrap_or_default().piece;
-        let left = (budget - 1.0) * self.last_step.decode_estimate - scale * self.cost.mixed_fixed();
+        let left =
+            (budget - 1.0) * self.last_step.decode_estimate - scale * self.cost.mixed_fixed();
         Some((left, scale))
     }
 
@@ -164,7 +165,11 @@ impl Engine {
             .iter()
             .map(|&(n, from)| cost.piece(n, from))
             .sum::<f64>()
-            + if r.chunks.is_empty() { 0.0 } else { cost.mixed_fixed() };
+            + if r.chunks.is_empty() {
+                0.0
+            } else {
+                cost.mixed_fixed()
+            };
         let decode = cost.decode(r.decode_rows, r.cached);
         let Some(cal) = self.calibration.as_mut() else {
             r.estimate = r.decode_estimate + pieces;
@@ -177,17 +182,4 @@ impl Engine {
             cal.observe_mixed(r.seconds, decode, pieces);
         }
     }
-}
-
-/// The tokens of a piece at positions `from..` of at most `max` tokens that fit in `left`
-/// seconds at `scale` (at least `floor`); see `engine/piece.rs`.
-pub(super) fn sized_piece(
-    cost: &piece::StepCost,
-    scale: f64,
-    from: usize,
-    max: usize,
-    left: f64,
-    floor: usize,
-) -> usize {
-    piece::tokens_within(|k| scale * cost.piece(k, from), max, left, floor)
 }

@@ -76,7 +76,10 @@ impl CostShape {
     /// A Qwen3 target, dense or MoE, with weights of `dtype_bytes` bytes.
     pub fn qwen3(cfg: &Qwen3Config, dtype_bytes: usize) -> Self {
         let (h, hd) = (cfg.hidden_size as f64, cfg.head_dim as f64);
-        let (nh, nkv) = (cfg.num_attention_heads as f64, cfg.num_key_value_heads as f64);
+        let (nh, nkv) = (
+            cfg.num_attention_heads as f64,
+            cfg.num_key_value_heads as f64,
+        );
         let attn = h * hd * (2.0 * nh + 2.0 * nkv);
         let dense_mlp = 3.0 * h * cfg.intermediate_size as f64;
         let (mut stored, mut active) = (0.0, 0.0);
@@ -84,7 +87,8 @@ impl CostShape {
             let (s, a) = match &cfg.moe {
                 Some(m) if m.is_sparse(i) => {
                     let expert = 3.0 * h * m.block.moe_intermediate_size as f64;
-                    let shared = 3.0 * h * m.block.shared_expert_intermediate_size.unwrap_or(0) as f64;
+                    let shared =
+                        3.0 * h * m.block.shared_expert_intermediate_size.unwrap_or(0) as f64;
                     (
                         expert * m.block.num_experts as f64 + shared,
                         expert * m.block.num_experts_per_tok as f64 + shared,
@@ -110,10 +114,19 @@ impl CostShape {
     /// the rows; only its full-attention layers cost per pair).
     pub fn hybrid(cfg: &HybridConfig, dtype_bytes: usize) -> Self {
         let (h, hd) = (cfg.hidden_size as f64, cfg.head_dim as f64);
-        let (nh, nkv) = (cfg.num_attention_heads as f64, cfg.num_key_value_heads as f64);
+        let (nh, nkv) = (
+            cfg.num_attention_heads as f64,
+            cfg.num_key_value_heads as f64,
+        );
         let full = h * hd * (2.0 * nh + 2.0 * nkv);
-        let (kd, vd) = (cfg.linear_key_head_dim as f64, cfg.linear_value_head_dim as f64);
-        let (nk, nv) = (cfg.linear_num_key_heads as f64, cfg.linear_num_value_heads as f64);
+        let (kd, vd) = (
+            cfg.linear_key_head_dim as f64,
+            cfg.linear_value_head_dim as f64,
+        );
+        let (nk, nv) = (
+            cfg.linear_num_key_heads as f64,
+            cfg.linear_num_value_heads as f64,
+        );
         let linear = h * (2.0 * nk * kd + 2.0 * nv * vd + 2.0 * nv) + nv * vd * h;
         let dense_mlp = 3.0 * h * cfg.intermediate_size as f64;
         let (mut stored, mut active, mut attention_layers) = (0.0, 0.0, 0usize);
@@ -226,6 +239,19 @@ impl StepCost {
         let (n, p) = (n as f64, from as f64);
         let pairs = n * p + n * (n + 1.0) / 2.0;
         n * s.row_flops / r.gemm_flops + pairs * s.pair_flops / r.attn_flops
+    }
+
+    /// The most tokens, up to `max`, of a piece at positions `from..` whose cost at `scale`
+    /// fits in `left` seconds; at least `floor.min(max)`.
+    pub fn piece_within(
+        &self,
+        scale: f64,
+        from: usize,
+        max: usize,
+        left: f64,
+        floor: usize,
+    ) -> usize {
+        tokens_within(|k| scale * self.piece(k, from), max, left, floor)
     }
 
     /// t_mix: what carrying any piece adds to a step.

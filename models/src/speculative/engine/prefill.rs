@@ -152,14 +152,15 @@ impl Engine {
                 // The step's first piece always moves; later ones only within the budget.
                 let floor = if chunks.is_empty() { MIN_PIECE } else { 0 };
                 let rest = n;
-                n = super::mixed::sized_piece(&cost, *scale, from, n, *left, floor);
+                n = cost.piece_within(*scale, from, n, *left, floor);
                 if n == 0 {
                     break;
                 }
                 if n < prefill_target(s) - from {
                     // Few row counts per server (`piece::ROW_QUANTUM`); a prompt's last piece
                     // is what is left.
-                    let rows = self.last_step.decode_rows + chunks.iter().map(|c| c.n).sum::<usize>();
+                    let rows =
+                        self.last_step.decode_rows + chunks.iter().map(|c| c.n).sum::<usize>();
                     n = piece::aligned(n, rows, floor.min(rest));
                 }
                 *left -= *scale * cost.piece(n, from);

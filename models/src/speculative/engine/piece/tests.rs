@@ -40,7 +40,11 @@ fn h200_8b() -> StepCost {
 fn the_shape_of_qwen3_8b() {
     let s = CostShape::qwen3(&qwen3_8b(), 2);
     // 6.95B linear parameters + a 0.62B LM head, bf16.
-    assert!((s.weight_bytes / 1e9 - 15.15).abs() < 0.05, "{}", s.weight_bytes);
+    assert!(
+        (s.weight_bytes / 1e9 - 15.15).abs() < 0.05,
+        "{}",
+        s.weight_bytes
+    );
     assert!((s.row_flops / 1e9 - 13.9).abs() < 0.05, "{}", s.row_flops);
     assert_eq!(s.pair_flops, 4.0 * 128.0 * 32.0 * 36.0);
     assert_eq!(s.kv_bytes, 2.0 * 8.0 * 128.0 * 36.0 * 2.0);
@@ -71,7 +75,14 @@ fn the_default_rates_give_the_h200_mixed_steps() {
 
 /// The pieces a prompt of `len` tokens is prefilled in beside a batch of `rows` rows over
 /// `cached` positions, each step within `budget` decode steps (pieces capped at `cap`).
-fn pieces(c: &StepCost, budget: f64, rows: usize, cached: usize, cap: usize, len: usize) -> Vec<usize> {
+fn pieces(
+    c: &StepCost,
+    budget: f64,
+    rows: usize,
+    cached: usize,
+    cap: usize,
+    len: usize,
+) -> Vec<usize> {
     let left = (budget - 1.0) * c.decode(rows, cached) - c.mixed_fixed();
     let mut out = Vec::new();
     let mut from = 0;
@@ -93,10 +104,17 @@ fn pieces_shrink_with_position_never_vanish_and_finish_the_prompt() {
     assert!(p.windows(2).all(|w| w[1] <= w[0]), "non-increasing: {p:?}");
     // The start of a prompt costs its rows alone: ~230 tokens fit in one decode step.
     assert!((200..=256).contains(&p[0]), "{}", p[0]);
-    assert_eq!(pieces(&c, 3.0, rows, cached, 256, 32_768)[0], 256, "the cap binds");
+    assert_eq!(
+        pieces(&c, 3.0, rows, cached, 256, 32_768)[0],
+        256,
+        "the cap binds"
+    );
     // (The last piece is what was left.)
     let last = p[p.len() - 2];
-    assert!((16..=32).contains(&last), "~20 tokens at 32K positions, got {last}");
+    assert!(
+        (16..=32).contains(&last),
+        "~20 tokens at 32K positions, got {last}"
+    );
     // Every step within the bound (no piece needed the floor here).
     let bound = 2.0 * c.decode(rows, cached);
     let mut from = 0;
@@ -108,10 +126,15 @@ fn pieces_shrink_with_position_never_vanish_and_finish_the_prompt() {
     // A looser budget takes bigger pieces, fewer steps; the cap still holds.
     let loose = pieces(&c, 3.0, rows, cached, 256, 32_768);
     assert!(loose.len() < p.len());
-    assert!(pieces(&c, 3.0, rows, cached, 64, 32_768).iter().all(|&n| n <= 64));
+    assert!(pieces(&c, 3.0, rows, cached, 64, 32_768)
+        .iter()
+        .all(|&n| n <= 64));
     // A budget nothing fits in still moves MIN_PIECE tokens a step; a short rest goes whole.
     let tight = pieces(&c, 1.01, rows, cached, 256, 1000);
-    assert!(tight[..tight.len() - 1].iter().all(|&n| n == MIN_PIECE), "{tight:?}");
+    assert!(
+        tight[..tight.len() - 1].iter().all(|&n| n == MIN_PIECE),
+        "{tight:?}"
+    );
     assert_eq!(tight.iter().sum::<usize>(), 1000);
     assert_eq!(pieces(&c, 1.01, rows, cached, 256, 5), vec![5]);
 }
@@ -132,12 +155,19 @@ fn pieces_are_cut_to_whole_row_quanta_unless_that_leaves_too_few() {
     assert_eq!(aligned(100, 16, MIN_PIECE), 96);
     assert_eq!(aligned(256, 16, MIN_PIECE), 256, "272 rows already");
     assert_eq!(aligned(20, 16, MIN_PIECE), 16);
-    assert_eq!(aligned(16, 17, MIN_PIECE), 16, "15 would be under the floor");
+    assert_eq!(
+        aligned(16, 17, MIN_PIECE),
+        16,
+        "15 would be under the floor"
+    );
     assert_eq!(aligned(5, 20, 0), 5, "nothing to cut down to");
     assert_eq!(aligned(40, 20, 0), 28);
     for n in 1..300 {
         let a = aligned(n, 3, MIN_PIECE);
-        assert!(a <= n && (a == n || (3 + a) % ROW_QUANTUM == 0), "{n} -> {a}");
+        assert!(
+            a <= n && (a == n || (3 + a).is_multiple_of(ROW_QUANTUM)),
+            "{n} -> {a}"
+        );
         assert!(a >= aligned(n - 1, 3, MIN_PIECE).min(a), "monotone");
     }
 }
@@ -155,7 +185,11 @@ fn calibration_follows_measured_steps_and_ignores_one_off_stalls() {
     // A graph capture (0.5 s) moves it by at most a tenth of 3x.
     let before = cal.decode;
     cal.observe_decode(0.5, 0.006);
-    assert!(cal.decode <= before + 0.1 * (3.0 * before - before) + 1e-12, "{}", cal.decode);
+    assert!(
+        cal.decode <= before + 0.1 * (3.0 * before - before) + 1e-12,
+        "{}",
+        cal.decode
+    );
     // Mixed steps: the time past the decode reference over the pieces' estimate.
     let mut cal = Calibration::default();
     cal.observe_decode(0.006, 0.006);
@@ -163,7 +197,11 @@ fn calibration_follows_measured_steps_and_ignores_one_off_stalls() {
     assert!((cal.piece - 2.0).abs() < 1e-9, "{}", cal.piece);
     cal.observe_mixed(f64::NAN, 0.006, 0.005);
     cal.observe_mixed(0.004, 0.006, 0.005);
-    assert!(cal.piece > 1.0, "a step faster than its decode part says little: {}", cal.piece);
+    assert!(
+        cal.piece > 1.0,
+        "a step faster than its decode part says little: {}",
+        cal.piece
+    );
 }
 
 fn request(prompt: Vec<u32>, n: usize) -> GenerationRequest {
@@ -238,13 +276,25 @@ fn an_engine_sizes_pieces_by_cost_and_the_tokens_stay_those_of_each_request_alon
         let case = format!("mixed {mixed}, chunk {chunk:?}, cap {cap}: {sizes:?}");
         assert_eq!(got, (want_short.clone(), want_long.clone()), "{case}");
         assert_eq!(sizes.iter().sum::<usize>(), long.len(), "{case}");
-        assert!(sizes.iter().all(|&n| n > 0 && n <= cap.min(chunk.unwrap_or(cap))), "{case}");
+        assert!(
+            sizes
+                .iter()
+                .all(|&n| n > 0 && n <= cap.min(chunk.unwrap_or(cap))),
+            "{case}"
+        );
         assert!(sizes.windows(2).all(|w| w[1] <= w[0]), "{case}");
         // One decoding row: a piece that is not the prompt's last fills whole row quanta
         // unless it is near the floor.
         let head = &sizes[..sizes.len() - 1];
-        assert!(head.iter().all(|&n| (1 + n) % ROW_QUANTUM == 0 || n < 2 * ROW_QUANTUM - 1), "{case}");
-        assert!(sizes[0] > MIN_PIECE && *sizes.last().unwrap() < sizes[0], "{case}");
+        assert!(
+            head.iter()
+                .all(|&n| (1 + n).is_multiple_of(ROW_QUANTUM) || n < 2 * ROW_QUANTUM - 1),
+            "{case}"
+        );
+        assert!(
+            sizes[0] > MIN_PIECE && *sizes.last().unwrap() < sizes[0],
+            "{case}"
+        );
     }
 }
 
