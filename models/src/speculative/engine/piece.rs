@@ -26,9 +26,10 @@
 //!
 //! A step's pieces may cost `(budget - 1) * t_dec - t_mix`, i.e. the step at most `budget`
 //! decode steps. The first piece gets at least [`MIN_PIECE`] tokens (a prompt always moves);
-//! `--prefill-tokens-while-decoding` caps every piece and `--chunked-prefill-size` the step.
+//! `--prefill-tokens-while-decoding` caps every piece and `--chunked-prefill-size` the step; a
+//! piece that does not finish its prompt is cut to whole [`ROW_QUANTUM`]s of the step's rows.
 //!
-//! **Calibration** (on CUDA, [`Calibration`]): measured step times scale the estimates, the
+//! **Calibration** ([`Calibration`], `Engine::calibrate_step_costs`; the server turns it on): measured step times scale the estimates, the
 //! decode step by the ratio measured / estimated of steps that only decode, the piece terms by
 //! that of mixed steps (their time less the decode reference, over `t_mix + t_piece`); both are
 //! moving averages, so the model's constants only have to be right in their proportions.
