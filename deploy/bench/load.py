@@ -166,13 +166,18 @@ def run_level(base, concurrency, n, input_len, output_len, vocab, seed, timeout)
     }
 
 
-def stream_times(base, input_ids, output_len, timeout, times):
-    """One streaming request that appends (time, new tokens) per chunk to `times`."""
-    payload = {"input_ids": input_ids, "stream": True,
-               "sampling_params": {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}}
+def stream_body(input_ids, output_len):
+    return json.dumps({"input_ids": input_ids, "stream": True, "sampling_params": {
+        "temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}}).encode()
+
+
+def stream_times(base, input_ids, output_len, timeout, times, body=None):
+    """One streaming request that appends (time, new tokens) per chunk to `times`; `body`:
+    the request already serialised (`stream_body`)."""
     c = connect(base, timeout)
     try:
-        c.request("POST", "/generate", body=json.dumps(payload), headers={"Content-Type": "application/json"})
+        body = body if body is not None else stream_body(input_ids, output_len)
+        c.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
         r = c.getresponse()
         last = 0
         for raw in r:
@@ -193,6 +198,11 @@ def interference(base, streams, long_len, output_len, vocab, seed, timeout):
     arrives. Reports the streams' inter-token latency before it (steady) and while it is
     prefilled (from its arrival to its first token), as SGLang's chunked prefill is judged."""
     rng = random.Random(seed)
+    # The long prompt and its body are made before anything is timed: making them holds
+    # Python's lock for ~30 ms, which stalled every stream's reader thread right before the
+    # long prompt was sent (a ~40 ms gap in every stream that the server's step log did not
+    # have; h200-2026-12-06-s16-interf).
+    long_body = stream_body([rng.randrange(10, vocab) for _ in range(long_len)], 1)
     per = [[] for _ in range(streams)]
     threads = [threading.Thread(target=stream_times, args=(
         base, [rng.randrange(10, vocab) for _ in range(512)], output_len, timeout, per[i]))
@@ -204,10 +214,10 @@ def interference(base, streams, long_len, output_len, vocab, seed, timeout):
         time.sleep(0.05)
     steady_from = time.perf_counter()
     time.sleep(2.0)
-    long_ids = [rng.randrange(10, vocab) for _ in range(long_len)]
+    t0_unix = time.time()
     t0 = time.perf_counter()
     long_times = []
-    status = stream_times(base, long_ids, 1, timeout, long_times)
+    status = stream_times(base, None, 1, timeout, long_times, body=long_body)
     t1 = long_times[0][0] if long_times else time.perf_counter()
     for t in threads:
         t.join()
@@ -220,9 +230,14 @@ def interference(base, streams, long_len, output_len, vocab, seed, timeout):
     steady = [g for p in per for (a, _), (b, n) in zip(p, p[1:]) if steady_from <= a and b <= t0
               for g in [(b - a) / n] * n]
     during = gaps(t0, t1)
+    # The largest gaps: (ms per token, ms after the long prompt was sent, stream), to find
+    # the server's step that made them (its step log, RUST_LOG=dflash_serve::steps=debug).
+    top = sorted(((b - a) / n * 1e3, (a - t0) * 1e3, i) for i, p in enumerate(per)
+                 for (a, _), (b, n) in zip(p, p[1:]) if a < t1 and b > t0)[-10:][::-1]
     pct = lambda xs: {k: (v * 1e3 if v is not None else None) for k, v in percentiles(xs).items()}
     med = percentiles(steady)["p50"]
     return {"streams": streams, "long_prompt_tokens": long_len, "long_status": status,
+            "long_sent_unix": t0_unix, "largest_gaps_ms_at_ms_stream": top,
             "long_prefill_ms": (t1 - t0) * 1e3, "steady_itl_ms": pct(steady),
             "itl_during_prefill_ms": pct(during) | {"max": max(during) * 1e3 if during else None},
             "max_during_over_steady_p50": (max(during) / med) if during and med else None}

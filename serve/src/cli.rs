@@ -141,12 +141,19 @@ pub struct Args {
     /// rule for the GPU (8192 on an H200), 4096 on the CPU]
     #[arg(long, allow_negative_numbers = true, help_heading = "Scheduling")]
     pub chunked_prefill_size: Option<i64>,
-    /// While other requests decode, a prompt with more tokens than this still to prefill is
-    /// prefilled this many per step (fewer past 4096 positions), so a long prompt arriving
-    /// at a busy server stretches their inter-token latency by a bounded amount; shorter
-    /// prompts go in whole; -1: only --chunked-prefill-size bounds a step [default: 256]
+    /// While other requests decode, at most this many prompt tokens of a prompt per step
+    /// (the pieces --mixed-step-budget sizes; with --mixed-step-budget 0 a prompt longer
+    /// than this goes in pieces of this many, fewer past 4096 positions, and a shorter one
+    /// whole); -1: only --chunked-prefill-size bounds a step [default: 256]
     #[arg(long, allow_negative_numbers = true, help_heading = "Scheduling")]
     pub prefill_tokens_while_decoding: Option<i64>,
+    /// While other requests decode, a step that prefills a prompt beside them gets as many of
+    /// its tokens as keep the step's estimated cost (weights and rows, attention's positions x
+    /// tokens; calibrated from measured steps) within this many of their decode steps, so a
+    /// long prompt arriving at a busy server stretches their inter-token latency about this
+    /// much; 0: pieces of --prefill-tokens-while-decoding only [default: 2.0]
+    #[arg(long, allow_negative_numbers = true, help_heading = "Scheduling")]
+    pub mixed_step_budget: Option<f64>,
     /// Prefill in a forward of its own instead of in the running requests' decode and
     /// verify forward (SGLang's mixed chunk, which is on by default here:
     /// --enable-mixed-chunk is accepted and changes nothing)

@@ -82,6 +82,8 @@ pub struct ServeConfig {
     pub chunked_prefill_size: Option<Option<usize>>,
     /// `--prefill-tokens-while-decoding`: `None` no bound beyond the chunk size (-1).
     pub prefill_tokens_while_decoding: Option<usize>,
+    /// `--mixed-step-budget`: `None` (0) sizes pieces by the bound above alone.
+    pub mixed_step_budget: Option<f64>,
     /// `--mem-fraction-static` (SGLang's meaning: weights + K/V pool over GPU memory); `None`
     /// takes SGLang's default for the GPU (`engine::memory`). No effect on the CPU.
     pub mem_fraction_static: Option<f64>,
@@ -382,6 +384,18 @@ impl ServeConfig {
                 })
             }
         };
+        let mixed_step_budget = match args.mixed_step_budget {
+            None => Some(dflash_models::speculative::DEFAULT_MIXED_STEP_BUDGET),
+            Some(0.0) => None,
+            Some(b) if b.is_finite() && b > 1.0 => Some(b),
+            Some(b) => {
+                return Err(ConfigError::BadValue {
+                    flag: "--mixed-step-budget",
+                    value: b.to_string(),
+                    reason: "must be more than 1 (decode steps a mixed step may cost), or 0 for fixed pieces".into(),
+                })
+            }
+        };
         if let Some(f) = args.mem_fraction_static {
             if !(f > 0.0 && f <= 1.0) {
                 return Err(ConfigError::BadValue {
@@ -476,6 +490,7 @@ impl ServeConfig {
             mem_fraction_static: args.mem_fraction_static,
             chunked_prefill_size,
             prefill_tokens_while_decoding,
+            mixed_step_budget,
             request_timeout,
             api_key: args.api_key.clone(),
             chat_template: args.chat_template.clone(),

@@ -378,6 +378,31 @@ fn chunked_prefill_size_takes_sglangs_values() {
 }
 
 #[test]
+fn mixed_step_budget_defaults_to_two_decode_steps_and_0_keeps_fixed_pieces() {
+    let budget = |argv: &[&str]| config(argv).map(|c| c.mixed_step_budget);
+    assert_eq!(budget(&[]), Ok(Some(2.0)));
+    assert_eq!(budget(&["--mixed-step-budget", "2.5"]), Ok(Some(2.5)));
+    assert_eq!(
+        budget(&["--mixed-step-budget", "0"]),
+        Ok(None),
+        "the fixed pieces"
+    );
+    for bad in ["1", "0.5", "-1", "inf"] {
+        let err = config(&["--mixed-step-budget", bad]).expect_err("refused");
+        assert!(
+            err.to_string().starts_with("--mixed-step-budget"),
+            "{bad}: {err}"
+        );
+    }
+    // The piece bound keeps working beside it.
+    let c = config(&["--prefill-tokens-while-decoding", "64"]).expect("ok");
+    assert_eq!(
+        (c.prefill_tokens_while_decoding, c.mixed_step_budget),
+        (Some(64), Some(2.0))
+    );
+}
+
+#[test]
 fn mem_fraction_static_must_be_a_fraction() {
     assert_eq!(
         config(&["--mem-fraction-static", "0.8"])

@@ -128,6 +128,17 @@ fn mixed_steps_give_the_tokens_of_separate_prefills_and_of_each_request_alone() 
         );
         assert_eq!(separate_out, alone, "{algorithm:?}: separate prefills");
         assert_eq!(mixed_out, alone, "{algorithm:?}: mixed steps");
+        // Pieces sized by the cost budget (the server's default) and calibrated from this
+        // machine's step times: never larger, often smaller, the same tokens.
+        let mut budgeted = engine(&t, true, None);
+        budgeted.set_mixed_step_budget(Some(2.0));
+        budgeted.calibrate_step_costs(true);
+        let budgeted_out = run(&mut budgeted, &reqs);
+        assert!(
+            budgeted.mixed_steps() >= mixed.mixed_steps(),
+            "{algorithm:?}"
+        );
+        assert_eq!(budgeted_out, alone, "{algorithm:?}: cost-sized pieces");
     }
 }
 

@@ -58,8 +58,10 @@ pub(crate) fn tiny_test_target(max_positions: usize, seed: u64) -> crate::Qwen3M
 }
 
 pub use constraint::Constraint;
+pub use engine::piece::StepReport;
 pub use engine::{
     Algorithm, Engine, EngineConfig, EngineError, FinishReason, GenerationRequest, SeqEvent,
+    DEFAULT_MIXED_STEP_BUDGET,
 };
 pub use mtp::MtpProposer;
 pub use oracle::{Noise, OracleProposer};

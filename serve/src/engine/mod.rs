@@ -9,6 +9,7 @@ pub mod admission;
 pub mod handle;
 pub mod memory;
 pub mod real;
+pub mod steplog;
 pub mod thread;
 
 use crate::grammar::CompiledGrammar;
@@ -193,6 +194,10 @@ pub trait StepEngine: Send + 'static {
     fn graph_replays(&self) -> u64 {
         0
     }
+    /// What the last step held and was estimated to take, for the step log (`steplog.rs`).
+    fn last_step(&self) -> Option<String> {
+        None
+    }
 }
 
 impl StepEngine for Box<dyn StepEngine> {
@@ -219,6 +224,9 @@ impl StepEngine for Box<dyn StepEngine> {
     }
     fn graph_replays(&self) -> u64 {
         (**self).graph_replays()
+    }
+    fn last_step(&self) -> Option<String> {
+        (**self).last_step()
     }
     fn flush_cache(&mut self) {
         (**self).flush_cache()

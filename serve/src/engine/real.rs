@@ -187,6 +187,9 @@ impl RealEngine {
         );
         engine.set_chunked_prefill(chunk);
         engine.set_prefill_while_decoding(config.prefill_tokens_while_decoding);
+        engine.set_mixed_step_budget(config.mixed_step_budget);
+        // Measured step times scale the piece cost model to this device and model.
+        engine.calibrate_step_costs(true);
         engine.set_mixed_prefill(!config.disable_mixed_chunk);
         // The prefix cache's drafter features come out of the K/V memory too.
         let feature_bytes = prefix_feature_budget(&engine, memory, config);
@@ -446,6 +449,21 @@ fn lowered(l: dflash_models::speculative::logprobs::TokenLogprob) -> crate::engi
 impl StepEngine for RealEngine {
     fn graph_replays(&self) -> u64 {
         self.engine.target().graph_replays()
+    }
+    fn last_step(&self) -> Option<String> {
+        let r = self.engine.last_step();
+        let chunks: Vec<String> = r.chunks.iter().map(|(n, at)| format!("{n}@{at}")).collect();
+        Some(format!(
+            "{} decoding ({} rows, {} cached), prefill [{}]{}, measured {:.2} ms, estimated {:.2} ms (decode step {:.2} ms)",
+            r.decode_seqs,
+            r.decode_rows,
+            r.cached,
+            chunks.join(" "),
+            if r.mixed { " mixed" } else { "" },
+            r.seconds * 1e3,
+            r.estimate * 1e3,
+            r.decode_estimate * 1e3
+        ))
     }
     fn add(&mut self, req: EngineRequest) -> Result<SeqId, AdmitError> {
         let s = &req.sampling;

@@ -23,6 +23,7 @@ use super::handle::{Command, Submission};
 pub use super::handle::{
     EngineFailure, EngineHandle, EngineStats, SchedulerLimits, SeqUpdate, StatsSnapshot,
 };
+use super::steplog::StepClock;
 use super::{EngineRequest, EngineSampling, SeqId, StepEngine, StepEvent};
 use crate::memory::Trimmer;
 use crate::metrics::ServerMetrics;
@@ -58,6 +59,7 @@ pub fn spawn_engine_thread<E: StepEngine>(
         steps_tx,
         graph_replays: 0,
         last_step_graph: false,
+        clock: StepClock::default(),
     };
     std::thread::Builder::new()
         .name("dflash-engine".into())
@@ -128,6 +130,7 @@ struct Worker<E> {
     /// The engine's graph replays after the last step, and whether that step replayed one.
     graph_replays: u64,
     last_step_graph: bool,
+    clock: StepClock,
 }
 
 struct Running {
@@ -496,7 +499,10 @@ impl<E: StepEngine> Worker<E> {
 
     fn step(&mut self) {
         let _span = tracing::debug_span!("engine_step", batch = self.running.len()).entered();
-        let events = match self.engine.step() {
+        self.clock.begin();
+        let stepped = self.engine.step();
+        self.clock.engine_done();
+        let events = match stepped {
             Ok(events) => events,
             Err(e) => {
                 tracing::error!("{e}; aborting {} running requests", self.running.len());
@@ -579,6 +585,8 @@ impl<E: StepEngine> Worker<E> {
                 self.release(id);
             }
         }
+        let engine = &self.engine;
+        self.clock.end(|| engine.last_step());
         let w = &mut self.window;
         w.steps += 1;
         w.tokens += tokens;

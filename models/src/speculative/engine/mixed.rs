@@ -7,6 +7,7 @@
 
 use std::time::Instant;
 
+use super::piece::StepReport;
 use super::{isolate, Engine, EngineError, Sequence};
 use crate::speculative::request::SeqEvent;
 
@@ -57,6 +58,7 @@ impl Engine {
             }
         };
         self.mixed_steps += 1;
+        self.last_step.mixed = true;
         let taps = self.taps();
         let t_verify = Instant::now();
         let ids: Vec<_> = round.ids.iter().copied().chain(prefill.ids()).collect();
@@ -125,4 +127,59 @@ fn round_and_chunks<'a>(
     let mut batch = round.forwards(ready);
     batch.extend(prefill.forwards(waiting, saved)?);
     Ok(batch)
+}
+
+impl Engine {
+    /// The step's report before it runs: the decoding batch as it stands.
+    pub(super) fn start_report(&mut self) {
+        let mut r = StepReport::default();
+        for s in self.seqs.iter().filter(|s| s.prefilled) {
+            r.decode_seqs += 1;
+            r.decode_rows += self.verify_width(s.req.algorithm);
+            r.cached += s.cache.len();
+        }
+        let scale = self.calibration.unwrap_or_default().decode;
+        r.decode_estimate = scale * self.cost.decode(r.decode_rows, r.cached);
+        self.last_step = r;
+    }
+
+    /// Seconds the step's pieces may cost, and the scale of their estimates: None when the
+    /// pieces are not sized by cost (no budget, or nothing decoding).
+    pub(super) fn piece_budget(&self) -> Option<(f64, f64)> {
+        let budget = self.step_budget?;
+        if self.last_step.decode_rows == 0 {
+            return None;
+        }
+        let scale = self.calibration.unwrap_or_default().piece;
+        let left =
+            (budget - 1.0) * self.last_step.decode_estimate - scale * self.cost.mixed_fixed();
+        Some((left, scale))
+    }
+
+    /// The step's estimate, and the calibration from its measured time.
+    pub(super) fn finish_report(&mut self) {
+        let cost = self.cost;
+        let r = &mut self.last_step;
+        let pieces: f64 = r
+            .chunks
+            .iter()
+            .map(|&(n, from)| cost.piece(n, from))
+            .sum::<f64>()
+            + if r.chunks.is_empty() {
+                0.0
+            } else {
+                cost.mixed_fixed()
+            };
+        let decode = cost.decode(r.decode_rows, r.cached);
+        let Some(cal) = self.calibration.as_mut() else {
+            r.estimate = r.decode_estimate + pieces;
+            return;
+        };
+        r.estimate = r.decode_estimate + cal.piece * pieces;
+        if r.decode_rows > 0 && r.chunks.is_empty() {
+            cal.observe_decode(r.seconds, decode);
+        } else if r.mixed {
+            cal.observe_mixed(r.seconds, decode, pieces);
+        }
+    }
 }

@@ -7,6 +7,7 @@
 
 use candle_core::Tensor;
 
+use super::piece::{self, MIN_PIECE};
 use super::{commit_tokens, Engine, EngineError, Sequence};
 use crate::batch::{ForwardOutput, SeqForward};
 use crate::error::ModelError;
@@ -126,6 +127,9 @@ impl Engine {
     pub(super) fn plan_prefill(&mut self) -> Result<Option<PrefillPlan>, EngineError> {
         let mut budget = self.prefill_chunk.unwrap_or(usize::MAX);
         let decoding = self.seqs.iter().any(|s| s.prefilled);
+        // Seconds the pieces may cost beside the decoding sequences (`engine/piece.rs`).
+        let mut seconds = self.piece_budget().filter(|_| decoding);
+        let cost = self.cost;
         let mut chunks: Vec<Chunk> = Vec::new();
         for i in self.by_age() {
             if self.seqs[i].prefilled || budget == 0 {
@@ -133,19 +137,39 @@ impl Engine {
             }
             self.resume_on_cached_prefix(i)?;
             let s = &self.seqs[i];
-            let mut n = (prefill_target(s) - s.prefill_done).min(budget);
+            let from = s.prefill_done;
+            let mut n = (prefill_target(s) - from).min(budget);
             if decoding {
-                if let Some(cap) = self.prefill_while_decoding {
-                    // A long prompt goes in pieces while others decode; a short one whole.
-                    if n > cap {
-                        n = long_prompt_piece(cap, s.prefill_done);
-                    }
+                match (self.prefill_while_decoding, seconds) {
+                    // The bound caps every piece; the cost budget sizes it.
+                    (Some(cap), Some(_)) => n = n.min(cap),
+                    // A long prompt goes in fixed pieces while others decode; a short one whole.
+                    (Some(cap), None) if n > cap => n = long_prompt_piece(cap, from),
+                    _ => {}
                 }
             }
-            if !self.reserve_rows(i, s.prefill_done + n)? {
+            if let Some((left, scale)) = seconds.as_mut() {
+                // The step's first piece always moves; later ones only within the budget.
+                let floor = if chunks.is_empty() { MIN_PIECE } else { 0 };
+                let rest = n;
+                n = cost.piece_within(*scale, from, n, *left, floor);
+                if n == 0 {
+                    break;
+                }
+                if n < prefill_target(s) - from {
+                    // Few row counts per server (`piece::ROW_QUANTUM`); a prompt's last piece
+                    // is what is left.
+                    let rows =
+                        self.last_step.decode_rows + chunks.iter().map(|c| c.n).sum::<usize>();
+                    n = piece::aligned(n, rows, floor.min(rest));
+                }
+                *left -= *scale * cost.piece(n, from);
+            }
+            if !self.reserve_rows(i, from + n)? {
                 break;
             }
             budget -= n;
+            self.last_step.chunks.push((n, from));
             let s = &self.seqs[i];
             // Pages for a chunk only ever come from newer sequences, which are planned after
             // it (oldest first): no planned chunk loses its pages to a later one.
