@@ -22,7 +22,9 @@ fn main() {
         "train_ops.cu",
         "gattn.cu",
         "splitk.cu",
+        "attn_step.cu",
         "common.cuh",
+        "norm_rope.cuh",
     ] {
         println!("cargo:rerun-if-changed=src/cuda/{f}");
     }
@@ -57,6 +59,7 @@ fn main() {
         ("train_ops.cu", "train_ops.ptx"),
         ("gattn.cu", "gattn.ptx"),
         ("splitk.cu", "splitk.ptx"),
+        ("attn_step.cu", "attn_step.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])

@@ -16,6 +16,7 @@ use candle_core::{bail, DType, Result, Tensor};
 use super::attn_plan::{
     attn_plan, one_stage_shared_bytes, runtime_plan, CHUNK_KEYS, MAX_SHARED_BYTES,
 };
+use super::attn_step::{step_attention, step_fits};
 use super::kernels::{QkvRows, CHUNK};
 use super::launch::{alloc_bf16, alloc_f32, cuda, go, opt_ptr, page_stride, ptr};
 
@@ -57,6 +58,12 @@ pub enum BatchKernel {
     Blocks3,
     /// `attn_decode_rt1_b4s1`: 128 registers, one stage.
     Blocks4OneStage,
+    /// `attn_step_s3` (attn_step.cu, one-token steps without a tree only: others keep
+    /// `Base`): the step kernel, 3 cp.async stages per warp; the target blocks 0 fill the
+    /// device once (`attn_plan::step_splits`).
+    Step3,
+    /// `attn_step_s2`: 2 stages per warp, 3 blocks per SM.
+    Step2,
 }
 
 /// The batched decode launch's kernel and the blocks it aims at (a measurement knob of
@@ -82,7 +89,7 @@ fn batch_launch() -> Result<(BatchKernel, usize)> {
 }
 
 /// Merge counters per device (each launch uses `kv_heads * sequences * row tiles` of them).
-const COUNTERS: usize = 16384;
+pub(super) const COUNTERS: usize = 16384;
 
 /// A device's split partials and merge counters, kept for the process's lifetime so that a
 /// launch adds no allocation or memset to a CUDA graph: launches on one device's stream run
@@ -99,7 +106,7 @@ struct Scratch {
 static SCRATCH: Mutex<Vec<Scratch>> = Mutex::new(Vec::new());
 
 /// Device addresses of at least `floats` f32 partials and [`COUNTERS`] zeroed counters.
-fn scratch(dev: &CudaDevice, like: &Tensor, floats: usize) -> Result<(u64, u64)> {
+pub(super) fn scratch(dev: &CudaDevice, like: &Tensor, floats: usize) -> Result<(u64, u64)> {
     let mut all = SCRATCH
         .lock()
         .map_err(|_| candle_core::Error::Msg("fused_attention: scratch lock poisoned".into()))?;
@@ -202,6 +209,7 @@ pub(crate) fn fused_attention_rt(
         eps,
     } = *rows;
     let (total, cap) = rows.check("fused_attention", true)?;
+    let new_rows = rows;
     let seqs = rows.seqs();
     let t = total / seqs;
     let pt_stride = page_stride(pages, seqs, "fused_attention")?;
@@ -240,6 +248,20 @@ pub(crate) fn fused_attention_rt(
         batch_launch()?
     } else {
         (BatchKernel::Base, BATCH_SPLIT_BLOCKS)
+    };
+    let stages = match kernel {
+        BatchKernel::Step3 => Some(3),
+        BatchKernel::Step2 => Some(2),
+        _ => None,
+    };
+    if let Some(stages) = stages {
+        if step_fits(seqs, t, nh, nkv, tree.is_some()) {
+            return step_attention(new_rows, stages, blocks);
+        }
+    }
+    let (kernel, blocks) = match stages {
+        Some(_) => (BatchKernel::Base, BATCH_SPLIT_BLOCKS),
+        None => (kernel, blocks),
     };
     let nsplit = if batched {
         (blocks / (nkv * tiles * seqs)).clamp(1, plan.nsplit)

@@ -97,6 +97,39 @@ pub(crate) fn runtime_plan(rows: usize, rt: Option<usize>) -> Result<AttnPlan, S
     })
 }
 
+/// Most key splits per (sequence, KV head) of a batched one-token step (`attn_step.cu`):
+/// the merge stages two floats per (split, query head) in the block's rings.
+pub(crate) const MAX_STEP_SPLITS: usize = 64;
+
+/// Shared memory of an `attn_step.cu` block with `stages` stages per warp: 4 warps x stages x
+/// {K, V} x 16 keys, then 16 q rows and the new K and V rows, every row `ROW_BYTES`.
+pub(crate) fn step_shared_bytes(stages: usize) -> usize {
+    4 * stages * 2 * 16 * ROW_BYTES + (16 + 2) * ROW_BYTES
+}
+
+/// A block's fixed cost (q rows, prologue loads, its partial and the merge) relative to the
+/// keys of one (sequence, KV head), in [`step_splits`]'s cost model.
+const STEP_BLOCK_COST: f64 = 0.1;
+
+/// Key splits per (sequence, KV head) of a batched one-token step over `pairs` (sequence,
+/// KV head) pairs, from the batch alone (the grid a CUDA graph keeps for every length).
+/// `blocks` > 0 aims at that many blocks in all; 0 fills `slots` (the device's SMs x the
+/// blocks one SM holds): the count with the least waves x (1 / splits + a block's fixed
+/// cost), the fewest splits among equals.
+pub(crate) fn step_splits(pairs: usize, slots: usize, blocks: usize) -> usize {
+    let pairs = pairs.max(1);
+    if blocks > 0 {
+        return (blocks / pairs).clamp(1, MAX_STEP_SPLITS);
+    }
+    let cost = |n: usize| step_cost(pairs, slots, n);
+    (2..=MAX_STEP_SPLITS).fold(1, |best, n| if cost(n) < cost(best) { n } else { best })
+}
+
+/// [`step_splits`]'s modelled time of `n` splits per pair.
+fn step_cost(pairs: usize, slots: usize, n: usize) -> f64 {
+    (pairs * n).div_ceil(slots.max(1)) as f64 * (1.0 / n as f64 + STEP_BLOCK_COST)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,5 +207,46 @@ mod tests {
         // A graph's plan over an 8K-key capacity: 130 one-chunk splits become 26 of 5.
         let p = attn_plan(4, (130, 1), None).unwrap();
         assert_eq!((p.nsplit, p.cps, p.stages), (26, 5, 2));
+    }
+
+    #[test]
+    fn step_splits_fill_the_slots_from_the_batch_alone() {
+        // 132 SMs x 2 blocks: B 16 / 32 / 64 of 8 KV heads; one wave where it fits, else
+        // the fewest splits.
+        assert_eq!(step_splits(128, 264, 0), 2);
+        assert_eq!(step_splits(256, 264, 0), 1);
+        assert_eq!(step_splits(512, 264, 0), 1);
+        // 48 sequences: 384 pairs; two splits are 3 waves of 264 (one split: 2 waves, idle half).
+        assert_eq!(step_splits(384, 264, 0), 2);
+        // Two sequences: 16 pairs fill 264 slots with 16 splits.
+        assert_eq!(step_splits(16, 264, 0), 16);
+        for pairs in [1usize, 8, 16, 100, 128, 256, 384, 512, 2048] {
+            for slots in [1usize, 132, 264, 396] {
+                let n = step_splits(pairs, slots, 0);
+                assert!((1..=MAX_STEP_SPLITS).contains(&n), "{pairs} {slots}: {n}");
+                for m in 1..=MAX_STEP_SPLITS {
+                    let (a, b) = (step_cost(pairs, slots, n), step_cost(pairs, slots, m));
+                    assert!(a <= b, "{pairs} {slots}: {n} vs {m}");
+                }
+            }
+        }
+        // A block target: blocks / pairs, at least one split, at most the merge's bound.
+        assert_eq!(step_splits(256, 264, 1024), 4);
+        assert_eq!(step_splits(512, 264, 256), 1);
+        assert_eq!(step_splits(8, 264, 1 << 20), MAX_STEP_SPLITS);
+    }
+
+    #[test]
+    fn step_blocks_fit_their_merge_and_the_sm() {
+        for stages in [2usize, 3] {
+            let rings = 4 * stages * 2 * 16 * ROW_BYTES;
+            // The warps' partials (4 x 16 heads x 128 f32 + max/sum) and the split merge's
+            // table (2 floats per split and head) reuse the rings.
+            assert!(4 * 16 * 128 * 4 + 4 * 16 * 2 * 4 <= rings);
+            assert!(2 * 4 * MAX_STEP_SPLITS * 16 <= rings);
+        }
+        // Three 2-stage or two 3-stage blocks fit an SM's 228 KB (1 KB reserved per block).
+        assert!(3 * (step_shared_bytes(2) + 1024 + 128) <= 228 * 1024);
+        assert!(2 * (step_shared_bytes(3) + 1024 + 128) <= 228 * 1024);
     }
 }

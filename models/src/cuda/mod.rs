@@ -54,6 +54,8 @@ pub use attn_decode::{
 #[cfg(feature = "cuda")]
 mod attn_prefill;
 #[cfg(feature = "cuda")]
+mod attn_step;
+#[cfg(feature = "cuda")]
 mod attn_varlen;
 #[cfg(feature = "cuda")]
 pub use attn_varlen::{attention_varlen_causal, varlen_head_dim_supported};
