@@ -59,25 +59,37 @@ pub enum BatchKernel {
     /// `attn_decode_rt1_b4s1`: 128 registers, one stage.
     Blocks4OneStage,
     /// `attn_step_s3` (attn_step.cu, one-token steps without a tree only: others keep
-    /// `Base`): the step kernel, 3 cp.async stages per warp; the target blocks 0 fill the
-    /// device once (`attn_plan::step_splits`).
+    /// `Base`): the step kernel, 3 cp.async stages per warp; the target blocks 0: one split
+    /// per (sequence, KV head) unless the batch leaves SMs idle (`attn_plan::step_splits`).
     Step3,
     /// `attn_step_s2`: 2 stages per warp, 3 blocks per SM.
     Step2,
 }
 
+/// The default batched decode launch: the step kernel (attn_step.cu, 3 stages) filling the
+/// device once. Measured on the H200 (h200-2026-12-06-s16-decattn, Qwen3-8B heads, the
+/// launch alone in a CUDA graph): B 16 / 32 / 64 at 640 positions 19.4 / 30.4 / 55.8 us
+/// against 39.0 / 52.2 / 79.4 for `Base` at 512 blocks, 4096 positions 75 / 141 / 272 against
+/// 106 / 180 / 335, 8192 positions 144 / 274 / 534 against 185 / 335 / 646. Launches it does
+/// not take (a tree, several tokens) keep `Base` at [`BATCH_SPLIT_BLOCKS`].
+pub const DEFAULT_BATCH_LAUNCH: (BatchKernel, usize) = (BatchKernel::Step3, 0);
+
 /// The batched decode launch's kernel and the blocks it aims at (a measurement knob of
 /// `gpu_check --scale`: graphs keep the launch they captured, so compare them on models of
 /// their own graph caches).
-static BATCH_LAUNCH: Mutex<(BatchKernel, usize)> =
-    Mutex::new((BatchKernel::Base, BATCH_SPLIT_BLOCKS));
+static BATCH_LAUNCH: Mutex<(BatchKernel, usize)> = Mutex::new(DEFAULT_BATCH_LAUNCH);
 
-/// Sets the batched decode launch's kernel and target block count (see [`BatchKernel`]).
+/// Sets the batched decode launch's kernel and target block count (see [`BatchKernel`]; 0
+/// blocks: the step kernels' own choice, one block for the others).
 pub fn set_batch_launch(kernel: BatchKernel, blocks: usize) -> Result<()> {
     let mut l = BATCH_LAUNCH
         .lock()
         .map_err(|_| candle_core::Error::Msg("fused_attention: launch lock poisoned".into()))?;
-    *l = (kernel, blocks.max(1));
+    let blocks = match kernel {
+        BatchKernel::Step3 | BatchKernel::Step2 => blocks,
+        _ => blocks.max(1),
+    };
+    *l = (kernel, blocks);
     Ok(())
 }
 

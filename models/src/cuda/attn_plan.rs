@@ -107,27 +107,17 @@ pub(crate) fn step_shared_bytes(stages: usize) -> usize {
     4 * stages * 2 * 16 * ROW_BYTES + (16 + 2) * ROW_BYTES
 }
 
-/// A block's fixed cost (q rows, prologue loads, its partial and the merge) relative to the
-/// keys of one (sequence, KV head), in [`step_splits`]'s cost model.
-const STEP_BLOCK_COST: f64 = 0.1;
-
 /// Key splits per (sequence, KV head) of a batched one-token step over `pairs` (sequence,
 /// KV head) pairs, from the batch alone (the grid a CUDA graph keeps for every length).
-/// `blocks` > 0 aims at that many blocks in all; 0 fills `slots` (the device's SMs x the
-/// blocks one SM holds): the count with the least waves x (1 / splits + a block's fixed
-/// cost), the fewest splits among equals.
-pub(crate) fn step_splits(pairs: usize, slots: usize, blocks: usize) -> usize {
+/// `blocks` > 0 aims at that many blocks in all; 0: one split per pair unless there are
+/// fewer pairs than the device's `sms`, then enough to give every SM a block. Measured on the
+/// H200 (h200-2026-12-06-s16-decattn, 640 positions): B 16 / 32 with 1 split 19.4 / 30.4 us,
+/// with 4 / 2 splits 30.1 / 39.6 (a split's fixed cost and the merge outweigh the
+/// parallelism once every SM holds a block).
+pub(crate) fn step_splits(pairs: usize, sms: usize, blocks: usize) -> usize {
     let pairs = pairs.max(1);
-    if blocks > 0 {
-        return (blocks / pairs).clamp(1, MAX_STEP_SPLITS);
-    }
-    let cost = |n: usize| step_cost(pairs, slots, n);
-    (2..=MAX_STEP_SPLITS).fold(1, |best, n| if cost(n) < cost(best) { n } else { best })
-}
-
-/// [`step_splits`]'s modelled time of `n` splits per pair.
-fn step_cost(pairs: usize, slots: usize, n: usize) -> f64 {
-    (pairs * n).div_ceil(slots.max(1)) as f64 * (1.0 / n as f64 + STEP_BLOCK_COST)
+    let blocks = if blocks > 0 { blocks } else { sms };
+    (blocks / pairs).clamp(1, MAX_STEP_SPLITS)
 }
 
 #[cfg(test)]
@@ -210,30 +200,24 @@ mod tests {
     }
 
     #[test]
-    fn step_splits_fill_the_slots_from_the_batch_alone() {
-        // 132 SMs x 2 blocks: B 16 / 32 / 64 of 8 KV heads; one wave where it fits, else
-        // the fewest splits.
-        assert_eq!(step_splits(128, 264, 0), 2);
-        assert_eq!(step_splits(256, 264, 0), 1);
-        assert_eq!(step_splits(512, 264, 0), 1);
-        // 48 sequences: 384 pairs; two splits are 3 waves of 264 (one split: 2 waves, idle half).
-        assert_eq!(step_splits(384, 264, 0), 2);
-        // Two sequences: 16 pairs fill 264 slots with 16 splits.
-        assert_eq!(step_splits(16, 264, 0), 16);
+    fn step_splits_follow_the_batch_alone() {
+        // 132 SMs: B 16 / 32 / 64 of 8 KV heads take one split (as measured).
+        assert_eq!(step_splits(128, 132, 0), 1);
+        assert_eq!(step_splits(256, 132, 0), 1);
+        assert_eq!(step_splits(512, 132, 0), 1);
+        // Smaller batches split until every SM holds a block.
+        assert_eq!(step_splits(16, 132, 0), 8);
+        assert_eq!(step_splits(8, 132, 0), 16);
         for pairs in [1usize, 8, 16, 100, 128, 256, 384, 512, 2048] {
-            for slots in [1usize, 132, 264, 396] {
-                let n = step_splits(pairs, slots, 0);
-                assert!((1..=MAX_STEP_SPLITS).contains(&n), "{pairs} {slots}: {n}");
-                for m in 1..=MAX_STEP_SPLITS {
-                    let (a, b) = (step_cost(pairs, slots, n), step_cost(pairs, slots, m));
-                    assert!(a <= b, "{pairs} {slots}: {n} vs {m}");
-                }
-            }
+            let n = step_splits(pairs, 132, 0);
+            assert!((1..=MAX_STEP_SPLITS).contains(&n), "{pairs}: {n}");
+            assert!(n == 1 || pairs * n <= 132, "{pairs}: {n}");
+            assert!(n == MAX_STEP_SPLITS || pairs * (n + 1) > 132, "{pairs}: {n}");
         }
         // A block target: blocks / pairs, at least one split, at most the merge's bound.
-        assert_eq!(step_splits(256, 264, 1024), 4);
-        assert_eq!(step_splits(512, 264, 256), 1);
-        assert_eq!(step_splits(8, 264, 1 << 20), MAX_STEP_SPLITS);
+        assert_eq!(step_splits(256, 132, 1024), 4);
+        assert_eq!(step_splits(512, 132, 256), 1);
+        assert_eq!(step_splits(8, 132, 1 << 20), MAX_STEP_SPLITS);
     }
 
     #[test]

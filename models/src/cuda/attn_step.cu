@@ -98,6 +98,12 @@ __device__ __forceinline__ void attn_step_impl(const StepArgs& a) {
     const int G = a.nh / a.nkv;
     const int width = (a.nh + 2 * a.nkv) * D;
     const bf16_t* qkv = a.qkv + (size_t)seq * width;
+    // The page-table window from page 0 is loaded with the length (one round trip for both;
+    // a split starting 32 pages on reloads it).
+    Pages pg;
+    pg.pt = a.pt ? a.pt + (size_t)seq * a.pt_stride : nullptr;
+    pg.n = a.pt_stride;
+    pg.load(0, lane);
     const int c = (int)a.cache_len[seq];
     const int L = c + 1;
     const int ntiles = (L + TK - 1) / TK;
@@ -115,10 +121,6 @@ __device__ __forceinline__ void attn_step_impl(const StepArgs& a) {
 
     if (t0 < t1) {
         const int nw = max(0, (t1 - t0 - warp + NWS - 1) / NWS);  // this warp's tiles
-        Pages pg;
-        pg.pt = a.pt ? a.pt + (size_t)seq * a.pt_stride : nullptr;
-        pg.n = a.pt_stride;
-        pg.load((t0 * TK) / KV_PAGE, lane);
         // Committed keys of the warp's i-th tile into stage `st`: piece e = lane + 32 j of
         // 16 keys x 16 sixteen-byte pieces, K and V alike. Keys >= c are left to the fix-up.
         auto issue = [&](int i, int st) {

@@ -59,8 +59,8 @@ struct StepArgs {
 // SAFETY: plain old data with the C layout the kernel declares.
 unsafe impl DeviceRepr for StepArgs {}
 
-/// Blocks of each kernel one SM holds, times the SMs, per device (`(device, stages, slots)`).
-static SLOTS: Mutex<Vec<(DeviceId, usize, usize)>> = Mutex::new(Vec::new());
+/// SMs per device.
+static SMS: Mutex<Vec<(DeviceId, usize)>> = Mutex::new(Vec::new());
 
 fn kernel_name(stages: usize) -> Result<&'static str> {
     match stages {
@@ -84,32 +84,26 @@ fn prepare(dev: &CudaDevice, stages: usize) -> Result<(&'static str, usize)> {
     Ok((name, smem))
 }
 
-/// The device's resident blocks of the `stages` kernel (SMs x blocks per SM).
-fn slots(dev: &CudaDevice, stages: usize) -> Result<usize> {
+/// The device's SM count.
+fn sms(dev: &CudaDevice) -> Result<usize> {
     let err = |e: String| candle_core::Error::Msg(format!("step_attention: {e}"));
-    let mut all = SLOTS.lock().map_err(|_| err("slots lock poisoned".into()))?;
-    if let Some(&(_, _, n)) = all.iter().find(|s| s.0 == dev.id() && s.1 == stages) {
+    let mut all = SMS.lock().map_err(|_| err("SM count lock poisoned".into()))?;
+    if let Some(&(_, n)) = all.iter().find(|s| s.0 == dev.id()) {
         return Ok(n);
     }
-    let (name, smem) = prepare(dev, stages)?;
-    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
-    let per_sm = f
-        .occupancy_max_active_blocks_per_multiprocessor(128, smem, None)
-        .map_err(|e| err(e.to_string()))? as usize;
-    let sms = dev
+    let n = dev
         .cuda_stream()
         .context()
         .attribute(CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(|e| err(e.to_string()))? as usize;
-    let n = (sms * per_sm).max(1);
-    all.push((dev.id(), stages, n));
+        .map_err(|e| err(e.to_string()))?
+        .max(1) as usize;
+    all.push((dev.id(), n));
     Ok(n)
 }
 
 /// The attention of a batched one-token step (see the module doc): `rows` of `seqs` > 1
 /// sequences with one row each, their page tables in `rows.pages`; `stages` 2 or 3 cp.async
-/// stages per warp; `blocks` the blocks to aim at (0: fill the device once, see
-/// [`step_splits`]). Returns `[seqs, nh * d]`.
+/// stages per warp; `blocks` the blocks to aim at (0: see [`step_splits`]). Returns `[seqs, nh * d]`.
 pub(crate) fn step_attention(rows: &QkvRows<'_>, stages: usize, blocks: usize) -> Result<Tensor> {
     let QkvRows {
         qkv,
@@ -132,7 +126,7 @@ pub(crate) fn step_attention(rows: &QkvRows<'_>, stages: usize, blocks: usize) -
     }
     let pt_stride = page_stride(pages, seqs, "step_attention")?;
     let dev = cuda(qkv)?;
-    let nsplit = step_splits(seqs * nkv, slots(&dev, stages)?, blocks);
+    let nsplit = step_splits(seqs * nkv, sms(&dev)?, blocks);
     let acc_floats = seqs * nsplit * nh * d;
     let (acc, counter) = scratch(&dev, qkv, acc_floats + seqs * nsplit * nh * 2)?;
     if seqs * nkv > super::attn_decode::COUNTERS {

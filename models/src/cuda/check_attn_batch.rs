@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::attn_decode::{self, BatchKernel, BATCH_SPLIT_BLOCKS};
+use super::attn_decode::{self, BatchKernel, DEFAULT_BATCH_LAUNCH};
 use super::kernels;
 
 const NH: usize = 32;
@@ -150,7 +150,7 @@ impl Batch {
             None,
             None,
         );
-        attn_decode::set_batch_launch(BatchKernel::Base, BATCH_SPLIT_BLOCKS)?;
+        attn_decode::set_batch_launch(DEFAULT_BATCH_LAUNCH.0, DEFAULT_BATCH_LAUNCH.1)?;
         o
     }
 
@@ -267,7 +267,7 @@ pub fn batch_attention_timings(dev: &Device) -> Result<Vec<(String, String, f64,
                     Ok(())
                 };
                 let graph = crate::cuda::decoder_stack::capture_graph(dev, body);
-                attn_decode::set_batch_launch(BatchKernel::Base, BATCH_SPLIT_BLOCKS)?;
+                attn_decode::set_batch_launch(DEFAULT_BATCH_LAUNCH.0, DEFAULT_BATCH_LAUNCH.1)?;
                 let graph = graph.map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                 let launch = || -> Result<()> {
                     graph

@@ -7,7 +7,9 @@
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
 use dflash_models::cuda::check_attn_batch;
-use dflash_models::cuda::{set_batch_launch, BatchKernel, BATCH_SPLIT_BLOCKS};
+use dflash_models::cuda::{
+    set_batch_launch, BatchKernel, BATCH_SPLIT_BLOCKS, DEFAULT_BATCH_LAUNCH,
+};
 use dflash_models::random::WeightRng;
 use dflash_models::{OpsMode, Qwen3Model, SequenceCache};
 use serde_json::{json, Map, Value};
@@ -100,7 +102,7 @@ pub fn run(dev: &Device, bw_bytes_per_s: f64) -> Result<Value> {
             let graphs = m.clone().with_tuned_rows(0).with_step_graphs(true);
             set_batch_launch(v.0, v.1)?;
             let ms = time_step(&graphs, &mut refs, &ones, 20);
-            set_batch_launch(BatchKernel::Base, BATCH_SPLIT_BLOCKS)?;
+            set_batch_launch(DEFAULT_BATCH_LAUNCH.0, DEFAULT_BATCH_LAUNCH.1)?;
             let ms = ms?;
             let name = check_attn_batch::variant_name(v);
             println!(
@@ -120,30 +122,36 @@ pub fn run(dev: &Device, bw_bytes_per_s: f64) -> Result<Value> {
 }
 
 /// The batched decode graph with each step-kernel variant against eager steps, 24 sequences
-/// (a graph of 32: 8 padding sequences) of ragged lengths: `(name, relative error, failed)`.
-/// `:not_replayed` 1 (failed) when the step under test did not come from a graph;
-/// `:graph_vs_eager` a replay (the graph captured at other lengths) against an eager step of
-/// the same kernel at the replay's lengths, 0 required (the graph reads lengths and page
-/// tables from its buffers); `:wrong_lengths` that replay against the eager step at the
-/// capture's lengths, which must differ (the check can fail); `:vs_base` the eager step
-/// against the eager step of the general kernel (`base` at `BATCH_SPLIT_BLOCKS`: reported,
-/// not gated: bf16 roundings of the attention carried through 36 random layers).
+/// (a graph of 32: 8 padding sequences): `(name, relative error, failed)`. The graph is
+/// captured on caches 24..48 at lengths 637 down to 384 and replayed on caches 0..24 (other
+/// page tables) at 390 up to 597. `:not_replayed` 1 (failed) when that step did not come from
+/// a graph; `:graph_vs_eager` the replay against an eager step of the same kernel on the same
+/// caches, 0 required (the graph reads lengths and page tables from its buffers);
+/// `:wrong_lengths` the replay against the eager step on the capture's caches, which must
+/// differ (the check can fail); `:vs_base` the eager step against the eager step of the
+/// general kernel (`base` at `BATCH_SPLIT_BLOCKS`: reported, not gated: bf16 roundings of the
+/// attention carried through 36 random layers). The caches are refilled to `ctx` after.
 fn graph_checks(
     m: &Qwen3Model,
     caches: &mut [SequenceCache],
     ctx: usize,
 ) -> Result<Vec<(String, f32, bool)>> {
     let n = 24usize;
-    let capture: Vec<usize> = (0..n).map(|i| ctx - 3 - 11 * i).collect();
-    let replay: Vec<usize> = (0..n).map(|i| ctx - 250 + 9 * i).collect();
+    let (replay_set, capture_set) = caches.split_at_mut(n);
+    for (i, c) in replay_set.iter_mut().enumerate() {
+        c.truncate(ctx - 250 + 9 * i)?;
+    }
+    for (i, c) in capture_set.iter_mut().take(n).enumerate() {
+        c.truncate(ctx - 3 - 11 * i)?;
+    }
+    let mut replay: Vec<&mut SequenceCache> = replay_set.iter_mut().collect();
+    let mut capture: Vec<&mut SequenceCache> = capture_set.iter_mut().take(n).collect();
     let ones = vec![1usize; n];
-    let mut refs: Vec<&mut SequenceCache> = caches.iter_mut().take(n).collect();
-    let at = |model: &Qwen3Model, lens: &[usize], refs: &mut [&mut SequenceCache]| {
-        for (c, &l) in refs.iter_mut().zip(lens) {
-            c.truncate(l)?;
-        }
+    // A step's logits, every cache truncated back to its length after.
+    let at = |model: &Qwen3Model, refs: &mut [&mut SequenceCache]| {
+        let lens: Vec<usize> = refs.iter().map(|c| c.len()).collect();
         let logits = step_logits(model, refs, &ones, 7)?.copy()?;
-        for (c, &l) in refs.iter_mut().zip(lens) {
+        for (c, &l) in refs.iter_mut().zip(&lens) {
             c.truncate(l)?;
         }
         anyhow::Ok(logits)
@@ -155,7 +163,9 @@ fn graph_checks(
     };
     let eager = m.clone().with_tuned_rows(0).with_step_graphs(false);
     set_batch_launch(BatchKernel::Base, BATCH_SPLIT_BLOCKS)?;
-    let base = at(&eager, &replay, &mut refs)?;
+    let base = at(&eager, &mut replay);
+    set_batch_launch(DEFAULT_BATCH_LAUNCH.0, DEFAULT_BATCH_LAUNCH.1)?;
+    let base = base?;
     let mut out = Vec::new();
     for v in check_attn_batch::variants() {
         if !matches!(v.0, BatchKernel::Step3 | BatchKernel::Step2) {
@@ -165,16 +175,16 @@ fn graph_checks(
         let graphs = m.clone().with_tuned_rows(0).with_step_graphs(true);
         set_batch_launch(v.0, v.1)?;
         let mut run = || -> Result<_> {
-            let want = at(&eager, &replay, &mut refs)?;
-            let before_capture = at(&eager, &capture, &mut refs)?;
-            at(&graphs, &capture, &mut refs)?;
-            at(&graphs, &capture, &mut refs)?;
+            let want = at(&eager, &mut replay)?;
+            let wrong = at(&eager, &mut capture)?;
+            at(&graphs, &mut capture)?;
+            at(&graphs, &mut capture)?;
             let replays = graphs.graph_replays();
-            let got = at(&graphs, &replay, &mut refs)?;
-            Ok((want, before_capture, got, graphs.graph_replays() > replays))
+            let got = at(&graphs, &mut replay)?;
+            Ok((want, wrong, got, graphs.graph_replays() > replays))
         };
         let r = run();
-        set_batch_launch(BatchKernel::Base, BATCH_SPLIT_BLOCKS)?;
+        set_batch_launch(DEFAULT_BATCH_LAUNCH.0, DEFAULT_BATCH_LAUNCH.1)?;
         let (want, wrong, got, replayed) = r?;
         let r = if replayed { 0.0 } else { 1.0 };
         out.push((format!("decode_graph:{name}:not_replayed"), r, !replayed));
@@ -183,6 +193,9 @@ fn graph_checks(
         let w = rel(&got, &wrong)?;
         out.push((format!("decode_graph:{name}:wrong_lengths"), w, w == 0.0));
         out.push((format!("decode_graph:{name}:vs_base"), rel(&want, &base)?, false));
+    }
+    for (i, c) in caches.iter_mut().enumerate() {
+        fill(m, c, ctx, i as u32)?;
     }
     Ok(out)
 }
