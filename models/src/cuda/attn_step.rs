@@ -14,7 +14,7 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{bail, Result, Tensor};
 
-use super::attn_decode::scratch;
+use super::attn_scratch::{scratch, COUNTERS};
 use super::attn_plan::{step_shared_bytes, step_splits};
 use super::kernels::QkvRows;
 use super::launch::{alloc_bf16, cuda, go, opt_ptr, page_stride, ptr};
@@ -129,7 +129,7 @@ pub(crate) fn step_attention(rows: &QkvRows<'_>, stages: usize, blocks: usize) -
     let nsplit = step_splits(seqs * nkv, sms(&dev)?, blocks);
     let acc_floats = seqs * nsplit * nh * d;
     let (acc, counter) = scratch(&dev, qkv, acc_floats + seqs * nsplit * nh * 2)?;
-    if seqs * nkv > super::attn_decode::COUNTERS {
+    if seqs * nkv > COUNTERS {
         bail!("step_attention: {seqs} sequences x {nkv} KV heads exceed the merge counters")
     }
     let out = alloc_bf16(&dev, (total, nh * d))?;

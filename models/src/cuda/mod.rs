@@ -55,6 +55,8 @@ pub use attn_decode::{
 #[cfg(feature = "cuda")]
 mod attn_prefill;
 #[cfg(feature = "cuda")]
+mod attn_scratch;
+#[cfg(feature = "cuda")]
 mod attn_step;
 #[cfg(feature = "cuda")]
 mod attn_varlen;
