@@ -212,7 +212,10 @@ mod tests {
             let n = step_splits(pairs, 132, 0);
             assert!((1..=MAX_STEP_SPLITS).contains(&n), "{pairs}: {n}");
             assert!(n == 1 || pairs * n <= 132, "{pairs}: {n}");
-            assert!(n == MAX_STEP_SPLITS || pairs * (n + 1) > 132, "{pairs}: {n}");
+            assert!(
+                n == MAX_STEP_SPLITS || pairs * (n + 1) > 132,
+                "{pairs}: {n}"
+            );
         }
         // A block target: blocks / pairs, at least one split, at most the merge's bound.
         assert_eq!(step_splits(256, 132, 1024), 4);

@@ -14,8 +14,8 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{bail, Result, Tensor};
 
-use super::attn_scratch::{scratch, COUNTERS};
 use super::attn_plan::{step_shared_bytes, step_splits};
+use super::attn_scratch::{scratch, COUNTERS};
 use super::kernels::QkvRows;
 use super::launch::{alloc_bf16, cuda, go, opt_ptr, page_stride, ptr};
 
@@ -28,7 +28,7 @@ pub const STEP_MAX_GROUPS: usize = 16;
 /// Whether [`step_attention`] takes a launch of `t` new tokens per sequence for `seqs`
 /// sequences with `nh` / `nkv` heads and no tree.
 pub(crate) fn step_fits(seqs: usize, t: usize, nh: usize, nkv: usize, tree: bool) -> bool {
-    seqs > 1 && t == 1 && !tree && nkv > 0 && nh % nkv == 0 && nh / nkv <= STEP_MAX_GROUPS
+    seqs > 1 && t == 1 && !tree && nkv > 0 && nh.is_multiple_of(nkv) && nh / nkv <= STEP_MAX_GROUPS
 }
 
 /// The kernel's parameter block (`StepArgs` in attn_step.cu, same field order).
@@ -87,7 +87,9 @@ fn prepare(dev: &CudaDevice, stages: usize) -> Result<(&'static str, usize)> {
 /// The device's SM count.
 fn sms(dev: &CudaDevice) -> Result<usize> {
     let err = |e: String| candle_core::Error::Msg(format!("step_attention: {e}"));
-    let mut all = SMS.lock().map_err(|_| err("SM count lock poisoned".into()))?;
+    let mut all = SMS
+        .lock()
+        .map_err(|_| err("SM count lock poisoned".into()))?;
     if let Some(&(_, n)) = all.iter().find(|s| s.0 == dev.id()) {
         return Ok(n);
     }

@@ -223,7 +223,11 @@ pub fn batch_attention_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
             let o = bt.batched(v)?;
             let (ek, sk) = err(&bt.kc, &k1)?;
             let (ev, sv) = err(&bt.vc, &v1)?;
-            out.push((format!("batch_attn:{tag}:{name}:cache"), ek.max(ev), sk.max(sv)));
+            out.push((
+                format!("batch_attn:{tag}:{name}:cache"),
+                ek.max(ev),
+                sk.max(sv),
+            ));
             let (e, s) = err(&o, &reference)?;
             out.push((format!("batch_attn:{tag}:{name}"), e, s));
             let (e, s) = err(&bt.batched(v)?, &o)?;
@@ -235,7 +239,11 @@ pub fn batch_attention_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         }
         let (ek, sk) = err(&k0, &k1)?;
         let (ev, sv) = err(&v0, &v1)?;
-        out.push((format!("batch_attn:{tag}:wrong_cache"), ek.max(ev), sk.max(sv)));
+        out.push((
+            format!("batch_attn:{tag}:wrong_cache"),
+            ek.max(ev),
+            sk.max(sv),
+        ));
     }
     Ok(out)
 }

@@ -49,8 +49,7 @@ mod varlen_plan;
 #[cfg(feature = "cuda")]
 pub use attn_decode::{
     fused_attention, fused_attention_fits, set_batch_launch, BatchKernel, BATCH_SPLIT_BLOCKS,
-    DEFAULT_BATCH_LAUNCH,
-    FUSED_ATTN_MAX_TOKENS,
+    DEFAULT_BATCH_LAUNCH, FUSED_ATTN_MAX_TOKENS,
 };
 #[cfg(feature = "cuda")]
 mod attn_prefill;

@@ -192,7 +192,11 @@ fn graph_checks(
         out.push((format!("decode_graph:{name}:graph_vs_eager"), g, g != 0.0));
         let w = rel(&got, &wrong)?;
         out.push((format!("decode_graph:{name}:wrong_lengths"), w, w == 0.0));
-        out.push((format!("decode_graph:{name}:vs_base"), rel(&want, &base)?, false));
+        out.push((
+            format!("decode_graph:{name}:vs_base"),
+            rel(&want, &base)?,
+            false,
+        ));
     }
     for (i, c) in caches.iter_mut().enumerate() {
         fill(m, c, ctx, i as u32)?;
