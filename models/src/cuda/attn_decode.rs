@@ -66,10 +66,12 @@ pub enum BatchKernel {
 
 /// The default batched decode launch: the step kernel (attn_step.cu, 3 stages) filling the
 /// device once. Measured on the H200 (h200-2026-12-06-s16-decattn, Qwen3-8B heads, the
-/// launch alone in a CUDA graph): B 16 / 32 / 64 at 640 positions 19.4 / 30.4 / 55.8 us
-/// against 39.0 / 52.2 / 79.4 for `Base` at 512 blocks, 4096 positions 75 / 141 / 272 against
-/// 106 / 180 / 335, 8192 positions 144 / 274 / 534 against 185 / 335 / 646. Launches it does
-/// not take (a tree, several tokens) keep `Base` at [`BATCH_SPLIT_BLOCKS`].
+/// launch alone in a CUDA graph): B 16 / 32 / 64 at 640 positions 19.2 / 30.1 / 55.3 us
+/// against 39.0 / 52.2 / 79.7 for `Base` at 512 blocks, 4096 positions 75 / 141 / 272 against
+/// 106 / 181 / 336, 8192 positions 143 / 272 / 533 against 181 / 332 / 651; the decode graph
+/// steps at 640 positions 0.713 / 0.707 / 0.707 of the memory roofline against 0.608 / 0.591
+/// / 0.586. Launches it does not take (a tree, several tokens, one sequence) keep `Base` at
+/// [`BATCH_SPLIT_BLOCKS`].
 pub const DEFAULT_BATCH_LAUNCH: (BatchKernel, usize) = (BatchKernel::Step3, 0);
 
 /// The batched decode launch's kernel and the blocks it aims at (a measurement knob of
