@@ -25,7 +25,9 @@ fn main() {
         "splitk.cu",
         "moe.cu",
         "gemv_impl.cuh",
+        "attn_step.cu",
         "common.cuh",
+        "norm_rope.cuh",
     ] {
         println!("cargo:rerun-if-changed=src/cuda/{f}");
     }
@@ -62,6 +64,7 @@ fn main() {
         ("gattn.cu", "gattn.ptx"),
         ("splitk.cu", "splitk.ptx"),
         ("moe.cu", "moe.ptx"),
+        ("attn_step.cu", "attn_step.ptx"),
     ] {
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-lineinfo"])

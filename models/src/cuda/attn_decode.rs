@@ -6,18 +6,17 @@
 
 use std::sync::Mutex;
 
-use candle_core::cuda_backend::cudarc::driver::sys::{
-    CUfunction_attribute_enum, CUstreamCaptureStatus,
-};
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::attn_plan::{
     attn_plan, one_stage_shared_bytes, runtime_plan, CHUNK_KEYS, MAX_SHARED_BYTES,
 };
+use super::attn_scratch::{scratch, COUNTERS};
+use super::attn_step::{step_attention, step_fits};
 use super::kernels::{QkvRows, CHUNK};
-use super::launch::{alloc_bf16, alloc_f32, cuda, go, opt_ptr, page_stride, ptr};
+use super::launch::{alloc_bf16, cuda, go, opt_ptr, page_stride, ptr};
 
 const _: () = assert!(CHUNK_KEYS == CHUNK);
 
@@ -57,20 +56,40 @@ pub enum BatchKernel {
     Blocks3,
     /// `attn_decode_rt1_b4s1`: 128 registers, one stage.
     Blocks4OneStage,
+    /// `attn_step_s3` (attn_step.cu, one-token steps without a tree only: others keep
+    /// `Base`): the step kernel, 3 cp.async stages per warp; the target blocks 0: one split
+    /// per (sequence, KV head) unless the batch leaves SMs idle (`attn_plan::step_splits`).
+    Step3,
+    /// `attn_step_s2`: 2 stages per warp, 3 blocks per SM.
+    Step2,
 }
+
+/// The default batched decode launch: the step kernel (attn_step.cu, 3 stages) filling the
+/// device once. Measured on the H200 (h200-2026-12-06-s16-decattn, Qwen3-8B heads, the
+/// launch alone in a CUDA graph): B 16 / 32 / 64 at 640 positions 19.2 / 30.1 / 55.3 us
+/// against 39.0 / 52.2 / 79.7 for `Base` at 512 blocks, 4096 positions 75 / 141 / 272 against
+/// 106 / 181 / 336, 8192 positions 143 / 272 / 533 against 181 / 332 / 651; the decode graph
+/// steps at 640 positions 0.713 / 0.707 / 0.707 of the memory roofline against 0.608 / 0.591
+/// / 0.586. Launches it does not take (a tree, several tokens, one sequence) keep `Base` at
+/// [`BATCH_SPLIT_BLOCKS`].
+pub const DEFAULT_BATCH_LAUNCH: (BatchKernel, usize) = (BatchKernel::Step3, 0);
 
 /// The batched decode launch's kernel and the blocks it aims at (a measurement knob of
 /// `gpu_check --scale`: graphs keep the launch they captured, so compare them on models of
 /// their own graph caches).
-static BATCH_LAUNCH: Mutex<(BatchKernel, usize)> =
-    Mutex::new((BatchKernel::Base, BATCH_SPLIT_BLOCKS));
+static BATCH_LAUNCH: Mutex<(BatchKernel, usize)> = Mutex::new(DEFAULT_BATCH_LAUNCH);
 
-/// Sets the batched decode launch's kernel and target block count (see [`BatchKernel`]).
+/// Sets the batched decode launch's kernel and target block count (see [`BatchKernel`]; 0
+/// blocks: the step kernels' own choice, one block for the others).
 pub fn set_batch_launch(kernel: BatchKernel, blocks: usize) -> Result<()> {
     let mut l = BATCH_LAUNCH
         .lock()
         .map_err(|_| candle_core::Error::Msg("fused_attention: launch lock poisoned".into()))?;
-    *l = (kernel, blocks.max(1));
+    let blocks = match kernel {
+        BatchKernel::Step3 | BatchKernel::Step2 => blocks,
+        _ => blocks.max(1),
+    };
+    *l = (kernel, blocks);
     Ok(())
 }
 
@@ -79,55 +98,6 @@ fn batch_launch() -> Result<(BatchKernel, usize)> {
         .lock()
         .map(|l| *l)
         .map_err(|_| candle_core::Error::Msg("fused_attention: launch lock poisoned".into()))
-}
-
-/// Merge counters per device (each launch uses `kv_heads * sequences * row tiles` of them).
-const COUNTERS: usize = 16384;
-
-/// A device's split partials and merge counters, kept for the process's lifetime so that a
-/// launch adds no allocation or memset to a CUDA graph: launches on one device's stream run
-/// one after another, and the kernel re-arms every counter it uses. A larger partials buffer
-/// replaces a smaller one (shapes only, so the uncaptured first run of a graph body grows
-/// it); the old one stays allocated because captured graphs may still point at it.
-struct Scratch {
-    device: DeviceId,
-    partials: Tensor,
-    counters: Tensor,
-    retired: Vec<Tensor>,
-}
-
-static SCRATCH: Mutex<Vec<Scratch>> = Mutex::new(Vec::new());
-
-/// Device addresses of at least `floats` f32 partials and [`COUNTERS`] zeroed counters.
-fn scratch(dev: &CudaDevice, like: &Tensor, floats: usize) -> Result<(u64, u64)> {
-    let mut all = SCRATCH
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("fused_attention: scratch lock poisoned".into()))?;
-    let idx = match all.iter().position(|s| s.device == dev.id()) {
-        Some(i) => i,
-        None => {
-            all.push(Scratch {
-                device: dev.id(),
-                partials: alloc_f32(dev, floats.next_power_of_two())?,
-                counters: Tensor::zeros(COUNTERS, DType::U32, like.device())?,
-                retired: Vec::new(),
-            });
-            all.len() - 1
-        }
-    };
-    let s = &mut all[idx];
-    if s.partials.elem_count() < floats {
-        let status = dev
-            .cuda_stream()
-            .capture_status()
-            .map_err(|e| candle_core::Error::Msg(format!("fused_attention: {e}")))?;
-        if status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
-            bail!("fused_attention: scratch would grow during graph capture; run the body once uncaptured first")
-        }
-        let bigger = alloc_f32(dev, floats.next_power_of_two())?;
-        s.retired.push(std::mem::replace(&mut s.partials, bigger));
-    }
-    Ok((ptr(&s.partials)?, ptr(&s.counters)?))
 }
 
 /// The kernel's parameter block (`Args` in attn_decode.cu, same field order).
@@ -202,6 +172,7 @@ pub(crate) fn fused_attention_rt(
         eps,
     } = *rows;
     let (total, cap) = rows.check("fused_attention", true)?;
+    let new_rows = rows;
     let seqs = rows.seqs();
     let t = total / seqs;
     let pt_stride = page_stride(pages, seqs, "fused_attention")?;
@@ -240,6 +211,20 @@ pub(crate) fn fused_attention_rt(
         batch_launch()?
     } else {
         (BatchKernel::Base, BATCH_SPLIT_BLOCKS)
+    };
+    let stages = match kernel {
+        BatchKernel::Step3 => Some(3),
+        BatchKernel::Step2 => Some(2),
+        _ => None,
+    };
+    if let Some(stages) = stages {
+        if step_fits(seqs, t, nh, nkv, tree.is_some()) {
+            return step_attention(new_rows, stages, blocks);
+        }
+    }
+    let (kernel, blocks) = match stages {
+        Some(_) => (BatchKernel::Base, BATCH_SPLIT_BLOCKS),
+        None => (kernel, blocks),
     };
     let nsplit = if batched {
         (blocks / (nkv * tiles * seqs)).clamp(1, plan.nsplit)

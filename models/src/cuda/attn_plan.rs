@@ -97,6 +97,29 @@ pub(crate) fn runtime_plan(rows: usize, rt: Option<usize>) -> Result<AttnPlan, S
     })
 }
 
+/// Most key splits per (sequence, KV head) of a batched one-token step (`attn_step.cu`):
+/// the merge stages two floats per (split, query head) in the block's rings.
+pub(crate) const MAX_STEP_SPLITS: usize = 64;
+
+/// Shared memory of an `attn_step.cu` block with `stages` stages per warp: 4 warps x stages x
+/// {K, V} x 16 keys, then 16 q rows and the new K and V rows, every row `ROW_BYTES`.
+pub(crate) fn step_shared_bytes(stages: usize) -> usize {
+    4 * stages * 2 * 16 * ROW_BYTES + (16 + 2) * ROW_BYTES
+}
+
+/// Key splits per (sequence, KV head) of a batched one-token step over `pairs` (sequence,
+/// KV head) pairs, from the batch alone (the grid a CUDA graph keeps for every length).
+/// `blocks` > 0 aims at that many blocks in all; 0: one split per pair unless there are
+/// fewer pairs than the device's `sms`, then enough to give every SM a block. Measured on the
+/// H200 (h200-2026-12-06-s16-decattn, 640 positions): B 16 / 32 with 1 split 19.4 / 30.4 us,
+/// with 4 / 2 splits 30.1 / 39.6 (a split's fixed cost and the merge outweigh the
+/// parallelism once every SM holds a block).
+pub(crate) fn step_splits(pairs: usize, sms: usize, blocks: usize) -> usize {
+    let pairs = pairs.max(1);
+    let blocks = if blocks > 0 { blocks } else { sms };
+    (blocks / pairs).clamp(1, MAX_STEP_SPLITS)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,5 +197,43 @@ mod tests {
         // A graph's plan over an 8K-key capacity: 130 one-chunk splits become 26 of 5.
         let p = attn_plan(4, (130, 1), None).unwrap();
         assert_eq!((p.nsplit, p.cps, p.stages), (26, 5, 2));
+    }
+
+    #[test]
+    fn step_splits_follow_the_batch_alone() {
+        // 132 SMs: B 16 / 32 / 64 of 8 KV heads take one split (as measured).
+        assert_eq!(step_splits(128, 132, 0), 1);
+        assert_eq!(step_splits(256, 132, 0), 1);
+        assert_eq!(step_splits(512, 132, 0), 1);
+        // Smaller batches split until every SM holds a block.
+        assert_eq!(step_splits(16, 132, 0), 8);
+        assert_eq!(step_splits(8, 132, 0), 16);
+        for pairs in [1usize, 8, 16, 100, 128, 256, 384, 512, 2048] {
+            let n = step_splits(pairs, 132, 0);
+            assert!((1..=MAX_STEP_SPLITS).contains(&n), "{pairs}: {n}");
+            assert!(n == 1 || pairs * n <= 132, "{pairs}: {n}");
+            assert!(
+                n == MAX_STEP_SPLITS || pairs * (n + 1) > 132,
+                "{pairs}: {n}"
+            );
+        }
+        // A block target: blocks / pairs, at least one split, at most the merge's bound.
+        assert_eq!(step_splits(256, 132, 1024), 4);
+        assert_eq!(step_splits(512, 132, 256), 1);
+        assert_eq!(step_splits(8, 132, 1 << 20), MAX_STEP_SPLITS);
+    }
+
+    #[test]
+    fn step_blocks_fit_their_merge_and_the_sm() {
+        for stages in [2usize, 3] {
+            let rings = 4 * stages * 2 * 16 * ROW_BYTES;
+            // The warps' partials (4 x 16 heads x 128 f32 + max/sum) and the split merge's
+            // table (2 floats per split and head) reuse the rings.
+            assert!(4 * 16 * 128 * 4 + 4 * 16 * 2 * 4 <= rings);
+            assert!(2 * 4 * MAX_STEP_SPLITS * 16 <= rings);
+        }
+        // Three 2-stage or two 3-stage blocks fit an SM's 228 KB (1 KB reserved per block).
+        assert!(3 * (step_shared_bytes(2) + 1024 + 128) <= 228 * 1024);
+        assert!(2 * (step_shared_bytes(3) + 1024 + 128) <= 228 * 1024);
     }
 }

@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::attn_decode::{self, BatchKernel, BATCH_SPLIT_BLOCKS};
+use super::attn_decode::{self, BatchKernel, DEFAULT_BATCH_LAUNCH};
 use super::kernels;
 
 const NH: usize = 32;
@@ -13,8 +13,9 @@ const NKV: usize = 8;
 const D: usize = 128;
 const PAGE: usize = 64;
 
-/// The batched launches compared (`BATCH_SPLIT_BLOCKS` was 1024 when they were measured).
-pub const VARIANTS: [(BatchKernel, usize); 9] = [
+/// The batched launches compared (`BATCH_SPLIT_BLOCKS` was 1024 when the first nine were
+/// measured; the step kernels' target 0 fills the device once, see `attn_plan::step_splits`).
+pub const VARIANTS: [(BatchKernel, usize); 14] = [
     (BatchKernel::Base, 1024),
     (BatchKernel::Base, 512),
     (BatchKernel::Base, 2048),
@@ -24,6 +25,11 @@ pub const VARIANTS: [(BatchKernel, usize); 9] = [
     (BatchKernel::Blocks4OneStage, 1024),
     (BatchKernel::Blocks4OneStage, 2048),
     (BatchKernel::Blocks4OneStage, 4096),
+    (BatchKernel::Step3, 0),
+    (BatchKernel::Step2, 0),
+    (BatchKernel::Step3, 512),
+    (BatchKernel::Step3, 1024),
+    (BatchKernel::Step2, 1024),
 ];
 
 /// The variants to compare: [`VARIANTS`], or those named in `GPU_CHECK_ATTN_VARIANTS`
@@ -44,8 +50,13 @@ pub fn variant_name((k, blocks): (BatchKernel, usize)) -> String {
         BatchKernel::Base => "base",
         BatchKernel::Blocks3 => "b3",
         BatchKernel::Blocks4OneStage => "b4s1",
+        BatchKernel::Step3 => "step3",
+        BatchKernel::Step2 => "step2",
     };
-    format!("{k}_{blocks}")
+    match blocks {
+        0 => format!("{k}_auto"),
+        _ => format!("{k}_{blocks}"),
+    }
 }
 
 /// One layer's K/V pool and the inputs of a batched decode step: `b` sequences at the given
@@ -139,7 +150,7 @@ impl Batch {
             None,
             None,
         );
-        attn_decode::set_batch_launch(BatchKernel::Base, BATCH_SPLIT_BLOCKS)?;
+        attn_decode::set_batch_launch(DEFAULT_BATCH_LAUNCH.0, DEFAULT_BATCH_LAUNCH.1)?;
         o
     }
 
@@ -175,9 +186,12 @@ fn err(a: &Tensor, b: &Tensor) -> Result<(f32, f32)> {
 
 /// Every variant's batched output against one launch per sequence, `(name, max abs err, max
 /// abs ref)`, for 16 and 37 sequences of different lengths (short, 640-ish and 4K-ish: one
-/// to 33 chunks per split); `:wrong_sequence` the default batched output against the
-/// reference of the next sequence (must be far off: the check can fail); `:repeat` a second
-/// launch of each variant (0: fixed merge order).
+/// to 33 chunks per split; pages shuffled across sequences); `:repeat` a second launch of
+/// each variant (0: fixed merge order); `:cache` the K/V pools after the variant's launch
+/// from the pools as they were before any launch, against the pools the reference left (0:
+/// the new rows written alike, nothing else touched). Cases that must fail (the checks can):
+/// `:wrong_sequence` a variant's output against the reference of the next sequence (far
+/// off), and `:wrong_cache` the pools before any launch against the reference's (not 0).
 pub fn batch_attention_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     let mut out = Vec::new();
     for (tag, lens) in [
@@ -193,32 +207,54 @@ pub fn batch_attention_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
         ),
     ] {
         let bt = batch(dev, &lens, lens.len() as u64)?;
+        let (k0, v0) = (bt.kc.copy()?, bt.vc.copy()?);
         let reference = bt.per_sequence()?;
-        for v in variants() {
-            let o = bt.batched(v)?;
-            let (e, s) = err(&o, &reference)?;
-            out.push((format!("batch_attn:{tag}:{}", variant_name(v)), e, s));
-            let (e, s) = err(&bt.batched(v)?, &o)?;
-            out.push((format!("batch_attn:{tag}:{}:repeat", variant_name(v)), e, s));
-        }
+        let (k1, v1) = (bt.kc.copy()?, bt.vc.copy()?);
         let b = lens.len();
         let shifted = Tensor::cat(
             &[reference.narrow(0, 1, b - 1)?, reference.narrow(0, 0, 1)?],
             0,
         )?;
-        let (e, s) = err(&bt.batched(VARIANTS[0])?, &shifted)?;
-        out.push((format!("batch_attn:{tag}:wrong_sequence"), e, s));
+        let vs = variants();
+        for &v in &vs {
+            let name = variant_name(v);
+            bt.kc.slice_set(&k0, 0, 0)?;
+            bt.vc.slice_set(&v0, 0, 0)?;
+            let o = bt.batched(v)?;
+            let (ek, sk) = err(&bt.kc, &k1)?;
+            let (ev, sv) = err(&bt.vc, &v1)?;
+            out.push((
+                format!("batch_attn:{tag}:{name}:cache"),
+                ek.max(ev),
+                sk.max(sv),
+            ));
+            let (e, s) = err(&o, &reference)?;
+            out.push((format!("batch_attn:{tag}:{name}"), e, s));
+            let (e, s) = err(&bt.batched(v)?, &o)?;
+            out.push((format!("batch_attn:{tag}:{name}:repeat"), e, s));
+            if v == VARIANTS[0] || matches!(v.0, BatchKernel::Step3 | BatchKernel::Step2) {
+                let (e, s) = err(&o, &shifted)?;
+                out.push((format!("batch_attn:{tag}:{name}:wrong_sequence"), e, s));
+            }
+        }
+        let (ek, sk) = err(&k0, &k1)?;
+        let (ev, sv) = err(&v0, &v1)?;
+        out.push((
+            format!("batch_attn:{tag}:wrong_cache"),
+            ek.max(ev),
+            sk.max(sv),
+        ));
     }
     Ok(out)
 }
 
 /// Microseconds per batched decode attention launch alone (inside a CUDA graph of 20
 /// launches cycling over enough layer pools to exceed 256 MB, so L2 holds none of them) and
-/// the K/V read rate: `(case, variant, us, GB/s)` for 16 / 32 / 64 sequences at 640 and 4096
-/// positions.
+/// the K/V read rate: `(case, variant, us, GB/s)` for 16 / 32 / 64 sequences at 640, 4096
+/// and 8192 positions.
 pub fn batch_attention_timings(dev: &Device) -> Result<Vec<(String, String, f64, f64)>> {
     let mut out = Vec::new();
-    for ctx in [640usize, 4096] {
+    for ctx in [640usize, 4096, 8192] {
         for b in [16usize, 32, 64] {
             let kv_bytes = (b * NKV * (ctx + 1) * D * 2 * 2) as f64;
             let copies = ((256e6 / kv_bytes).ceil() as usize).clamp(1, 20);
@@ -239,7 +275,7 @@ pub fn batch_attention_timings(dev: &Device) -> Result<Vec<(String, String, f64,
                     Ok(())
                 };
                 let graph = crate::cuda::decoder_stack::capture_graph(dev, body);
-                attn_decode::set_batch_launch(BatchKernel::Base, BATCH_SPLIT_BLOCKS)?;
+                attn_decode::set_batch_launch(DEFAULT_BATCH_LAUNCH.0, DEFAULT_BATCH_LAUNCH.1)?;
                 let graph = graph.map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                 let launch = || -> Result<()> {
                     graph

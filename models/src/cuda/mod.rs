@@ -49,10 +49,14 @@ mod varlen_plan;
 #[cfg(feature = "cuda")]
 pub use attn_decode::{
     fused_attention, fused_attention_fits, set_batch_launch, BatchKernel, BATCH_SPLIT_BLOCKS,
-    FUSED_ATTN_MAX_TOKENS,
+    DEFAULT_BATCH_LAUNCH, FUSED_ATTN_MAX_TOKENS,
 };
 #[cfg(feature = "cuda")]
 mod attn_prefill;
+#[cfg(feature = "cuda")]
+mod attn_scratch;
+#[cfg(feature = "cuda")]
+mod attn_step;
 #[cfg(feature = "cuda")]
 mod attn_varlen;
 #[cfg(feature = "cuda")]

@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use dflash_common::{LayerType, Qwen3Config, RopeScaling};
 use dflash_models::cuda::check_scale;
 use dflash_models::random::WeightRng;
@@ -46,6 +46,19 @@ fn tokens(n: usize, salt: u32) -> Vec<u32> {
 /// One forward over `caches` with `t[s]` causal tokens for cache s (positions from its
 /// length); logits of each sequence's last row; the argmax comes to the host, as a step does.
 fn step(m: &Qwen3Model, caches: &mut [&mut SequenceCache], t: &[usize], salt: u32) -> Result<()> {
+    step_logits(m, caches, t, salt)?
+        .argmax(1)?
+        .to_vec1::<u32>()?;
+    Ok(())
+}
+
+/// [`step`]'s forward, returning its logits (`[sequences, vocab]`, the last row of each).
+pub(crate) fn step_logits(
+    m: &Qwen3Model,
+    caches: &mut [&mut SequenceCache],
+    t: &[usize],
+    salt: u32,
+) -> Result<Tensor> {
     let toks: Vec<Vec<u32>> = t
         .iter()
         .enumerate()
@@ -69,11 +82,7 @@ fn step(m: &Qwen3Model, caches: &mut [&mut SequenceCache], t: &[usize], salt: u3
         })
         .collect();
     let out = m.forward(&mut batch, &[])?;
-    out.logits
-        .context("no logits")?
-        .argmax(1)?
-        .to_vec1::<u32>()?;
-    Ok(())
+    out.logits.context("no logits")
 }
 
 /// Milliseconds per step (median of `reps`, after 3 warm-ups that capture any graph), every
