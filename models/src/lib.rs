@@ -13,6 +13,8 @@
 //! - [`cuda`]: the fused kernels, the fused decoder-layer stack, CUDA-graph capture/replay;
 //! - a folder per model: [`qwen3`], [`qwen3_5`] (hybrids, dense and MoE, with the MTP head),
 //!   [`dflash`] (inference, CUDA block, training forward); [`target`]: the verifier enum;
+//! - [`tp`]: tensor-parallel shards of the Qwen3 dense target (rank-local pieces, the
+//!   collectives as in-process reductions, a sequential driver the tests hold to the unsplit model);
 //! - [`speculative`]: draft trees, the acceptance walk, sampling, proposers, the engine;
 //! - [`training`]: the training engine's pieces (fused linear + cross-entropy over the frozen
 //!   head, multi-tensor AdamW on flat buffers), CPU references beside their kernels.
@@ -30,6 +32,7 @@ pub mod random;
 pub mod speculative;
 pub mod taps;
 pub mod target;
+pub mod tp;
 pub mod training;
 
 pub use batch::{ForwardOutput, SeqForward};
