@@ -55,17 +55,17 @@ impl TpPlan {
             return Err(TpError::ZeroRanks);
         }
         let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-        if nh % tp != 0 {
+        if !nh.is_multiple_of(tp) {
             return Err(TpError::QueryHeads { tp, heads: nh });
         }
-        let (kv_heads, kv_replicas) = if nkv % tp == 0 {
+        let (kv_heads, kv_replicas) = if nkv.is_multiple_of(tp) {
             (nkv / tp, 1)
-        } else if tp % nkv == 0 {
+        } else if tp.is_multiple_of(nkv) {
             (1, tp / nkv)
         } else {
             return Err(TpError::KvHeads { tp, kv_heads: nkv });
         };
-        if cfg.intermediate_size % tp != 0 {
+        if !cfg.intermediate_size.is_multiple_of(tp) {
             return Err(TpError::Indivisible {
                 what: "intermediate_size",
                 tp,
@@ -73,7 +73,7 @@ impl TpPlan {
             });
         }
         // NCCL's all-gather takes equal counts per rank; a ragged vocabulary would need padding.
-        if cfg.vocab_size % tp != 0 {
+        if !cfg.vocab_size.is_multiple_of(tp) {
             return Err(TpError::Indivisible {
                 what: "vocab_size",
                 tp,

@@ -107,6 +107,9 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 fn split_error(model: &Qwen3Model, shards: &[RankShard], prompt: &[u32], next: u32) -> f32 {
     let (pre, dec) = unsplit(model, prompt, next);
     let (tp_pre, tp_dec) = split(shards, prompt, next);
+    // Logits of order one, so 1e-5 is a real bound (the split measures about 2e-6).
+    let scale = pre.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+    assert!(scale.to_scalar::<f32>().unwrap() > 1.0);
     max_diff(&pre, &tp_pre).max(max_diff(&dec, &tp_dec))
 }
 
@@ -164,13 +167,13 @@ fn a_wrong_split_fails_the_comparison() {
         NEXT,
     );
     assert!(
-        d > 1e-3,
+        d > 0.1,
         "o_proj columns of the wrong heads pass (differ by {d})"
     );
     // Each rank's query heads read the other rank's KV head.
     let kv = &["self_attn.k_proj.weight", "self_attn.v_proj.weight"];
     let d = split_error(&model, &shards_with(kv), &PROMPT, NEXT);
-    assert!(d > 1e-3, "the wrong KV heads pass (differ by {d})");
+    assert!(d > 0.1, "the wrong KV heads pass (differ by {d})");
     // down_proj split along its output rows instead of its intermediate columns is refused
     // by shape, not silently computed.
     let e = RankShard::with_split(&model, &plan, 0, |name, t| match name {
