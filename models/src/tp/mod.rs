@@ -116,6 +116,9 @@ pub fn forward_sequential(
         ))
         .into());
     }
+    pattern
+        .validate(tokens.len())
+        .map_err(ModelError::BadInput)?;
     let max = shards[0].max_positions();
     if let Some(&p) = positions.iter().find(|&&p| p as usize >= max) {
         return Err(ModelError::PositionOutOfRange {

@@ -1,7 +1,8 @@
 //! TP=n computed rank by rank on the CPU against the unsplit model: the in-repo parity fixture
 //! (4 query heads, 2 KV heads: TP=2 splits KV heads, TP=4 replicates them) and a seeded random
-//! config whose heads split four and eight ways. Tolerance 1e-5 on f32 logits: the split only
-//! reorders the o_proj and down_proj sums; a wrong split moves logits by far more (checked).
+//! config whose heads split four and eight ways, through a prefill, a decode step and a tree
+//! verify. Tolerance 1e-5 on f32 logits: the split only reorders the o_proj and down_proj sums;
+//! a wrong split moves logits by far more (checked).
 
 use std::path::Path;
 
@@ -56,37 +57,56 @@ fn random_model() -> Qwen3Model {
     .unwrap()
 }
 
-/// (prefill logits of every prompt row, decode-step logits) of the unsplit model.
-fn unsplit(model: &Qwen3Model, prompt: &[u32], next: u32) -> (Tensor, Tensor) {
+/// One forward of a sequence: new tokens, their positions, their pattern.
+type Step = (Vec<u32>, Vec<u32>, AttnPattern);
+
+/// A prefill of `prompt`, a decode step of `next`, then a DDTree-style verify of four nodes
+/// (a root, two children of it, a grandchild under the first) after them.
+fn steps(prompt: &[u32], next: u32) -> Vec<Step> {
+    let n = prompt.len() as u32;
+    let parents = vec![None, Some(0), Some(0), Some(1)];
+    vec![
+        (prompt.to_vec(), (0..n).collect(), AttnPattern::Causal),
+        (vec![next], vec![n], AttnPattern::Causal),
+        (
+            vec![next + 1, next + 2, next + 3, next + 4],
+            vec![n + 1, n + 2, n + 2, n + 3],
+            AttnPattern::Tree { parents },
+        ),
+    ]
+}
+
+/// The logits of every row of each step, from the unsplit model.
+fn unsplit(model: &Qwen3Model, steps: &[Step]) -> Vec<Tensor> {
     let mut cache = model.new_cache(16).unwrap();
-    let mut step = |tokens: &[u32], start: u32| {
-        let positions: Vec<u32> = (start..start + tokens.len() as u32).collect();
+    let mut out = vec![];
+    for (tokens, positions, pattern) in steps {
         let rows: Vec<usize> = (0..tokens.len()).collect();
         let mut batch = [SeqForward {
             cache: &mut cache,
             tokens,
-            positions: &positions,
-            pattern: &AttnPattern::Causal,
+            positions,
+            pattern,
             logit_rows: &rows,
         }];
-        model.forward(&mut batch, &[]).unwrap().logits.unwrap()
-    };
-    let pre = step(prompt, 0);
-    let dec = step(&[next], prompt.len() as u32);
-    (pre, dec)
+        out.push(model.forward(&mut batch, &[]).unwrap().logits.unwrap());
+    }
+    out
 }
 
-/// The same two forwards through `shards`, every rank in turn.
-fn split(shards: &[RankShard], prompt: &[u32], next: u32) -> (Tensor, Tensor) {
+/// The same forwards through `shards`, every rank in turn.
+fn split(shards: &[RankShard], steps: &[Step]) -> Vec<Tensor> {
     let mut caches: Vec<_> = shards.iter().map(|s| s.new_cache(16).unwrap()).collect();
-    let positions: Vec<u32> = (0..prompt.len() as u32).collect();
-    let rows: Vec<usize> = (0..prompt.len()).collect();
-    let causal = AttnPattern::Causal;
-    let pre = forward_sequential(shards, &mut caches, prompt, &positions, &causal, &rows).unwrap();
-    let p = [prompt.len() as u32];
-    let dec = forward_sequential(shards, &mut caches, &[next], &p, &causal, &[0]).unwrap();
-    assert!(caches.iter().all(|c| c.len() == prompt.len() + 1));
-    (pre, dec)
+    let mut out = vec![];
+    for (tokens, positions, pattern) in steps {
+        let rows: Vec<usize> = (0..tokens.len()).collect();
+        let logits =
+            forward_sequential(shards, &mut caches, tokens, positions, pattern, &rows).unwrap();
+        out.push(logits);
+    }
+    let len: usize = steps.iter().map(|s| s.0.len()).sum();
+    assert!(caches.iter().all(|c| c.len() == len));
+    out
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
@@ -103,14 +123,21 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
 }
 
-/// Max difference of prefill and decode logits between the split and unsplit forwards.
+/// Max difference of the prefill, decode and tree-verify logits between the split and
+/// unsplit forwards.
 fn split_error(model: &Qwen3Model, shards: &[RankShard], prompt: &[u32], next: u32) -> f32 {
-    let (pre, dec) = unsplit(model, prompt, next);
-    let (tp_pre, tp_dec) = split(shards, prompt, next);
+    let steps = steps(prompt, next);
+    let full = unsplit(model, &steps);
     // Logits of order one, so 1e-5 is a real bound (the split measures about 2e-6).
-    let scale = pre.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
-    assert!(scale.to_scalar::<f32>().unwrap() > 1.0);
-    max_diff(&pre, &tp_pre).max(max_diff(&dec, &tp_dec))
+    for l in &full {
+        let scale = l.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+        assert!(scale.to_scalar::<f32>().unwrap() > 1.0);
+    }
+    let tp = split(shards, &steps);
+    full.iter()
+        .zip(&tp)
+        .map(|(a, b)| max_diff(a, b))
+        .fold(0.0, f32::max)
 }
 
 #[test]
