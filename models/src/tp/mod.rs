@@ -7,7 +7,9 @@
 //!
 //! A multi-GPU driver keeps `shard.rs` as it is: each rank owns a [`RankShard`] and its
 //! cache on its own device and calls the same pieces, with NCCL's all-reduce and all-gather in
-//! place of the two functions here (asked to reduce in rank order, as these do).
+//! place of the two functions here. NCCL does not promise rank order (a ring starts each chunk
+//! at another rank), so a NCCL run matches these sums to rounding, not bit for bit; every rank
+//! still receives the same reduced values, so the ranks never disagree with each other.
 
 mod shard;
 
@@ -60,8 +62,8 @@ pub fn shard_model(model: &Qwen3Model, tp: usize) -> Result<Vec<RankShard>, TpEr
     (0..tp).map(|r| RankShard::of(model, &plan, r)).collect()
 }
 
-/// The sum of the ranks' partial outputs, added in rank order (the order a deterministic NCCL
-/// all-reduce is to match, so TP=n results do not depend on timing).
+/// The sum of the ranks' partial outputs, added in rank order: one fixed order, so the
+/// sequential TP=n result is deterministic (a NCCL all-reduce equals it to rounding).
 pub fn all_reduce_sum(partials: &[Tensor]) -> Result<Tensor, TpError> {
     let (first, rest) = partials.split_first().ok_or(TpError::RankCount {
         what: "partials",
