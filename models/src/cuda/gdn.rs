@@ -32,7 +32,7 @@ pub struct GdnWeights<'a> {
     pub eps: f64,
 }
 
-fn check_f32(name: &str, t: &Tensor, n: usize) -> Result<()> {
+pub(crate) fn check_f32(name: &str, t: &Tensor, n: usize) -> Result<()> {
     if t.dtype() != DType::F32 || !t.is_contiguous() || t.elem_count() != n {
         bail!(
             "{name} must be contiguous f32 of {n} elements, got {:?} {:?}",
@@ -41,6 +41,62 @@ fn check_f32(name: &str, t: &Tensor, n: usize) -> Result<()> {
         )
     }
     Ok(())
+}
+
+/// Token count `t`, projection width `p`, conv kernel and conv channels `c` of a chain launch.
+pub(crate) struct ChainDims {
+    pub t: usize,
+    pub p: usize,
+    pub kernel: usize,
+    pub c: usize,
+}
+
+/// The checks every chain launch makes (the kernels trust these shapes): bf16 inputs, `proj`
+/// rows of `[q | k | v | z | b | a]`, the conv window `win` (labelled `win.0` in errors) holding
+/// the `kernel - 1` cached pre-conv rows, followed by the `t` new ones when `with_new_rows`,
+/// and the f32 gates and state.
+pub(crate) fn check_chain(
+    name: &str,
+    win: (&str, &Tensor),
+    with_new_rows: bool,
+    proj: &Tensor,
+    s0: &Tensor,
+    w: &GdnWeights<'_>,
+) -> Result<ChainDims> {
+    let (win_label, win) = win;
+    check_bf16(win_label, win)?;
+    let win_name = win_label.trim_start_matches("gdn ");
+    check_bf16("gdn proj", proj)?;
+    check_bf16("gdn conv taps", w.conv_taps)?;
+    check_bf16("gdn norm", w.norm)?;
+    let (d, hk, hv) = (GDN_HEAD_DIM, w.hk, w.hv);
+    let (t, p) = proj.dims2()?;
+    let (kernel, c) = w.conv_taps.dims2()?;
+    let (win_rows, win_c) = win.dims2()?;
+    let new_rows = if with_new_rows { t } else { 0 };
+    if t == 0
+        || t > GDN_MAX_CHAIN
+        || kernel == 0
+        || kernel > GDN_MAX_CONV
+        || hk == 0
+        || !hv.is_multiple_of(hk)
+        || c != 2 * hk * d + hv * d
+        || win_c != c
+        || win_rows != kernel - 1 + new_rows
+        || p != c + hv * d + 2 * hv
+        || w.norm.dims1()? != d
+    {
+        bail!(
+            "{name}: proj {:?}, {win_name} {:?}, taps {:?}, hk {hk}, hv {hv}: needs 1..={GDN_MAX_CHAIN} tokens, head size {d}, conv kernel <= {GDN_MAX_CONV}",
+            proj.shape(),
+            win.shape(),
+            w.conv_taps.shape()
+        )
+    }
+    check_f32("gdn neg_a", w.neg_a, hv)?;
+    check_f32("gdn dt_bias", w.dt_bias, hv)?;
+    check_f32("gdn state", s0, hv * d * d)?;
+    Ok(ChainDims { t, p, kernel, c })
 }
 
 /// The mixer over `t` new tokens: `ext` bf16 `[K-1+t, conv_dim]` (the cached conv window
@@ -56,36 +112,9 @@ pub fn gdn_chain(
     all_states: bool,
 ) -> Result<(Tensor, Tensor)> {
     let dev = cuda(proj)?;
-    check_bf16("gdn ext", ext)?;
-    check_bf16("gdn proj", proj)?;
-    check_bf16("gdn conv taps", w.conv_taps)?;
-    check_bf16("gdn norm", w.norm)?;
+    let ChainDims { t, p, kernel, c } =
+        check_chain("gdn_chain", ("gdn ext", ext), true, proj, s0, w)?;
     let (d, hk, hv) = (GDN_HEAD_DIM, w.hk, w.hv);
-    let (t, p) = proj.dims2()?;
-    let (kernel, c) = w.conv_taps.dims2()?;
-    let (ext_rows, ext_c) = ext.dims2()?;
-    if t == 0
-        || t > GDN_MAX_CHAIN
-        || kernel == 0
-        || kernel > GDN_MAX_CONV
-        || hk == 0
-        || !hv.is_multiple_of(hk)
-        || c != 2 * hk * d + hv * d
-        || ext_c != c
-        || ext_rows != kernel - 1 + t
-        || p != c + hv * d + 2 * hv
-        || w.norm.dims1()? != d
-    {
-        bail!(
-            "gdn_chain: proj {:?}, ext {:?}, taps {:?}, hk {hk}, hv {hv}: needs 1..={GDN_MAX_CHAIN} tokens, head size {d}, conv kernel <= {GDN_MAX_CONV}",
-            proj.shape(),
-            ext.shape(),
-            w.conv_taps.shape()
-        )
-    }
-    check_f32("gdn neg_a", w.neg_a, hv)?;
-    check_f32("gdn dt_bias", w.dt_bias, hv)?;
-    check_f32("gdn state", s0, hv * d * d)?;
     let n_states = if all_states { t } else { 1 };
     let o = alloc_f32(&dev, t * hv * d)?;
     let states = alloc_f32(&dev, n_states * hv * d * d)?;

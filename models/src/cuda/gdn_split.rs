@@ -5,10 +5,10 @@
 //! Shapes are checked here because the kernels trust them.
 
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{bail, Result, Tensor};
 
-use super::gdn::{gated_norm, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN, GDN_MAX_CONV};
-use super::launch::{alloc_f32, cfg, check_bf16, cuda, go, ptr};
+use super::gdn::{check_chain, check_f32, gated_norm, ChainDims, GdnWeights, GDN_HEAD_DIM};
+use super::launch::{alloc_f32, cfg, cuda, go, ptr};
 use super::phases::mark;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn_split.ptx"));
@@ -39,17 +39,6 @@ pub struct SplitOut {
     pub u: Option<Tensor>,
 }
 
-fn check_f32(name: &str, t: &Tensor, n: usize) -> Result<()> {
-    if t.dtype() != DType::F32 || !t.is_contiguous() || t.elem_count() != n {
-        bail!(
-            "{name} must be contiguous f32 of {n} elements, got {:?} {:?}",
-            t.dtype(),
-            t.shape()
-        )
-    }
-    Ok(())
-}
-
 /// The mixer over `t` new tokens from the cached conv window `win` (bf16 `[K-1, conv_dim]`)
 /// and state `s0` (f32 `[hv, dk, dv]`); `proj` bf16 `[t, P]` is the whole in-projection.
 /// Three launches: `gdn_prep`, `gdn_scan`, `gdn_gated_norm`.
@@ -63,36 +52,9 @@ pub fn gdn_split(
 ) -> Result<SplitOut> {
     let dev = cuda(proj)?;
     let cdev = proj.device().clone();
-    check_bf16("gdn win", win)?;
-    check_bf16("gdn proj", proj)?;
-    check_bf16("gdn conv taps", w.conv_taps)?;
-    check_bf16("gdn norm", w.norm)?;
+    let ChainDims { t, p, kernel, c } =
+        check_chain("gdn_split", ("gdn win", win), false, proj, s0, w)?;
     let (d, hk, hv) = (GDN_HEAD_DIM, w.hk, w.hv);
-    let (t, p) = proj.dims2()?;
-    let (kernel, c) = w.conv_taps.dims2()?;
-    let (win_rows, win_c) = win.dims2()?;
-    if t == 0
-        || t > GDN_MAX_CHAIN
-        || kernel == 0
-        || kernel > GDN_MAX_CONV
-        || hk == 0
-        || !hv.is_multiple_of(hk)
-        || c != 2 * hk * d + hv * d
-        || win_c != c
-        || win_rows != kernel - 1
-        || p != c + hv * d + 2 * hv
-        || w.norm.dims1()? != d
-    {
-        bail!(
-            "gdn_split: proj {:?}, win {:?}, taps {:?}, hk {hk}, hv {hv}: needs 1..={GDN_MAX_CHAIN} tokens, head size {d}, conv kernel <= {GDN_MAX_CONV}",
-            proj.shape(),
-            win.shape(),
-            w.conv_taps.shape()
-        )
-    }
-    check_f32("gdn neg_a", w.neg_a, hv)?;
-    check_f32("gdn dt_bias", w.dt_bias, hv)?;
-    check_f32("gdn state", s0, hv * d * d)?;
     let q = alloc_f32(&dev, t * hk * d)?;
     let k = alloc_f32(&dev, t * hk * d)?;
     let v = alloc_f32(&dev, t * hv * d)?;
