@@ -291,19 +291,22 @@ impl<E: StepEngine> Worker<E> {
             .filter(|(_, r)| hit(&r.rid))
             .map(|(id, _)| *id)
             .collect();
+        let mut ended = Vec::new();
         for id in ids {
             self.engine.remove(id);
             if let Some(r) = self.release(id) {
-                let _ = r.events.send(SeqUpdate::Failed(EngineFailure::Aborted));
+                ended.push(r.events);
             }
         }
-        self.waiting.retain(|w| {
-            let keep = !hit(&w.rid);
-            if !keep {
-                let _ = w.events.send(SeqUpdate::Failed(EngineFailure::Aborted));
-            }
-            keep
-        });
+        let (gone, kept): (Vec<_>, Vec<_>) = self.waiting.drain(..).partition(|w| hit(&w.rid));
+        self.waiting = kept.into();
+        ended.extend(gone.into_iter().map(|w| w.events));
+        // The counts go out before the clients hear of the abort: a client that saw its stream
+        // end and then asks `/get_load` must not find its request still counted.
+        self.publish_state();
+        for events in ended {
+            let _ = events.send(SeqUpdate::Failed(EngineFailure::Aborted));
+        }
     }
 
     /// Ends requests past their `--request-timeout` deadline, running or still waiting, and
