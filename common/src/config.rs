@@ -294,7 +294,7 @@ fn layers_from_raw(path: &Path, raw: &RawConfig) -> Result<Qwen3Config, ConfigEr
     positive("num_attention_heads", raw.num_attention_heads)?;
     let num_kv = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
     positive("num_key_value_heads", num_kv)?;
-    if raw.num_attention_heads % num_kv != 0 {
+    if !raw.num_attention_heads.is_multiple_of(num_kv) {
         return Err(field_err(
             path,
             "num_key_value_heads",
@@ -307,7 +307,7 @@ fn layers_from_raw(path: &Path, raw: &RawConfig) -> Result<Qwen3Config, ConfigEr
     let head_dim = raw
         .head_dim
         .unwrap_or(raw.hidden_size / raw.num_attention_heads);
-    if head_dim == 0 || head_dim % 2 != 0 {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
         return Err(field_err(
             path,
             "head_dim",

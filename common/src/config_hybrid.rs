@@ -245,7 +245,7 @@ impl HybridConfig {
             None => return Err(err("intermediate_size", "required field is missing".into())),
         };
         let num_kv = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
-        if num_kv == 0 || raw.num_attention_heads % num_kv != 0 {
+        if num_kv == 0 || !raw.num_attention_heads.is_multiple_of(num_kv) {
             return Err(err(
                 "num_key_value_heads",
                 format!(
@@ -254,7 +254,10 @@ impl HybridConfig {
                 ),
             ));
         }
-        if raw.linear_num_value_heads % raw.linear_num_key_heads != 0 {
+        if !raw
+            .linear_num_value_heads
+            .is_multiple_of(raw.linear_num_key_heads)
+        {
             return Err(err(
                 "linear_num_value_heads",
                 format!(
@@ -266,7 +269,7 @@ impl HybridConfig {
         let head_dim = raw
             .head_dim
             .unwrap_or(raw.hidden_size / raw.num_attention_heads);
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(err(
                 "head_dim",
                 format!("{head_dim} must be a positive even number"),
@@ -306,7 +309,7 @@ impl HybridConfig {
             .or(raw.partial_rotary_factor)
             .unwrap_or(0.25);
         let rotary_dim = (head_dim as f64 * factor) as usize;
-        if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
+        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
             return Err(err(
                 "partial_rotary_factor",
                 format!("{factor} gives a rotary dim of {rotary_dim} for head_dim {head_dim}; it must be even and in 2..=head_dim"),

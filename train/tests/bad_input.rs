@@ -237,3 +237,39 @@ fn non_finite_steps_are_skipped_then_stop_the_run_naming_the_last_checkpoint() {
         "the last checkpoint is kept"
     );
 }
+
+#[test]
+fn data_parallel_device_lists_that_cannot_split_a_step_are_refused_naming_the_flag() {
+    let dir = scratch("dp-flags");
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = dir.join("data.jsonl");
+    std::fs::write(&data, format!("{GOOD}\n")).unwrap();
+    let out = dir.join("out");
+    let uneven = error_of(&args(
+        &data,
+        &out,
+        &["--drafter-device", "cpu,cpu", "--grad-accum", "3"],
+    ));
+    assert!(
+        uneven.contains("--grad-accum") && uneven.contains("--grad-accum 4"),
+        "{uneven}"
+    );
+    let mixed = error_of(&args(
+        &data,
+        &out,
+        &["--drafter-device", "cpu,0", "--grad-accum", "2"],
+    ));
+    assert!(
+        mixed.contains("--drafter-device") && mixed.contains("mixes"),
+        "{mixed}"
+    );
+    // Refused before any GPU is opened, so this runs on a CPU-only machine too.
+    let twice = error_of(&args(
+        &data,
+        &out,
+        &["--drafter-device", "0,0", "--grad-accum", "2"],
+    ));
+    assert!(twice.contains("cuda:0 twice"), "{twice}");
+    assert!(!out.join("model.safetensors").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -398,3 +398,71 @@ fn eval_every_logs_chain_and_ddtree_tau_equal_to_offline_eval_of_the_saved_draft
     );
     std::fs::remove_dir_all(&out).unwrap();
 }
+
+/// Data parallelism, simulated with two CPU replicas: with one micro-batch per replica the
+/// all-reduce sums the gradients in a single device's accumulation order, so two replicas at
+/// `--grad-accum 2` end bit for bit where one device does (losses and saved weights), the
+/// replicas agreeing at every checkpoint (the trainer checks it before each save).
+#[test]
+fn two_replicas_train_bit_for_bit_like_one_device_at_the_same_global_batch() {
+    let (a, b) = (scratch("dp-one"), scratch("dp-two"));
+    let steps = ["--max-steps", "6", "--save-every", "3", "--grad-accum", "2"];
+    let one = train(&tiny_run(&a, &steps)).unwrap();
+    let two = train(&tiny_run(
+        &b,
+        &[&steps[..], &["--drafter-device", "cpu,cpu"]].concat(),
+    ))
+    .unwrap();
+    assert_eq!(two.steps, 6);
+    assert_eq!(two.losses, one.losses, "same global batches, same losses");
+    let wa = std::fs::read(a.join("model.safetensors")).unwrap();
+    let wb = std::fs::read(b.join("model.safetensors")).unwrap();
+    assert!(wa == wb, "two replicas' weights differ from one device's");
+    std::fs::remove_dir_all(&a).unwrap();
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
+/// Two micro-batches per replica: the sum runs in another order than one device's
+/// (`(g0 + g1) + (g2 + g3)`), so the runs agree to f32 rounding; a resume under two replicas
+/// restores every replica from the checkpoint and ends where the uninterrupted run does.
+#[test]
+fn two_replicas_with_accumulation_match_one_device_to_rounding_and_resume_exactly() {
+    let (a, b, c) = (
+        scratch("dp-acc-one"),
+        scratch("dp-acc-two"),
+        scratch("dp-acc-halves"),
+    );
+    let steps = ["--max-steps", "6", "--save-every", "2", "--grad-accum", "4"];
+    let dp = [&steps[..], &["--drafter-device", "cpu,cpu"]].concat();
+    let one = train(&tiny_run(&a, &steps)).unwrap();
+    let two = train(&tiny_run(&b, &dp)).unwrap();
+    assert_eq!(two.losses.len(), one.losses.len());
+    for ((s, l1), (_, l2)) in one.losses.iter().zip(&two.losses) {
+        assert!(
+            (l1 - l2).abs() <= 1e-5 * l1.abs().max(1.0),
+            "step {s}: one device {l1}, two replicas {l2}"
+        );
+    }
+    let first = train(&tiny_run(
+        &c,
+        &[&dp[..], &["--stop-after-steps", "3"]].concat(),
+    ))
+    .unwrap();
+    assert!(first.stopped_early);
+    let second = train(&tiny_run(
+        &c,
+        &[&dp[..], &["--resume", c.to_str().unwrap()]].concat(),
+    ))
+    .unwrap();
+    assert_eq!(second.steps, 6);
+    assert_eq!(two.losses[3..], second.losses[..]);
+    let wb = std::fs::read(b.join("model.safetensors")).unwrap();
+    let wc = std::fs::read(c.join("model.safetensors")).unwrap();
+    assert!(
+        wb == wc,
+        "a resumed two-replica run differs from an uninterrupted one"
+    );
+    for d in [a, b, c] {
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

@@ -367,7 +367,7 @@ impl Engine {
         }
         self.next_id += 1;
         let sampler = Sampler::new(
-            req.sampling.clone(),
+            req.sampling,
             self.config
                 .seed
                 .wrapping_add(id.wrapping_mul(0x9E37_79B9_7F4A_7C15)),

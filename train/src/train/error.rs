@@ -45,6 +45,8 @@ pub enum TrainError {
         limit: usize,
         last_good: String,
     },
+    #[error("data-parallel training: {0}")]
+    DataParallel(String),
     #[error("target worker on {device}: {message}")]
     Worker { device: String, message: String },
     #[error(transparent)]

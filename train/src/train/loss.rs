@@ -173,8 +173,8 @@ pub fn hits(predicted: &[u32], targets: &BlockTargets) -> Hits {
     };
     let mut streak_block = u32::MAX;
     let mut expect_slot = 1;
-    for i in 0..predicted.len() {
-        let ok = predicted[i] == targets.labels[i];
+    for (i, &p) in predicted.iter().enumerate() {
+        let ok = p == targets.labels[i];
         h.correct += usize::from(ok);
         if targets.block[i] != streak_block {
             streak_block = targets.block[i];

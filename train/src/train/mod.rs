@@ -22,6 +22,7 @@ pub mod optimizer;
 pub mod periodic_eval;
 pub mod pipeline;
 pub mod plan;
+pub mod replicas;
 pub mod resume;
 pub mod setup;
 pub mod synthetic;
@@ -367,9 +368,17 @@ pub struct TrainArgs {
         help_heading = "Pipeline"
     )]
     pub target_devices: Vec<DeviceSpec>,
-    /// Device training the drafter.
-    #[arg(long, default_value = "cpu", help_heading = "Pipeline")]
-    pub drafter_device: DeviceSpec,
+    /// Device training the drafter: cpu, cuda:N or N. Several (comma-separated, e.g. 0,1,2,3)
+    /// train data-parallel replicas: each step's --grad-accum micro-batches are split evenly
+    /// over them (so --grad-accum must be a multiple of their number) and the gradients summed
+    /// across them, so the global batch and the loss curve are one device's.
+    #[arg(
+        long = "drafter-device",
+        default_value = "cpu",
+        value_delimiter = ',',
+        help_heading = "Pipeline"
+    )]
+    pub drafter_devices: Vec<DeviceSpec>,
     /// Drafter compute dtype (master weights and moments are always f32).
     #[arg(long, value_enum, default_value_t = ComputeDtype::Auto, help_heading = "Pipeline")]
     pub compute_dtype: ComputeDtype,

@@ -106,6 +106,33 @@ impl TrainOptimizer {
         })
     }
 
+    /// This optimizer's exact state (masters, moments, `(updates, skips)` counters) as a new
+    /// optimizer on `device`: another data-parallel rank. Deep copies, also on the same device,
+    /// so the ranks never update one storage twice.
+    pub fn replicate(
+        &self,
+        choice: OptimizerChoice,
+        device: &Device,
+        (adam_t, skipped): (u64, u64),
+    ) -> TrainResult<Self> {
+        let t = self.tensors()?;
+        let copy = |x: &Tensor| x.to_device(device)?.copy();
+        let params = t
+            .params
+            .iter()
+            .map(|(n, x)| Ok((n.clone(), copy(x)?)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let m =
+            t.m.iter()
+                .map(copy)
+                .collect::<candle_core::Result<Vec<_>>>()?;
+        let v =
+            t.v.iter()
+                .map(copy)
+                .collect::<candle_core::Result<Vec<_>>>()?;
+        Self::new(choice, params, Some((m, v, adam_t, skipped)))
+    }
+
     pub fn is_fused(&self) -> bool {
         matches!(self.inner, Inner::Fused { .. })
     }

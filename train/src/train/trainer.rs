@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Tensor};
-use dflash_models::TrainSequence;
 use serde_json::{json, Map, Value};
 
 use super::checkpoint::{self, RunFingerprint, TrainerState};
@@ -26,6 +25,7 @@ use super::optimizer::{OptimizerChoice, TrainOptimizer};
 use super::periodic_eval::PeriodicEval;
 use super::pipeline::{ComputedBatch, Depth, Pipeline};
 use super::plan::{BatchPlan, PlanConfig};
+use super::replicas::{self, Prepared, Replica};
 use super::resume;
 use super::setup;
 use super::target::Target;
@@ -70,7 +70,8 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             ),
         });
     }
-    let drafter_device = args.drafter_device.open("--drafter-device")?;
+    let drafter_devices = replicas::open_devices(&args.drafter_devices, args.grad_accum)?;
+    let drafter_device = drafter_devices[0].clone();
     let dtype = setup::compute_dtype(args.compute_dtype, &drafter_device);
     let target = Target::open(&args.target_model)?;
     let target_cfg = target.config.clone();
@@ -141,7 +142,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         clip: args.grad_clip,
         compute_dtype: dtype,
     };
-    let (mut opt, mut state) = match resumed {
+    let (opt, mut state) = match resumed {
         Some(r) => resume::restore(r, &fingerprint, total_steps, choice)?,
         None => {
             let params = match &args.init_drafter {
@@ -182,6 +183,32 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         &drafter_device,
     )?;
     let parts = target.embeddings_and_head(&workers, dtype, &drafter_device, args.max_len)?;
+    // Rank 0 holds the run's optimizer; the other data-parallel ranks start as exact copies.
+    let mut ranks = vec![Replica::new(
+        drafter_device.clone(),
+        opt,
+        parts,
+        &cfg,
+        dtype,
+    )?];
+    for dev in &drafter_devices[1..] {
+        let parts = target.embeddings_and_head(&workers, dtype, dev, args.max_len)?;
+        let counters = (state.adam_t, state.skipped_steps as u64);
+        let rank = ranks[0].replicate(dev.clone(), parts, choice, counters, &cfg, dtype)?;
+        ranks.push(rank);
+    }
+    if ranks.len() > 1 {
+        tracing::info!(
+            "data-parallel: {} drafter replicas ({}), {} micro-batches each per step",
+            ranks.len(),
+            args.drafter_devices
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+            args.grad_accum / ranks.len()
+        );
+    }
     let periodic = match (&args.eval_prompts, args.eval_every) {
         (Some(prompts), every) if every > 0 => Some(PeriodicEval::start(
             every,
@@ -199,7 +226,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
     let cuda: Vec<usize> = args
         .target_devices
         .iter()
-        .chain([&args.drafter_device])
+        .chain(&args.drafter_devices)
         .filter_map(|d| match d {
             DeviceSpec::Cuda(i) => Some(*i),
             DeviceSpec::Cpu => None,
@@ -215,7 +242,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         devices: args
             .target_devices
             .iter()
-            .chain([&args.drafter_device])
+            .chain(&args.drafter_devices)
             .map(|d| d.to_string())
             .collect::<BTreeSet<_>>()
             .len(),
@@ -233,13 +260,6 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             Depth::Overlapped(args.max_depth)
         },
     );
-    // Variables in the compute dtype (f32 compute, or the fused optimizer's working weights)
-    // share storage with the drafter built over them, so one drafter serves every step.
-    let shared = if opt.drafter_shares_storage(dtype) {
-        Some(setup::drafter_from_vars(&cfg, opt.vars(), &parts, dtype)?)
-    } else {
-        None
-    };
     let save_dtype = match args.save_dtype {
         SaveDtype::Bf16 => DType::BF16,
         SaveDtype::F32 => DType::F32,
@@ -312,90 +332,62 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                 step_flops.1 += flops::target_forward(&target_cfg, ex.tokens.len());
                 anchors.push(a);
             }
-            prepared.push((anchors, targets));
+            prepared.push(Prepared { anchors, targets });
         }
-        let total_weight: f64 = prepared.iter().map(|(_, t)| t.total_weight()).sum();
-        let rebuilt;
-        let drafter = match &shared {
-            Some(d) => d,
-            None => {
-                rebuilt = setup::drafter_from_vars(&cfg, opt.vars(), &parts, dtype)?;
-                &rebuilt
-            }
-        };
-        let mut grads: Vec<Option<Tensor>> = vec![None; opt.vars().len()];
-        // Losses and argmaxes stay on the device until the step's one read-back.
+        let total_weight: f64 = prepared.iter().map(|p| p.targets.total_weight()).sum();
+        let work: Vec<(&ComputedBatch, &Prepared)> = batches.iter().zip(&prepared).collect();
+        let step_tokens: usize = work
+            .iter()
+            .flat_map(|(bt, _)| &bt.seqs)
+            .map(|s| examples[s.example].tokens.len())
+            .sum();
+        window.target_s += batches.iter().map(|bt| bt.target_s).sum::<f64>();
+        let per_rank = replicas::run_ranks(
+            &ranks,
+            args,
+            &cfg,
+            dtype,
+            &examples,
+            &work,
+            total_weight,
+            &mut clock,
+        )?;
+        // Losses and argmaxes stay on the devices until the step's one read-back; in
+        // micro-batch order (each rank holds a contiguous run of them).
         let mut loss_parts = Vec::with_capacity(batches.len());
         let mut predicted_parts = Vec::with_capacity(batches.len());
-        let mut step_tokens = 0;
-        for (bt, (anchors, targets)) in batches.iter().zip(&prepared) {
-            // One upload per batch (none when the worker shares the device), then views.
-            let all = bt.features.to_device(drafter.device())?;
-            let feats = bt
-                .seqs
-                .iter()
-                .map(|s| all.narrow(0, s.rows.start, s.rows.len()))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            clock.lap(Stage::H2d)?;
-            let seqs: Vec<TrainSequence<'_>> = bt
-                .seqs
-                .iter()
-                .zip(&feats)
-                .zip(anchors)
-                .map(|((s, f), a)| TrainSequence {
-                    features: f,
-                    tokens: &examples[s.example].tokens,
-                    anchors: a,
-                })
-                .collect();
-            step_tokens += seqs.iter().map(|s| s.tokens.len()).sum::<usize>();
-            window.target_s += bt.target_s;
-            let hidden = drafter.train_hidden_with(&seqs, args.train_paths(drafter.device()))?;
-            let rows = Tensor::new(targets.rows.as_slice(), drafter.device())?;
-            let hidden = hidden.index_select(&rows, 0)?;
-            let (loss, predicted) = loss::head_cross_entropy(
-                args.head_loss,
-                &hidden,
-                drafter,
-                &parts.lm_head,
-                targets,
-                total_weight,
-            )?;
-            predicted_parts.push(predicted);
-            clock.lap(Stage::Forward)?;
-            let store = loss.backward()?;
-            for (i, (_, var)) in opt.vars().iter().enumerate() {
-                if let Some(g) = store.get(var.as_tensor()) {
-                    // Accumulated in f32 (a no-op cast for the f32 masters' gradients).
-                    let g = g.to_dtype(DType::F32)?;
-                    grads[i] = Some(match grads[i].take() {
-                        Some(acc) => (acc + g)?,
-                        None => g,
-                    });
-                }
+        let mut rank_grads = Vec::with_capacity(ranks.len());
+        for r in per_rank {
+            for l in r.losses {
+                loss_parts.push(l.to_device(&drafter_device)?);
             }
-            // Detached: a clone would keep this micro-batch's whole graph alive until the
-            // step's read-back (`to_dtype` to the same dtype is a clone).
-            loss_parts.push(loss.detach().to_dtype(DType::F32)?);
-            clock.lap(Stage::Backward)?;
+            predicted_parts.extend(r.predicted);
+            rank_grads.push(r.grads);
         }
+        let mut rank_grads = replicas::all_reduce_in_rank_order(rank_grads, &drafter_devices)?;
         let loss_t = Tensor::stack(&loss_parts, 0)?.sum_all()?;
         if args.inject_nan_grad_at_step == Some(state.step + 1) {
-            if let Some(g) = grads.iter_mut().flatten().next() {
-                *g = (&*g * f64::NAN)?;
+            for grads in &mut rank_grads {
+                if let Some(g) = grads.iter_mut().flatten().next() {
+                    *g = (&*g * f64::NAN)?;
+                }
             }
         }
         state.batches += batches.len();
         let lr = learning_rate(state.step, total_steps, warmup, args.lr);
-        // Fused: enqueued, and its outcome read with the step's one read-back below.
-        opt.step(grads, &loss_t, lr)?;
+        // Fused: enqueued, and its outcome read with the step's one read-back below. Every
+        // rank applies the same update to the same summed gradient.
+        for (rank, grads) in ranks.iter_mut().zip(rank_grads) {
+            let loss = loss_t.to_device(&rank.device)?;
+            rank.opt.step(grads, &loss, lr)?;
+        }
         clock.lap(Stage::Optimizer)?;
         let step_loss = loss_t.to_scalar::<f32>()? as f64;
         let mut step_hits = Hits::default();
-        for (p, (_, targets)) in predicted_parts.iter().zip(&prepared) {
-            step_hits.add(loss::hits(&p.to_vec1::<u32>()?, targets));
+        for (p, prep) in predicted_parts.iter().zip(&prepared) {
+            step_hits.add(loss::hits(&p.to_vec1::<u32>()?, &prep.targets));
         }
-        let outcome = opt.outcome()?;
+        let outcome = ranks[0].opt.outcome()?;
         clock.lap(Stage::Readback)?;
         let (finite, norm) = (outcome.ran, outcome.norm);
         if finite {
@@ -496,7 +488,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             window = Window::default();
         }
         if let Some(pe) = periodic.as_ref().filter(|pe| pe.due(state.step, last)) {
-            let taus = pe.run(&cfg, opt.vars(), &parts)?;
+            let taus = pe.run(&cfg, ranks[0].opt.vars(), &ranks[0].parts)?;
             let line = taus
                 .iter()
                 .map(|(k, v)| format!("{k} {v:.3}"))
@@ -520,12 +512,13 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         reporter.set_position(state.step);
         // A skipped step changed nothing; saving it would only rotate good checkpoints out.
         if (finite && state.step % args.save_every.max(1) == 0) || last {
+            replicas::check_replicas_agree(&ranks)?;
             state.total_steps = total_steps;
             let path = checkpoint::save_checkpoint(
                 &args.output_dir,
                 &cfg,
                 target_cfg.num_hidden_layers,
-                &opt.tensors()?,
+                &ranks[0].opt.tensors()?,
                 &state,
                 save_dtype,
                 args.keep_checkpoints,
@@ -547,7 +540,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             &args.output_dir,
             &cfg,
             target_cfg.num_hidden_layers,
-            &opt.tensors()?.params,
+            &ranks[0].opt.tensors()?.params,
             save_dtype,
         )?;
         args.output_dir.clone()
