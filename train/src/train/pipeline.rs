@@ -9,12 +9,17 @@
 //! Workers finish batches out of order; the buffer reorders them by batch index, which keeps a
 //! run deterministic whatever the number of workers.
 //!
+//! With data-parallel drafter replicas ([`Routing`]), a batch goes to a worker on the device of
+//! the rank that will train it when there is one, so its features stay on that GPU (the
+//! N x (target + drafter) layout); batches of ranks without a worker on their device go to any
+//! worker. Which worker computes a batch never changes its contents.
+//!
 //! [`Depth::Serialized`] holds a taken batch's credits until the trainer asks for the next one
 //! (its step is done), with room for one batch: the target then never runs beside the drafter,
 //! so each side's time is measured alone (profiling; the batches and results are the same).
 
-use std::collections::BTreeMap;
-use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -93,8 +98,79 @@ pub struct Pipeline {
     /// Credits of the batch the trainer is working on ([`Depth::Serialized`] only).
     held: Option<usize>,
     threads: Vec<JoinHandle<()>>,
+    /// Closed on drop, so a dispatcher waiting for room and idle workers stop.
+    board: Arc<JobBoard>,
     /// A worker error seen while draining for metrics, returned by the next `next_batch`.
     failed: Option<TrainError>,
+}
+
+/// Which data-parallel rank trains a batch: a step's `grad_accum` batches (numbered from a
+/// multiple of it) are cut into one contiguous run per rank, as the trainer cuts them.
+#[derive(Clone)]
+pub struct Routing {
+    pub grad_accum: usize,
+    /// The drafter replicas' devices, in rank order.
+    pub rank_devices: Vec<Device>,
+}
+
+impl Routing {
+    fn rank_of(&self, index: usize) -> usize {
+        let per_rank = (self.grad_accum / self.rank_devices.len().max(1)).max(1);
+        ((index % self.grad_accum.max(1)) / per_rank).min(self.rank_devices.len() - 1)
+    }
+}
+
+/// A batch to compute, for one worker group (the workers on one rank's GPU) or for any worker.
+struct Job {
+    index: usize,
+    ids: Vec<usize>,
+    group: Option<usize>,
+}
+
+/// The dispatcher's queue of jobs, bounded; a worker takes the oldest job for its group or
+/// for any worker.
+struct JobBoard {
+    state: Mutex<(VecDeque<Job>, bool)>,
+    cond: Condvar,
+    cap: usize,
+}
+
+impl JobBoard {
+    /// Waits for room; false once closed.
+    fn push(&self, job: Job) -> bool {
+        let mut g = self.state.lock().expect("job board lock");
+        while g.0.len() >= self.cap && !g.1 {
+            g = self.cond.wait(g).expect("job board lock");
+        }
+        if g.1 {
+            return false;
+        }
+        g.0.push_back(job);
+        self.cond.notify_all();
+        true
+    }
+    /// The oldest job `group` may take, waiting for one; `None` once closed with none left.
+    fn take(&self, group: Option<usize>) -> Option<Job> {
+        let mut g = self.state.lock().expect("job board lock");
+        loop {
+            if let Some(i) =
+                g.0.iter()
+                    .position(|j| j.group.is_none() || j.group == group)
+            {
+                let job = g.0.remove(i);
+                self.cond.notify_all();
+                return job;
+            }
+            if g.1 {
+                return None;
+            }
+            g = self.cond.wait(g).expect("job board lock");
+        }
+    }
+    fn close(&self) {
+        self.state.lock().expect("job board lock").1 = true;
+        self.cond.notify_all();
+    }
 }
 
 /// A target model and the device name for messages.
@@ -145,6 +221,7 @@ impl Pipeline {
         workers: Vec<TargetWorker>,
         taps: Vec<usize>,
         depth: Depth,
+        routing: Option<Routing>,
     ) -> Self {
         let (max_depth, held) = match depth {
             Depth::Overlapped(n) => (n, None),
@@ -155,23 +232,58 @@ impl Pipeline {
             cond: Condvar::new(),
         });
         let (res_tx, res_rx) = mpsc::channel::<TrainResult<ComputedBatch>>();
-        let (job_tx, job_rx) = mpsc::sync_channel::<(usize, Vec<usize>)>(workers.len());
-        let job_rx = Arc::new(Mutex::new(job_rx));
+        let board = Arc::new(JobBoard {
+            state: Mutex::new((VecDeque::new(), false)),
+            cond: Condvar::new(),
+            cap: workers.len().max(1),
+        });
+        // A worker's group: the first rank on its GPU (none on the CPU, where every device is
+        // one). A rank's batches go to its group when the group has a worker.
+        let group_of = |device: &Device| {
+            routing.as_ref().and_then(|r| {
+                r.rank_devices
+                    .iter()
+                    .position(|d| !d.is_cpu() && d.same_device(device))
+            })
+        };
+        let worker_groups: Vec<Option<usize>> =
+            workers.iter().map(|w| group_of(w.model.device())).collect();
+        let rank_group: Vec<Option<usize>> = routing.as_ref().map_or(Vec::new(), |r| {
+            r.rank_devices
+                .iter()
+                .map(|d| group_of(d).filter(|g| worker_groups.contains(&Some(*g))))
+                .collect()
+        });
         let mut threads = Vec::new();
-        for w in workers {
-            let (job_rx, res_tx, examples, taps) = (
-                job_rx.clone(),
+        for (w, group) in workers.into_iter().zip(worker_groups) {
+            let (board, res_tx, examples, taps) = (
+                board.clone(),
                 res_tx.clone(),
                 examples.clone(),
                 taps.clone(),
             );
             threads.push(std::thread::spawn(move || {
-                worker_loop(w, &job_rx, &res_tx, &examples, &taps)
+                worker_loop(w, group, &board, &res_tx, &examples, &taps)
             }));
         }
         let dispatch_credits = credits.clone();
+        let route = move |index: usize| {
+            let r = routing.as_ref()?;
+            rank_group.get(r.rank_of(index)).copied().flatten()
+        };
+        let dispatch_board = board.clone();
         threads.push(std::thread::spawn(move || {
-            dispatch(batches, first_index, job_tx, &dispatch_credits, max_depth)
+            let board = dispatch_board;
+            dispatch(
+                batches,
+                first_index,
+                &board,
+                &dispatch_credits,
+                max_depth,
+                route,
+            );
+            // Workers drain what is queued, then stop.
+            board.close();
         }));
         Self {
             results: Some(res_rx),
@@ -181,6 +293,7 @@ impl Pipeline {
             max_depth,
             held,
             threads,
+            board,
             failed: None,
         }
     }
@@ -257,6 +370,7 @@ impl Pipeline {
 impl Drop for Pipeline {
     fn drop(&mut self) {
         self.credits.close();
+        self.board.close();
         self.results = None;
         for t in self.threads.drain(..) {
             let _ = t.join();
@@ -267,15 +381,18 @@ impl Drop for Pipeline {
 fn dispatch(
     batches: Box<dyn Iterator<Item = Vec<usize>> + Send>,
     first_index: usize,
-    jobs: SyncSender<(usize, Vec<usize>)>,
+    jobs: &JobBoard,
     credits: &Credits,
     max_depth: usize,
+    route: impl Fn(usize) -> Option<usize>,
 ) {
-    for (i, batch) in batches.enumerate() {
-        if !credits.acquire(batch.len().min(max_depth)) {
+    for (i, ids) in batches.enumerate() {
+        if !credits.acquire(ids.len().min(max_depth)) {
             return;
         }
-        if jobs.send((first_index + i, batch)).is_err() {
+        let index = first_index + i;
+        let group = route(index);
+        if !jobs.push(Job { index, ids, group }) {
             return;
         }
     }
@@ -283,14 +400,13 @@ fn dispatch(
 
 fn worker_loop(
     w: TargetWorker,
-    jobs: &Mutex<Receiver<(usize, Vec<usize>)>>,
+    group: Option<usize>,
+    jobs: &JobBoard,
     results: &Sender<TrainResult<ComputedBatch>>,
     examples: &[Example],
     taps: &[usize],
 ) {
-    loop {
-        let job = jobs.lock().expect("job lock").recv();
-        let Ok((index, ids)) = job else { return };
+    while let Some(Job { index, ids, .. }) = jobs.take(group) {
         let t0 = Instant::now();
         let out = compute(&w, examples, &ids, taps)
             .map(|(features, seqs)| ComputedBatch {
@@ -307,5 +423,50 @@ fn worker_loop(
         if results.send(out).is_err() || failed {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_is_cut_into_one_contiguous_run_per_rank_as_the_trainer_cuts_it() {
+        let r = Routing {
+            grad_accum: 4,
+            rank_devices: vec![Device::Cpu, Device::Cpu],
+        };
+        let ranks: Vec<usize> = (8..16).map(|i| r.rank_of(i)).collect();
+        assert_eq!(ranks, [0, 0, 1, 1, 0, 0, 1, 1]);
+    }
+
+    #[test]
+    fn a_worker_takes_the_oldest_job_of_its_group_or_for_anyone_and_drains_after_close() {
+        let board = JobBoard {
+            state: Mutex::new((VecDeque::new(), false)),
+            cond: Condvar::new(),
+            cap: 8,
+        };
+        for (index, group) in [(0, Some(1)), (1, Some(0)), (2, None), (3, Some(1))] {
+            assert!(board.push(Job {
+                index,
+                ids: vec![index],
+                group,
+            }));
+        }
+        let take = |g| board.take(g).map(|j| j.index);
+        assert_eq!(take(Some(0)), Some(1));
+        assert_eq!(take(Some(0)), Some(2));
+        board.close();
+        assert!(!board.push(Job {
+            index: 4,
+            ids: vec![],
+            group: None
+        }));
+        // Closed: group 0 has nothing left and stops; group 1 still drains its two jobs.
+        assert_eq!(take(Some(0)), None);
+        assert_eq!(take(Some(1)), Some(0));
+        assert_eq!(take(Some(1)), Some(3));
+        assert_eq!(take(Some(1)), None);
     }
 }

@@ -198,14 +198,14 @@ impl Target {
 
     /// One frozen target per `--target-devices` entry (fused kernels, no gradients), cut
     /// after the deepest of `taps` (the layers after it would only be computed and thrown
-    /// away). A worker on `drafter`'s device keeps its features there.
+    /// away). A worker on a drafter replica's GPU keeps its features there.
     pub fn load_workers(
         &self,
         devices: &[DeviceSpec],
         compute: ComputeDtype,
         max_positions: usize,
         taps: &[usize],
-        drafter: &Device,
+        drafters: &[Device],
     ) -> TrainResult<Vec<TargetWorker>> {
         let last_tap = taps
             .iter()
@@ -236,7 +236,8 @@ impl Target {
                 device.synchronize()?;
                 Ok(TargetWorker {
                     device: spec.to_string(),
-                    keep_on_device: !device.is_cpu() && device.same_device(drafter),
+                    keep_on_device: !device.is_cpu()
+                        && drafters.iter().any(|d| device.same_device(d)),
                     model,
                 })
             })

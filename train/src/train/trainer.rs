@@ -23,7 +23,7 @@ use super::loss::{self, BlockTargets, Hits};
 use super::optim::{learning_rate, AdamWConfig};
 use super::optimizer::{OptimizerChoice, TrainOptimizer};
 use super::periodic_eval::PeriodicEval;
-use super::pipeline::{ComputedBatch, Depth, Pipeline};
+use super::pipeline::{ComputedBatch, Depth, Pipeline, Routing};
 use super::plan::{BatchPlan, PlanConfig};
 use super::replicas::{self, Prepared, Replica};
 use super::resume;
@@ -180,7 +180,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         args.compute_dtype,
         args.max_len,
         &cfg.target_layer_ids,
-        &drafter_device,
+        &drafter_devices,
     )?;
     let parts = target.embeddings_and_head(&workers, dtype, &drafter_device, args.max_len)?;
     // Rank 0 holds the run's optimizer; the other data-parallel ranks start as exact copies.
@@ -259,6 +259,10 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         } else {
             Depth::Overlapped(args.max_depth)
         },
+        (drafter_devices.len() > 1).then(|| Routing {
+            grad_accum: args.grad_accum,
+            rank_devices: drafter_devices.clone(),
+        }),
     );
     let save_dtype = match args.save_dtype {
         SaveDtype::Bf16 => DType::BF16,
