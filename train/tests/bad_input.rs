@@ -270,6 +270,8 @@ fn data_parallel_device_lists_that_cannot_split_a_step_are_refused_naming_the_fl
         &["--drafter-device", "0,0", "--grad-accum", "2"],
     ));
     assert!(twice.contains("cuda:0 twice"), "{twice}");
+    let nccl_on_cpu = error_of(&args(&data, &out, &["--grad-reducer", "nccl"]));
+    assert!(nccl_on_cpu.contains("--grad-reducer"), "{nccl_on_cpu}");
     assert!(!out.join("model.safetensors").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }

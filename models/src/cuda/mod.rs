@@ -76,6 +76,8 @@ pub(crate) mod decoder_stack;
 pub mod graphs;
 #[cfg(feature = "cuda")]
 mod kernels;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 #[cfg(feature = "cuda")]
 pub use kernels::{
     add_rmsnorm, attention, attention_for_context, kv_norm_rope_cache, linear, qk_norm_rope_cache,

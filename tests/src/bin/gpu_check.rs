@@ -6,7 +6,10 @@
 //! (serve/src/bench/, deploy/bench/README.md), which also checks the fused CUDA kernels.
 //!
 //! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid | --pooled | --train | --scale | --moe |
-//! --trainer-optimizer]
+//! --trainer-optimizer | --data-parallel]
+//!
+//! With `--data-parallel` (CUDA builds) it checks NCCL (`nccl` builds) and the trainer's
+//! data-parallel replicas on the visible GPUs (`gpu_check/data_parallel.rs`).
 //!
 //! With `--scale` (CUDA builds) it runs only the checks and timings of steps at scale
 //! (`gpu_check/scale.rs`): prefill pieces over long contexts, the 17..64-row skinny GEMMs
@@ -32,6 +35,9 @@
 //! With `--hybrid` it runs only the hybrid-target checks and the Qwen3.6-27B-shaped benchmark
 //! (see `gpu_check/hybrid.rs`).
 
+#[cfg(feature = "cuda")]
+#[path = "gpu_check/data_parallel.rs"]
+mod data_parallel;
 #[path = "gpu_check/hybrid.rs"]
 mod hybrid;
 #[path = "gpu_check/hybrid_attn.rs"]
@@ -237,6 +243,24 @@ fn main() -> Result<()> {
             std::fs::write(path, &out)?;
         }
         println!("{out}");
+        return Ok(());
+    }
+    // --data-parallel: NCCL and the trainer's data-parallel replicas on the visible GPUs
+    // (gpu_check/data_parallel.rs).
+    #[cfg(feature = "cuda")]
+    if args.iter().any(|a| a == "--data-parallel") {
+        let p = data_parallel::run()?;
+        if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
+            std::fs::write(path, p.to_string())?;
+        }
+        let failed: Vec<&String> = p
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(_, v)| v["pass"] == json!(false))
+            .map(|(k, _)| k)
+            .collect();
+        anyhow::ensure!(failed.is_empty(), "data-parallel checks failed: {failed:?}");
         return Ok(());
     }
     #[cfg(feature = "cuda")]

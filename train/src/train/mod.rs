@@ -179,6 +179,17 @@ pub enum TrainOpsArg {
     Composed,
 }
 
+/// How data-parallel replicas sum their gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum GradReducerArg {
+    /// NCCL for several GPUs in a build with the `nccl` feature, else in-process.
+    Auto,
+    /// In rank order through the first replica's device.
+    InProcess,
+    /// NCCL, also for a single GPU (world size 1: checks the path on one device).
+    Nccl,
+}
+
 impl TrainArgs {
     /// The drafter's training paths on `device`: sets the process-wide kernel switches of
     /// `--train-ops` and `--train-attention` (a run has one setting) and returns the attention.
@@ -379,6 +390,9 @@ pub struct TrainArgs {
         help_heading = "Pipeline"
     )]
     pub drafter_devices: Vec<DeviceSpec>,
+    /// How the replicas of --drafter-device sum their gradients each step.
+    #[arg(long, value_enum, default_value_t = GradReducerArg::Auto, help_heading = "Pipeline")]
+    pub grad_reducer: GradReducerArg,
     /// Drafter compute dtype (master weights and moments are always f32).
     #[arg(long, value_enum, default_value_t = ComputeDtype::Auto, help_heading = "Pipeline")]
     pub compute_dtype: ComputeDtype,

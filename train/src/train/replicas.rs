@@ -9,17 +9,17 @@
 //! gradient of the same objective a single device computes: one device with `--grad-accum K`
 //! and N devices with the same `--grad-accum K` train on the same global batch.
 //!
-//! The all-reduce here runs in-process: each gradient is summed in rank order on rank 0's
-//! device and copied back to every rank. With one micro-batch per rank that is the exact order
-//! of a single device's accumulation (`(g0 + g1) + g2 ...`), so such runs equal one-device
-//! runs bit for bit on the CPU; with several per rank they differ by f32 rounding. A NCCL
-//! all-reduce (ring order) would slot into [`all_reduce_in_rank_order`]'s place and match to
-//! rounding, every rank still receiving the same sum.
+//! The sum ([`GradReducer`]) runs over NCCL on GPUs when built with the `nccl` feature (one
+//! flat f32 all-reduce per step, on the ranks' own streams), else in-process: each gradient is
+//! summed in rank order on rank 0's device and copied back to every rank. With one micro-batch
+//! per rank the in-process order is a single device's accumulation order (`(g0 + g1) + g2
+//! ...`), so such runs equal one-device runs bit for bit on the CPU; with several per rank, or
+//! over NCCL (ring order), they match to f32 rounding, every rank still receiving the same sum.
 //!
 //! Replicas are checked equal at every checkpoint ([`check_replicas_agree`]): a drifted
 //! replica is an error, never a silently saved checkpoint.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Shape, Tensor};
 use dflash_common::DFlashConfig;
 use dflash_models::{DFlashDrafter, TargetEmbeddingsAndHead, TrainSequence};
 
@@ -30,7 +30,7 @@ use super::optimizer::{OptimizerChoice, TrainOptimizer};
 use super::pipeline::ComputedBatch;
 use super::setup;
 use super::window::{Stage, StageClock};
-use super::{DeviceSpec, TrainArgs};
+use super::{DeviceSpec, GradReducerArg, TrainArgs};
 
 /// One data-parallel rank: its device, optimizer (f32 masters and moments), the target's frozen
 /// embedding and head, and the drafter built over the optimizer's variables when it shares
@@ -277,6 +277,121 @@ pub fn run_ranks(
         }
         Ok(out)
     })
+}
+
+/// How the ranks' gradients are summed.
+pub enum GradReducer {
+    /// In rank order through rank 0's device ([`all_reduce_in_rank_order`]).
+    InProcess,
+    /// One flat f32 NCCL all-reduce per step.
+    #[cfg(feature = "nccl")]
+    Nccl(dflash_models::cuda::nccl::NcclRanks),
+}
+
+impl GradReducer {
+    /// `--grad-reducer`: `auto` is NCCL for several GPUs when built with it, else in-process
+    /// (with a warning on GPUs, where it costs a device-to-device copy per gradient).
+    pub fn for_devices(choice: GradReducerArg, devices: &[Device]) -> TrainResult<Self> {
+        let gpus = devices.iter().all(|d| d.is_cuda());
+        match choice {
+            GradReducerArg::InProcess => return Ok(Self::InProcess),
+            GradReducerArg::Auto if devices.len() < 2 || !gpus => return Ok(Self::InProcess),
+            GradReducerArg::Nccl if !gpus => {
+                return Err(TrainError::Flag {
+                    flag: "--grad-reducer",
+                    message: "nccl needs every --drafter-device to be a GPU".into(),
+                })
+            }
+            _ => {}
+        }
+        #[cfg(feature = "nccl")]
+        {
+            let ranks = dflash_models::cuda::nccl::NcclRanks::new(devices).map_err(|e| {
+                TrainError::DataParallel(format!(
+                    "{e}; is libnccl.so.2 on LD_LIBRARY_PATH (pip install nvidia-nccl-cu13)?"
+                ))
+            })?;
+            Ok(Self::Nccl(ranks))
+        }
+        #[cfg(not(feature = "nccl"))]
+        {
+            if choice == GradReducerArg::Nccl {
+                return Err(TrainError::Flag {
+                    flag: "--grad-reducer",
+                    message: "nccl needs a build with the `nccl` feature (cargo build \
+                              --features nccl, libnccl on the library path)"
+                        .into(),
+                });
+            }
+            tracing::warn!(
+                "data-parallel on {} GPUs without NCCL: gradients are summed through rank 0 by                  device-to-device copies (slow); build with --features nccl",
+                devices.len()
+            );
+            Ok(Self::InProcess)
+        }
+    }
+
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Self::InProcess => "in-process, rank order",
+            #[cfg(feature = "nccl")]
+            Self::Nccl(_) => "NCCL",
+        }
+    }
+
+    /// Every rank's summed gradients on its own device (`shapes`: the variables'), see
+    /// [`all_reduce_in_rank_order`]; over NCCL every variable gets one (zeros where no rank
+    /// had one, as the optimizer reads a missing gradient anyway).
+    #[cfg_attr(not(feature = "nccl"), allow(unused_variables))]
+    pub fn all_reduce(
+        &self,
+        per_rank: Vec<Vec<Option<Tensor>>>,
+        devices: &[Device],
+        shapes: &[Shape],
+    ) -> TrainResult<Vec<Vec<Option<Tensor>>>> {
+        match self {
+            Self::InProcess => all_reduce_in_rank_order(per_rank, devices),
+            #[cfg(feature = "nccl")]
+            Self::Nccl(ranks) => {
+                let flat = per_rank
+                    .iter()
+                    .zip(devices)
+                    .map(|(grads, dev)| flatten(grads, shapes, dev))
+                    .collect::<TrainResult<Vec<_>>>()?;
+                let summed = ranks.all_reduce_sum_f32(&flat)?;
+                summed.iter().map(|t| unflatten(t, shapes)).collect()
+            }
+        }
+    }
+}
+
+/// One contiguous f32 buffer of `grads` in order (zeros for a missing one).
+#[cfg(feature = "nccl")]
+fn flatten(grads: &[Option<Tensor>], shapes: &[Shape], dev: &Device) -> TrainResult<Tensor> {
+    let parts = grads
+        .iter()
+        .zip(shapes)
+        .map(|(g, shape)| match g {
+            Some(g) => g.to_dtype(DType::F32)?.flatten_all(),
+            None => Tensor::zeros(shape.elem_count(), DType::F32, dev),
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&parts, 0)?)
+}
+
+/// Views of `flat` cut back into `shapes`.
+#[cfg(feature = "nccl")]
+fn unflatten(flat: &Tensor, shapes: &[Shape]) -> TrainResult<Vec<Option<Tensor>>> {
+    let mut at = 0;
+    shapes
+        .iter()
+        .map(|shape| {
+            let n = shape.elem_count();
+            let t = flat.narrow(0, at, n)?.reshape(shape.clone())?;
+            at += n;
+            Ok(Some(t))
+        })
+        .collect()
 }
 
 /// Sums every rank's gradients in rank order on `devices[0]` and gives each rank the sum on

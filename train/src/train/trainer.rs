@@ -197,16 +197,24 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         let rank = ranks[0].replicate(dev.clone(), parts, choice, counters, &cfg, dtype)?;
         ranks.push(rank);
     }
+    let reducer = replicas::GradReducer::for_devices(args.grad_reducer, &drafter_devices)?;
+    let var_shapes: Vec<_> = ranks[0]
+        .opt
+        .vars()
+        .iter()
+        .map(|(_, v)| v.shape().clone())
+        .collect();
     if ranks.len() > 1 {
         tracing::info!(
-            "data-parallel: {} drafter replicas ({}), {} micro-batches each per step",
+            "data-parallel: {} drafter replicas ({}), {} micro-batches each per step, gradients summed {}",
             ranks.len(),
             args.drafter_devices
                 .iter()
                 .map(|d| d.to_string())
                 .collect::<Vec<_>>()
                 .join(","),
-            args.grad_accum / ranks.len()
+            args.grad_accum / ranks.len(),
+            reducer.describe()
         );
     }
     let periodic = match (&args.eval_prompts, args.eval_every) {
@@ -368,7 +376,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             predicted_parts.extend(r.predicted);
             rank_grads.push(r.grads);
         }
-        let mut rank_grads = replicas::all_reduce_in_rank_order(rank_grads, &drafter_devices)?;
+        let mut rank_grads = reducer.all_reduce(rank_grads, &drafter_devices, &var_shapes)?;
         let loss_t = Tensor::stack(&loss_parts, 0)?.sum_all()?;
         if args.inject_nan_grad_at_step == Some(state.step + 1) {
             for grads in &mut rank_grads {

@@ -30,7 +30,7 @@ use dflash_train::train::optimizer::{OptimizerChoice, TrainOptimizer};
 use dflash_train::train::{parse_train_args, train, TrainSummary};
 use serde_json::{json, Value};
 
-fn scratch(name: &str) -> Result<PathBuf> {
+pub(crate) fn scratch(name: &str) -> Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("gpu-check-optim-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
@@ -38,7 +38,7 @@ fn scratch(name: &str) -> Result<PathBuf> {
 }
 
 /// The CPU resume test's three conversations.
-fn dataset(dir: &Path) -> Result<PathBuf> {
+pub(crate) fn dataset(dir: &Path) -> Result<PathBuf> {
     let record = |task: &str, code: &str| {
         json!({"messages": [
             {"role": "user", "content": task},
@@ -58,6 +58,18 @@ fn dataset(dir: &Path) -> Result<PathBuf> {
 
 fn run_train(dev: &Device, data: &Path, out: &Path, extra: &[&str]) -> Result<TrainSummary> {
     let device = if dev.is_cuda() { "cuda:0" } else { "cpu" };
+    run_train_on(device, device, data, out, extra)
+}
+
+/// [`run_train`] with the target on `target` and the drafter replicas on `drafters` (flag
+/// values, e.g. `cuda:0` and `0,1`).
+pub(crate) fn run_train_on(
+    target: &str,
+    drafters: &str,
+    data: &Path,
+    out: &Path,
+    extra: &[&str],
+) -> Result<TrainSummary> {
     let demo = demo_model();
     let mut v: Vec<&str> = vec![
         "--target-model",
@@ -67,9 +79,9 @@ fn run_train(dev: &Device, data: &Path, out: &Path, extra: &[&str]) -> Result<Tr
         "--output-dir",
         out.to_str().context("out path")?,
         "--target-devices",
-        device,
+        target,
         "--drafter-device",
-        device,
+        drafters,
         "--num-draft-layers",
         "1",
         "--draft-intermediate-size",
@@ -105,7 +117,7 @@ fn load(path: &Path) -> Result<HashMap<String, Tensor>> {
 }
 
 /// Max |a - b| over every tensor of two safetensors files with the same names.
-fn file_diff(a: &Path, b: &Path) -> Result<f32> {
+pub(crate) fn file_diff(a: &Path, b: &Path) -> Result<f32> {
     let (ta, tb) = (load(a)?, load(b)?);
     ensure!(
         ta.len() == tb.len(),
