@@ -222,6 +222,9 @@ impl Engine {
         profile::mark(&dev, "7_verify_argmax");
 
         let t_commit = Instant::now();
+        // The accepted rows' tapped features, per speculating sequence: gathered for all of
+        // them at once after the walk (one upload and one gather, not one of each per sequence).
+        let mut feature_rows: Vec<(usize, Vec<u32>)> = Vec::new();
         for (i, tree) in trees.iter().enumerate() {
             if let Some(error) = &failed[i] {
                 events.push(self.seqs[i].failed(error));
@@ -261,15 +264,9 @@ impl Engine {
             let start = starts[i];
             let keep: Vec<usize> = accepted.iter().map(|&n| start + n).collect();
             seq.cache.compact(start, &keep)?;
-            if seq.req.algorithm != Algorithm::Plain {
-                if let Some(t) = &out.taps {
-                    let idx: Vec<u32> = accepted
-                        .iter()
-                        .map(|&n| (out.token_offsets[i] + n) as u32)
-                        .collect();
-                    let idx = Tensor::new(idx.as_slice(), t.device())?;
-                    seq.pending_features = Some(t.index_select(&idx, 0)?);
-                }
+            if seq.req.algorithm != Algorithm::Plain && out.taps.is_some() {
+                let offset = out.token_offsets[i];
+                feature_rows.push((i, accepted.iter().map(|&n| (offset + n) as u32).collect()));
             }
             let mut new_tokens: Vec<u32> = accepted[1..].iter().map(|&n| tree.tokens[n]).collect();
             new_tokens.push(next);
@@ -300,8 +297,33 @@ impl Engine {
                 prompt_logprobs: Vec::new(),
             });
         }
+        if let Some(t) = &out.taps {
+            self.attach_features(t, &feature_rows)?;
+        }
         profile::mark(&dev, "8_commit");
         self.reap(events);
+        Ok(())
+    }
+
+    /// Sets each listed sequence's pending features to `taps`' rows of it: one gather into a
+    /// fresh tensor (never views of `taps`, which a replayed graph overwrites), then a view of
+    /// it per sequence.
+    fn attach_features(
+        &mut self,
+        taps: &Tensor,
+        rows: &[(usize, Vec<u32>)],
+    ) -> Result<(), EngineError> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let all: Vec<u32> = rows.iter().flat_map(|(_, r)| r.iter().copied()).collect();
+        let idx = Tensor::new(all.as_slice(), taps.device())?;
+        let gathered = taps.index_select(&idx, 0)?;
+        let mut at = 0;
+        for (i, r) in rows {
+            self.seqs[*i].pending_features = Some(gathered.narrow(0, at, r.len())?);
+            at += r.len();
+        }
         Ok(())
     }
 
