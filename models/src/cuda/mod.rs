@@ -76,6 +76,10 @@ pub(crate) mod decoder_stack;
 pub mod graphs;
 #[cfg(feature = "cuda")]
 mod kernels;
+#[cfg(feature = "cuda")]
+mod mempool;
+#[cfg(feature = "cuda")]
+pub use mempool::keep_freed_memory;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 #[cfg(feature = "cuda")]

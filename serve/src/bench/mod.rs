@@ -111,14 +111,18 @@ pub struct BenchArgs {
 }
 
 fn parse_device(s: &str) -> Result<Device> {
-    match s {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::new_cuda(0)?),
+    let d = match s {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(0)?,
         other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(i)) => Ok(Device::new_cuda(i)?),
+            Some(Ok(i)) => Device::new_cuda(i)?,
             _ => bail!("--device {other}: use cpu, cuda or cuda:N"),
         },
-    }
+    };
+    // As the server opens its device (serve/src/engine/real.rs), so the figures are its.
+    #[cfg(feature = "cuda")]
+    dflash_models::cuda::keep_freed_memory(&d).map_err(anyhow::Error::msg)?;
+    Ok(d)
 }
 
 fn parse_dtype(s: &str) -> Result<DType> {

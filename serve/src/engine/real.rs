@@ -207,6 +207,14 @@ impl RealEngine {
                 ),
             })?;
         let pool_tokens = engine.kv_pool_tokens();
+        // From here on, per-round buffers (verify logits, gathers) are reused from the CUDA
+        // pool instead of being mapped again after every read-back; not before the K/V pool's
+        // sizing, which must see the memory that loading freed as free.
+        #[cfg(feature = "cuda")]
+        dflash_models::cuda::keep_freed_memory(&device).map_err(|message| LoadError::Device {
+            device: format!("{device:?}"),
+            message,
+        })?;
         if config.disable_radix_cache {
             tracing::info!("prefix cache (radix cache): off (--disable-radix-cache)");
         } else {

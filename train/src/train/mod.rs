@@ -92,35 +92,12 @@ impl DeviceSpec {
                     message: format!("cannot open cuda:{i}: {e}"),
                 })?;
                 #[cfg(feature = "cuda")]
-                keep_freed_memory(&d).map_err(|message| TrainError::Flag { flag, message })?;
+                dflash_models::cuda::keep_freed_memory(&d)
+                    .map_err(|message| TrainError::Flag { flag, message })?;
                 opened.insert(*i, d.clone());
                 Ok(d)
             }
         }
-    }
-}
-
-/// Keeps memory freed into the device's default pool (what candle allocates from, with
-/// `cuMemAllocAsync`) instead of giving it back to the driver at every synchronisation: the
-/// pool's release threshold is 0 by default, so each step would map its tens of GB again.
-/// The pool then holds the run's high-water mark, as PyTorch's caching allocator does.
-#[cfg(feature = "cuda")]
-fn keep_freed_memory(d: &candle_core::Device) -> Result<(), String> {
-    use candle_core::cuda_backend::cudarc::driver::{result, sys};
-    let candle_core::Device::Cuda(cd) = d else {
-        return Ok(());
-    };
-    let dev = cd.cuda_stream().context().cu_device();
-    let mut threshold = u64::MAX;
-    // SAFETY: `dev` comes from a live context; the attribute takes a u64 (cuda docs).
-    unsafe {
-        let pool = result::device::get_default_mem_pool(dev).map_err(|e| e.to_string())?;
-        result::mem_pool::set_attribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            (&mut threshold as *mut u64).cast(),
-        )
-        .map_err(|e| format!("cannot keep freed memory in the pool: {e}"))
     }
 }
 
