@@ -77,11 +77,16 @@ __device__ Acc block_merge(Acc a) {
     return a;
 }
 
-// x [rows, vocab] f32; part [rows, PARTS, 3] u32 (max bits, sum bits, column).
-// grid (PARTS, rows), block THREADS.
-extern "C" __global__ void __launch_bounds__(THREADS)
-    argmax_partial(const float* __restrict__ x, int vocab, u32* __restrict__ part) {
-    const float* row = x + (size_t)blockIdx.y * vocab;
+__device__ __forceinline__ float load_logit(const float* p) { return *p; }
+__device__ __forceinline__ float load_logit(const bf16_t* p) { return bf2f(*p); }
+
+// x [rows, vocab] f32 or bf16 (read as is: a bf16 row is widened in registers, exactly as a
+// converted copy would hold it, without writing that copy); part [rows, PARTS, 3] u32 (max
+// bits, sum bits, column). grid (PARTS, rows), block THREADS.
+template <typename T>
+__device__ __forceinline__ void argmax_partial_impl(const T* __restrict__ x, int vocab,
+                                                    u32* __restrict__ part) {
+    const T* row = x + (size_t)blockIdx.y * vocab;
     const int per = (vocab + PARTS - 1) / PARTS;
     const int lo = blockIdx.x * per;
     const int hi = min(vocab, lo + per);
@@ -89,14 +94,14 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     int c = lo + threadIdx.x;
     // Four independent loads in flight per thread before they are folded in, in column order.
     for (; c + 3 * THREADS < hi; c += 4 * THREADS) {
-        float v0 = row[c], v1 = row[c + THREADS], v2 = row[c + 2 * THREADS],
-              v3 = row[c + 3 * THREADS];
+        float v0 = load_logit(row + c), v1 = load_logit(row + c + THREADS),
+              v2 = load_logit(row + c + 2 * THREADS), v3 = load_logit(row + c + 3 * THREADS);
         take(a, v0, c);
         take(a, v1, c + THREADS);
         take(a, v2, c + 2 * THREADS);
         take(a, v3, c + 3 * THREADS);
     }
-    for (; c < hi; c += THREADS) take(a, row[c], c);
+    for (; c < hi; c += THREADS) take(a, load_logit(row + c), c);
     a = block_merge(a);
     if (threadIdx.x == 0) {
         u32* p = part + ((size_t)blockIdx.y * PARTS + blockIdx.x) * 3;
@@ -104,6 +109,16 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         p[1] = __float_as_uint(a.s);
         p[2] = a.i;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    argmax_partial(const float* __restrict__ x, int vocab, u32* __restrict__ part) {
+    argmax_partial_impl(x, vocab, part);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    argmax_partial_bf16(const bf16_t* __restrict__ x, int vocab, u32* __restrict__ part) {
+    argmax_partial_impl(x, vocab, part);
 }
 
 // part as above; out [rows, 2] u32: column, bits of its log-probability (-inf bits for a row

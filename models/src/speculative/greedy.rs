@@ -31,7 +31,11 @@ pub fn row_argmax_logprob(logits: &Tensor) -> ModelResult<Vec<(u32, f32)>> {
     }
     #[cfg(feature = "cuda")]
     if logits.device().is_cuda() {
-        let x = logits.to_dtype(DType::F32)?.contiguous()?;
+        // bf16 logits are read as they are (no f32 copy of the whole matrix).
+        let x = match logits.dtype() {
+            DType::F32 | DType::BF16 => logits.contiguous()?,
+            _ => logits.to_dtype(DType::F32)?.contiguous()?,
+        };
         let packed = crate::cuda::argmax_logprob(&x)?
             .flatten_all()?
             .to_vec1::<u32>()?;

@@ -221,7 +221,7 @@ pub fn greedy_select(dev: &candle_core::Device, vocab: usize) -> Result<Value> {
     use candle_core::{DType, Tensor, D};
     use dflash_models::speculative::greedy::row_argmax_logprob;
     let mut out = serde_json::Map::new();
-    for rows in [1usize, 15, 16] {
+    for rows in [1usize, 15, 16, 480] {
         let mut v: Vec<f32> = (0..rows * vocab)
             .map(|i| ((i as u64 * 2654435761 % 1000003) as f32 / 1000003.0 - 0.5) * 20.0)
             .collect();
@@ -236,6 +236,22 @@ pub fn greedy_select(dev: &candle_core::Device, vocab: usize) -> Result<Value> {
             .to_dtype(DType::F32)?;
         let got = row_argmax_logprob(&t)?;
         let want = row_argmax_logprob(&t.to_device(&candle_core::Device::Cpu)?)?;
+        // The same values in bf16 (exact: they were rounded to bf16 above), read by the bf16
+        // kernel without an f32 copy: equal to the f32 path bit for bit.
+        let t16 = t.to_dtype(DType::BF16)?;
+        let got16 = row_argmax_logprob(&t16)?;
+        let bf16_equal = got16
+            .iter()
+            .zip(&got)
+            .all(|(a, b)| a.0 == b.0 && a.1.to_bits() == b.1.to_bits());
+        let bf16_ms = super::measure::time_ms(dev, 20, || {
+            row_argmax_logprob(&t16)?;
+            Ok(())
+        })?;
+        let bf16_via_f32_ms = super::measure::time_ms(dev, 20, || {
+            row_argmax_logprob(&t16.to_dtype(DType::F32)?)?;
+            Ok(())
+        })?;
         let same = got.iter().zip(&want).filter(|(a, b)| a.0 == b.0).count();
         let lp_err = got
             .iter()
@@ -264,7 +280,9 @@ pub fn greedy_select(dev: &candle_core::Device, vocab: usize) -> Result<Value> {
         out.insert(
             format!("rows_{rows}"),
             json!({"columns_equal_to_host": same, "rows": rows, "max_logprob_err": lp_err,
-                   "ms": ms, "candle_argmax_ms": candle_ms, "old_chain_select_ms": old_chain_ms}),
+                   "ms": ms, "candle_argmax_ms": candle_ms, "old_chain_select_ms": old_chain_ms,
+                   "bf16_equal_to_f32_path": bf16_equal, "bf16_ms": bf16_ms,
+                   "bf16_via_f32_copy_ms": bf16_via_f32_ms}),
         );
     }
     Ok(Value::Object(out))
