@@ -181,6 +181,14 @@ impl Target {
         }
     }
 
+    /// Step graphs captured so far (the hybrid engine path captures none).
+    pub fn step_graphs_held(&self) -> usize {
+        match self {
+            Target::Qwen3(m) => m.step_graphs_held(),
+            Target::Hybrid(_) => 0,
+        }
+    }
+
     /// Bytes of K/V one cached row of a sequence takes (attention layers only).
     pub fn kv_bytes_per_row(&self) -> usize {
         match self {

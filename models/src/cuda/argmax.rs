@@ -28,11 +28,7 @@ pub fn argmax_logprob(x: &Tensor) -> Result<Tensor> {
         DType::BF16 => ("argmax_partial_bf16", 2),
         other => bail!("argmax_logprob: needs f32 or bf16 logits, got {other:?}"),
     };
-    if !x.is_contiguous()
-        || rows == 0
-        || cols == 0
-        || cols > i32::MAX as usize
-    {
+    if !x.is_contiguous() || rows == 0 || cols == 0 || cols > i32::MAX as usize {
         bail!(
             "argmax_logprob: needs a non-empty contiguous matrix, got {:?} {:?}",
             x.dtype(),
@@ -62,11 +58,7 @@ pub fn argmax_logprob(x: &Tensor) -> Result<Tensor> {
         let ps = pp + (first * PARTS * 3 * 4) as u64;
         let mut b = f.builder();
         b.arg(&xs).arg(&ci).arg(&ps);
-        go(
-            &mut b,
-            cfg((PARTS as u32, n as u32, 1), THREADS),
-            partial,
-        )?;
+        go(&mut b, cfg((PARTS as u32, n as u32, 1), THREADS), partial)?;
     }
     let f = dev.get_or_load_custom_func("argmax_final", MODULE, PTX)?;
     let mut b = f.builder();

@@ -10,13 +10,13 @@ use dflash_models::speculative::{
     profile, Algorithm, DFlashProposer, Engine, EngineConfig, GenerationRequest, PeakedProposer,
     SamplingParams, SimulatedAcceptance,
 };
-use dflash_models::{DFlashDrafter, Qwen3Model};
+use dflash_models::{DFlashDrafter, DraftTarget, Target};
 use serde_json::{json, Value};
 
 use super::measure::tokens;
 
 pub struct E2eSetup<'a> {
-    pub target: &'a Qwen3Model,
+    pub target: &'a Target,
     pub drafter: &'a DFlashDrafter,
     pub prompt_len: usize,
     pub new_tokens: usize,
@@ -66,7 +66,7 @@ fn run_one(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value)> {
 /// (`uncaptured`, the same target with graphs off, and the drafter likewise): plain greedy
 /// decoding must give the same tokens; for the chain the drafts come from a drafter whose
 /// graph splits its attention differently (f32 summation order), so equality is reported.
-pub fn graph_check(s: &E2eSetup<'_>, uncaptured: &Qwen3Model) -> Result<Value> {
+pub fn graph_check(s: &E2eSetup<'_>, uncaptured: &Target) -> Result<Value> {
     let drafter = s.drafter.clone().with_step_graphs(false);
     let off = E2eSetup {
         target: uncaptured,
@@ -128,7 +128,7 @@ fn decode_on(
 ) -> Result<(f64, Value, Vec<u32>)> {
     let id = engine
         .add(GenerationRequest {
-            prompt: tokens(s.prompt_len, 5, s.target.config().vocab_size),
+            prompt: tokens(s.prompt_len, 5, s.target.vocab_size()),
             max_new_tokens: s.new_tokens,
             sampling: SamplingParams::greedy(),
             stop_token_ids: vec![],

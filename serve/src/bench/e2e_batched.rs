@@ -77,7 +77,7 @@ fn decode_all(
     algorithm: Algorithm,
     n: usize,
 ) -> Result<(f64, usize)> {
-    let vocab = s.target.config().vocab_size;
+    let vocab = dflash_models::DraftTarget::vocab_size(s.target);
     for k in 0..n {
         engine
             .add(GenerationRequest {

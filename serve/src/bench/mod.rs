@@ -6,6 +6,9 @@
 mod batched;
 mod e2e;
 mod e2e_batched;
+mod family;
+mod family_shapes;
+mod kernel_checks;
 mod measure;
 mod shapes;
 
@@ -16,7 +19,7 @@ use candle_core::{DType, Device};
 use clap::Parser;
 use dflash_common::DFlashConfig;
 use dflash_models::random::WeightRng;
-use dflash_models::{DFlashDrafter, OpsMode, Qwen3Model};
+use dflash_models::{DFlashDrafter, OpsMode, Qwen3Model, Target};
 use serde_json::{json, Map, Value};
 
 use measure::{decode_ms, drafter_block_ms, fill_context, forward_n, time_ms};
@@ -36,8 +39,9 @@ path. deploy/bench/hf_baseline.py measures the same figures with HF transformers
 deploy/bench/README.md."
 )]
 pub struct BenchArgs {
-    /// Published shape (qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, qwen3-32b) or a
-    /// config.json path / model directory
+    /// Published shape (dense: qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b,
+    /// qwen3-32b; hybrid: qwen3.6-27b, qwen3.6-35b-a3b; MoE: qwen3-coder-30b-a3b,
+    /// qwen3-30b-a3b) or a config.json path / model directory of any of these families
     #[arg(long, default_value = "qwen3-8b")]
     model: String,
     /// cpu, cuda or cuda:N
@@ -68,9 +72,10 @@ pub struct BenchArgs {
     /// Decode steps timed per context
     #[arg(long, default_value_t = 32)]
     decode_steps: usize,
-    /// Drafter layers (z-lab Qwen3-8B-DFlash-b16: 5)
-    #[arg(long, default_value_t = 5)]
-    drafter_layers: usize,
+    /// Drafter layers (default: the published drafter's, 5 for the dense and 27B shapes
+    /// (z-lab Qwen3-8B-DFlash-b16), 8 for the A3B MoE shapes)
+    #[arg(long)]
+    drafter_layers: Option<usize>,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// Prefill length
@@ -139,7 +144,11 @@ pub fn main(argv: Vec<String>) -> Result<()> {
     let args = BenchArgs::parse_from(argv);
     let dev = parse_device(&args.device)?;
     let dtype = parse_dtype(&args.dtype)?;
-    let cfg = shapes::resolve(&args.model)?;
+    let family = family_shapes::resolve(&args.model)?;
+    let cfg = match &family {
+        Some(_) => None,
+        None => Some(shapes::resolve(&args.model)?),
+    };
     let bpe = dtype.size_in_bytes() as f64;
 
     let bw = measure::copy_bandwidth(&dev, if dev.is_cpu() { 1 << 26 } else { 4 << 30 })?;
@@ -147,6 +156,17 @@ pub fn main(argv: Vec<String>) -> Result<()> {
     let probes = json!({"copy_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": mm / 1e12,
         "note": "copy: read+write bytes of a copy into a preallocated buffer (4 GiB on CUDA); matmul: n^3 in the model dtype (n = 8192 on CUDA)"});
     eprintln!("probes {probes}");
+    let Some(cfg) = cfg else {
+        let family = family.context("a family shape")?;
+        let mut report = Map::new();
+        report.insert(
+            "command".into(),
+            json!(std::env::args().collect::<Vec<_>>().join(" ")),
+        );
+        report.insert("probes".into(), probes);
+        report.extend(family::run(&args, &family, &dev, dtype, (bw, mm))?);
+        return emit(&args, report);
+    };
 
     let max_ctx = args
         .contexts
@@ -172,7 +192,13 @@ pub fn main(argv: Vec<String>) -> Result<()> {
         OpsMode::Fused,
     )?;
     let mask_id = 151669.min(cfg.vocab_size as u32 - 1);
-    let dcfg = DFlashConfig::for_target(&cfg, args.drafter_layers, args.block_size, mask_id, None);
+    let dcfg = DFlashConfig::for_target(
+        &cfg,
+        args.drafter_layers.unwrap_or(5),
+        args.block_size,
+        mask_id,
+        None,
+    );
     let drafter = DFlashDrafter::random_with(dcfg, &base, rng, OpsMode::Fused)?;
     dev.synchronize()?;
     let init_s = t0.elapsed().as_secs_f64();
@@ -238,10 +264,15 @@ pub fn main(argv: Vec<String>) -> Result<()> {
     report.insert("variants".into(), Value::Object(variants));
     if base.fast_kernels_available() && args.variants.iter().any(|v| v == "fast") && !args.e2e_only
     {
-        let checks = kernel_checks(&base, &drafter)?;
+        let checks = kernel_checks::kernel_checks(&base, &drafter)?;
         eprintln!("kernel_checks {checks}");
         report.insert("kernel_checks".into(), checks);
     }
+    emit(&args, report)
+}
+
+/// Prints the report as JSON, and writes it to `--out` when given.
+fn emit(args: &BenchArgs, report: Map<String, Value>) -> Result<()> {
     let out = serde_json::to_string_pretty(&Value::Object(report))?;
     if let Some(p) = &args.out {
         std::fs::write(p, &out).with_context(|| format!("--out {}", p.display()))?;
@@ -441,7 +472,7 @@ fn e2e_figures(
     drafter: &DFlashDrafter,
     out: &mut Map<String, Value>,
 ) -> Result<()> {
-    let target = m.clone().with_step_graphs(true);
+    let target = Target::from(m.clone().with_step_graphs(true));
     let setup = e2e::E2eSetup {
         target: &target,
         drafter,
@@ -465,175 +496,11 @@ fn e2e_figures(
         );
     }
     if m.fast_kernels() && !args.no_e2e_check {
-        out.insert("e2e_step_graph_check".into(), e2e::graph_check(&setup, m)?);
+        let uncaptured = Target::from(m.clone());
+        out.insert(
+            "e2e_step_graph_check".into(),
+            e2e::graph_check(&setup, &uncaptured)?,
+        );
     }
     Ok(())
-}
-
-/// The fused CUDA kernels against the plain candle path on the same weights and cache:
-/// max abs logit difference and argmax agreement for decode, chain and tree forwards.
-fn kernel_checks(base: &Qwen3Model, drafter: &DFlashDrafter) -> Result<Value> {
-    let plain = base.clone().with_fast_kernels(false);
-    let fast = base.clone().with_fast_kernels(true);
-    let mut cache = base.new_cache(2048)?;
-    fill_context(&plain, &mut cache, 1000)?;
-    let mut out = Map::new();
-    #[cfg(feature = "cuda")]
-    for (name, err, scale) in dflash_models::cuda::check::kernel_errors(base.device())? {
-        out.insert(name, json!({"max_abs_err": err, "max_abs_plain": scale}));
-    }
-    #[cfg(feature = "cuda")]
-    for (name, two, fused) in dflash_models::cuda::check::decode_attention_timings(base.device())? {
-        out.insert(
-            format!("attention_us_{name}"),
-            json!({"two_launch": two, "fused": fused}),
-        );
-    }
-    #[cfg(feature = "cuda")]
-    for (name, cublas, gemv, gb) in dflash_models::cuda::check::gemv_timings(base.device())? {
-        out.insert(
-            format!("gemm_{name}_ms"),
-            json!({"cublas": cublas, "gemv": gemv, "weight_GB": gb,
-                   "gemv_GBps": gb / gemv * 1e3, "cublas_GBps": gb / cublas * 1e3}),
-        );
-    }
-    #[cfg(feature = "cuda")]
-    for (name, ms) in dflash_models::cuda::check::topk_timings(base.device())? {
-        out.insert(format!("topk_ms_{name}"), json!(ms));
-    }
-    #[cfg(feature = "cuda")]
-    for (name, ms, tflops) in dflash_models::cuda::check::attention_timings(base.device())? {
-        out.insert(format!("attn_{name}"), json!({"ms": ms, "TFLOPs": tflops}));
-    }
-    #[cfg(feature = "cuda")]
-    {
-        // The chain also on the skinny tensor-core GEMMs (the `fast_skinny` variant's path),
-        // against the same plain forward.
-        let skinny = fast
-            .clone()
-            .with_gemv_rows(dflash_models::cuda::GEMV_MAX_ROWS);
-        for (name, n, tree) in [("graph_chain_16", 16, false), ("graph_tree_64", 64, true)] {
-            let a = forward_n(&plain, &mut cache, n, tree)?;
-            let (_, b) = measure::forward_graph_ms(&fast, &mut cache, n, tree, 1)?;
-            out.insert(name.into(), compare(&a, &b)?);
-            if !tree {
-                let (_, c) = measure::forward_graph_ms(&skinny, &mut cache, n, tree, 1)?;
-                out.insert(format!("{name}_skinny"), compare(&a, &c)?);
-            }
-        }
-    }
-    // The drafter: two rounds (300 then 7 new context rows) plain against fused.
-    {
-        let width = drafter.config().target_layer_ids.len() * drafter.config().layers.hidden_size;
-        let dev = base.device();
-        let f1 =
-            candle_core::Tensor::randn(0f32, 1.0, (300, width), dev)?.to_dtype(base.dtype())?;
-        let f2 = candle_core::Tensor::randn(0f32, 1.0, (7, width), dev)?.to_dtype(base.dtype())?;
-        let mut block = vec![drafter.mask_token_id(); drafter.block_size()];
-        block[0] = 11;
-        let run = |d: &DFlashDrafter| -> Result<Vec<candle_core::Tensor>> {
-            let mut c = d.new_cache(400)?;
-            let mut outs = Vec::new();
-            for f in [&f1, &f2] {
-                outs.push(d.draft_logits(&mut [dflash_models::DraftInput {
-                    cache: &mut c,
-                    context: Some(f),
-                    block: &block,
-                }])?);
-            }
-            Ok(outs)
-        };
-        let a = run(&drafter.clone().with_fast_kernels(false))?;
-        let b = run(&drafter.clone().with_fast_kernels(true))?;
-        out.insert("drafter_round1".into(), compare(&a[0], &b[0])?);
-        out.insert("drafter_round2".into(), compare(&a[1], &b[1])?);
-        #[cfg(feature = "cuda")]
-        {
-            let skinny = drafter
-                .clone()
-                .with_fast_kernels(true)
-                .with_gemv_rows(dflash_models::cuda::GEMV_MAX_ROWS);
-            let c = run(&skinny)?;
-            out.insert("drafter_round1_skinny".into(), compare(&a[0], &c[0])?);
-            out.insert("drafter_round2_skinny".into(), compare(&a[1], &c[1])?);
-        }
-        // The draft graph against the fused forward on the same cache.
-        #[cfg(feature = "cuda")]
-        {
-            let fd = drafter.clone().with_fast_kernels(true);
-            let mut c = fd.new_cache(400)?;
-            fd.forward(&mut [dflash_models::DraftInput {
-                cache: &mut c,
-                context: Some(&f1),
-                block: &block,
-            }])?;
-            let direct = fd.forward(&mut [dflash_models::DraftInput {
-                cache: &mut c,
-                context: None,
-                block: &block,
-            }])?;
-            let graph = fd.capture_block(&c)?.draft(&c, &block)?;
-            let diff = (direct.to_dtype(candle_core::DType::F32)?
-                - graph.to_dtype(candle_core::DType::F32)?)?
-            .abs()?
-            .flatten_all()?
-            .max(0)?
-            .to_scalar::<f32>()?;
-            out.insert(
-                "drafter_graph_hidden".into(),
-                json!({"max_abs_diff_vs_fused": diff}),
-            );
-        }
-    }
-    // A 600-token prefill: plain (one forward) against fused in pieces of 256 (the logit rows
-    // out of order and across pieces; the pieces of 256 run the one-pass prefill attention over
-    // committed context, the last 88 rows the split-K kernel) and in one piece.
-    {
-        let toks = measure::tokens(600, 9, base.config().vocab_size);
-        let pos: Vec<u32> = (0..600).collect();
-        let rows = [599usize, 0, 300, 255, 256];
-        let run = |m: &Qwen3Model| -> Result<candle_core::Tensor> {
-            let mut c = m.new_cache(700)?;
-            let out = m.forward(
-                &mut [dflash_models::SeqForward {
-                    cache: &mut c,
-                    tokens: &toks,
-                    positions: &pos,
-                    pattern: &dflash_models::AttnPattern::Causal,
-                    logit_rows: &rows,
-                }],
-                &[],
-            )?;
-            out.logits.context("no logits")
-        };
-        let a = run(&plain)?;
-        let b = run(&fast.clone().with_prefill_chunk(256))?;
-        out.insert("chunked_prefill_600".into(), compare(&a, &b)?);
-        let b = run(&fast.clone().with_prefill_chunk(600))?;
-        out.insert("prefill_600_one_piece".into(), compare(&a, &b)?);
-    }
-    for (name, n, tree) in [
-        ("decode_1", 1, false),
-        ("chain_16", 16, false),
-        ("tree_64", 64, true),
-        ("chain_256", 256, false),
-        ("tree_256", 256, true),
-    ] {
-        let a = forward_n(&plain, &mut cache, n, tree)?;
-        let b = forward_n(&fast, &mut cache, n, tree)?;
-        out.insert(name.into(), compare(&a, &b)?);
-    }
-    Ok(Value::Object(out))
-}
-
-/// Max abs logit difference and argmax agreement of two `[rows, vocab]` logit tensors.
-fn compare(a: &candle_core::Tensor, b: &candle_core::Tensor) -> Result<Value> {
-    let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-    let scale = a.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-    let am = a.argmax(1)?.to_vec1::<u32>()?;
-    let bm = b.argmax(1)?.to_vec1::<u32>()?;
-    let same = am.iter().zip(&bm).filter(|(x, y)| x == y).count();
-    Ok(
-        json!({"max_abs_logit_diff": diff, "max_abs_logit": scale, "argmax_equal_rows": same, "rows": am.len()}),
-    )
 }

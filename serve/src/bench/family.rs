@@ -1,0 +1,193 @@
+//! `dflash-serve bench --model qwen3.6-27b | qwen3.6-35b-a3b | qwen3-coder-30b-a3b |
+//! qwen3-30b-a3b` (or a hybrid / MoE `config.json`): the non-dense targets with random weights,
+//! through the same engine the server runs. Figures: prefill throughput against the measured
+//! matmul rate, decode (plain decoding through the engine, per token) against the memory
+//! roofline of the bytes a token reads (the routed experts only, for MoE), end-to-end plain,
+//! chain and DDTree with a simulated acceptance length (SGLang's SGLANG_SIMULATE_ACC_LEN), and
+//! with `--e2e-batch N` N requests in one engine. The per-forward kernel figures of these
+//! targets (verify sizes, trees, recurrent-state memory, fused against plain) are
+//! `gpu_check --hybrid` and `gpu_check --moe`.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device};
+use dflash_common::config::default_target_layer_ids;
+use dflash_common::{DFlashConfig, LayerType, Qwen3Config, RopeScaling};
+use dflash_models::random::WeightRng;
+use dflash_models::{
+    AttnPattern, DFlashDrafter, OpsMode, Qwen35Model, Qwen3Model, SeqForward, Target,
+};
+use serde_json::{json, Map, Value};
+
+use super::e2e;
+use super::e2e_batched;
+use super::family_shapes::{cache_bytes, params, Family, FamilyTarget};
+use super::measure::{time_ms, tokens};
+use super::BenchArgs;
+
+/// The drafter config for `family` (its published layer shape, `--drafter-layers` layers if
+/// given, the target's vocabulary and taps).
+fn drafter_config(args: &BenchArgs, family: &Family, target: &Target) -> DFlashConfig {
+    let (h, inter, layers, heads, kv) = family.drafter;
+    let layers = args.drafter_layers.unwrap_or(layers);
+    let vocab = dflash_models::DraftTarget::vocab_size(target);
+    let target_layers = dflash_models::DraftTarget::num_layers(target);
+    DFlashConfig {
+        layers: Qwen3Config {
+            vocab_size: vocab,
+            hidden_size: h,
+            intermediate_size: inter,
+            num_hidden_layers: layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv,
+            head_dim: 128,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e7,
+            rope_scaling: RopeScaling::Default,
+            max_position_embeddings: 262144,
+            tie_word_embeddings: false,
+            eos_token_ids: Vec::new(),
+            bos_token_id: None,
+            layer_types: vec![LayerType::FullAttention; layers],
+            sliding_window: None,
+            moe: None,
+        },
+        block_size: args.block_size,
+        mask_token_id: (vocab - 1) as u32,
+        target_layer_ids: default_target_layer_ids(target_layers, layers),
+    }
+}
+
+/// The whole report of a family target (the probes measured by the caller).
+pub fn run(
+    args: &BenchArgs,
+    family: &Family,
+    dev: &Device,
+    dtype: DType,
+    (bw, mm): (f64, f64),
+) -> Result<Map<String, Value>> {
+    let max_positions = args
+        .prefill
+        .max(args.e2e_prompt + args.e2e_tokens)
+        .max(1024)
+        + 1024;
+    let rng = &mut if dev.is_cpu() {
+        WeightRng::new(0)
+    } else {
+        WeightRng::on_device()
+    };
+    let t0 = Instant::now();
+    let target: Target = match &family.target {
+        FamilyTarget::Hybrid(c) => {
+            Qwen35Model::random(c.clone(), rng, dtype, dev, max_positions, OpsMode::Fused)?.into()
+        }
+        FamilyTarget::Moe(c) => {
+            Qwen3Model::random_with(c.clone(), rng, dtype, dev, max_positions, OpsMode::Fused)?
+                .into()
+        }
+    };
+    let drafter = DFlashDrafter::random_with(
+        drafter_config(args, family, &target),
+        &target,
+        rng,
+        OpsMode::Fused,
+    )?;
+    dev.synchronize()?;
+    let init_s = t0.elapsed().as_secs_f64();
+    let elem = dtype.size_in_bytes() as f64;
+    let (total, active) = params(&family.target);
+    let (kv_per_pos, state) = cache_bytes(&family.target, elem);
+    let mut out = Map::new();
+    let (family_name, moe) = match &family.target {
+        FamilyTarget::Hybrid(c) => ("hybrid (Gated DeltaNet + gated attention)", c.moe.is_some()),
+        FamilyTarget::Moe(_) => ("qwen3_moe", true),
+    };
+    out.insert(
+        "model".into(),
+        json!({"shape": args.model, "family": family_name, "moe": moe,
+               "dtype": format!("{dtype:?}"), "device": args.device,
+               "params_B": total / 1e9, "active_params_per_token_B": active / 1e9,
+               "drafter": {"layers": drafter.config().layers.num_hidden_layers,
+                           "hidden": family.drafter.0, "taps": drafter.config().target_layer_ids},
+               "init_s": init_s}),
+    );
+
+    let n = args.prefill;
+    let prefill_s = prefill_seconds(&target, n, args.reps.min(3))?;
+    // 2 FLOPs per active weight per token, plus the causal attention of the full layers.
+    let full_layers = match &family.target {
+        FamilyTarget::Hybrid(c) => (c.num_hidden_layers - c.num_linear_layers()) as f64,
+        FamilyTarget::Moe(c) => c.num_hidden_layers as f64,
+    };
+    let q_width = match &family.target {
+        FamilyTarget::Hybrid(c) => (c.num_attention_heads * c.head_dim) as f64,
+        FamilyTarget::Moe(c) => (c.num_attention_heads * c.head_dim) as f64,
+    };
+    let flops = 2.0 * active * n as f64 + 2.0 * full_layers * q_width * (n as f64).powi(2);
+    out.insert(
+        format!("prefill_{n}"),
+        json!({"seconds": prefill_s, "tok_per_s": n as f64 / prefill_s,
+               "TFLOPs": flops / prefill_s / 1e12, "fraction_of_matmul_rate": flops / prefill_s / mm}),
+    );
+
+    let target_g = target.clone();
+    let setup = e2e::E2eSetup {
+        target: &target_g,
+        drafter: &drafter,
+        prompt_len: args.e2e_prompt,
+        new_tokens: args.e2e_tokens,
+        tau: args.tau,
+        profile: args.e2e_profile,
+    };
+    let e2e_fig = e2e::run(&setup, &args.budgets)?;
+    // Plain decoding through the engine: its warm per-token time against the bytes a token
+    // reads (weights of the routed experts only, the K/V at the mean context, the recurrent
+    // state read and written).
+    if let Some(tps) = e2e_fig["plain"]["warm_tok_per_s"].as_f64() {
+        let ctx = args.e2e_prompt as f64 + args.e2e_tokens as f64 / 2.0;
+        let bytes = active * elem + kv_per_pos * ctx + 2.0 * state;
+        let ms = 1e3 / tps;
+        let roof = bytes / bw * 1e3;
+        out.insert(
+            "decode_through_engine".into(),
+            json!({"ms_per_token": ms, "roofline_ms": roof, "fraction_of_roofline": roof / ms,
+                   "bytes_GB": bytes / 1e9, "mean_context": ctx,
+                   "note": "plain greedy decoding of the e2e request (warm engine, host work and read-back included)"}),
+        );
+    }
+    out.insert("e2e".into(), e2e_fig);
+    if args.e2e_batch > 0 {
+        out.insert(
+            "e2e_batched".into(),
+            e2e_batched::run(&setup, args.e2e_batch)?,
+        );
+    }
+    Ok(out)
+}
+
+/// Seconds for one prefill of `n` tokens into a fresh cache (median of `reps`).
+fn prefill_seconds(target: &Target, n: usize, reps: usize) -> Result<f64> {
+    let dev = dflash_models::DraftTarget::device(target).clone();
+    let vocab = dflash_models::DraftTarget::vocab_size(target);
+    let toks = tokens(n, 3, vocab);
+    let pos: Vec<u32> = (0..n as u32).collect();
+    let ms = time_ms(&dev, reps.max(1), || {
+        let mut cache = target.new_cache(n + 8, 0)?;
+        target
+            .forward(
+                &mut [SeqForward {
+                    cache: &mut cache,
+                    tokens: &toks,
+                    positions: &pos,
+                    pattern: &AttnPattern::Causal,
+                    logit_rows: &[n - 1],
+                }],
+                &[],
+            )?
+            .logits
+            .context("prefill returned no logits")?;
+        Ok(())
+    })?;
+    Ok(ms / 1e3)
+}
