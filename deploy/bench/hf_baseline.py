@@ -4,6 +4,8 @@
 Runs only on the GPU machine (PyTorch + transformers, no network), never in CI:
 
     python3 deploy/bench/hf_baseline.py --out hf.json [--model qwen3-8b] [--contexts 1024,8192]
+    python3 deploy/bench/hf_baseline.py --out hf27.json --model qwen3.6-27b   (or qwen3.6-35b-a3b,
+        qwen3-coder-30b-a3b, qwen3-30b-a3b: decode at 1K, prefill 4096, MoE chain forwards)
 
 Figures: copy bandwidth and bf16 matmul rate (the rooflines), batch-1 greedy decode ms/token at
 each context (DynamicCache, eager loop with a host sync per token as generate() does), forward
@@ -25,6 +27,97 @@ SHAPES = {
     "qwen3-14b": (5120, 17408, 40, 40, 8, False),
     "qwen3-32b": (5120, 25600, 64, 64, 8, False),
 }
+
+
+def _hybrid(layers, moe):
+    kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    rope = dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                mrope_section=[11, 11, 10], mrope_interleaved=True)
+    common = dict(vocab_size=248320, num_hidden_layers=layers, head_dim=256,
+                  linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                  linear_conv_kernel_dim=4, layer_types=kinds, rms_norm_eps=1e-6,
+                  max_position_embeddings=262144, rope_parameters=rope, tie_word_embeddings=False)
+    if moe:
+        return dict(common, model_type="qwen3_5_moe_text", hidden_size=2048, num_attention_heads=16,
+                    num_key_value_heads=2, linear_num_value_heads=32, num_experts=256,
+                    num_experts_per_tok=8, moe_intermediate_size=512,
+                    shared_expert_intermediate_size=512)
+    return dict(common, model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408,
+                num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48)
+
+
+def _moe(coder):
+    return dict(vocab_size=151936, hidden_size=2048, intermediate_size=5472 if coder else 6144,
+                num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                rms_norm_eps=1e-6, rope_theta=1e7 if coder else 1e6, tie_word_embeddings=False,
+                num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+
+
+# The non-dense shapes of `dflash-serve bench` (serve/src/bench/family_shapes.rs), same values.
+FAMILIES = {
+    "qwen3.6-27b": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", lambda: _hybrid(64, False), True),
+    "qwen3.6-35b-a3b": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", lambda: _hybrid(40, True), True),
+    "qwen3-coder-30b-a3b": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", lambda: _moe(True), False),
+    "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", lambda: _moe(False), False),
+}
+
+
+def family_main(args, out):
+    """Decode at 1K context and a 4096-token prefill (each on a fresh cache: a hybrid's
+    recurrent state cannot be cropped back, so no verify-size sweep there), and for qwen3_moe
+    the chain forwards over a 1K cache too. Every part records its error instead of ending
+    the run."""
+    import transformers
+
+    model_cls, cfg_cls, values, hybrid = FAMILIES[args.model]
+    try:
+        cfg = getattr(transformers, cfg_cls)(**values())
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16).eval()
+    except Exception as e:  # a transformers without the class, or out of memory
+        out["error"] = f"build: {e}"[:400]
+        return
+    vocab = cfg.vocab_size
+    try:
+        ids = torch.randint(0, vocab, (1, 4096), device="cuda")
+        ms = median_ms(lambda: model(input_ids=ids, logits_to_keep=1), args.reps)
+        out["prefill_4096"] = {"s": ms / 1e3, "tok_per_s": 4096 / (ms / 1e3)}
+    except Exception as e:
+        out["prefill_4096"] = {"error": str(e)[:300]}
+    try:
+        prompt = torch.randint(0, vocab, (1, 1024), device="cuda")
+        res = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        cache = res.past_key_values
+        tok = res.logits[:, -1:].argmax(-1)
+        sync()
+        t = time.perf_counter()
+        for s in range(args.steps):
+            pos = torch.tensor([[1024 + s]], device="cuda")
+            res = model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True)
+            tok = res.logits[:, -1:].argmax(-1)
+            tok.item()  # host sync per token, as a decoding loop does
+        ms = (time.perf_counter() - t) * 1e3 / args.steps
+        out["decode"] = {"ctx_1024": {"ms": ms, "tok_per_s": 1e3 / ms}}
+    except Exception as e:
+        out["decode"] = {"error": str(e)[:300]}
+    if not hybrid:
+        try:
+            cache = fill(model, 1024)
+            res = {}
+            for nt in [int(s) for s in args.sizes.split(",")]:
+                ids = torch.randint(0, vocab, (1, nt), device="cuda")
+                pos = torch.arange(1024, 1024 + nt, device="cuda")[None]
+
+                def fwd():
+                    model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+                    cache.crop(1024)
+                res[str(nt)] = {"ms": median_ms(fwd, args.reps)}
+            out["forward_chain"] = res
+        except Exception as e:
+            out["forward_chain"] = {"error": str(e)[:300]}
 
 
 def sync():
@@ -97,6 +190,13 @@ def main():
     ms = median_ms(lambda: a @ a, 5)
     out["matmul_TFLOPs"] = 2 * 8192 ** 3 / (ms / 1e3) / 1e12
     del a
+
+    if args.model in FAMILIES:
+        family_main(args, out)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(json.dumps(out))
+        return
 
     model = build(args.model)
     # Decode at each context.
