@@ -11,6 +11,7 @@
 //! is `dflash_models`' drafter, run with `OpsMode::Differentiable`.
 
 pub mod checkpoint;
+pub mod ckpt_writer;
 pub mod data;
 pub mod dataset;
 pub mod error;
@@ -398,6 +399,10 @@ pub struct TrainArgs {
     /// Checkpoints kept (oldest removed first).
     #[arg(long, default_value_t = 2, help_heading = "Output")]
     pub keep_checkpoints: usize,
+    /// Write each checkpoint before the next step instead of beside the following steps
+    /// (a host snapshot is taken either way; the background write is atomic as well).
+    #[arg(long, help_heading = "Output")]
+    pub sync_checkpoints: bool,
     /// dtype of model.safetensors (the optimizer state is f32 regardless).
     #[arg(long, value_enum, default_value_t = SaveDtype::Bf16, help_heading = "Output")]
     pub save_dtype: SaveDtype,

@@ -243,6 +243,38 @@ impl TrainOptimizer {
         }
     }
 
+    /// [`Self::tensors`] as host tensors that no later step touches (the reference optimizer
+    /// updates its variables in place, so its tensors are copied; the fused one's already are
+    /// fresh host copies), for a checkpoint written while training goes on.
+    pub fn snapshot(&self) -> TrainResult<OptimizerTensors> {
+        let t = self.tensors()?;
+        if self.is_fused() {
+            return Ok(t);
+        }
+        let host = |x: &Tensor| -> candle_core::Result<Tensor> {
+            if x.device().is_cpu() {
+                x.copy()
+            } else {
+                x.to_device(&Device::Cpu)
+            }
+        };
+        Ok(OptimizerTensors {
+            params: t
+                .params
+                .iter()
+                .map(|(n, x)| Ok((n.clone(), host(x)?)))
+                .collect::<candle_core::Result<Vec<_>>>()?,
+            m: t.m
+                .iter()
+                .map(host)
+                .collect::<candle_core::Result<Vec<_>>>()?,
+            v: t.v
+                .iter()
+                .map(host)
+                .collect::<candle_core::Result<Vec<_>>>()?,
+        })
+    }
+
     /// The f32 masters and moments per tensor, as a checkpoint stores them (fused: copied to
     /// the host once per buffer, then cut per tensor there).
     pub fn tensors(&self) -> TrainResult<OptimizerTensors> {
@@ -284,5 +316,39 @@ impl TrainOptimizer {
                 })
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A checkpoint written while training goes on must hold the state of its step: the
+    /// reference optimizer updates its variables in place, so its snapshot is a copy.
+    #[test]
+    fn a_snapshot_keeps_its_step_while_later_steps_update_the_weights() {
+        let choice = OptimizerChoice {
+            fused: false,
+            adam: AdamWConfig::default(),
+            clip: 1.0,
+            compute_dtype: DType::F32,
+        };
+        let w = Tensor::from_slice(&[1.0f32, -2.0], 2, &Device::Cpu).unwrap();
+        let mut opt = TrainOptimizer::new(choice, vec![("w".into(), w)], None).unwrap();
+        let loss = Tensor::new(1.0f32, &Device::Cpu).unwrap();
+        let grad = || Some(Tensor::from_slice(&[0.5f32, -3.0], 2, &Device::Cpu).unwrap());
+        opt.step(vec![grad()], &loss, 0.1).unwrap();
+        let snap = opt.snapshot().unwrap();
+        let at_step_one = snap.params[0].1.to_vec1::<f32>().unwrap();
+        let m_one = snap.m[0].to_vec1::<f32>().unwrap();
+        opt.step(vec![grad()], &loss, 0.1).unwrap();
+        assert_eq!(snap.params[0].1.to_vec1::<f32>().unwrap(), at_step_one);
+        assert_eq!(snap.m[0].to_vec1::<f32>().unwrap(), m_one);
+        let now = opt.tensors().unwrap().params[0].1.to_vec1::<f32>().unwrap();
+        assert_ne!(now, at_step_one, "the second step moved the weights");
+        // tensors() alone would have aliased them (why snapshot() exists).
+        let aliased = opt.tensors().unwrap();
+        opt.step(vec![grad()], &loss, 0.1).unwrap();
+        assert_ne!(aliased.params[0].1.to_vec1::<f32>().unwrap(), now);
     }
 }

@@ -15,6 +15,7 @@ use candle_core::{DType, Tensor};
 use serde_json::{json, Map, Value};
 
 use super::checkpoint::{self, RunFingerprint, TrainerState};
+use super::ckpt_writer::{CheckpointSpec, CheckpointWriter};
 use super::data::load_specs;
 use super::dataset::DataOptions;
 use super::error::{TrainError, TrainResult};
@@ -300,6 +301,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
     let mut last_checkpoint = None;
     let mut exhausted = false;
     let mut evals: Vec<Value> = Vec::new();
+    let mut writer = CheckpointWriter::new(args.sync_checkpoints);
     let dev = drafter_device.clone();
     while state.step < stop_at && !exhausted {
         let t_step = Instant::now();
@@ -413,6 +415,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                 state.step + 1
             ));
             if state.nonfinite_in_row >= args.max_nonfinite_steps {
+                writer.wait()?;
                 reporter.finish();
                 return Err(TrainError::NonFinite {
                     count: state.nonfinite_in_row,
@@ -524,21 +527,23 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
         reporter.set_position(state.step);
         // A skipped step changed nothing; saving it would only rotate good checkpoints out.
         if (finite && state.step % args.save_every.max(1) == 0) || last {
+            let t_save = Instant::now();
             replicas::check_replicas_agree(&ranks)?;
             state.total_steps = total_steps;
-            let path = checkpoint::save_checkpoint(
-                &args.output_dir,
-                &cfg,
-                target_cfg.num_hidden_layers,
-                &ranks[0].opt.tensors()?,
-                &state,
+            let snapshot = ranks[0].opt.snapshot()?;
+            let spec = CheckpointSpec {
+                out: &args.output_dir,
+                cfg: &cfg,
+                num_target_layers: target_cfg.num_hidden_layers,
                 save_dtype,
-                args.keep_checkpoints,
-            )?;
-            reporter.log(&format!("checkpoint {}", path.display()));
+                keep: args.keep_checkpoints,
+            };
+            let path = writer.save_reported(&spec, snapshot, &state, t_save, &mut reporter)?;
             last_checkpoint = Some(path);
         }
     }
+    // The last checkpoint is on disk before the run reports it.
+    writer.wait()?;
     reporter.finish();
     drop(pipeline);
     let loop_s = loop_start.elapsed().as_secs_f64();
