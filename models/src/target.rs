@@ -181,6 +181,20 @@ impl Target {
         }
     }
 
+    /// The same target with the fused CUDA kernels on or off (the plain candle path is the
+    /// reference the fused one is checked against).
+    pub fn with_fast_kernels(self, on: bool) -> Self {
+        match self {
+            Target::Qwen3(m) => Target::Qwen3(m.with_fast_kernels(on)),
+            Target::Hybrid(m) => Target::Hybrid(m.with_fast_kernels(on)),
+        }
+    }
+
+    /// Whether forwards run the fused CUDA kernels.
+    pub fn fast_kernels(&self) -> bool {
+        both!(self, m => m.fast_kernels())
+    }
+
     /// Step graphs captured so far (the hybrid engine path captures none).
     pub fn step_graphs_held(&self) -> usize {
         match self {

@@ -163,7 +163,82 @@ pub fn run(
             e2e_batched::run(&setup, args.e2e_batch)?,
         );
     }
+    if !args.e2e_only {
+        // Recorded, not fatal: the figures above still come back if a fused kernel fails.
+        let checks = kernel_checks(&target).unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+        eprintln!("kernel_checks {checks}");
+        out.insert("kernel_checks".into(), checks);
+    }
     Ok(out)
+}
+
+/// The fused forwards against the plain candle path on the same weights (CUDA; the CPU has
+/// only the plain path): the last prompt row of a 1024-token prefill, then 1 and 16 new tokens
+/// over it (a decode step and a chain verify, rolled back after each): max abs logit
+/// difference and argmax agreement per forward.
+fn kernel_checks(target: &Target) -> Result<Value> {
+    let fused = target.clone().with_fast_kernels(true);
+    if !fused.fast_kernels() {
+        return Ok(json!({"skipped": "the fused kernels need a CUDA device and bf16"}));
+    }
+    let plain = target.clone().with_fast_kernels(false);
+    let vocab = dflash_models::DraftTarget::vocab_size(target);
+    let prompt = tokens(1024, 21, vocab);
+    let run = |m: &Target| -> Result<Vec<candle_core::Tensor>> {
+        let mut cache = m.new_cache(1024 + 64, 16)?;
+        let mut out = Vec::new();
+        let step = |cache: &mut dflash_models::SequenceCache,
+                    toks: &[u32],
+                    start: usize,
+                    rows: &[usize]| {
+            let pos: Vec<u32> = (start as u32..(start + toks.len()) as u32).collect();
+            m.forward(
+                &mut [SeqForward {
+                    cache,
+                    tokens: toks,
+                    positions: &pos,
+                    pattern: &AttnPattern::Causal,
+                    logit_rows: rows,
+                }],
+                &[],
+            )?
+            .logits
+            .context("no logits")
+        };
+        out.push(step(&mut cache, &prompt, 0, &[1023])?);
+        for n in [1usize, 16] {
+            let toks = tokens(n, 23, vocab);
+            let rows: Vec<usize> = (0..n).collect();
+            out.push(step(&mut cache, &toks, 1024, &rows)?);
+            cache.truncate(1024)?;
+        }
+        Ok(out)
+    };
+    let (a, b) = (run(&fused)?, run(&plain)?);
+    let mut res = Map::new();
+    for (name, (x, y)) in ["prefill_1024_last_row", "decode_1", "verify_chain_16"]
+        .iter()
+        .zip(a.iter().zip(&b))
+    {
+        let (x, y) = (x.to_dtype(DType::F32)?, y.to_dtype(DType::F32)?);
+        let diff = (&x - &y)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        let scale = y.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let (am, bm) = (
+            x.argmax(1)?.to_vec1::<u32>()?,
+            y.argmax(1)?.to_vec1::<u32>()?,
+        );
+        let same = am.iter().zip(&bm).filter(|(p, q)| p == q).count();
+        res.insert(
+            (*name).into(),
+            json!({"max_abs_logit_diff": diff, "max_abs_logit_plain": scale,
+                   "argmax_equal_rows": same, "rows": am.len()}),
+        );
+    }
+    Ok(Value::Object(res))
 }
 
 /// Seconds for one prefill of `n` tokens into a fresh cache (median of `reps`).
