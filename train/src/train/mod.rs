@@ -363,6 +363,7 @@ pub struct TrainArgs {
     /// across them, so the global batch and the loss curve are one device's.
     #[arg(
         long = "drafter-device",
+        visible_alias = "drafter-devices",
         default_value = "cpu",
         value_delimiter = ',',
         help_heading = "Pipeline"
