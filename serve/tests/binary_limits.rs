@@ -166,7 +166,9 @@ async fn rss_returns_near_idle_after_a_burst() {
     for _ in 0..2 {
         burst(&p, 64).await;
     }
-    let after = settled_rss(&p, Duration::from_secs(15), idle * 1.2).await;
+    // Returns as soon as RSS is back under the bound; the long window is for loaded CI
+    // machines, where the burst's blocking threads (10 s keep-alive) exit late.
+    let after = settled_rss(&p, Duration::from_secs(40), idle * 1.2).await;
     eprintln!("RSS idle {idle:.0} MiB, after two 64-request bursts {after:.0} MiB");
     // Without malloc_trim this was 661 -> 1,828 MiB on the same machine.
     assert!(
