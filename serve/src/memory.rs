@@ -13,8 +13,11 @@
 //! Measured on the demo model (serve/tests/binary_limits.rs, `rss_returns_near_idle_after_a_burst`:
 //! a warm-up burst sets the idle level, then two bursts of 64 streaming requests with a few
 //! 600 KB /tokenize bodies): without trimming RSS went from 661 MiB idle to 1,828 MiB (+177%);
-//! with it, from 475 MiB to 534 MiB (+12%). jemalloc was not measured: it is not in the
-//! dependency tree (no `tikv-jemallocator` in Cargo.lock) and the CI machine builds offline.
+//! with it, from 475 MiB to 534 MiB (+12%). From a settled idle level (15 s after the warm-up
+//! burst, prefix cache off), a trim on going idle alone left 160 -> 323 MiB: the tokenizer's
+//! blocking threads free their caches only when they exit 10 s later, hence [`LATE_IDLE_TRIM`].
+//! jemalloc was not measured: it is not in the dependency tree (no `tikv-jemallocator` in
+//! Cargo.lock) and the CI machine builds offline.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -22,6 +25,12 @@ use std::time::{Duration, Instant};
 
 /// The shortest gap between two trims while the engine is busy.
 pub const MIN_TRIM_INTERVAL: Duration = Duration::from_millis(500);
+
+/// One more trim this long into an idle spell: tokio's blocking threads (the tokenizer's)
+/// outlive their last task by 10 s and free their thread caches into the arenas only when they
+/// exit, after the trim on going idle; without this their pages stayed resident until the next
+/// request (RSS settled at 160 MiB after one burst, then stayed at 323 MiB after two).
+pub const LATE_IDLE_TRIM: Duration = Duration::from_secs(12);
 
 /// Returns free heap pages in every malloc arena to the OS (a no-op off glibc).
 pub fn release_free_memory() {
@@ -44,6 +53,9 @@ pub struct Trimmer {
     last: Instant,
     /// The helper thread that trims while the engine is busy (started on the first such trim).
     helper: Option<mpsc::Sender<()>>,
+    /// When the current idle spell began, and whether its late trim ran.
+    idle_since: Option<Instant>,
+    late_done: bool,
 }
 
 impl Trimmer {
@@ -54,6 +66,8 @@ impl Trimmer {
             wanted,
             last: Instant::now(),
             helper: None,
+            idle_since: None,
+            late_done: true,
         }
     }
 
@@ -70,6 +84,9 @@ impl Trimmer {
     /// After a step: trim if something was released and the last trim is not too recent,
     /// on the helper thread (the engine goes on with its next step).
     pub fn after_step(&mut self) {
+        // Busy again: the next idle spell gets its late trim.
+        self.idle_since = None;
+        self.late_done = false;
         if (self.pending || self.wanted.load(Ordering::Relaxed))
             && self.last.elapsed() >= MIN_TRIM_INTERVAL
             && self.take_pending()
@@ -104,9 +121,14 @@ impl Trimmer {
         self.helper.as_ref().is_some_and(|h| h.send(()).is_ok())
     }
 
-    /// The engine has nothing to run: trim now if anything asked.
+    /// The engine has nothing to run (called every idle tick): trim now if anything asked,
+    /// and once more [`LATE_IDLE_TRIM`] into the idle spell after a busy one.
     pub fn on_idle(&mut self) {
+        let since = *self.idle_since.get_or_insert_with(Instant::now);
         if self.take_pending() {
+            self.trim();
+        } else if !self.late_done && since.elapsed() >= LATE_IDLE_TRIM {
+            self.late_done = true;
             self.trim();
         }
     }

@@ -158,21 +158,28 @@ async fn settled_rss(p: &ServerProcess, window: Duration, target: f64) -> f64 {
 
 #[tokio::test]
 async fn rss_returns_near_idle_after_a_burst() {
-    let p = ServerProcess::start(&[]).await;
+    // Without the prefix cache: it keeps finished requests' K/V pages, so each burst touches
+    // pages of the preallocated pool it had not touched before (bounded by the pool, not a
+    // leak); this test is about the heap.
+    let p = ServerProcess::start(&["--disable-radix-cache"]).await;
     // A first burst of the same shape sizes the thread pools and lazily built tables; the
-    // level after it is "idle".
+    // level it settles to (its blocking threads gone after their 10 s keep-alive, then the
+    // engine's late idle trim at 12 s) is "idle".
     burst(&p, 64).await;
-    let idle = settled_rss(&p, Duration::from_secs(3), 0.0).await;
+    let idle = settled_rss(&p, Duration::from_secs(15), 0.0).await;
     for _ in 0..2 {
         burst(&p, 64).await;
     }
     // Returns as soon as RSS is back under the bound; the long window is for loaded CI
-    // machines, where the burst's blocking threads (10 s keep-alive) exit late.
-    let after = settled_rss(&p, Duration::from_secs(40), idle * 1.2).await;
+    // machines, where the bursts' threads exit late.
+    let bound = idle * 1.5;
+    let after = settled_rss(&p, Duration::from_secs(40), bound).await;
     eprintln!("RSS idle {idle:.0} MiB, after two 64-request bursts {after:.0} MiB");
-    // Without malloc_trim this was 661 -> 1,828 MiB on the same machine.
+    // Without malloc_trim this was 661 -> 1,828 MiB (2.8x) on the same machine; without the
+    // late idle trim 160 -> 323 MiB (2.0x). With both, settled levels still vary run to run
+    // (1.0-1.3x seen on a loaded 2-core machine), hence 1.5x.
     assert!(
-        after <= idle * 1.2,
-        "RSS {after:.0} MiB is more than 20% above its idle level {idle:.0} MiB"
+        after <= bound,
+        "RSS {after:.0} MiB is more than 50% above its idle level {idle:.0} MiB"
     );
 }
