@@ -4,7 +4,11 @@
 //! memory freed into the pool, and the next step maps it again (large buffers such as a verify's
 //! logits or a training step's activations cost a remap each time). Raising the threshold
 //! keeps the process's high-water mark in the pool, as PyTorch's caching allocator does.
-//! `DFLASH_CUDA_POOL_TRIM=1` keeps the driver's default (for A/B measurements).
+//! `DFLASH_CUDA_POOL_TRIM=1` keeps the driver's default (for A/B measurements). Measured so
+//! far: the trainer (whole steps of tens of GB); in the server, the 32K-interference run of
+//! h200-2026-12-06-s16-interf showed no difference on plain decoding with step graphs (few
+//! per-step buffers); the speculative rounds (verify logits, gathers, drafter buffers outside
+//! graphs) are not measured yet.
 
 use candle_core::cuda_backend::cudarc::driver::{result, sys};
 use candle_core::Device;
