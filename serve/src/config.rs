@@ -143,7 +143,7 @@ fn seconds(
     secs: f64,
     zero_is_off: bool,
 ) -> Result<Option<std::time::Duration>, ConfigError> {
-    if !secs.is_finite() || secs < 0.0 || secs > 1e9 {
+    if !secs.is_finite() || !(0.0..=1e9).contains(&secs) {
         return Err(ConfigError::BadValue {
             flag,
             value: secs.to_string(),

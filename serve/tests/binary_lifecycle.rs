@@ -47,7 +47,7 @@ async fn sixty_four_streaming_clients_for_a_minute() {
             while Instant::now() < deadline {
                 // A mix of routes, lengths and greedy / sampled requests.
                 let max = 8 + (c * 7 + i * 13) % 56;
-                let temperature = if (c + i) % 3 == 0 { 0.8 } else { 0.0 };
+                let temperature = if (c + i).is_multiple_of(3) { 0.8 } else { 0.0 };
                 let (path, body) = match (c + i) % 3 {
                     0 => ("/generate", json!({"text": format!("def f{c}_{i}(x):"), "stream": true,
                         "sampling_params": {"max_new_tokens": max, "temperature": temperature, "ignore_eos": true}})),

@@ -239,7 +239,10 @@ async fn required_and_named_tool_choice_return_a_parsed_call_streamed_in_openai_
             .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
             .flatten()
             .collect();
-        assert!(deltas.len() >= 2 && deltas.len() % 2 == 0, "{deltas:?}");
+        assert!(
+            deltas.len() >= 2 && deltas.len().is_multiple_of(2),
+            "{deltas:?}"
+        );
         for pair in deltas.chunks(2) {
             assert!(
                 pair[0]["id"].is_string() && pair[0]["function"]["name"].is_string(),
@@ -259,7 +262,7 @@ async fn required_and_named_tool_choice_return_a_parsed_call_streamed_in_openai_
         let finish = chunks
             .iter()
             .filter_map(|c| c["choices"][0]["finish_reason"].as_str())
-            .last();
+            .next_back();
         assert_eq!(finish, Some("tool_calls"));
     }
     // A function not among the tools, and required without the parser, are 400s.

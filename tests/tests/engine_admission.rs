@@ -63,10 +63,10 @@ fn bad_requests_are_refused_with_typed_errors_and_the_batch_carries_on() {
     let tree = Algorithm::DDTree { budget: 16 };
     let p = case.input_ids.clone();
     let bad: Vec<(GenerationRequest, fn(&EngineError) -> bool)> = vec![
-        (req(vec![], 8, greedy.clone(), tree), |e| {
+        (req(vec![], 8, greedy, tree), |e| {
             matches!(e, EngineError::EmptyPrompt)
         }),
-        (req(vec![5; 300], 8, greedy.clone(), tree), |e| {
+        (req(vec![5; 300], 8, greedy, tree), |e| {
             matches!(
                 e,
                 EngineError::PromptTooLong {
@@ -75,10 +75,10 @@ fn bad_requests_are_refused_with_typed_errors_and_the_batch_carries_on() {
                 }
             )
         }),
-        (req(p.clone(), 250, greedy.clone(), tree), |e| {
+        (req(p.clone(), 250, greedy, tree), |e| {
             matches!(e, EngineError::ContextExceeded { .. })
         }),
-        (req(p.clone(), 0, greedy.clone(), tree), |e| {
+        (req(p.clone(), 0, greedy, tree), |e| {
             matches!(e, EngineError::ZeroMaxNewTokens)
         }),
         (
@@ -87,7 +87,7 @@ fn bad_requests_are_refused_with_typed_errors_and_the_batch_carries_on() {
                 8,
                 SamplingParams {
                     top_p: 1.5,
-                    ..greedy.clone()
+                    ..greedy
                 },
                 tree,
             ),
@@ -99,7 +99,7 @@ fn bad_requests_are_refused_with_typed_errors_and_the_batch_carries_on() {
                 8,
                 SamplingParams {
                     top_p: 0.0,
-                    ..greedy.clone()
+                    ..greedy
                 },
                 tree,
             ),
@@ -111,19 +111,14 @@ fn bad_requests_are_refused_with_typed_errors_and_the_batch_carries_on() {
                 8,
                 SamplingParams {
                     temperature: -0.5,
-                    ..greedy.clone()
+                    ..greedy
                 },
                 tree,
             ),
             |e| matches!(e, EngineError::Sampling(SamplingError::Temperature { .. })),
         ),
         (
-            req(
-                p.clone(),
-                8,
-                greedy.clone(),
-                Algorithm::DDTree { budget: 65 },
-            ),
+            req(p.clone(), 8, greedy, Algorithm::DDTree { budget: 65 }),
             |e| {
                 matches!(
                     e,
@@ -135,15 +130,10 @@ fn bad_requests_are_refused_with_typed_errors_and_the_batch_carries_on() {
             },
         ),
         (
-            req(
-                p.clone(),
-                8,
-                greedy.clone(),
-                Algorithm::DDTree { budget: 0 },
-            ),
+            req(p.clone(), 8, greedy, Algorithm::DDTree { budget: 0 }),
             |e| matches!(e, EngineError::BadBudget { budget: 0, .. }),
         ),
-        (req(vec![9000], 8, greedy.clone(), tree), |e| {
+        (req(vec![9000], 8, greedy, tree), |e| {
             matches!(e, EngineError::TokenOutOfVocab { token: 9000, .. })
         }),
     ];

@@ -48,12 +48,12 @@ impl ScriptEngine {
 
 impl StepEngine for ScriptEngine {
     fn add(&mut self, req: EngineRequest) -> Result<SeqId, AdmitError> {
-        if req.prompt.iter().any(|&t| t == 7777) {
+        if req.prompt.contains(&7777) {
             return Err(AdmitError::client(
                 "token 7777 is refused by the test engine",
             ));
         }
-        if req.prompt.iter().any(|&t| t == 7778) {
+        if req.prompt.contains(&7778) {
             // What a CUDA out-of-memory while allocating the sequence's cache looks like.
             return Err(AdmitError::server(
                 "admitting the request failed: DriverError(CUDA_ERROR_OUT_OF_MEMORY) (test engine)",

@@ -37,7 +37,7 @@ fn draft(
         .zip(contexts)
         .zip(blocks)
         .map(|((cache, ctx), block)| DraftInput {
-            cache: &mut **cache,
+            cache,
             context: Some(ctx),
             block,
         })

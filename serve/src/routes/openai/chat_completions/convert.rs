@@ -52,10 +52,10 @@ pub fn prompt_ids(
         add_generation_prompt,
         kwargs: Some(&kwargs),
     })?;
-    Ok(state
+    state
         .limits
         .prompt
-        .encode(&state.model.tokenizer, &prompt, false)?)
+        .encode(&state.model.tokenizer, &prompt, false)
 }
 
 /// The call grammar `tool_choice` `required` or a named function constrains the answer to
