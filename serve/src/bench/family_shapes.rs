@@ -25,8 +25,11 @@ pub struct Family {
     pub drafter: (usize, usize, usize, usize, usize),
 }
 
-fn hybrid_27b() -> Value {
-    let layer_types: Vec<&str> = (0..64)
+/// The fields both published hybrids share (Qwen3.5/3.6: a full-attention layer every fourth,
+/// 16 GDN key heads of 128, head_dim 256, partial RoPE), for `layers` layers, with `specific`
+/// (the size and MLP fields) merged in.
+fn hybrid(layers: usize, specific: Value) -> Value {
+    let layer_types: Vec<&str> = (0..layers)
         .map(|i| {
             if (i + 1) % 4 == 0 {
                 "full_attention"
@@ -35,37 +38,35 @@ fn hybrid_27b() -> Value {
             }
         })
         .collect();
-    json!({
-        "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120,
-        "intermediate_size": 17408, "num_hidden_layers": 64, "num_attention_heads": 24,
-        "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
-        "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    let mut v = json!({
+        "vocab_size": 248320, "num_hidden_layers": layers, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
         "linear_conv_kernel_dim": 4, "layer_types": layer_types, "max_position_embeddings": 262144,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
-    })
+    });
+    if let (Value::Object(base), Value::Object(extra)) = (&mut v, specific) {
+        base.extend(extra);
+    }
+    v
+}
+
+fn hybrid_27b() -> Value {
+    hybrid(
+        64,
+        json!({"model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408,
+               "num_attention_heads": 24, "num_key_value_heads": 4, "linear_num_value_heads": 48}),
+    )
 }
 
 fn hybrid_35b_a3b() -> Value {
-    let layer_types: Vec<&str> = (0..40)
-        .map(|i| {
-            if (i + 1) % 4 == 0 {
-                "full_attention"
-            } else {
-                "linear_attention"
-            }
-        })
-        .collect();
-    json!({
-        "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048,
-        "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
-        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-        "layer_types": layer_types, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": false, "num_experts": 256, "num_experts_per_tok": 8,
-        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
-    })
+    hybrid(
+        40,
+        json!({"model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_attention_heads": 16,
+               "num_key_value_heads": 2, "linear_num_value_heads": 32, "num_experts": 256,
+               "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+               "shared_expert_intermediate_size": 512}),
+    )
 }
 
 fn moe_30b_a3b(coder: bool) -> Value {
