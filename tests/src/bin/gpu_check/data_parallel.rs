@@ -19,6 +19,16 @@ use serde_json::{json, Value};
 
 use super::train_optim::{dataset, file_diff, run_train_on, scratch};
 
+/// The trainer runs every case compares: 4 steps of 2 micro-batches in f32.
+const TRAIN_FLAGS: [&str; 6] = [
+    "--max-steps",
+    "4",
+    "--grad-accum",
+    "2",
+    "--compute-dtype",
+    "f32",
+];
+
 fn gpu_count() -> Result<usize> {
     Ok(candle_core::cuda_backend::cudarc::driver::CudaContext::device_count()? as usize)
 }
@@ -104,17 +114,9 @@ fn nccl_all_reduce(gpus: usize) -> Result<Value> {
 fn trainer_nccl_one_gpu() -> Result<Value> {
     let dir = scratch("dp-nccl1")?;
     let data = dataset(&dir)?;
-    let common = [
-        "--max-steps",
-        "4",
-        "--grad-accum",
-        "2",
-        "--compute-dtype",
-        "f32",
-    ];
     let run = |name: &str, reducer: &str| {
         let out = dir.join(name);
-        let extra = [&common[..], &["--grad-reducer", reducer]].concat();
+        let extra = [&TRAIN_FLAGS[..], &["--grad-reducer", reducer]].concat();
         run_train_on("cuda:0", "cuda:0", &data, &out, &extra).map(|s| (s, out))
     };
     let (a, out_a) = run("in-process", "in-process")?;
@@ -133,17 +135,15 @@ fn trainer_nccl_one_gpu() -> Result<Value> {
 fn trainer_two_gpus() -> Result<Value> {
     let dir = scratch("dp-two")?;
     let data = dataset(&dir)?;
-    let common = [
-        "--max-steps",
-        "4",
-        "--grad-accum",
-        "2",
-        "--compute-dtype",
-        "f32",
-    ];
     let (one_out, two_out) = (dir.join("one"), dir.join("two"));
-    let one = run_train_on("cuda:0", "cuda:0", &data, &one_out, &common)?;
-    let two = run_train_on("cuda:0,cuda:1", "cuda:0,cuda:1", &data, &two_out, &common)?;
+    let one = run_train_on("cuda:0", "cuda:0", &data, &one_out, &TRAIN_FLAGS)?;
+    let two = run_train_on(
+        "cuda:0,cuda:1",
+        "cuda:0,cuda:1",
+        &data,
+        &two_out,
+        &TRAIN_FLAGS,
+    )?;
     ensure!(one.losses.len() == two.losses.len(), "step counts differ");
     let loss_rel = one
         .losses
