@@ -47,7 +47,7 @@ __device__ __forceinline__ float bf16r(float v) { return bf2f(f2bf(v)); }
 extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     moe_route(const void* __restrict__ logits, int is_bf16, int T, int E, int k, int norm,
               u32* __restrict__ meta, float* __restrict__ wts) {
-    __shared__ float ex[ROUTE_WARPS][MOE_MAX_E];
+    __shared__ __align__(16) float ex[ROUTE_WARPS][MOE_MAX_E];  // read as float4 below
     __shared__ u32 sel[MOE_MAX_ROWS][MOE_MAX_E / 32];
     __shared__ u32 cnt[MOE_MAX_E], off[MOE_MAX_E];
     __shared__ u32 sorted_e[MOE_MAX_ROWS * MOE_MAX_K];
