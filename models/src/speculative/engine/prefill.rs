@@ -126,9 +126,14 @@ impl Engine {
     /// wait). None: nothing to prefill this step.
     pub(super) fn plan_prefill(&mut self) -> Result<Option<PrefillPlan>, EngineError> {
         let mut budget = self.prefill_chunk.unwrap_or(usize::MAX);
-        let decoding = self.seqs.iter().any(|s| s.prefilled);
-        // Seconds the pieces may cost beside the decoding sequences (`engine/piece.rs`).
-        let mut seconds = self.piece_budget().filter(|_| decoding);
+        let running = self.seqs.iter().filter(|s| s.prefilled).count();
+        let decoding = running > 0;
+        // Seconds the pieces may cost beside the decoding sequences (`engine/piece.rs`), unless
+        // a burst of prompts waits (`is_burst`): then the chunk size bounds the step.
+        let waiting = self.seqs.len() - running;
+        let mut seconds = self
+            .piece_budget()
+            .filter(|_| decoding && !is_burst(waiting, running));
         let cost = self.cost;
         let mut chunks: Vec<Chunk> = Vec::new();
         for i in self.by_age() {
@@ -324,6 +329,17 @@ impl Engine {
 pub(super) fn long_prompt_piece(cap: usize, position: usize) -> usize {
     const FULL_UP_TO: usize = 4096;
     (cap * FULL_UP_TO / position.max(FULL_UP_TO)).clamp(32.min(cap), cap)
+}
+
+/// Whether `waiting` prompts beside `running` decoding sequences are a burst of arrivals (at
+/// least two, and at least half as many as decode): their time to first token then outweighs a
+/// slower step of the running streams, so the step takes them at the chunk size (long prompts
+/// in fixed pieces), as SGLang schedules every arrival. A prompt or two arriving among many
+/// streams (steady load, or one long prompt) keeps the cost budget. Cost-sized pieces alone
+/// prefilled 16 waiting 512-token prompts beside 16 streams at ~180 tokens a step (H200,
+/// Qwen3-8B: c=32 plain 2693 tok/s, chain 2056, TTFT p50 0.8 / 1.8 s; fixed pieces 3318 / 5246).
+pub(crate) fn is_burst(waiting: usize, running: usize) -> bool {
+    waiting >= 2 && 2 * waiting >= running
 }
 
 /// Tokens a prefill puts in the cache: the prompt, or (after a retraction) every committed

@@ -313,3 +313,28 @@ fn without_a_budget_pieces_are_the_fixed_bound() {
     }
     assert_eq!(sizes, vec![30, 30, 30, 10]);
 }
+
+#[test]
+fn a_burst_of_waiting_prompts_goes_at_the_chunk_size_in_fixed_pieces() {
+    use crate::speculative::engine::prefill::is_burst;
+    // One long prompt among many streams keeps the budget; two or more, at least half as many
+    // as decode, are a burst.
+    assert!(!is_burst(1, 16) && !is_burst(1, 1) && !is_burst(7, 16));
+    assert!(is_burst(2, 4) && is_burst(8, 16) && is_burst(16, 16) && is_burst(2, 0));
+    let mut e = engine();
+    e.set_prefill_while_decoding(Some(30));
+    e.add(request(vec![3; 10], 50)).unwrap();
+    e.step().unwrap();
+    // Deep into a prompt the budget leaves only the floor: a burst still gets its full pieces.
+    e.add(request(vec![4; 100], 2)).unwrap();
+    e.add(request(vec![5; 100], 2)).unwrap();
+    let mut steps = Vec::new();
+    for _ in 0..4 {
+        e.step().unwrap();
+        steps.push(e.last_step().chunks.iter().map(|c| c.0).collect::<Vec<_>>());
+    }
+    assert_eq!(
+        steps,
+        vec![vec![30, 30], vec![30, 30], vec![30, 30], vec![10, 10]]
+    );
+}
