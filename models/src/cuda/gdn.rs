@@ -59,6 +59,7 @@ pub(crate) fn check_chain(
     name: &str,
     win: (&str, &Tensor),
     with_new_rows: bool,
+    max_t: usize,
     proj: &Tensor,
     s0: &Tensor,
     w: &GdnWeights<'_>,
@@ -75,7 +76,7 @@ pub(crate) fn check_chain(
     let (win_rows, win_c) = win.dims2()?;
     let new_rows = if with_new_rows { t } else { 0 };
     if t == 0
-        || t > GDN_MAX_CHAIN
+        || t > max_t
         || kernel == 0
         || kernel > GDN_MAX_CONV
         || hk == 0
@@ -87,7 +88,7 @@ pub(crate) fn check_chain(
         || w.norm.dims1()? != d
     {
         bail!(
-            "{name}: proj {:?}, {win_name} {:?}, taps {:?}, hk {hk}, hv {hv}: needs 1..={GDN_MAX_CHAIN} tokens, head size {d}, conv kernel <= {GDN_MAX_CONV}",
+            "{name}: proj {:?}, {win_name} {:?}, taps {:?}, hk {hk}, hv {hv}: needs 1..={max_t} tokens, head size {d}, conv kernel <= {GDN_MAX_CONV}",
             proj.shape(),
             win.shape(),
             w.conv_taps.shape()
@@ -112,8 +113,15 @@ pub fn gdn_chain(
     all_states: bool,
 ) -> Result<(Tensor, Tensor)> {
     let dev = cuda(proj)?;
-    let ChainDims { t, p, kernel, c } =
-        check_chain("gdn_chain", ("gdn ext", ext), true, proj, s0, w)?;
+    let ChainDims { t, p, kernel, c } = check_chain(
+        "gdn_chain",
+        ("gdn ext", ext),
+        true,
+        GDN_MAX_CHAIN,
+        proj,
+        s0,
+        w,
+    )?;
     let (d, hk, hv) = (GDN_HEAD_DIM, w.hk, w.hv);
     let n_states = if all_states { t } else { 1 };
     let o = alloc_f32(&dev, t * hv * d)?;

@@ -81,7 +81,8 @@ extern "C" __global__ void __launch_bounds__(128) gdn_prep(
 // s0: f32 [hv, 128, 128] state before the chain; q, k, v, g, beta as gdn_prep writes them.
 // o: f32 [t, hv, 128]; u (nullable): f32 [t, hv, 128]; s_out (nullable): f32
 // [states == 2 ? t : 1, hv, 128, 128], the state after every token (states 2) or the last
-// (states 1). Grid (hv, 128 / 16), 128 threads.
+// (states 1). Any t (a prefill too): tokens go through shared memory GS_MAX_T at a time.
+// Grid (hv, 128 / 16), 128 threads.
 extern "C" __global__ void __launch_bounds__(128) gdn_scan(
     const float* __restrict__ s0, const float* __restrict__ q, const float* __restrict__ k,
     const float* __restrict__ v, const float* __restrict__ g, const float* __restrict__ beta,
@@ -94,65 +95,71 @@ extern "C" __global__ void __launch_bounds__(128) gdn_scan(
     const int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int kh = h / (hv / hk);
     const int col0 = blockIdx.y * GS_COLS;
-    for (int idx = tid; idx < t * GS_D; idx += 128) {
-        const int i = idx / GS_D, r = idx % GS_D;
-        const int at = (r / GS_SLICE) * GS_PAD + r % GS_SLICE;
-        qs[i][at] = q[((size_t)i * hk + kh) * GS_D + r];
-        ks[i][at] = k[((size_t)i * hk + kh) * GS_D + r];
-    }
-    for (int idx = tid; idx < t * GS_COLS; idx += 128) {
-        const int i = idx / GS_COLS, c = idx % GS_COLS;
-        vs[i][c] = v[((size_t)i * hv + h) * GS_D + col0 + c];
-    }
-    if (tid < t) {
-        dec[tid] = expf(g[(size_t)tid * hv + h]);
-        bet[tid] = beta[(size_t)tid * hv + h];
-    }
-    __syncthreads();
-
     const int c = warp * 4 + (lane & 3), slice = lane >> 2;
     const int j = col0 + c, row0 = slice * GS_SLICE;
     const size_t head = (size_t)h * GS_D * GS_D;
     float s[GS_SLICE];
 #pragma unroll
     for (int r = 0; r < GS_SLICE; ++r) s[r] = s0[head + (size_t)(row0 + r) * GS_D + j];
-    for (int i = 0; i < t; ++i) {
-        const float d = dec[i];
-        const float* kr = &ks[i][slice * GS_PAD];
-        const float* qr = &qs[i][slice * GS_PAD];
-        float p0 = 0.f, p1 = 0.f;
-#pragma unroll
-        for (int r = 0; r < GS_SLICE; r += 2) {
-            s[r] *= d;
-            s[r + 1] *= d;
-            p0 = fmaf(kr[r], s[r], p0);
-            p1 = fmaf(kr[r + 1], s[r + 1], p1);
+    // Tiles of GS_MAX_T tokens staged in shared memory; the state stays in registers across
+    // them (a chain of up to GS_MAX_T tokens is one tile, as before the tiling).
+    for (int base = 0; base < t; base += GS_MAX_T) {
+        const int n = min(GS_MAX_T, t - base);
+        if (base > 0) __syncthreads();  // every warp is done with the previous tile
+        for (int idx = tid; idx < n * GS_D; idx += 128) {
+            const int i = idx / GS_D, r = idx % GS_D;
+            const int at = (r / GS_SLICE) * GS_PAD + r % GS_SLICE;
+            qs[i][at] = q[((size_t)(base + i) * hk + kh) * GS_D + r];
+            ks[i][at] = k[((size_t)(base + i) * hk + kh) * GS_D + r];
         }
-        float part = p0 + p1;
-        part += __shfl_xor_sync(0xffffffffu, part, 4);
-        part += __shfl_xor_sync(0xffffffffu, part, 8);
-        part += __shfl_xor_sync(0xffffffffu, part, 16);
-        const float delta = bet[i] * (vs[i][c] - part);
-        float o0 = 0.f, o1 = 0.f;
-#pragma unroll
-        for (int r = 0; r < GS_SLICE; r += 2) {
-            s[r] = fmaf(kr[r], delta, s[r]);
-            s[r + 1] = fmaf(kr[r + 1], delta, s[r + 1]);
-            o0 = fmaf(qr[r], s[r], o0);
-            o1 = fmaf(qr[r + 1], s[r + 1], o1);
+        for (int idx = tid; idx < n * GS_COLS; idx += 128) {
+            const int i = idx / GS_COLS, cc = idx % GS_COLS;
+            vs[i][cc] = v[((size_t)(base + i) * hv + h) * GS_D + col0 + cc];
         }
-        float out = o0 + o1;
-        out += __shfl_xor_sync(0xffffffffu, out, 4);
-        out += __shfl_xor_sync(0xffffffffu, out, 8);
-        out += __shfl_xor_sync(0xffffffffu, out, 16);
-        if (slice == 0) {
-            o[((size_t)i * hv + h) * GS_D + j] = out;
-            if (u) u[((size_t)i * hv + h) * GS_D + j] = delta;
+        if (tid < n) {
+            dec[tid] = expf(g[(size_t)(base + tid) * hv + h]);
+            bet[tid] = beta[(size_t)(base + tid) * hv + h];
         }
-        if (s_out && (states == 2 || i == t - 1)) {
-            float* dst = s_out + (size_t)(states == 2 ? i : 0) * hv * GS_D * GS_D + head;
+        __syncthreads();
+        for (int ii = 0; ii < n; ++ii) {
+            const int i = base + ii;
+            const float d = dec[ii];
+            const float* kr = &ks[ii][slice * GS_PAD];
+            const float* qr = &qs[ii][slice * GS_PAD];
+            float p0 = 0.f, p1 = 0.f;
 #pragma unroll
-            for (int r = 0; r < GS_SLICE; ++r) dst[(size_t)(row0 + r) * GS_D + j] = s[r];
+            for (int r = 0; r < GS_SLICE; r += 2) {
+                s[r] *= d;
+                s[r + 1] *= d;
+                p0 = fmaf(kr[r], s[r], p0);
+                p1 = fmaf(kr[r + 1], s[r + 1], p1);
+            }
+            float part = p0 + p1;
+            part += __shfl_xor_sync(0xffffffffu, part, 4);
+            part += __shfl_xor_sync(0xffffffffu, part, 8);
+            part += __shfl_xor_sync(0xffffffffu, part, 16);
+            const float delta = bet[ii] * (vs[ii][c] - part);
+            float o0 = 0.f, o1 = 0.f;
+#pragma unroll
+            for (int r = 0; r < GS_SLICE; r += 2) {
+                s[r] = fmaf(kr[r], delta, s[r]);
+                s[r + 1] = fmaf(kr[r + 1], delta, s[r + 1]);
+                o0 = fmaf(qr[r], s[r], o0);
+                o1 = fmaf(qr[r + 1], s[r + 1], o1);
+            }
+            float out = o0 + o1;
+            out += __shfl_xor_sync(0xffffffffu, out, 4);
+            out += __shfl_xor_sync(0xffffffffu, out, 8);
+            out += __shfl_xor_sync(0xffffffffu, out, 16);
+            if (slice == 0) {
+                o[((size_t)i * hv + h) * GS_D + j] = out;
+                if (u) u[((size_t)i * hv + h) * GS_D + j] = delta;
+            }
+            if (s_out && (states == 2 || i == t - 1)) {
+                float* dst = s_out + (size_t)(states == 2 ? i : 0) * hv * GS_D * GS_D + head;
+#pragma unroll
+                for (int r = 0; r < GS_SLICE; ++r) dst[(size_t)(row0 + r) * GS_D + j] = s[r];
+            }
         }
     }
 }

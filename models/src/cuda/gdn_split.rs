@@ -7,11 +7,16 @@
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::{bail, Result, Tensor};
 
-use super::gdn::{check_chain, check_f32, gated_norm, ChainDims, GdnWeights, GDN_HEAD_DIM};
+use super::gdn::{
+    check_chain, check_f32, gated_norm, ChainDims, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN,
+};
 use super::launch::{alloc_f32, cfg, cuda, go, ptr};
 use super::phases::mark;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn_split.ptx"));
+
+/// Most tokens [`gdn_split`] takes without per-row states: a prefill of any chunk size.
+pub const GDN_SPLIT_MAX_T: usize = 65_535;
 const MODULE: &str = "dflash_gdn_split";
 
 /// Which recurrent states the scan writes.
@@ -52,8 +57,15 @@ pub fn gdn_split(
 ) -> Result<SplitOut> {
     let dev = cuda(proj)?;
     let cdev = proj.device().clone();
+    // A state per row is only for verify-sized chains (3 MiB a row at the 27B shape); the
+    // outputs or the last state for any length up to the grid's y limit (one block row per
+    // token in the prologue and the gated norm).
+    let max_t = match states {
+        ScanStates::All => GDN_MAX_CHAIN,
+        ScanStates::None | ScanStates::Last => GDN_SPLIT_MAX_T,
+    };
     let ChainDims { t, p, kernel, c } =
-        check_chain("gdn_split", ("gdn win", win), false, proj, s0, w)?;
+        check_chain("gdn_split", ("gdn win", win), false, max_t, proj, s0, w)?;
     let (d, hk, hv) = (GDN_HEAD_DIM, w.hk, w.hv);
     let q = alloc_f32(&dev, t * hk * d)?;
     let k = alloc_f32(&dev, t * hk * d)?;

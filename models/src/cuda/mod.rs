@@ -109,7 +109,7 @@ pub use gdn::{gdn_chain, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN, GDN_MAX_CONV};
 #[cfg(feature = "cuda")]
 mod gdn_split;
 #[cfg(feature = "cuda")]
-pub use gdn_split::{gdn_split, gdn_state_along, ScanStates, SplitOut};
+pub use gdn_split::{gdn_split, gdn_state_along, ScanStates, SplitOut, GDN_SPLIT_MAX_T};
 #[cfg(feature = "cuda")]
 mod gemv;
 #[cfg(feature = "cuda")]

@@ -560,6 +560,14 @@ impl Qwen35Model {
                         let (off, t) = (token_offsets[s], seq.tokens.len());
                         let state = seq.cache.layer(li).recurrent()?.last()?;
                         let p = proj.narrow(0, off, t)?;
+                        #[cfg(feature = "cuda")]
+                        if self.fast && !keep_rows[s] {
+                            if let Some((y, st)) = gdn.mix_prefill_split(&p, state)? {
+                                pieces[s] = Some(y);
+                                staged[s].push((li, st));
+                                continue;
+                            }
+                        }
                         let (y, st) = if keep_rows[s] {
                             gdn.mix_staged(&p, forest, &forests[s], state)?
                         } else {

@@ -173,9 +173,10 @@ pub fn run(
 }
 
 /// The fused forwards against the plain candle path on the same weights (CUDA; the CPU has
-/// only the plain path): the last prompt row of a 1024-token prefill, then 1 and 16 new tokens
-/// over it (a decode step and a chain verify, rolled back after each): max abs logit
-/// difference and argmax agreement per forward.
+/// only the plain path): the last prompt row of a 1000-token prefill (not a multiple of the
+/// GDN scan's 16-token tiles), then 1 and 16 new tokens over it (a decode step and a chain
+/// verify, rolled back after each, so they also check the state the prefill left): max abs
+/// logit difference and argmax agreement per forward.
 fn kernel_checks(target: &Target) -> Result<Value> {
     let fused = target.clone().with_fast_kernels(true);
     if !fused.fast_kernels() {
@@ -183,9 +184,10 @@ fn kernel_checks(target: &Target) -> Result<Value> {
     }
     let plain = target.clone().with_fast_kernels(false);
     let vocab = dflash_models::DraftTarget::vocab_size(target);
-    let prompt = tokens(1024, 21, vocab);
+    const PROMPT: usize = 1000;
+    let prompt = tokens(PROMPT, 21, vocab);
     let run = |m: &Target| -> Result<Vec<candle_core::Tensor>> {
-        let mut cache = m.new_cache(1024 + 64, 16)?;
+        let mut cache = m.new_cache(PROMPT + 64, 16)?;
         let mut out = Vec::new();
         let step = |cache: &mut dflash_models::SequenceCache,
                     toks: &[u32],
@@ -205,18 +207,18 @@ fn kernel_checks(target: &Target) -> Result<Value> {
             .logits
             .context("no logits")
         };
-        out.push(step(&mut cache, &prompt, 0, &[1023])?);
+        out.push(step(&mut cache, &prompt, 0, &[PROMPT - 1])?);
         for n in [1usize, 16] {
             let toks = tokens(n, 23, vocab);
             let rows: Vec<usize> = (0..n).collect();
-            out.push(step(&mut cache, &toks, 1024, &rows)?);
-            cache.truncate(1024)?;
+            out.push(step(&mut cache, &toks, PROMPT, &rows)?);
+            cache.truncate(PROMPT)?;
         }
         Ok(out)
     };
     let (a, b) = (run(&fused)?, run(&plain)?);
     let mut res = Map::new();
-    for (name, (x, y)) in ["prefill_1024_last_row", "decode_1", "verify_chain_16"]
+    for (name, (x, y)) in ["prefill_1000_last_row", "decode_1", "verify_chain_16"]
         .iter()
         .zip(a.iter().zip(&b))
     {

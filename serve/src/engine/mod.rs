@@ -11,6 +11,7 @@ pub mod memory;
 pub mod real;
 pub mod steplog;
 pub mod thread;
+pub mod warmup;
 
 use crate::grammar::CompiledGrammar;
 

@@ -215,6 +215,13 @@ impl RealEngine {
             device: format!("{device:?}"),
             message,
         })?;
+        // Before the prefix cache exists, so the warm-up prompts leave nothing behind.
+        if device.is_cuda() {
+            super::warmup::warm_up(&mut engine, chunk).map_err(|e| LoadError::Device {
+                device: format!("{device:?}"),
+                message: format!("warming the forwards up: {e}"),
+            })?;
+        }
         if config.disable_radix_cache {
             tracing::info!("prefix cache (radix cache): off (--disable-radix-cache)");
         } else {
