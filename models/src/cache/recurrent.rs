@@ -252,8 +252,8 @@ impl RecurrentLayer {
         }
         if rest.is_empty() {
             return Ok(GdnState {
-                conv: start.conv.copy()?,
-                ssm: start.ssm.copy()?,
+                conv: start.conv.force_contiguous()?,
+                ssm: start.ssm.force_contiguous()?,
             });
         }
         // Runs of consecutive rows of one forward, one narrow each.

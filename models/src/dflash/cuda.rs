@@ -410,7 +410,7 @@ impl RoundGraph {
             .launch()
             .map_err(|e| ModelError::Unsupported(format!("graph launch: {e}")))?;
         cache.advance(n);
-        Ok(self.logits.copy()?)
+        Ok(self.logits.force_contiguous()?)
     }
 }
 
@@ -500,6 +500,6 @@ impl DraftGraph {
         self.graph
             .launch()
             .map_err(|e| ModelError::Unsupported(format!("graph launch: {e}")))?;
-        Ok(self.hidden.copy()?)
+        Ok(self.hidden.force_contiguous()?)
     }
 }

@@ -276,7 +276,7 @@ impl BatchGraph {
             seq.cache.advance(t);
         }
         let rows = n * t;
-        let logits = self.logits.narrow(0, 0, rows)?.copy()?;
+        let logits = self.logits.narrow(0, 0, rows)?.force_contiguous()?;
         let taps = self
             .taps_out
             .as_ref()

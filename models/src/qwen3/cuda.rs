@@ -545,7 +545,7 @@ impl StepGraph {
             .map_err(|e| ModelError::Unsupported(format!("graph launch: {e}")))?;
         cache.advance(t);
         let taps = self.taps_out.as_ref().map(Tensor::copy).transpose()?;
-        Ok((self.logits.copy()?, taps))
+        Ok((self.logits.force_contiguous()?, taps))
     }
 }
 

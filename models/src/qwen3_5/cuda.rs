@@ -229,7 +229,7 @@ fn gdn_mix(
                 rows_staging(&ext, &states)?
             } else {
                 StagedState::Final(GdnState {
-                    conv: ext.narrow(0, t, w1)?.copy()?,
+                    conv: ext.narrow(0, t, w1)?.force_contiguous()?,
                     ssm: states.get(0)?,
                 })
             };
@@ -265,7 +265,7 @@ fn gdn_mix(
                 .states
                 .ok_or_else(|| ModelError::BadInput("gdn_split returned no state".into()))?;
             mark(proj.device(), "gdn.stage");
-            let conv = join(state)?.narrow(0, t, w1)?.copy()?;
+            let conv = join(state)?.narrow(0, t, w1)?.force_contiguous()?;
             (
                 out.y,
                 StagedState::Final(GdnState {

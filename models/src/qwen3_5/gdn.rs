@@ -268,8 +268,9 @@ impl GatedDeltaNet {
                 candle_core::bail!("the chunked delta rule runs one sequence at a time");
             }
             let (o, s) = chunked(&inp, &states[0].ssm)?;
-            // A copy, so that the window does not keep the whole chunk's input alive.
-            let conv = ext.narrow(0, t, kernel - 1)?.copy()?;
+            // A compact copy, so that the window does not keep the whole chunk's input alive
+            // (candle's `copy()` would clone the whole buffer behind the view).
+            let conv = ext.narrow(0, t, kernel - 1)?.force_contiguous()?;
             (o, vec![StagedState::Final(GdnState { conv, ssm: s })])
         } else {
             let initial = if states.len() == 1 {
@@ -297,8 +298,8 @@ impl GatedDeltaNet {
                 } else {
                     let last = off + len - 1;
                     StagedState::Final(GdnState {
-                        conv: windows.get(last)?.copy()?,
-                        ssm: row_states[last].copy()?,
+                        conv: windows.get(last)?.force_contiguous()?,
+                        ssm: row_states[last].force_contiguous()?,
                     })
                 });
             }

@@ -85,8 +85,8 @@ impl Qwen35Model {
                     let s = cache.layer(li).recurrent()?.last()?;
                     states.push(GraphState {
                         layer: li,
-                        ssm: s.ssm.copy()?,
-                        conv: s.conv.copy()?,
+                        ssm: s.ssm.force_contiguous()?,
+                        conv: s.conv.force_contiguous()?,
                         handed: None,
                     });
                 }
@@ -269,8 +269,8 @@ impl HybridDecodeGraph {
         let mut staged = Vec::with_capacity(self.states.len());
         for st in &mut self.states {
             let s = GdnState {
-                conv: st.conv.copy()?,
-                ssm: st.ssm.copy()?,
+                conv: st.conv.force_contiguous()?,
+                ssm: st.ssm.force_contiguous()?,
             };
             st.handed = Some(s.clone());
             let staged_state = if self.keep {
@@ -282,7 +282,7 @@ impl HybridDecodeGraph {
         }
         let parents = [None];
         cache.commit_recurrent(1, self.keep.then_some(&parents[..]), staged)?;
-        Ok(self.logits.copy()?)
+        Ok(self.logits.force_contiguous()?)
     }
 }
 

@@ -58,7 +58,8 @@ impl MtpProposer {
             )?;
             let k = item.top_k.min(vocab);
             loop {
-                let last = logits.get(logits.dim(0)? - 1)?.to_vec1::<f32>()?;
+                let last =
+                    crate::speculative::greedy::host_row_f32(&logits.get(logits.dim(0)? - 1)?)?;
                 let row = topk_logprobs(&last, vocab, k);
                 let next = row.argmax_tokens()[0];
                 per_depth.push(row.row(0).to_vec());

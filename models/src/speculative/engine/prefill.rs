@@ -200,7 +200,8 @@ impl Engine {
         events: &mut Vec<SeqEvent>,
     ) -> Result<(), EngineError> {
         let rows = match &out.logits {
-            Some(l) => l.to_vec2::<f32>()?,
+            // The prefill's rows of a mixed forward's logits: a view (see `greedy::host_rows`).
+            Some(l) => crate::speculative::greedy::host_rows(l)?,
             None => Vec::new(),
         };
         for (k, c) in plan.chunks.iter().enumerate() {

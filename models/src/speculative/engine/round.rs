@@ -240,7 +240,7 @@ impl Engine {
             let seq = &mut self.seqs[i];
             // Host rows: for sampling, and for logprobs when asked.
             let mut host_rows = if seq.needs_host_rows() {
-                logits.narrow(0, a, b - a)?.to_vec2::<f32>()?
+                greedy::host_rows(&logits.narrow(0, a, b - a)?)?
             } else {
                 Vec::new()
             };
