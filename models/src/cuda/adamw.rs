@@ -7,8 +7,8 @@ use candle_core::{bail, DType, Result, Tensor};
 use super::adamw_consts::AdamWConsts;
 use super::launch::{cfg, cuda, go, opt_ptr, ptr};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx"));
-const MODULE: &str = "dflash_adamw";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx"));
+pub(super) const MODULE: &str = "dflash_adamw";
 /// Partial sums of the gradient norm (SUMSQ_BLOCKS in adamw.cu).
 pub const SUMSQ_BLOCKS: usize = 1024;
 const SUMSQ_THREADS: u32 = 256;

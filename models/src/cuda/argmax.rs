@@ -8,8 +8,8 @@ use candle_core::{bail, DType, Result, Storage, Tensor};
 
 use super::launch::{cfg, cuda, go, ptr};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/argmax.ptx"));
-const MODULE: &str = "dflash_argmax";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/argmax.ptx"));
+pub(super) const MODULE: &str = "dflash_argmax";
 /// Blocks per row (PARTS in argmax.cu).
 const PARTS: usize = 32;
 /// Threads per block of the first launch (THREADS in argmax.cu).

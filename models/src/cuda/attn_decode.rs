@@ -20,8 +20,8 @@ use super::launch::{alloc_bf16, cuda, go, opt_ptr, page_stride, ptr};
 
 const _: () = assert!(CHUNK_KEYS == CHUNK);
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_decode.ptx"));
-const MODULE: &str = "dflash_attn_decode";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_decode.ptx"));
+pub(super) const MODULE: &str = "dflash_attn_decode";
 
 /// Most new tokens of one sequence the fused kernel takes.
 pub const FUSED_ATTN_MAX_TOKENS: usize = 64;

@@ -12,8 +12,8 @@ use candle_core::{bail, DType, Layout, Result, Tensor};
 use super::attn_dflash_dims::Dims;
 use super::launch::{alloc_bf16, alloc_f32, cfg, cuda, go, ptr, storage_ptr};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_dflash.ptx"));
-const MODULE: &str = "dflash_attn_dflash";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_dflash.ptx"));
+pub(super) const MODULE: &str = "dflash_attn_dflash";
 /// Warps per CTA of the key-major backward (DKV_WARPS in the .cu).
 const DKV_WARPS: usize = 8;
 

@@ -12,8 +12,8 @@ use candle_core::{DType, Result};
 use super::attn_dflash_dims::Dims;
 use super::launch::go;
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_dflash_tc.ptx"));
-const MODULE: &str = "dflash_attn_dflash_tc";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_dflash_tc.ptx"));
+pub(super) const MODULE: &str = "dflash_attn_dflash_tc";
 /// Keys per staged tile (TCH in the .cu).
 const TILE: usize = 64;
 const MAX_GROUP: usize = 8;

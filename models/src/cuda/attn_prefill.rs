@@ -11,8 +11,8 @@ use candle_core::{bail, DType, Result, Tensor};
 
 use super::launch::{alloc_bf16, check_bf16, cuda, go, opt_ptr, page_stride, ptr};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_prefill.ptx"));
-const MODULE: &str = "dflash_attn_prefill";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_prefill.ptx"));
+pub(super) const MODULE: &str = "dflash_attn_prefill";
 
 /// Kernel name, warps per block (16 query rows each), bf16 per shared K/V/Q row and keys per
 /// tile (PPAD and PCH in attn_prefill.cu).

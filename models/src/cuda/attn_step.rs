@@ -19,8 +19,8 @@ use super::attn_scratch::{scratch, COUNTERS};
 use super::kernels::QkvRows;
 use super::launch::{alloc_bf16, cuda, go, opt_ptr, page_stride, ptr};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_step.ptx"));
-const MODULE: &str = "dflash_attn_step";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_step.ptx"));
+pub(super) const MODULE: &str = "dflash_attn_step";
 
 /// Most query heads per KV head the kernel takes (the rows of one m16 tile).
 pub const STEP_MAX_GROUPS: usize = 16;

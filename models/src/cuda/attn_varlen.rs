@@ -7,8 +7,8 @@ use candle_core::{bail, Result, Tensor};
 
 use super::launch::{alloc_bf16, check_bf16, cuda, go, ptr};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_varlen.ptx"));
-const MODULE: &str = "dflash_attn_varlen";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_varlen.ptx"));
+pub(super) const MODULE: &str = "dflash_attn_varlen";
 
 /// Whether [`attention_varlen_causal`] takes tensors of this head dim.
 pub fn varlen_head_dim_supported(d: usize) -> bool {

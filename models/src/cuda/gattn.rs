@@ -9,8 +9,8 @@ use candle_core::{bail, DType, Result, Tensor};
 
 use super::launch::{alloc_bf16, alloc_f32, cfg, cuda, go, ptr};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gattn.ptx"));
-const MODULE: &str = "dflash_gattn";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gattn.ptx"));
+pub(super) const MODULE: &str = "dflash_gattn";
 
 /// Head size the kernels are built for (one thread per dim).
 pub const GATTN_HEAD_DIM: usize = 256;

@@ -8,8 +8,8 @@ use candle_core::{bail, DType, Result, Tensor};
 use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, ptr};
 use super::phases::mark;
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn.ptx"));
-const MODULE: &str = "dflash_gdn";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn.ptx"));
+pub(super) const MODULE: &str = "dflash_gdn";
 
 /// Longest chain the fused mixer takes (its per-token inputs sit in shared memory).
 pub const GDN_MAX_CHAIN: usize = 16;

@@ -13,11 +13,11 @@ use super::gdn::{
 use super::launch::{alloc_f32, cfg, cuda, go, ptr};
 use super::phases::mark;
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn_split.ptx"));
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn_split.ptx"));
 
 /// Most tokens [`gdn_split`] takes without per-row states: a prefill of any chunk size.
 pub const GDN_SPLIT_MAX_T: usize = 65_535;
-const MODULE: &str = "dflash_gdn_split";
+pub(super) const MODULE: &str = "dflash_gdn_split";
 
 /// Which recurrent states the scan writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

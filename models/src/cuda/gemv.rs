@@ -10,8 +10,8 @@ use candle_core::{bail, DType, Result, Tensor};
 use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, ptr};
 use super::GEMV_MAX_ROWS;
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
-const MODULE: &str = "dflash_gemv";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
+pub(super) const MODULE: &str = "dflash_gemv";
 
 #[derive(Clone, Copy, PartialEq)]
 enum Epi {

@@ -7,8 +7,8 @@ use candle_core::{bail, DType, Result, Tensor};
 
 use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, opt_ptr, page_stride, ptr};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fast.ptx"));
-const MODULE: &str = "dflash_fast";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fast.ptx"));
+pub(super) const MODULE: &str = "dflash_fast";
 /// Keys per attention split (CH in kernels.cu).
 pub const CHUNK: usize = 64;
 /// Query rows per attention block (ROWS in kernels.cu).

@@ -6,8 +6,8 @@ use candle_core::{bail, DType, Result, Tensor};
 
 use super::launch::{alloc_f32, cfg, cuda, go, ptr};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/linear_ce.ptx"));
-const MODULE: &str = "dflash_linear_ce";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/linear_ce.ptx"));
+pub(super) const MODULE: &str = "dflash_linear_ce";
 /// Threads per row (CE_THREADS in linear_ce.cu).
 const THREADS: u32 = 512;
 

@@ -79,7 +79,11 @@ mod kernels;
 #[cfg(feature = "cuda")]
 mod mempool;
 #[cfg(feature = "cuda")]
+mod preload;
+#[cfg(feature = "cuda")]
 pub use mempool::keep_freed_memory;
+#[cfg(feature = "cuda")]
+pub use preload::preload_kernel_modules;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 #[cfg(feature = "cuda")]

@@ -15,8 +15,8 @@ use super::gemv::{gemv, k_splits, rms_apply, row_sumsq, RowNorm};
 use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, opt_ptr, ptr};
 use super::{moe_shape_fits, MOE_MAX_EXPERTS, MOE_MAX_ROWS, MOE_MAX_TOP_K};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
-const MODULE: &str = "dflash_moe";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
+pub(super) const MODULE: &str = "dflash_moe";
 
 /// A sparse-MoE block's weights as the kernels read them: the router `[E, H]`, the experts'
 /// gate and up rows stacked `[E, 2I, H]` (gate rows first) and their down projections

@@ -14,8 +14,8 @@ use candle_core::{bail, DType, Result, Tensor};
 use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, ptr};
 use super::TUNED_MAX_ROWS;
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/splitk.ptx"));
-const MODULE: &str = "dflash_splitk";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/splitk.ptx"));
+pub(super) const MODULE: &str = "dflash_splitk";
 /// Output columns per block (SK_BN in splitk.cu) and K per pipeline stage (SK_BK).
 const BN: usize = 64;
 const BK: usize = 32;

@@ -8,8 +8,8 @@ use candle_core::{bail, DType, Result, Storage, Tensor};
 
 use super::launch::{cfg, cuda, go, ptr};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/topk.ptx"));
-const MODULE: &str = "dflash_topk";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/topk.ptx"));
+pub(super) const MODULE: &str = "dflash_topk";
 
 /// `(indices u32 [rows, k], values f32 [rows, k])` of the `k` largest entries of each row of
 /// `x: [rows, cols]` (contiguous f32), unordered within a row.

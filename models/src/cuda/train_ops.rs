@@ -12,8 +12,8 @@ use candle_core::{bail, DType, Layout, Result, Shape, Storage, Tensor};
 
 use super::launch::{alloc_f32, cfg, cuda, go, ptr, storage_ptr};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/train_ops.ptx"));
-const MODULE: &str = "dflash_train_ops";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/train_ops.ptx"));
+pub(super) const MODULE: &str = "dflash_train_ops";
 /// Warps per block of the row kernels (WARPS in train_ops.cu).
 const WARPS: usize = 8;
 /// Most blocks a row kernel's grid-stride loop runs on (also the q/k weight-gradient parts).

@@ -216,12 +216,12 @@ impl RealEngine {
             message,
         })?;
         // Before the prefix cache exists, so the warm-up prompts leave nothing behind.
-        if device.is_cuda() {
-            super::warmup::warm_up(&mut engine, chunk).map_err(|e| LoadError::Device {
+        super::warmup::at_start(&mut engine, &device, chunk).map_err(|message| {
+            LoadError::Device {
                 device: format!("{device:?}"),
-                message: format!("warming the forwards up: {e}"),
-            })?;
-        }
+                message,
+            }
+        })?;
         if config.disable_radix_cache {
             tracing::info!("prefix cache (radix cache): off (--disable-radix-cache)");
         } else {

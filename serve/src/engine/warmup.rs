@@ -41,6 +41,31 @@ pub fn warm_row_counts(engine: &mut Engine, counts: &[usize]) -> Result<usize, E
     Ok(counts.iter().filter(|&&n| n < context).count())
 }
 
+/// On CUDA: every kernel module loaded ([`preload_modules`]), then the forward shapes warmed
+/// ([`warm_up`]). Nothing on the CPU.
+pub fn at_start(
+    engine: &mut Engine,
+    device: &candle_core::Device,
+    chunk: Option<usize>,
+) -> Result<(), String> {
+    if !device.is_cuda() {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    preload_modules(device)?;
+    warm_up(engine, chunk).map_err(|e| format!("warming the forwards up: {e}"))
+}
+
+/// Every kernel module loaded now rather than at its first launch (the driver compiles a
+/// module's PTX on its first load: up to seconds each on a fresh machine), logged.
+#[cfg(feature = "cuda")]
+pub fn preload_modules(device: &candle_core::Device) -> Result<(), String> {
+    let (n, took) =
+        dflash_models::cuda::preload_kernel_modules(device).map_err(|e| e.to_string())?;
+    tracing::info!("loaded {n} kernel modules in {:.2} s", took.as_secs_f64());
+    Ok(())
+}
+
 /// [`warm_row_counts`] over [`row_counts`]`(WARM_ROWS, chunk)`, logged with its time.
 pub fn warm_up(engine: &mut Engine, chunk: Option<usize>) -> Result<(), EngineError> {
     let t0 = std::time::Instant::now();

@@ -95,6 +95,21 @@ impl DeviceSpec {
                 #[cfg(feature = "cuda")]
                 dflash_models::cuda::keep_freed_memory(&d)
                     .map_err(|message| TrainError::Flag { flag, message })?;
+                // Every kernel module's PTX compiled now, not in the first steps.
+                #[cfg(feature = "cuda")]
+                {
+                    let (n, took) =
+                        dflash_models::cuda::preload_kernel_modules(&d).map_err(|e| {
+                            TrainError::Flag {
+                                flag,
+                                message: format!("cuda:{i}: {e}"),
+                            }
+                        })?;
+                    tracing::info!(
+                        "cuda:{i}: loaded {n} kernel modules in {:.2} s",
+                        took.as_secs_f64()
+                    );
+                }
                 opened.insert(*i, d.clone());
                 Ok(d)
             }
