@@ -157,22 +157,6 @@ pub fn dflash_tensor_cores() -> bool {
     DFLASH_TENSOR_CORES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-static MOE_DECODE_WARPS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Which one-row (decode) expert kernels the device MoE block runs (`moe.cu`): on (default),
-/// gate/up with K split over 2 warps and down with one warp per selected expert, every
-/// expert's bytes in flight at once; off, the first ones (down walking the experts two at a
-/// time per warp). Same sums for down; for comparisons (`gpu_check --moe`). Process-wide; a
-/// captured step graph keeps the kernels it was captured with.
-pub fn set_moe_decode_warps(on: bool) {
-    MOE_DECODE_WARPS.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether [`set_moe_decode_warps`] left them on.
-pub fn moe_decode_warps() -> bool {
-    MOE_DECODE_WARPS.load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// Most rows the skinny GEMMs (`gemv*`) take (four m16 tiles per warp); wider products go to
 /// cuBLAS.
 pub const GEMV_MAX_ROWS: usize = 64;

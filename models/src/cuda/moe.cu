@@ -12,9 +12,6 @@
 //   moe_down_rows_sp*      decode: every block owns 8 output columns of one row and walks the
 //                          row's k experts in ascending order, so the weighted combine and the
 //                          residual add happen in registers: no per-pair outputs;
-//   moe_down_warps_sp*     decode, the same sums with one warp per selected expert: a block of k
-//                          warps owns 4 columns, every warp has all its expert's bytes for them
-//                          in flight at once, the k partial sums meet in shared memory;
 //   moe_gate_up_mma_m*     2..64 rows on tensor cores: grid (column tiles, used experts); a
 //   moe_down_mma_m*        block reads its expert's weights once for all the rows routed to it
 //                          (gathered, mma_impl's GATHER), writing per-pair outputs;
@@ -31,7 +28,6 @@
 //   [2+3P, 2+4P)     row of every pair (pairs grouped by expert, rows ascending within one)
 //   [2+4P, 2+5P)     expert of every pair
 //   [2+5P, 2+6P)     row r's k pairs in ascending expert order (at r * k)
-//   [2+6P, 2+7P)     row r's k experts in ascending order (at r * k)
 // f32 `wts`: [0, P) the top-k weights (routing order), [P, 2P) the weights of row r's pairs in
 // ascending expert order.
 
@@ -47,7 +43,7 @@ __device__ __forceinline__ float bf16r(float v) { return bf2f(f2bf(v)); }
 extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     moe_route(const void* __restrict__ logits, int is_bf16, int T, int E, int k, int norm,
               u32* __restrict__ meta, float* __restrict__ wts) {
-    __shared__ __align__(16) float ex[ROUTE_WARPS][MOE_MAX_E];  // read as float4 below
+    __shared__ float ex[ROUTE_WARPS][MOE_MAX_E];
     __shared__ u32 sel[MOE_MAX_ROWS][MOE_MAX_E / 32];
     __shared__ u32 cnt[MOE_MAX_E], off[MOE_MAX_E];
     __shared__ u32 sorted_e[MOE_MAX_ROWS * MOE_MAX_K];
@@ -72,13 +68,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
         // host's bit for bit.
         float sum = 0.f;
         if (lane == 0)
-            for (int i = 0; i < E; i += 4) {  // E % 32 == 0; 16-byte reads, the same order
-                const float4 v = *(const float4*)(e + i);
-                sum += v.x;
-                sum += v.y;
-                sum += v.z;
-                sum += v.w;
-            }
+            for (int i = 0; i < E; ++i) sum += e[i];
         sum = __shfl_sync(0xffffffffu, sum, 0);
         u32 ids[MOE_MAX_K];
         float ps[MOE_MAX_K];
@@ -175,30 +165,26 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
         pair_row[pos] = (u32)r;
         pair_exp[pos] = x;
         row_pair[q] = pos;
-        row_pair[P + q] = x;
         wts[P + q] = sorted_w[q];
     }
 }
 
 // act[p] = silu(x_r gate_e) * (x_r up_e) for pair p = blockIdx.y (row r, expert e), with x_r
 // the RMSNorm of row r from its sums of squares when NORM. N = I, K = H.
-#define MOE_GATE_UP_ROWS(name, NORM, KS)                                                          \
+#define MOE_GATE_UP_ROWS(name, NORM)                                                            \
     extern "C" __global__ void __launch_bounds__(128, 8)                                         \
         name(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, bf16_t* __restrict__ act, \
              int N, int K, const u32* __restrict__ meta, int P, const bf16_t* __restrict__ nw,  \
              float eps, const float* __restrict__ ss_in) {                                      \
         const int p = blockIdx.y;                                                               \
         const u32 r = meta[2 + 3 * P + p], e = meta[2 + 4 * P + p];                             \
-        rows_impl<2, 2, EPI_SILU, NORM, KS>(x + (size_t)r * K, w + (size_t)e * 2 * N * K,       \
+        rows_impl<2, 2, EPI_SILU, NORM, 1>(x + (size_t)r * K, w + (size_t)e * 2 * N * K,        \
                                            act + (size_t)p * N, N, K, nullptr, nw, eps,         \
                                            NORM ? ss_in + r : nullptr, nullptr, nullptr,        \
                                            nullptr, nullptr, 0);                                \
     }
-MOE_GATE_UP_ROWS(moe_gate_up_rows, NORM_NONE, 1)
-MOE_GATE_UP_ROWS(moe_gate_up_rows_norm, NORM_SS, 1)
-// K split over 2 warps per column pair: twice the warps, each with half the dependent loads.
-MOE_GATE_UP_ROWS(moe_gate_up_rows_ks2, NORM_NONE, 2)
-MOE_GATE_UP_ROWS(moe_gate_up_rows_norm_ks2, NORM_SS, 2)
+MOE_GATE_UP_ROWS(moe_gate_up_rows, NORM_NONE)
+MOE_GATE_UP_ROWS(moe_gate_up_rows_norm, NORM_SS)
 
 // y[r, n] = resid[r, n] + the combine of row r's experts' down projections, for the 8 columns
 // of this block (2 per warp) and row r = blockIdx.y; act [P, I] (I = 256 SP), w [E, H, I]. Two
@@ -267,59 +253,6 @@ MOE_DOWN_ROWS(1)
 MOE_DOWN_ROWS(2)
 MOE_DOWN_ROWS(3)
 MOE_DOWN_ROWS(4)
-
-// As down_rows, one warp per selected expert (block = k warps, 4 columns of row r =
-// blockIdx.y): warp j reads expert j's 4 rows and the pair's activation row in one go (each
-// lane sums its elements in the same order as down_rows, so the results are the same bits),
-// then the first 4 threads combine the k sums in ascending expert order.
-template <int SP>
-__device__ void down_warps(const bf16_t* __restrict__ act, const bf16_t* __restrict__ w,
-                           bf16_t* __restrict__ y, const bf16_t* __restrict__ resid, int H, int k,
-                           const u32* __restrict__ meta, const float* __restrict__ wts, int P) {
-    constexpr int I = 256 * SP, C = 4;
-    __shared__ float part[MOE_MAX_K][C];
-    const int j = threadIdx.x >> 5, lane = threadIdx.x & 31, r = blockIdx.y;
-    const int n0 = blockIdx.x * C;
-    if (j < k) {
-        const u32 p = meta[2 + 5 * P + r * k + j], e = meta[2 + 6 * P + r * k + j];
-        const uint4* w0 = (const uint4*)(w + ((size_t)e * H + n0) * I) + lane;
-        const uint4* xa = (const uint4*)(act + (size_t)p * I) + lane;
-        uint4 wv[C][SP], xv[SP];
-#pragma unroll
-        for (int q = 0; q < SP; ++q) xv[q] = __ldg(xa + q * 32);
-#pragma unroll
-        for (int c = 0; c < C; ++c)
-#pragma unroll
-            for (int q = 0; q < SP; ++q) wv[c][q] = ld_stream(w0 + c * (I / 8) + q * 32);
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-            float a = 0.f;
-#pragma unroll
-            for (int q = 0; q < SP; ++q) a += dot8(wv[c][q], xv[q]);
-            a = warp_sum(a);
-            if (lane == 0) part[j][c] = a;
-        }
-    }
-    __syncthreads();
-    if ((int)threadIdx.x >= C) return;
-    const int c = threadIdx.x;
-    const float* row_w = wts + P + r * k;
-    float out = 0.f;
-    for (int jj = 0; jj < k; ++jj) out = bf16r(out + bf16r(bf16r(part[jj][c]) * bf16r(row_w[jj])));
-    const size_t at = (size_t)r * H + n0 + c;
-    if (resid != nullptr) out = bf2f(resid[at]) + out;
-    y[at] = f2bf(out);
-}
-#define MOE_DOWN_WARPS(SP)                                                                      \
-    extern "C" __global__ void __launch_bounds__(MOE_MAX_K * 32) moe_down_warps_sp##SP(        \
-        const bf16_t* act, const bf16_t* w, bf16_t* y, const bf16_t* resid, int H, int k,       \
-        const u32* meta, const float* wts, int P) {                                             \
-        down_warps<SP>(act, w, y, resid, H, k, meta, wts, P);                                   \
-    }
-MOE_DOWN_WARPS(1)
-MOE_DOWN_WARPS(2)
-MOE_DOWN_WARPS(3)
-MOE_DOWN_WARPS(4)
 
 // Tensor-core kernels: block y serves used expert u = blockIdx.y (none past n_uniq), its
 // M = start[u + 1] - start[u] pairs; the skinny GEMM's mma_impl over them.

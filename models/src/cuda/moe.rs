@@ -124,7 +124,7 @@ pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<MoeRouting> {
         )
     }
     let p = t * k;
-    let meta = alloc_u32(&dev, 2 + 7 * p)?;
+    let meta = alloc_u32(&dev, 2 + 6 * p)?;
     let wts = alloc_f32(&dev, 2 * p)?;
     let (lp, mp, wp) = (ptr(logits)?, ptr(&meta)?, ptr(&wts)?);
     let (ti, ei, ki, ni) = (t as i32, e as i32, k as i32, norm as i32);
@@ -228,16 +228,6 @@ pub fn moe_experts(
             }
             None => ("moe_gate_up_rows", 0u64, 0f32, 0u64),
         };
-        // The warp-per-expert kernels (see `super::set_moe_decode_warps`): gate/up with K split
-        // over 2 warps (4 columns per block), down with one warp per expert (4 per block).
-        let warps = super::moe_decode_warps();
-        let name = if warps {
-            format!("{name}_ks2")
-        } else {
-            name.to_string()
-        };
-        let name = name.as_str();
-        let gu_cols = if warps { 4 } else { 8 };
         let xp = ptr(x)?;
         let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let mut b = f.builder();
@@ -251,16 +241,8 @@ pub fn moe_experts(
             .arg(&nw)
             .arg(&eps)
             .arg(&ss_in);
-        go(
-            &mut b,
-            cfg((i.div_ceil(gu_cols) as u32, p as u32, 1), 128),
-            name,
-        )?;
-        let (name, cols, threads) = if warps {
-            (format!("moe_down_warps_sp{}", i / 256), 4, 32 * k as u32)
-        } else {
-            (format!("moe_down_rows_sp{}", i / 256), 8, 128)
-        };
+        go(&mut b, cfg((i.div_ceil(8) as u32, p as u32, 1), 128), name)?;
+        let name = format!("moe_down_rows_sp{}", i / 256);
         let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let mut b = f.builder();
         b.arg(&ap)
@@ -272,7 +254,7 @@ pub fn moe_experts(
             .arg(&mp)
             .arg(&wp)
             .arg(&pi);
-        go(&mut b, cfg((h.div_ceil(cols) as u32, 1, 1), threads), &name)?;
+        go(&mut b, cfg((h.div_ceil(8) as u32, 1, 1), 128), &name)?;
         let ss = want_ss.then(|| row_sumsq(&y)).transpose()?;
         return Ok((y, ss));
     }

@@ -176,24 +176,6 @@ pub fn block_check(dev: &Device) -> Result<Value> {
             row.insert("device_ms".into(), json!(dev_ms));
             row.insert("plain_ms".into(), json!(plain_ms));
         }
-        // One row: the first decode kernels (down walking the experts per warp) against the
-        // default warp-per-expert ones, both checked against the plain block.
-        if t == 1 {
-            cuda::set_moe_decode_warps(false);
-            let first = cuda::moe_block(&x, None, &weights(true, 8), Some(&resid), false);
-            let first_ms = time_ms(dev, 20, || {
-                cuda::moe_block(&x, None, &weights(true, 8), Some(&resid), false)?;
-                Ok(())
-            });
-            cuda::set_moe_decode_warps(true);
-            let e = errs(&first?.0, &plain)?;
-            pass &= within(e);
-            row.insert(
-                "first_kernels_max_mean_rel_err_vs_plain_bf16".into(),
-                json!(e),
-            );
-            row.insert("first_kernels_device_ms".into(), json!(first_ms?));
-        }
         res.insert(format!("rows_{t}"), Value::Object(row));
     }
     res.insert("tolerance_max_mean_rel".into(), json!([TOL, MEAN_TOL]));

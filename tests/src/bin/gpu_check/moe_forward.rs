@@ -210,16 +210,6 @@ pub fn bench(dev: &Device, copy_bw: f64, layers: usize) -> Result<Value> {
         let graph_ms = timed(&m, 20, "graph")?;
         let eager_ms = timed(&eager, 10, "eager")?;
         let plain_ms = timed(&plain, 3, "plain")?;
-        // Decode with the first one-row expert kernels, in graphs of their own.
-        let first_ms = if n == 1 {
-            dflash_models::cuda::set_moe_decode_warps(false);
-            let first = m.clone().with_step_graphs(true);
-            let ms = timed(&first, 20, "graph_first_kernels");
-            dflash_models::cuda::set_moe_decode_warps(true);
-            Some(ms?)
-        } else {
-            None
-        };
         let used = if n == 1 {
             block.num_experts_per_tok as f64
         } else {
@@ -230,7 +220,6 @@ pub fn bench(dev: &Device, copy_bw: f64, layers: usize) -> Result<Value> {
         res.insert(
             name.into(),
             json!({"graph_ms": graph_ms, "eager_ms": eager_ms, "plain_ms": plain_ms,
-                   "graph_first_kernels_ms": first_ms,
                    "roofline_ms": roof, "fraction_of_roofline": roof / graph_ms,
                    "eager_fraction_of_roofline": roof / eager_ms,
                    "speedup_vs_plain": plain_ms / graph_ms,
