@@ -3,7 +3,8 @@
 //! damaged newest checkpoint is named, and passed over for the previous one only with
 //! `--resume-fallback`, which then ends byte for byte where an uninterrupted run ends; `--resume`
 //! before the first checkpoint starts fresh; `metrics.jsonl` keeps one record per step across
-//! resumes. CPU, the bundled demo target, a one-layer drafter.
+//! resumes; the fused optimizer's flat snapshots resume as exactly. CPU, the bundled demo
+//! target, a one-layer drafter.
 
 use std::path::{Path, PathBuf};
 
@@ -221,6 +222,42 @@ fn fallback_past_a_damaged_checkpoint_ends_with_the_weights_of_an_uninterrupted_
         newest_verified(&halves),
         Some(halves.join("checkpoint-00000008"))
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The fused optimizer (on the CPU, its host reference) checkpoints through its flat snapshot,
+/// one set of host buffers reused from checkpoint to checkpoint: stopped and resumed, the run
+/// ends byte for byte where an uninterrupted one ends, optimizer state included.
+#[test]
+fn a_fused_optimizer_run_resumes_to_the_bytes_of_an_uninterrupted_one() {
+    let dir = scratch("fused");
+    let data = dataset(&dir);
+    let (whole, halves) = (dir.join("whole"), dir.join("halves"));
+    let plan = [
+        "--max-steps",
+        "8",
+        "--save-every",
+        "3",
+        "--optimizer",
+        "fused",
+    ];
+    let reference = run(&data, &whole, &with(&plan, &[]));
+    run(&data, &halves, &with(&plan, &["--stop-after-steps", "5"]));
+    let resume = with(&plan, &["--resume", halves.to_str().unwrap()]);
+    let second = run(&data, &halves, &resume);
+    assert_eq!(second.steps, 8);
+    assert_eq!(second.losses, reference.losses[5..]);
+    for file in [
+        "model.safetensors",
+        "checkpoint-00000008/model.safetensors",
+        "checkpoint-00000008/optimizer.safetensors",
+    ] {
+        let (a, b) = (whole.join(file), halves.join(file));
+        assert!(
+            std::fs::read(a).unwrap() == std::fs::read(b).unwrap(),
+            "{file} differs from the uninterrupted run's"
+        );
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

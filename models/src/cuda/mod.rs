@@ -2,7 +2,8 @@
 //! launch wrappers (`launch.rs` the shared helpers; `kernels.rs`, `gemv.rs`, `attn_*.rs`,
 //! `topk.rs`, `argmax.rs`, `moe.rs` (the sparse-MoE block) one per kernel file), the decoder-layer stack the models' fused
 //! forwards run through (`decoder_stack.rs`), CUDA-graph capture and replay generic over the
-//! forward recorded (`graphs.rs`), and the kernel checks the GPU bench runs (`check*.rs`).
+//! forward recorded (`graphs.rs`), page-locked host staging for large device -> host copies
+//! (`pinned.rs`), and the kernel checks the GPU bench runs (`check*.rs`).
 //! Nothing here names a model; the models' CUDA forwards live in their folders (`cuda.rs`).
 //!
 //! Fused CUDA kernels for decode, speculative verification, drafting and prefill (bf16,
@@ -98,7 +99,11 @@ mod linear_ce;
 #[cfg(feature = "cuda")]
 pub use launch::{device_address, upload_i64, upload_u32};
 #[cfg(feature = "cuda")]
+mod pinned;
+#[cfg(feature = "cuda")]
 pub use linear_ce::ce_rows_in_place;
+#[cfg(feature = "cuda")]
+pub use pinned::PinnedStaging;
 #[cfg(feature = "cuda")]
 mod gattn;
 #[cfg(feature = "cuda")]

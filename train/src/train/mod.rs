@@ -6,7 +6,8 @@
 //! batch, deterministically), [`pipeline`] (target workers and the host-RAM buffer), [`loss`]
 //! (anchors, labels, decayed cross-entropy), [`optim`] (AdamW, schedule, clipping), [`optimizer`]
 //! (the trainer's choice of it: the reference or the fused flat AdamW),
-//! [`checkpoint`] (z-lab layout plus resume state, checked by its [`manifest`]), [`resume`]
+//! [`checkpoint`] (z-lab layout plus resume state, checked by its [`manifest`], written from a
+//! [`snapshot`] by the [`ckpt_writer`] beside training), [`resume`]
 //! (which checkpoint `--resume` continues from) and [`trainer`] (the loop). The model math
 //! is `dflash_models`' drafter, run with `OpsMode::Differentiable`.
 
@@ -26,6 +27,7 @@ pub mod plan;
 pub mod replicas;
 pub mod resume;
 pub mod setup;
+pub mod snapshot;
 pub mod synthetic;
 pub mod target;
 pub mod trainer;

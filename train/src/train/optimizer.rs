@@ -14,7 +14,8 @@
 //!
 //! Checkpoints hold the state per tensor whichever optimizer ran ([`OptimizerTensors`]); the
 //! fused one converts flat <-> per tensor at save and restore, so a run resumes exactly under
-//! either.
+//! either. Its checkpoint snapshot is the flat buffers copied whole into reused host buffers,
+//! cut per tensor on the writer thread (`snapshot.rs`), so the loop waits for three copies.
 
 use candle_core::{DType, Device, Tensor, Var};
 use dflash_models::training::adamw::{FlatAdamW, FlatAdamWConfig};
@@ -23,6 +24,7 @@ use super::checkpoint::OptimizerTensors;
 use super::error::TrainResult;
 use super::optim::{global_norm, AdamW, AdamWConfig};
 use super::setup;
+use super::snapshot::{OptimizerSnapshot, StagingPool};
 
 /// What the run's optimizer is: fused or not, its hyperparameters, and the drafter's compute
 /// dtype (of the fused optimizer's working weights).
@@ -58,6 +60,8 @@ enum Inner {
         flat: FlatAdamW,
         /// The drafter's weights: per-tensor copies of the working weights (compute dtype).
         vars: Vec<(String, Var)>,
+        /// Host buffers of checkpoint snapshots, reused across the run.
+        staging: StagingPool,
     },
 }
 
@@ -91,7 +95,11 @@ impl TrainOptimizer {
                 .zip(flat.working_views()?)
                 .map(|((n, _), w)| Ok((n.clone(), Var::from_tensor(&w)?)))
                 .collect::<TrainResult<Vec<_>>>()?;
-            Inner::Fused { flat, vars }
+            Inner::Fused {
+                flat,
+                vars,
+                staging: StagingPool::default(),
+            }
         } else {
             let mut opt = AdamW::new(choice.adam, setup::to_vars(params)?)?;
             if let Some((m, v, t, _)) = resumed {
@@ -197,7 +205,7 @@ impl TrainOptimizer {
                     adam_t: opt.t,
                 });
             }
-            Inner::Fused { flat, vars } => {
+            Inner::Fused { flat, vars, .. } => {
                 let flat_grad = Tensor::cat(
                     &grads
                         .iter()
@@ -243,14 +251,28 @@ impl TrainOptimizer {
         }
     }
 
-    /// [`Self::tensors`] as host tensors that no later step touches (the reference optimizer
-    /// updates its variables in place, so its tensors are copied; the fused one's already are
-    /// fresh host copies), for a checkpoint written while training goes on.
-    pub fn snapshot(&self) -> TrainResult<OptimizerTensors> {
-        let t = self.tensors()?;
-        if self.is_fused() {
-            return Ok(t);
-        }
+    /// The state of [`Self::tensors`] on the host, where no later step touches it, for a
+    /// checkpoint written while training goes on: the reference optimizer updates its
+    /// variables in place, so its tensors are copied; the fused one's flat buffers are copied
+    /// whole into its reused staging buffers (returns once the copies are complete), to be cut
+    /// per tensor by [`OptimizerSnapshot::into_tensors`] off the loop. Take the next one after
+    /// the previous is dropped (the checkpoint writer does), or another set of host buffers is
+    /// allocated.
+    pub fn snapshot(&self) -> TrainResult<OptimizerSnapshot> {
+        let opt = match &self.inner {
+            Inner::Reference(opt) => opt,
+            Inner::Fused {
+                flat,
+                vars,
+                staging,
+            } => {
+                let (m, v) = flat.moments();
+                let names = vars.iter().map(|(n, _)| n.clone()).collect();
+                let segments = flat.segments().to_vec();
+                let snap = staging.snapshot([flat.master(), m, v], names, segments)?;
+                return Ok(OptimizerSnapshot::Flat(snap));
+            }
+        };
         let host = |x: &Tensor| -> candle_core::Result<Tensor> {
             if x.device().is_cpu() {
                 x.copy()
@@ -258,25 +280,31 @@ impl TrainOptimizer {
                 x.to_device(&Device::Cpu)
             }
         };
-        Ok(OptimizerTensors {
-            params: t
+        let copies = |xs: &[Tensor]| xs.iter().map(host).collect::<candle_core::Result<Vec<_>>>();
+        Ok(OptimizerSnapshot::Tensors(OptimizerTensors {
+            params: opt
                 .params
                 .iter()
-                .map(|(n, x)| Ok((n.clone(), host(x)?)))
+                .map(|(n, x)| Ok((n.clone(), host(x.as_tensor())?)))
                 .collect::<candle_core::Result<Vec<_>>>()?,
-            m: t.m
-                .iter()
-                .map(host)
-                .collect::<candle_core::Result<Vec<_>>>()?,
-            v: t.v
-                .iter()
-                .map(host)
-                .collect::<candle_core::Result<Vec<_>>>()?,
+            m: copies(&opt.m)?,
+            v: copies(&opt.v)?,
+        }))
+    }
+
+    /// The f32 master weights per tensor, for the drafter written at the end of a run (fused:
+    /// through the snapshot's staging buffers, idle once the last checkpoint is written,
+    /// rather than [`Self::tensors`]' pageable copies).
+    pub fn host_params(&self) -> TrainResult<Vec<(String, Tensor)>> {
+        Ok(match &self.inner {
+            Inner::Reference(_) => self.tensors()?.params,
+            Inner::Fused { .. } => self.snapshot()?.into_tensors()?.params,
         })
     }
 
     /// The f32 masters and moments per tensor, as a checkpoint stores them (fused: copied to
-    /// the host once per buffer, then cut per tensor there).
+    /// pageable host memory once per buffer, then cut per tensor there, all on the caller's
+    /// thread; checkpoints take [`Self::snapshot`]).
     pub fn tensors(&self) -> TrainResult<OptimizerTensors> {
         match &self.inner {
             Inner::Reference(opt) => Ok(OptimizerTensors {
@@ -288,7 +316,7 @@ impl TrainOptimizer {
                 m: opt.m.clone(),
                 v: opt.v.clone(),
             }),
-            Inner::Fused { flat, vars } => {
+            Inner::Fused { flat, vars, .. } => {
                 let (m, v) = flat.moments();
                 let cut = |buf: &Tensor| -> TrainResult<Vec<Tensor>> {
                     let host = buf.to_vec1::<f32>()?;
@@ -338,7 +366,7 @@ mod tests {
         let loss = Tensor::new(1.0f32, &Device::Cpu).unwrap();
         let grad = || Some(Tensor::from_slice(&[0.5f32, -3.0], 2, &Device::Cpu).unwrap());
         opt.step(vec![grad()], &loss, 0.1).unwrap();
-        let snap = opt.snapshot().unwrap();
+        let snap = opt.snapshot().unwrap().into_tensors().unwrap();
         let at_step_one = snap.params[0].1.to_vec1::<f32>().unwrap();
         let m_one = snap.m[0].to_vec1::<f32>().unwrap();
         opt.step(vec![grad()], &loss, 0.1).unwrap();

@@ -530,7 +530,6 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             let t_save = Instant::now();
             replicas::check_replicas_agree(&ranks)?;
             state.total_steps = total_steps;
-            let snapshot = ranks[0].opt.snapshot()?;
             let spec = CheckpointSpec {
                 out: &args.output_dir,
                 cfg: &cfg,
@@ -538,6 +537,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
                 save_dtype,
                 keep: args.keep_checkpoints,
             };
+            let snapshot = || ranks[0].opt.snapshot();
             let path = writer.save_reported(&spec, snapshot, &state, t_save, &mut reporter)?;
             last_checkpoint = Some(path);
         }
@@ -557,7 +557,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             &args.output_dir,
             &cfg,
             target_cfg.num_hidden_layers,
-            &ranks[0].opt.tensors()?.params,
+            &ranks[0].opt.host_params()?,
             save_dtype,
         )?;
         args.output_dir.clone()
