@@ -208,6 +208,44 @@ pub fn gdn_layer_paths(dev: &Device, cfg: &HybridConfig) -> Result<Value> {
             }),
         );
     }
+    // Prefill lengths (not multiples of the scan's 16-token tiles): the split kernels' last
+    // state and outputs (`mix_prefill_split`, the fused path's prefill) against the plain
+    // path's chunked form.
+    for t in [100usize, 1000] {
+        let proj = rng.normal(&[t, p], 0.0, 1.0, DType::BF16, dev)?;
+        let chain: Vec<Option<usize>> = (0..t).map(|i| i.checked_sub(1)).collect();
+        let forest = Forest::new(&[chain.as_slice()], k, dev)?;
+        let (y, staged) = g.mix(&proj, &forest, &[&state], &[false], true)?;
+        let Some(StagedState::Final(want)) = staged.into_iter().next() else {
+            anyhow::bail!("the chunked mix staged no final state");
+        };
+        let (ys, got) = g
+            .mix_prefill_split(&proj, &state)?
+            .context("the split prefill does not apply")?;
+        let StagedState::Final(got) = got else {
+            anyhow::bail!("the split prefill staged no final state");
+        };
+        let (y_err, s_err) = (rel(&ys, &y)?, rel(&got.ssm, &want.ssm)?);
+        let conv_bits = max_diff(&got.conv, &want.conv)?;
+        let pass = y_err < TOL && s_err < TOL && conv_bits == 0.0;
+        all_pass &= pass;
+        let split_ms = crate::time_ms(dev, 10, || {
+            g.mix_prefill_split(&proj, &state)?;
+            Ok(())
+        })?;
+        let chunked_ms = crate::time_ms(dev, 3, || {
+            g.mix(&proj, &forest, &[&state], &[false], true)?;
+            Ok(())
+        })?;
+        res.insert(
+            format!("prefill_t{t}"),
+            json!({
+                "pass": pass, "tolerance": TOL,
+                "y_rel_err": y_err, "last_state_rel_err": s_err, "conv_window_max_abs_diff": conv_bits,
+                "call_ms": {"split": split_ms, "chunked_plain": chunked_ms},
+            }),
+        );
+    }
     res.insert("pass".into(), json!(all_pass));
     Ok(Value::Object(res))
 }
