@@ -3,7 +3,8 @@
 //! - `nccl_all_reduce` (`nccl` builds): one rank per visible GPU, rank `r` holding distinct
 //!   random f32 data (10M + 3 elements, not a multiple of any chunk size): every rank's result
 //!   equals the rank-order sum on the host within 1e-6 relative, all ranks bit-identical; a
-//!   deliberately mismatched call (one rank's buffer a different length) must be refused.
+//!   deliberately mismatched call (one rank's buffer a different length; with one GPU, more
+//!   tensors than ranks) must be refused.
 //! - `trainer_nccl_one_gpu` (`nccl` builds): the trainer on one GPU (f32 compute) with
 //!   `--grad-reducer nccl` (world size 1: flatten, all-reduce, cut back) against
 //!   `--grad-reducer in-process`: losses and saved weights identical.
@@ -99,8 +100,14 @@ fn nccl_all_reduce(gpus: usize) -> Result<Value> {
         max_rel = max_rel.max(d);
         ranks_equal &= (&s - &first)?.abs()?.max_all()?.to_scalar::<f32>()? == 0.0;
     }
+    // A mismatched call: with two or more ranks one rank's buffer a different length; with
+    // one rank (nothing to mismatch against) a tensor more than there are ranks.
     let mut wrong = inputs.clone();
-    wrong[0] = wrong[0].narrow(0, 0, n - 1)?.contiguous()?;
+    if wrong.len() > 1 {
+        wrong[0] = wrong[0].narrow(0, 0, n - 1)?.contiguous()?;
+    } else {
+        wrong.push(inputs[0].clone());
+    }
     let refused = ranks.all_reduce_sum_f32(&wrong).is_err();
     Ok(json!({
         "pass": max_rel <= 1e-6 && ranks_equal && refused,
