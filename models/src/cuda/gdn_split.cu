@@ -33,13 +33,15 @@ __device__ __forceinline__ float gs_silu(float x) { return x / (1.f + __expf(-x)
 // win: bf16 [K-1, C], the cached pre-conv rows; proj: bf16 rows of stride P, q|k|v in columns
 // [0, C), b at off_b + h, a at off_b + hv + h; taps: bf16 [K, C] (tap K-1 multiplies the
 // current row). Outputs: q, k f32 [t, hk, 128]; v f32 [t, hv * 128]; g, beta f32 [t, hv].
+// rows (nullable): u32 [t, K], the rows of [win; new rows] token i's conv reads, oldest first
+// (a tree token's ancestors, `Forest::conv_taps`); null: a chain's rows i .. i + K - 1.
 // Grid (C / 128 + 1, t), 128 threads; the last block column computes the gates.
 extern "C" __global__ void __launch_bounds__(128) gdn_prep(
     const bf16_t* __restrict__ win, const bf16_t* __restrict__ proj,
-    const bf16_t* __restrict__ taps, const float* __restrict__ neg_a,
-    const float* __restrict__ dt_bias, float* __restrict__ q, float* __restrict__ k,
-    float* __restrict__ v, float* __restrict__ g, float* __restrict__ beta, int hk, int hv,
-    int C, int P, int K, int off_b) {
+    const bf16_t* __restrict__ taps, const unsigned* __restrict__ rows,
+    const float* __restrict__ neg_a, const float* __restrict__ dt_bias, float* __restrict__ q,
+    float* __restrict__ k, float* __restrict__ v, float* __restrict__ g,
+    float* __restrict__ beta, int hk, int hv, int C, int P, int K, int off_b) {
     __shared__ float red[32];
     const int blk = blockIdx.x, i = blockIdx.y, tid = threadIdx.x;
     const int nblk = C / GS_D;
@@ -59,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_prep(
     // u (bf16 conv output, bf16 SiLU) and as gdn_chain does.
     float acc = 0.f;
     for (int j = 0; j < K; ++j) {
-        const int r = i + j;
+        const int r = rows ? (int)rows[(size_t)i * K + j] : i + j;
         const float x = r < K - 1 ? bf2f(win[(size_t)r * C + ch])
                                   : bf2f(proj[(size_t)(r - (K - 1)) * P + ch]);
         acc = fmaf(x, bf2f(taps[(size_t)j * C + ch]), acc);
@@ -160,6 +162,111 @@ extern "C" __global__ void __launch_bounds__(128) gdn_scan(
 #pragma unroll
                 for (int r = 0; r < GS_SLICE; ++r) dst[(size_t)(row0 + r) * GS_D + j] = s[r];
             }
+        }
+    }
+}
+
+// The delta rule over a tree of t tokens (one verify), every token from its parent's state:
+// gdn_scan's arithmetic in the order of `order` (u32 [t], a depth-first pre-order of the
+// tokens, so a token right after its parent continues from the registers) with depth `depth`
+// (u32 [t], per position of `order`; roots 0). The state after every token is kept on a
+// per-thread stack by depth (GS_MAX_DEPTH, local memory), from which a token whose parent is
+// not the previous one starts. Writes o and u at each token's own index (tree order), no
+// states (the commit rebuilds the accepted path's from u). Grid (hv, 128 / 16), 128 threads.
+#define GS_MAX_DEPTH 32
+extern "C" __global__ void __launch_bounds__(128) gdn_scan_tree(
+    const float* __restrict__ s0, const float* __restrict__ q, const float* __restrict__ k,
+    const float* __restrict__ v, const float* __restrict__ g, const float* __restrict__ beta,
+    const unsigned* __restrict__ order, const unsigned* __restrict__ depth,
+    float* __restrict__ o, float* __restrict__ u, int t, int hk, int hv) {
+    __shared__ float qs[GS_MAX_T][8 * GS_PAD];
+    __shared__ float ks[GS_MAX_T][8 * GS_PAD];
+    __shared__ float vs[GS_MAX_T][GS_COLS];
+    __shared__ float dec[GS_MAX_T], bet[GS_MAX_T];
+    __shared__ int node_of[GS_MAX_T], depth_of[GS_MAX_T];
+    const int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int kh = h / (hv / hk);
+    const int col0 = blockIdx.y * GS_COLS;
+    const int c = warp * 4 + (lane & 3), slice = lane >> 2;
+    const int j = col0 + c, row0 = slice * GS_SLICE;
+    const size_t head = (size_t)h * GS_D * GS_D;
+    float s[GS_SLICE];
+    float stack[GS_MAX_DEPTH][GS_SLICE];
+#pragma unroll
+    for (int r = 0; r < GS_SLICE; ++r) s[r] = s0[head + (size_t)(row0 + r) * GS_D + j];
+    int prev = -1;  // depth of the previous token (-1: none yet, the registers hold s0)
+    for (int base = 0; base < t; base += GS_MAX_T) {
+        const int n = min(GS_MAX_T, t - base);
+        if (base > 0) __syncthreads();
+        if (tid < n) {
+            node_of[tid] = (int)order[base + tid];
+            depth_of[tid] = (int)depth[base + tid];
+        }
+        __syncthreads();
+        for (int idx = tid; idx < n * GS_D; idx += 128) {
+            const int i = idx / GS_D, r = idx % GS_D;
+            const int at = (r / GS_SLICE) * GS_PAD + r % GS_SLICE;
+            const size_t row = (size_t)node_of[i];
+            qs[i][at] = q[(row * hk + kh) * GS_D + r];
+            ks[i][at] = k[(row * hk + kh) * GS_D + r];
+        }
+        for (int idx = tid; idx < n * GS_COLS; idx += 128) {
+            const int i = idx / GS_COLS, cc = idx % GS_COLS;
+            vs[i][cc] = v[((size_t)node_of[i] * hv + h) * GS_D + col0 + cc];
+        }
+        if (tid < n) {
+            dec[tid] = expf(g[(size_t)node_of[tid] * hv + h]);
+            bet[tid] = beta[(size_t)node_of[tid] * hv + h];
+        }
+        __syncthreads();
+        for (int ii = 0; ii < n; ++ii) {
+            const int node = node_of[ii], d = depth_of[ii];
+            if (d != prev + 1) {
+                // Not the previous token's child: start from the parent's state (a root's: s0).
+                if (d == 0) {
+#pragma unroll
+                    for (int r = 0; r < GS_SLICE; ++r)
+                        s[r] = s0[head + (size_t)(row0 + r) * GS_D + j];
+                } else {
+#pragma unroll
+                    for (int r = 0; r < GS_SLICE; ++r) s[r] = stack[d - 1][r];
+                }
+            }
+            const float dd = dec[ii];
+            const float* kr = &ks[ii][slice * GS_PAD];
+            const float* qr = &qs[ii][slice * GS_PAD];
+            float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+            for (int r = 0; r < GS_SLICE; r += 2) {
+                s[r] *= dd;
+                s[r + 1] *= dd;
+                p0 = fmaf(kr[r], s[r], p0);
+                p1 = fmaf(kr[r + 1], s[r + 1], p1);
+            }
+            float part = p0 + p1;
+            part += __shfl_xor_sync(0xffffffffu, part, 4);
+            part += __shfl_xor_sync(0xffffffffu, part, 8);
+            part += __shfl_xor_sync(0xffffffffu, part, 16);
+            const float delta = bet[ii] * (vs[ii][c] - part);
+            float o0 = 0.f, o1 = 0.f;
+#pragma unroll
+            for (int r = 0; r < GS_SLICE; r += 2) {
+                s[r] = fmaf(kr[r], delta, s[r]);
+                s[r + 1] = fmaf(kr[r + 1], delta, s[r + 1]);
+                o0 = fmaf(qr[r], s[r], o0);
+                o1 = fmaf(qr[r + 1], s[r + 1], o1);
+            }
+            float out = o0 + o1;
+            out += __shfl_xor_sync(0xffffffffu, out, 4);
+            out += __shfl_xor_sync(0xffffffffu, out, 8);
+            out += __shfl_xor_sync(0xffffffffu, out, 16);
+            if (slice == 0) {
+                o[((size_t)node * hv + h) * GS_D + j] = out;
+                u[((size_t)node * hv + h) * GS_D + j] = delta;
+            }
+#pragma unroll
+            for (int r = 0; r < GS_SLICE; ++r) stack[d][r] = s[r];
+            prev = d;
         }
     }
 }

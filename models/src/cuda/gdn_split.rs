@@ -92,7 +92,13 @@ pub fn gdn_split(
     mark(&cdev, "gdn.prep");
     let f = dev.get_or_load_custom_func("gdn_prep", MODULE, PTX)?;
     let mut b = f.builder();
-    b.arg(&winp).arg(&pp).arg(&tp).arg(&ap).arg(&bp);
+    let chain_rows = 0u64; // null: token i's conv reads rows i .. i + K - 1
+    b.arg(&winp)
+        .arg(&pp)
+        .arg(&tp)
+        .arg(&chain_rows)
+        .arg(&ap)
+        .arg(&bp);
     b.arg(&qp).arg(&kp).arg(&vp).arg(&gp).arg(&betap);
     b.arg(&hki).arg(&hvi).arg(&ci).arg(&pi).arg(&ki).arg(&off_b);
     go(
@@ -143,6 +149,106 @@ pub fn gdn_split(
         k: k.reshape((t, hk, d))?,
         g: g.reshape((t, hv))?,
         u: u.map(|u| u.reshape((t, hv, d))).transpose()?,
+    })
+}
+
+/// Deepest tree [`gdn_tree`] takes (`GS_MAX_DEPTH` of gdn_split.cu: the scan's per-thread
+/// stack of states by depth).
+pub const GDN_TREE_MAX_DEPTH: usize = 32;
+
+/// The mixer over a verify tree of `t` tokens from the cached conv window `win` and state `s0`
+/// (as [`gdn_split`]): `conv_rows` (u32 `[t * K]`, `Forest::conv_taps` of the one segment) are
+/// the rows of `[win; proj rows]` each token's conv reads, oldest first; `order` and `depth`
+/// (u32 `[t]`) a depth-first pre-order of the tokens and each one's depth (see
+/// [`crate::qwen3_5::delta_rule::dfs_order`]). Every output is in the tokens' own order: the gated-norm output, the keys,
+/// log-decays and the value each token wrote (no states: the commit rebuilds the accepted
+/// path's from them, as for `ScanStates::None`). Three launches for any tree shape.
+pub fn gdn_tree(
+    win: &Tensor,
+    proj: &Tensor,
+    s0: &Tensor,
+    w: &GdnWeights<'_>,
+    conv_rows: &Tensor,
+    order: &Tensor,
+    depth: &Tensor,
+) -> Result<SplitOut> {
+    let dev = cuda(proj)?;
+    let ChainDims { t, p, kernel, c } = check_chain(
+        "gdn_tree",
+        ("gdn win", win),
+        false,
+        GDN_SPLIT_MAX_T,
+        proj,
+        s0,
+        w,
+    )?;
+    for (name, x, n) in [
+        ("conv rows", conv_rows, t * kernel),
+        ("order", order, t),
+        ("depth", depth, t),
+    ] {
+        if x.dtype() != candle_core::DType::U32 || x.elem_count() != n || !x.is_contiguous() {
+            bail!(
+                "gdn_tree: {name} must be {n} contiguous u32, got {:?} {:?}",
+                x.dtype(),
+                x.shape()
+            )
+        }
+    }
+    let (d, hk, hv) = (GDN_HEAD_DIM, w.hk, w.hv);
+    let q = alloc_f32(&dev, t * hk * d)?;
+    let k = alloc_f32(&dev, t * hk * d)?;
+    let v = alloc_f32(&dev, t * hv * d)?;
+    let g = alloc_f32(&dev, t * hv)?;
+    let beta = alloc_f32(&dev, t * hv)?;
+    let (hki, hvi, ci, pi, ki, ti) = (
+        hk as i32,
+        hv as i32,
+        c as i32,
+        p as i32,
+        kernel as i32,
+        t as i32,
+    );
+    let off_b = (c + hv * d) as i32;
+    let (winp, pp, tp, rp, ap, bp) = (
+        ptr(win)?,
+        ptr(proj)?,
+        ptr(w.conv_taps)?,
+        ptr(conv_rows)?,
+        ptr(w.neg_a)?,
+        ptr(w.dt_bias)?,
+    );
+    let (qp, kp, vp, gp, betap) = (ptr(&q)?, ptr(&k)?, ptr(&v)?, ptr(&g)?, ptr(&beta)?);
+    let f = dev.get_or_load_custom_func("gdn_prep", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&winp).arg(&pp).arg(&tp).arg(&rp).arg(&ap).arg(&bp);
+    b.arg(&qp).arg(&kp).arg(&vp).arg(&gp).arg(&betap);
+    b.arg(&hki).arg(&hvi).arg(&ci).arg(&pi).arg(&ki).arg(&off_b);
+    go(
+        &mut b,
+        cfg(((c / d + 1) as u32, t as u32, 1), 128),
+        "gdn_prep",
+    )?;
+    let o = alloc_f32(&dev, t * hv * d)?;
+    let u = alloc_f32(&dev, t * hv * d)?;
+    let (sp, op, up, orp, dp) = (ptr(s0)?, ptr(&o)?, ptr(&u)?, ptr(order)?, ptr(depth)?);
+    let f = dev.get_or_load_custom_func("gdn_scan_tree", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&sp).arg(&qp).arg(&kp).arg(&vp).arg(&gp).arg(&betap);
+    b.arg(&orp).arg(&dp).arg(&op).arg(&up);
+    b.arg(&ti).arg(&hki).arg(&hvi);
+    go(
+        &mut b,
+        cfg((hv as u32, (d / 16) as u32, 1), 128),
+        "gdn_scan_tree",
+    )?;
+    let y = gated_norm(&o, proj, w, t)?;
+    Ok(SplitOut {
+        y,
+        states: None,
+        k: k.reshape((t, hk, d))?,
+        g: g.reshape((t, hv))?,
+        u: Some(u.reshape((t, hv, d))?),
     })
 }
 

@@ -118,7 +118,9 @@ pub use gdn::{gdn_chain, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN, GDN_MAX_CONV};
 #[cfg(feature = "cuda")]
 mod gdn_split;
 #[cfg(feature = "cuda")]
-pub use gdn_split::{gdn_split, gdn_state_along, ScanStates, SplitOut, GDN_SPLIT_MAX_T};
+pub use gdn_split::{
+    gdn_split, gdn_state_along, gdn_tree, ScanStates, SplitOut, GDN_SPLIT_MAX_T, GDN_TREE_MAX_DEPTH,
+};
 #[cfg(feature = "cuda")]
 mod gemv;
 #[cfg(feature = "cuda")]
@@ -160,6 +162,23 @@ pub fn set_dflash_tensor_cores(on: bool) {
 /// Whether [`set_dflash_tensor_cores`] left them on.
 pub fn dflash_tensor_cores() -> bool {
     DFLASH_TENSOR_CORES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static GDN_TREE_KERNEL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether a hybrid target's tree verify runs its GDN layers on the tree kernels
+/// (`gdn_split.cu` `gdn_scan_tree`: one scan over a depth-first order, three launches per layer)
+/// instead of the plain path's tree form in candle ops. Off until measured against the plain
+/// path on a GPU (`gpu_check --hybrid`, `gdn_tree_*` cases); `DFLASH_GDN_TREE_KERNEL=1` or this
+/// switch turns it on. Process-wide.
+pub fn set_gdn_tree_kernel(on: bool) {
+    GDN_TREE_KERNEL.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_gdn_tree_kernel`] (or `DFLASH_GDN_TREE_KERNEL=1`) turned the tree kernels on.
+pub fn gdn_tree_kernel() -> bool {
+    GDN_TREE_KERNEL.load(std::sync::atomic::Ordering::Relaxed)
+        || std::env::var("DFLASH_GDN_TREE_KERNEL").is_ok_and(|v| v == "1")
 }
 
 /// Most rows the skinny GEMMs (`gemv*`) take (four m16 tiles per warp); wider products go to

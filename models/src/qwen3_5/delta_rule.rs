@@ -19,6 +19,35 @@ use candle_core::{DType, Device, Result, Tensor, D};
 
 pub const CHUNK: usize = 64;
 
+/// A depth-first pre-order of the tokens of a tree given by `parents` (each parent before its
+/// children; children in index order) and each visited token's depth: in this order a token
+/// right after its parent continues from its state, any other one restarts from its parent's
+/// (the CUDA tree scan, `cuda::gdn_tree`). None when a parent does not come before its child
+/// or the tree is `max_depth` or more deep.
+pub fn dfs_order(parents: &[Option<usize>], max_depth: usize) -> Option<(Vec<u32>, Vec<u32>)> {
+    let t = parents.len();
+    let mut children: Vec<Vec<usize>> = vec![Vec::new(); t];
+    let mut roots = Vec::new();
+    for (i, p) in parents.iter().enumerate() {
+        match *p {
+            Some(p) if p < i => children[p].push(i),
+            Some(_) => return None,
+            None => roots.push(i),
+        }
+    }
+    let (mut order, mut depth) = (Vec::with_capacity(t), Vec::with_capacity(t));
+    let mut stack: Vec<(usize, usize)> = roots.iter().rev().map(|&r| (r, 0)).collect();
+    while let Some((node, d)) = stack.pop() {
+        if d >= max_depth {
+            return None;
+        }
+        order.push(node as u32);
+        depth.push(d as u32);
+        stack.extend(children[node].iter().rev().map(|&c| (c, d + 1)));
+    }
+    Some((order, depth))
+}
+
 /// One sequence's delta-rule inputs in f32, already expanded to the value heads: `q`, `k`
 /// `[t, Hv, dk]` (L2-normalised, `q` scaled by dk^-1/2), `v` `[t, Hv, dv]`, log-decay `g` and
 /// write strength `beta` `[t, Hv]`.
@@ -465,4 +494,41 @@ fn tree_solve(inp: &DeltaInputs, parents: &[Option<usize>], initial: &Tensor) ->
         e_gamma,
         kt,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dfs_order;
+
+    #[test]
+    fn dfs_order_visits_each_subtree_after_its_root_with_depths() {
+        // 0 -> {1 -> {3, 4}, 2 -> {5}}: pre-order 0 1 3 4 2 5.
+        let parents = [None, Some(0), Some(0), Some(1), Some(1), Some(2)];
+        let (order, depth) = dfs_order(&parents, 32).unwrap();
+        assert_eq!(order, vec![0, 1, 3, 4, 2, 5]);
+        assert_eq!(depth, vec![0, 1, 2, 2, 1, 2]);
+        // In pre-order, a token whose depth is one more than the previous token's is that
+        // token's child (the scan keeps its registers only then).
+        for w in 1..order.len() {
+            if depth[w] == depth[w - 1] + 1 {
+                assert_eq!(parents[order[w] as usize], Some(order[w - 1] as usize));
+            }
+        }
+        // A chain is its own order; two roots each start at depth 0.
+        let chain: Vec<Option<usize>> = (0..5).map(|i: usize| i.checked_sub(1)).collect();
+        assert_eq!(dfs_order(&chain, 32).unwrap().0, vec![0, 1, 2, 3, 4]);
+        let forest = [None, None, Some(0)];
+        assert_eq!(
+            dfs_order(&forest, 32).unwrap(),
+            (vec![0, 2, 1], vec![0, 1, 0])
+        );
+    }
+
+    #[test]
+    fn dfs_order_refuses_deep_trees_and_parents_after_children() {
+        let chain: Vec<Option<usize>> = (0..5).map(|i: usize| i.checked_sub(1)).collect();
+        assert!(dfs_order(&chain, 5).is_some());
+        assert!(dfs_order(&chain, 4).is_none());
+        assert!(dfs_order(&[Some(1), None], 32).is_none());
+    }
 }

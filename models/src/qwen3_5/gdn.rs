@@ -491,6 +491,64 @@ impl GatedDeltaNet {
         Ok(Some((out.y, StagedState::Final(GdnState { conv, ssm }))))
     }
 
+    /// A verify tree's mixer (one sequence, `parents` the tree, rollback-able) on the CUDA tree
+    /// kernels (`cuda::gdn_tree`): the same outputs and [`RowInputs`] staging as
+    /// [`Self::mix_staged`], in three launches. `None` where the kernels do not apply (as
+    /// [`Self::mix_prefill_split`], or a tree too deep); the caller then runs `mix_staged`.
+    #[cfg(feature = "cuda")]
+    pub fn mix_tree_split(
+        &self,
+        proj: &Tensor,
+        forest: &Forest,
+        parents: &[Option<usize>],
+        state: &GdnState,
+    ) -> Result<Option<(Tensor, StagedState)>> {
+        let t = proj.dim(0)?;
+        let applies = proj.device().is_cuda()
+            && proj.dtype() == DType::BF16
+            && state.ssm.dtype() == DType::F32
+            && self.dk == crate::cuda::GDN_HEAD_DIM
+            && self.dv == crate::cuda::GDN_HEAD_DIM
+            && self.kernel <= crate::cuda::GDN_MAX_CONV
+            && (1..=crate::cuda::GDN_SPLIT_MAX_T).contains(&t)
+            && forest.len() == t
+            && proj.is_contiguous();
+        let order = crate::qwen3_5::delta_rule::dfs_order(parents, crate::cuda::GDN_TREE_MAX_DEPTH);
+        let (Some((order, depth)), true) = (order, applies) else {
+            return Ok(None);
+        };
+        let dev = proj.device();
+        let w = crate::cuda::GdnWeights {
+            conv_taps: &self.conv_taps,
+            neg_a: &self.neg_a,
+            dt_bias: &self.dt_bias,
+            norm: &self.norm,
+            hk: self.hk,
+            hv: self.hv,
+            eps: self.eps,
+        };
+        let out = crate::cuda::gdn_tree(
+            &state.conv,
+            proj,
+            &state.ssm,
+            &w,
+            &forest.conv_taps,
+            &Tensor::new(order.as_slice(), dev)?,
+            &Tensor::new(depth.as_slice(), dev)?,
+        )?;
+        let writes = match out.u {
+            Some(u) => u,
+            None => candle_core::bail!("gdn_tree returned no written values"),
+        };
+        let staged = StagedState::Inputs(RowInputs {
+            pre_conv: proj.narrow(1, 0, self.conv_dim())?.contiguous()?,
+            k: out.k,
+            writes,
+            g: out.g,
+        });
+        Ok(Some((out.y, staged)))
+    }
+
     /// HF `Qwen3_5RMSNormGated`: RMS-normalise (f32 inside), times the plain (not zero-centred)
     /// weight, times `silu(z)` in f32, cast back.
     fn gated_norm(&self, o: &Tensor, z: &Tensor) -> Result<Tensor> {

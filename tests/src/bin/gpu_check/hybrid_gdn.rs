@@ -246,6 +246,116 @@ pub fn gdn_layer_paths(dev: &Device, cfg: &HybridConfig) -> Result<Value> {
             }),
         );
     }
+    // Verify trees on the tree kernels (`mix_tree_split`, opt-in) against the plain path's
+    // tree form (`mix_staged`): outputs, the staged keys / writes / log-decays, and the state
+    // rebuilt along the deepest path from each side's staging; a tree branching at every depth
+    // (16 nodes) and a DDTree-like one (64 nodes: a main path of 16 with side branches).
+    for (name, parents) in [
+        ("gdn_tree_16", branching_tree(16)),
+        ("gdn_tree_64", ddtree_like(64)),
+    ] {
+        let t = parents.len();
+        let proj = rng.normal(&[t, p], 0.0, 1.0, DType::BF16, dev)?;
+        let forest = Forest::new(&[parents.as_slice()], k, dev)?;
+        let (y, want) = g.mix_staged(&proj, &forest, &parents, &state)?;
+        let (ys, got) = g
+            .mix_tree_split(&proj, &forest, &parents, &state)?
+            .context("the tree kernels do not apply")?;
+        let (StagedState::Inputs(want), StagedState::Inputs(got)) = (want, got) else {
+            anyhow::bail!("both sides must stage row inputs");
+        };
+        let path = deepest_path(&parents);
+        let idx = Tensor::new(path.as_slice(), dev)?;
+        let along = |r: &dflash_models::cache::RowInputs| -> Result<Tensor> {
+            Ok(gdn_state_along(
+                &state.ssm,
+                &r.k.index_select(&idx, 0)?.contiguous()?,
+                &r.writes.index_select(&idx, 0)?.contiguous()?,
+                &r.g.index_select(&idx, 0)?.contiguous()?,
+            )?)
+        };
+        let errs = [
+            ("y_rel_err", rel(&ys, &y)?),
+            ("k_rel_err", rel(&got.k, &want.k)?),
+            ("writes_rel_err", rel(&got.writes, &want.writes)?),
+            ("g_rel_err", rel(&got.g, &want.g)?),
+            (
+                "deepest_path_state_rel_err",
+                rel(&along(&got)?, &along(&want)?)?,
+            ),
+        ];
+        let pre_conv_bits = max_diff(&got.pre_conv, &want.pre_conv)?;
+        // Wrong case: the tree read as a chain must exceed the tolerance.
+        let chain: Vec<Option<usize>> = (0..t).map(|i| i.checked_sub(1)).collect();
+        let chain_forest = Forest::new(&[chain.as_slice()], k, dev)?;
+        let wrong = g
+            .mix_tree_split(&proj, &chain_forest, &chain, &state)?
+            .context("chain")?;
+        let wrong_err = rel(&wrong.0, &y)?;
+        let pass = errs.iter().all(|(_, e)| *e < TOL) && pre_conv_bits == 0.0 && wrong_err > TOL;
+        all_pass &= pass;
+        let kernel_ms = crate::time_ms(dev, 10, || {
+            g.mix_tree_split(&proj, &forest, &parents, &state)?;
+            Ok(())
+        })?;
+        let plain_ms = crate::time_ms(dev, 3, || {
+            g.mix_staged(&proj, &forest, &parents, &state)?;
+            Ok(())
+        })?;
+        let mut m: serde_json::Map<String, Value> = errs
+            .iter()
+            .map(|(n, e)| (n.to_string(), json!(e)))
+            .collect();
+        m.insert("pass".into(), json!(pass));
+        m.insert("tolerance".into(), json!(TOL));
+        m.insert("pre_conv_max_abs_diff".into(), json!(pre_conv_bits));
+        m.insert("wrong_tree_as_chain_y_rel_err".into(), json!(wrong_err));
+        m.insert("deepest_path_len".into(), json!(path.len()));
+        m.insert(
+            "call_ms".into(),
+            json!({"tree_kernels": kernel_ms, "plain": plain_ms}),
+        );
+        res.insert(name.into(), Value::Object(m));
+    }
     res.insert("pass".into(), json!(all_pass));
     Ok(Value::Object(res))
+}
+
+/// A tree of `n` nodes where every node up to the middle has two children (branching at every
+/// depth).
+fn branching_tree(n: usize) -> Vec<Option<usize>> {
+    (0..n)
+        .map(|i| if i == 0 { None } else { Some((i - 1) / 2) })
+        .collect()
+}
+
+/// A DDTree-like tree of `n` nodes: a main path of 16, then each further node a child of a
+/// main-path node (cycling through them), some of those extended by one more.
+fn ddtree_like(n: usize) -> Vec<Option<usize>> {
+    let main = 16.min(n);
+    let mut parents: Vec<Option<usize>> = (0..main).map(|i| i.checked_sub(1)).collect();
+    for i in main..n {
+        parents.push(Some(if i % 3 == 0 { i - 1 } else { (i * 7) % main }));
+    }
+    parents
+}
+
+/// The root-to-leaf path of the deepest node (node indices, root first).
+fn deepest_path(parents: &[Option<usize>]) -> Vec<u32> {
+    let depth = |mut i: usize| {
+        let mut d = 0;
+        while let Some(p) = parents[i] {
+            i = p;
+            d += 1;
+        }
+        d
+    };
+    let mut leaf = (0..parents.len()).max_by_key(|&i| depth(i)).unwrap_or(0);
+    let mut path = vec![leaf as u32];
+    while let Some(p) = parents[leaf] {
+        path.push(p as u32);
+        leaf = p;
+    }
+    path.reverse();
+    path
 }
