@@ -194,6 +194,32 @@ fn fused_attention(
     Ok(attn.attend_chain_fused(qkv, rope.0, rope.1, kv, len, None)?)
 }
 
+impl Qwen35Model {
+    /// A GDN layer's mixer for one sequence of the plain path's forward on the CUDA kernels,
+    /// where they apply: a prefill (`keep` false) on the split scan, a verify tree (`keep`) on
+    /// the tree kernels when [`cuda::gdn_tree_kernel`] is on. `None`: the plain path's forms.
+    pub(crate) fn gdn_kernels(
+        &self,
+        gdn: &GatedDeltaNet,
+        proj: &Tensor,
+        forest: &crate::qwen3_5::delta_rule::Forest,
+        parents: &[Option<usize>],
+        state: &GdnState,
+        keep: bool,
+    ) -> ModelResult<Option<(Tensor, StagedState)>> {
+        if !self.fast {
+            return Ok(None);
+        }
+        Ok(if !keep {
+            gdn.mix_prefill_split(proj, state)?
+        } else if cuda::gdn_tree_kernel() {
+            gdn.mix_tree_split(proj, forest, parents, state)?
+        } else {
+            None
+        })
+    }
+}
+
 /// One GDN layer's mixer on the fused path `path` from `state`: the gated-norm output (the
 /// `out_proj` input) and what the layer stages. `keep`: the forward may be rolled back, so
 /// every row's state must be recoverable (a full state per row, or the rows' inputs);

@@ -561,19 +561,12 @@ impl Qwen35Model {
                         let state = seq.cache.layer(li).recurrent()?.last()?;
                         let p = proj.narrow(0, off, t)?;
                         #[cfg(feature = "cuda")]
-                        if self.fast {
-                            let fused = if !keep_rows[s] {
-                                gdn.mix_prefill_split(&p, state)?
-                            } else if crate::cuda::gdn_tree_kernel() {
-                                gdn.mix_tree_split(&p, forest, &forests[s], state)?
-                            } else {
-                                None
-                            };
-                            if let Some((y, st)) = fused {
-                                pieces[s] = Some(y);
-                                staged[s].push((li, st));
-                                continue;
-                            }
+                        if let Some((y, st)) =
+                            self.gdn_kernels(gdn, &p, forest, &forests[s], state, keep_rows[s])?
+                        {
+                            pieces[s] = Some(y);
+                            staged[s].push((li, st));
+                            continue;
                         }
                         let (y, st) = if keep_rows[s] {
                             gdn.mix_staged(&p, forest, &forests[s], state)?
