@@ -1,7 +1,8 @@
 //! The GPU check of the trainer's fused AdamW (`gpu-check --trainer-optimizer`,
 //! src/bin/gpu_check/train_optim.rs) run on the CPU, where the fused optimizer runs its host
-//! reference: resume exactness, the NaN-gradient skip and the step against the reference
-//! optimizer must all pass here before they are read on the GPU.
+//! reference: resume exactness, the NaN-gradient skip, the step against the reference
+//! optimizer and the checkpoint snapshot (flat buffers cut on the writer's side, bit-identical
+//! to the per-tensor state) must all pass here before they are read on the GPU.
 
 use std::process::Command;
 
@@ -21,7 +22,20 @@ fn trainer_optimizer_check_passes_on_the_cpu() {
         .lines()
         .filter(|l| l.starts_with("trainer_optimizer_"))
         .collect();
-    assert_eq!(cases.len(), 3, "{stdout}");
+    let names: Vec<&str> = cases
+        .iter()
+        .filter_map(|l| l.split_once(' ').map(|(n, _)| n))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "trainer_optimizer_resume",
+            "trainer_optimizer_nan_skip",
+            "trainer_optimizer_step_parity",
+            "trainer_optimizer_snapshot"
+        ],
+        "{stdout}"
+    );
     for line in cases {
         let (name, body) = line.split_once(' ').expect("name and JSON");
         let v: serde_json::Value = serde_json::from_str(body).expect("JSON");
