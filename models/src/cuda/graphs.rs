@@ -123,7 +123,23 @@ impl GraphSlots {
                     return Ok(None);
                 }
                 slots.seen.remove(&key);
-                match capture(state) {
+                let started = std::time::Instant::now();
+                let captured = capture(state);
+                // A capture is ~20 ms (8B shape); a slow one is a step's stall worth seeing in
+                // a server log (s18: one-off steps of seconds not yet explained).
+                let ms = started.elapsed().as_secs_f64() * 1e3;
+                let what = format!(
+                    "{} tokens x {} sequences{}",
+                    key.tokens,
+                    key.seqs,
+                    if key.tree { ", tree" } else { "" }
+                );
+                if ms > 200.0 {
+                    tracing::info!("CUDA graph capture of {what} took {ms:.0} ms");
+                } else {
+                    tracing::debug!("CUDA graph capture of {what} took {ms:.1} ms");
+                }
+                match captured {
                     Ok(g) => {
                         if slots.graphs.len() >= GRAPH_SLOTS {
                             slots.graphs.pop_back();
