@@ -30,6 +30,40 @@
 
 __device__ __forceinline__ float gs_silu(float x) { return x / (1.f + __expf(-x)); }
 
+// One token of the delta rule on a thread's GS_SLICE key rows of one value column (the warp's
+// 8 slices meet in the shuffles): decay the state, `delta = beta (v - S^T k)`, write
+// `S += k delta`, return `S^T q`. The one arithmetic of gdn_scan and gdn_scan_tree.
+__device__ __forceinline__ float gs_token(float* s, const float* kr, const float* qr, float d,
+                                          float bt, float vc, float* delta_out) {
+    float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+    for (int r = 0; r < GS_SLICE; r += 2) {
+        s[r] *= d;
+        s[r + 1] *= d;
+        p0 = fmaf(kr[r], s[r], p0);
+        p1 = fmaf(kr[r + 1], s[r + 1], p1);
+    }
+    float part = p0 + p1;
+    part += __shfl_xor_sync(0xffffffffu, part, 4);
+    part += __shfl_xor_sync(0xffffffffu, part, 8);
+    part += __shfl_xor_sync(0xffffffffu, part, 16);
+    const float delta = bt * (vc - part);
+    float o0 = 0.f, o1 = 0.f;
+#pragma unroll
+    for (int r = 0; r < GS_SLICE; r += 2) {
+        s[r] = fmaf(kr[r], delta, s[r]);
+        s[r + 1] = fmaf(kr[r + 1], delta, s[r + 1]);
+        o0 = fmaf(qr[r], s[r], o0);
+        o1 = fmaf(qr[r + 1], s[r + 1], o1);
+    }
+    float out = o0 + o1;
+    out += __shfl_xor_sync(0xffffffffu, out, 4);
+    out += __shfl_xor_sync(0xffffffffu, out, 8);
+    out += __shfl_xor_sync(0xffffffffu, out, 16);
+    *delta_out = delta;
+    return out;
+}
+
 // win: bf16 [K-1, C], the cached pre-conv rows; proj: bf16 rows of stride P, q|k|v in columns
 // [0, C), b at off_b + h, a at off_b + hv + h; taps: bf16 [K, C] (tap K-1 multiplies the
 // current row). Outputs: q, k f32 [t, hk, 128]; v f32 [t, hv * 128]; g, beta f32 [t, hv].
@@ -125,34 +159,9 @@ extern "C" __global__ void __launch_bounds__(128) gdn_scan(
         __syncthreads();
         for (int ii = 0; ii < n; ++ii) {
             const int i = base + ii;
-            const float d = dec[ii];
-            const float* kr = &ks[ii][slice * GS_PAD];
-            const float* qr = &qs[ii][slice * GS_PAD];
-            float p0 = 0.f, p1 = 0.f;
-#pragma unroll
-            for (int r = 0; r < GS_SLICE; r += 2) {
-                s[r] *= d;
-                s[r + 1] *= d;
-                p0 = fmaf(kr[r], s[r], p0);
-                p1 = fmaf(kr[r + 1], s[r + 1], p1);
-            }
-            float part = p0 + p1;
-            part += __shfl_xor_sync(0xffffffffu, part, 4);
-            part += __shfl_xor_sync(0xffffffffu, part, 8);
-            part += __shfl_xor_sync(0xffffffffu, part, 16);
-            const float delta = bet[ii] * (vs[ii][c] - part);
-            float o0 = 0.f, o1 = 0.f;
-#pragma unroll
-            for (int r = 0; r < GS_SLICE; r += 2) {
-                s[r] = fmaf(kr[r], delta, s[r]);
-                s[r + 1] = fmaf(kr[r + 1], delta, s[r + 1]);
-                o0 = fmaf(qr[r], s[r], o0);
-                o1 = fmaf(qr[r + 1], s[r + 1], o1);
-            }
-            float out = o0 + o1;
-            out += __shfl_xor_sync(0xffffffffu, out, 4);
-            out += __shfl_xor_sync(0xffffffffu, out, 8);
-            out += __shfl_xor_sync(0xffffffffu, out, 16);
+            float delta;
+            const float out = gs_token(s, &ks[ii][slice * GS_PAD], &qs[ii][slice * GS_PAD],
+                                       dec[ii], bet[ii], vs[ii][c], &delta);
             if (slice == 0) {
                 o[((size_t)i * hv + h) * GS_D + j] = out;
                 if (u) u[((size_t)i * hv + h) * GS_D + j] = delta;
@@ -232,34 +241,9 @@ extern "C" __global__ void __launch_bounds__(128) gdn_scan_tree(
                     for (int r = 0; r < GS_SLICE; ++r) s[r] = stack[d - 1][r];
                 }
             }
-            const float dd = dec[ii];
-            const float* kr = &ks[ii][slice * GS_PAD];
-            const float* qr = &qs[ii][slice * GS_PAD];
-            float p0 = 0.f, p1 = 0.f;
-#pragma unroll
-            for (int r = 0; r < GS_SLICE; r += 2) {
-                s[r] *= dd;
-                s[r + 1] *= dd;
-                p0 = fmaf(kr[r], s[r], p0);
-                p1 = fmaf(kr[r + 1], s[r + 1], p1);
-            }
-            float part = p0 + p1;
-            part += __shfl_xor_sync(0xffffffffu, part, 4);
-            part += __shfl_xor_sync(0xffffffffu, part, 8);
-            part += __shfl_xor_sync(0xffffffffu, part, 16);
-            const float delta = bet[ii] * (vs[ii][c] - part);
-            float o0 = 0.f, o1 = 0.f;
-#pragma unroll
-            for (int r = 0; r < GS_SLICE; r += 2) {
-                s[r] = fmaf(kr[r], delta, s[r]);
-                s[r + 1] = fmaf(kr[r + 1], delta, s[r + 1]);
-                o0 = fmaf(qr[r], s[r], o0);
-                o1 = fmaf(qr[r + 1], s[r + 1], o1);
-            }
-            float out = o0 + o1;
-            out += __shfl_xor_sync(0xffffffffu, out, 4);
-            out += __shfl_xor_sync(0xffffffffu, out, 8);
-            out += __shfl_xor_sync(0xffffffffu, out, 16);
+            float delta;
+            const float out = gs_token(s, &ks[ii][slice * GS_PAD], &qs[ii][slice * GS_PAD],
+                                       dec[ii], bet[ii], vs[ii][c], &delta);
             if (slice == 0) {
                 o[((size_t)node * hv + h) * GS_D + j] = out;
                 u[((size_t)node * hv + h) * GS_D + j] = delta;

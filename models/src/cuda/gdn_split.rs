@@ -44,6 +44,67 @@ pub struct SplitOut {
     pub u: Option<Tensor>,
 }
 
+/// What `gdn_prep` writes (f32): `q`, `k` `[t, hk, 128]`, `v` `[t, hv * 128]`, `g`, `beta`
+/// `[t, hv]`.
+struct Prepped {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+}
+
+/// The prologue of [`gdn_split`] and [`gdn_tree`] (shapes checked by the caller): the conv
+/// over `[win; proj rows]` (token i reading rows i .. i + K - 1, or `conv_rows`' u32 `[t, K]`
+/// rows of a tree), SiLU, the q / k norms, decays and betas, one launch.
+fn prep(
+    win: &Tensor,
+    proj: &Tensor,
+    w: &GdnWeights<'_>,
+    conv_rows: Option<&Tensor>,
+    dims: ChainDims,
+) -> Result<Prepped> {
+    let dev = cuda(proj)?;
+    let ChainDims { t, p, kernel, c } = dims;
+    let (d, hk, hv) = (GDN_HEAD_DIM, w.hk, w.hv);
+    let out = Prepped {
+        q: alloc_f32(&dev, t * hk * d)?,
+        k: alloc_f32(&dev, t * hk * d)?,
+        v: alloc_f32(&dev, t * hv * d)?,
+        g: alloc_f32(&dev, t * hv)?,
+        beta: alloc_f32(&dev, t * hv)?,
+    };
+    let (hki, hvi, ci, pi, ki) = (hk as i32, hv as i32, c as i32, p as i32, kernel as i32);
+    let off_b = (c + hv * d) as i32;
+    // Null rows: token i's conv reads rows i .. i + K - 1.
+    let rows = conv_rows.map_or(Ok(0u64), ptr)?;
+    let (winp, pp, tp, ap, bp) = (
+        ptr(win)?,
+        ptr(proj)?,
+        ptr(w.conv_taps)?,
+        ptr(w.neg_a)?,
+        ptr(w.dt_bias)?,
+    );
+    let (qp, kp, vp, gp, betap) = (
+        ptr(&out.q)?,
+        ptr(&out.k)?,
+        ptr(&out.v)?,
+        ptr(&out.g)?,
+        ptr(&out.beta)?,
+    );
+    let f = dev.get_or_load_custom_func("gdn_prep", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&winp).arg(&pp).arg(&tp).arg(&rows).arg(&ap).arg(&bp);
+    b.arg(&qp).arg(&kp).arg(&vp).arg(&gp).arg(&betap);
+    b.arg(&hki).arg(&hvi).arg(&ci).arg(&pi).arg(&ki).arg(&off_b);
+    go(
+        &mut b,
+        cfg(((c / d + 1) as u32, t as u32, 1), 128),
+        "gdn_prep",
+    )?;
+    Ok(out)
+}
+
 /// The mixer over `t` new tokens from the cached conv window `win` (bf16 `[K-1, conv_dim]`)
 /// and state `s0` (f32 `[hv, dk, dv]`); `proj` bf16 `[t, P]` is the whole in-projection.
 /// Three launches: `gdn_prep`, `gdn_scan`, `gdn_gated_norm`.
@@ -64,48 +125,12 @@ pub fn gdn_split(
         ScanStates::All => GDN_MAX_CHAIN,
         ScanStates::None | ScanStates::Last => GDN_SPLIT_MAX_T,
     };
-    let ChainDims { t, p, kernel, c } =
-        check_chain("gdn_split", ("gdn win", win), false, max_t, proj, s0, w)?;
-    let (d, hk, hv) = (GDN_HEAD_DIM, w.hk, w.hv);
-    let q = alloc_f32(&dev, t * hk * d)?;
-    let k = alloc_f32(&dev, t * hk * d)?;
-    let v = alloc_f32(&dev, t * hv * d)?;
-    let g = alloc_f32(&dev, t * hv)?;
-    let beta = alloc_f32(&dev, t * hv)?;
-    let (hki, hvi, ci, pi, ki, ti) = (
-        hk as i32,
-        hv as i32,
-        c as i32,
-        p as i32,
-        kernel as i32,
-        t as i32,
-    );
-    let off_b = (c + hv * d) as i32;
-    let (winp, pp, tp, ap, bp) = (
-        ptr(win)?,
-        ptr(proj)?,
-        ptr(w.conv_taps)?,
-        ptr(w.neg_a)?,
-        ptr(w.dt_bias)?,
-    );
-    let (qp, kp, vp, gp, betap) = (ptr(&q)?, ptr(&k)?, ptr(&v)?, ptr(&g)?, ptr(&beta)?);
+    let dims = check_chain("gdn_split", ("gdn win", win), false, max_t, proj, s0, w)?;
+    let (t, d, hk, hv) = (dims.t, GDN_HEAD_DIM, w.hk, w.hv);
     mark(&cdev, "gdn.prep");
-    let f = dev.get_or_load_custom_func("gdn_prep", MODULE, PTX)?;
-    let mut b = f.builder();
-    let chain_rows = 0u64; // null: token i's conv reads rows i .. i + K - 1
-    b.arg(&winp)
-        .arg(&pp)
-        .arg(&tp)
-        .arg(&chain_rows)
-        .arg(&ap)
-        .arg(&bp);
-    b.arg(&qp).arg(&kp).arg(&vp).arg(&gp).arg(&betap);
-    b.arg(&hki).arg(&hvi).arg(&ci).arg(&pi).arg(&ki).arg(&off_b);
-    go(
-        &mut b,
-        cfg(((c / d + 1) as u32, t as u32, 1), 128),
-        "gdn_prep",
-    )?;
+    let Prepped { q, k, v, g, beta } = prep(win, proj, w, None, dims)?;
+    let (hki, hvi, ti) = (hk as i32, hv as i32, t as i32);
+    let (qp, kp, vp, gp, betap) = (ptr(&q)?, ptr(&k)?, ptr(&v)?, ptr(&g)?, ptr(&beta)?);
 
     let o = alloc_f32(&dev, t * hv * d)?;
     let u = if writes {
@@ -173,7 +198,7 @@ pub fn gdn_tree(
     depth: &Tensor,
 ) -> Result<SplitOut> {
     let dev = cuda(proj)?;
-    let ChainDims { t, p, kernel, c } = check_chain(
+    let dims = check_chain(
         "gdn_tree",
         ("gdn win", win),
         false,
@@ -182,6 +207,7 @@ pub fn gdn_tree(
         s0,
         w,
     )?;
+    let (t, kernel) = (dims.t, dims.kernel);
     for (name, x, n) in [
         ("conv rows", conv_rows, t * kernel),
         ("order", order, t),
@@ -196,39 +222,9 @@ pub fn gdn_tree(
         }
     }
     let (d, hk, hv) = (GDN_HEAD_DIM, w.hk, w.hv);
-    let q = alloc_f32(&dev, t * hk * d)?;
-    let k = alloc_f32(&dev, t * hk * d)?;
-    let v = alloc_f32(&dev, t * hv * d)?;
-    let g = alloc_f32(&dev, t * hv)?;
-    let beta = alloc_f32(&dev, t * hv)?;
-    let (hki, hvi, ci, pi, ki, ti) = (
-        hk as i32,
-        hv as i32,
-        c as i32,
-        p as i32,
-        kernel as i32,
-        t as i32,
-    );
-    let off_b = (c + hv * d) as i32;
-    let (winp, pp, tp, rp, ap, bp) = (
-        ptr(win)?,
-        ptr(proj)?,
-        ptr(w.conv_taps)?,
-        ptr(conv_rows)?,
-        ptr(w.neg_a)?,
-        ptr(w.dt_bias)?,
-    );
+    let Prepped { q, k, v, g, beta } = prep(win, proj, w, Some(conv_rows), dims)?;
+    let (hki, hvi, ti) = (hk as i32, hv as i32, t as i32);
     let (qp, kp, vp, gp, betap) = (ptr(&q)?, ptr(&k)?, ptr(&v)?, ptr(&g)?, ptr(&beta)?);
-    let f = dev.get_or_load_custom_func("gdn_prep", MODULE, PTX)?;
-    let mut b = f.builder();
-    b.arg(&winp).arg(&pp).arg(&tp).arg(&rp).arg(&ap).arg(&bp);
-    b.arg(&qp).arg(&kp).arg(&vp).arg(&gp).arg(&betap);
-    b.arg(&hki).arg(&hvi).arg(&ci).arg(&pi).arg(&ki).arg(&off_b);
-    go(
-        &mut b,
-        cfg(((c / d + 1) as u32, t as u32, 1), 128),
-        "gdn_prep",
-    )?;
     let o = alloc_f32(&dev, t * hv * d)?;
     let u = alloc_f32(&dev, t * hv * d)?;
     let (sp, op, up, orp, dp) = (ptr(s0)?, ptr(&o)?, ptr(&u)?, ptr(order)?, ptr(depth)?);

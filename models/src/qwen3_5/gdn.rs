@@ -414,15 +414,7 @@ impl GatedDeltaNet {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         crate::cuda::phases::mark(proj.device(), "gdn.join");
         let ext = Tensor::cat(&[&state.conv, &proj.narrow(1, 0, self.conv_dim())?], 0)?;
-        let w = crate::cuda::GdnWeights {
-            conv_taps: &self.conv_taps,
-            neg_a: &self.neg_a,
-            dt_bias: &self.dt_bias,
-            norm: &self.norm,
-            hk: self.hk,
-            hv: self.hv,
-            eps: self.eps,
-        };
+        let w = self.kernel_weights();
         let (y, states) = crate::cuda::gdn_chain(&ext, proj, &state.ssm, &w, all_states)?;
         Ok((y, states, ext))
     }
@@ -439,7 +431,14 @@ impl GatedDeltaNet {
         states: crate::cuda::ScanStates,
         writes: bool,
     ) -> Result<crate::cuda::SplitOut> {
-        let w = crate::cuda::GdnWeights {
+        let w = self.kernel_weights();
+        crate::cuda::gdn_split(&state.conv, proj, &state.ssm, &w, states, writes)
+    }
+
+    /// The layer's weights as the CUDA kernels take them.
+    #[cfg(feature = "cuda")]
+    fn kernel_weights(&self) -> crate::cuda::GdnWeights<'_> {
+        crate::cuda::GdnWeights {
             conv_taps: &self.conv_taps,
             neg_a: &self.neg_a,
             dt_bias: &self.dt_bias,
@@ -447,8 +446,21 @@ impl GatedDeltaNet {
             hk: self.hk,
             hv: self.hv,
             eps: self.eps,
-        };
-        crate::cuda::gdn_split(&state.conv, proj, &state.ssm, &w, states, writes)
+        }
+    }
+
+    /// Whether the split / tree kernels take `proj` (`[t, P]`) from `state`: CUDA bf16 rows
+    /// with an f32 state, head size 128, a conv kernel they hold, up to their token limit.
+    #[cfg(feature = "cuda")]
+    fn kernels_apply(&self, proj: &Tensor, state: &GdnState) -> Result<bool> {
+        Ok(proj.device().is_cuda()
+            && proj.dtype() == DType::BF16
+            && state.ssm.dtype() == DType::F32
+            && self.dk == crate::cuda::GDN_HEAD_DIM
+            && self.dv == crate::cuda::GDN_HEAD_DIM
+            && self.kernel <= crate::cuda::GDN_MAX_CONV
+            && (1..=crate::cuda::GDN_SPLIT_MAX_T).contains(&proj.dim(0)?)
+            && proj.is_contiguous())
     }
 
     /// A prefill's mixer (one sequence, no per-row state kept) on the split kernels
@@ -465,15 +477,7 @@ impl GatedDeltaNet {
     ) -> Result<Option<(Tensor, StagedState)>> {
         let t = proj.dim(0)?;
         let w1 = self.kernel - 1;
-        let applies = proj.device().is_cuda()
-            && proj.dtype() == DType::BF16
-            && state.ssm.dtype() == DType::F32
-            && self.dk == crate::cuda::GDN_HEAD_DIM
-            && self.dv == crate::cuda::GDN_HEAD_DIM
-            && self.kernel <= crate::cuda::GDN_MAX_CONV
-            && (1..=crate::cuda::GDN_SPLIT_MAX_T).contains(&t)
-            && proj.is_contiguous();
-        if !applies {
+        if !self.kernels_apply(proj, state)? {
             return Ok(None);
         }
         let out = self.mix_split(proj, state, crate::cuda::ScanStates::Last, false)?;
@@ -504,29 +508,13 @@ impl GatedDeltaNet {
         state: &GdnState,
     ) -> Result<Option<(Tensor, StagedState)>> {
         let t = proj.dim(0)?;
-        let applies = proj.device().is_cuda()
-            && proj.dtype() == DType::BF16
-            && state.ssm.dtype() == DType::F32
-            && self.dk == crate::cuda::GDN_HEAD_DIM
-            && self.dv == crate::cuda::GDN_HEAD_DIM
-            && self.kernel <= crate::cuda::GDN_MAX_CONV
-            && (1..=crate::cuda::GDN_SPLIT_MAX_T).contains(&t)
-            && forest.len() == t
-            && proj.is_contiguous();
+        let applies = self.kernels_apply(proj, state)? && forest.len() == t;
         let order = crate::qwen3_5::delta_rule::dfs_order(parents, crate::cuda::GDN_TREE_MAX_DEPTH);
         let (Some((order, depth)), true) = (order, applies) else {
             return Ok(None);
         };
         let dev = proj.device();
-        let w = crate::cuda::GdnWeights {
-            conv_taps: &self.conv_taps,
-            neg_a: &self.neg_a,
-            dt_bias: &self.dt_bias,
-            norm: &self.norm,
-            hk: self.hk,
-            hv: self.hv,
-            eps: self.eps,
-        };
+        let w = self.kernel_weights();
         let out = crate::cuda::gdn_tree(
             &state.conv,
             proj,

@@ -16,22 +16,22 @@ use crate::speculative::sampling::argmax;
 /// [641, 151936] f32 logits, copied all 390 MB, ~300 ms a step on an H100 VM (s18-server,
 /// `callE-h100`). `force_contiguous` copies the view alone on the device first.
 pub fn host_rows(logits: &Tensor) -> ModelResult<Vec<Vec<f32>>> {
-    let rows = if logits.device().is_cpu() {
-        logits.to_dtype(DType::F32)?
-    } else {
-        logits.force_contiguous()?.to_dtype(DType::F32)?
-    };
-    Ok(rows.to_vec2::<f32>()?)
+    Ok(view_f32(logits)?.to_vec2::<f32>()?)
 }
 
 /// One row `[vocab]` (a view, often) on the host: [`host_rows`] for a vector.
 pub fn host_row_f32(row: &Tensor) -> ModelResult<Vec<f32>> {
-    let row = if row.device().is_cpu() {
-        row.to_dtype(DType::F32)?
+    Ok(view_f32(row)?.to_vec1::<f32>()?)
+}
+
+/// `t` in f32 in a storage of its own size (on CUDA; the CPU reads views in place).
+fn view_f32(t: &Tensor) -> ModelResult<Tensor> {
+    let own = if t.device().is_cpu() {
+        t.clone()
     } else {
-        row.force_contiguous()?.to_dtype(DType::F32)?
+        t.force_contiguous()?
     };
-    Ok(row.to_vec1::<f32>()?)
+    Ok(own.to_dtype(DType::F32)?)
 }
 
 /// The argmax column of each row of `logits: [rows, vocab]` (0 for a row without a finite
