@@ -164,21 +164,30 @@ pub fn dflash_tensor_cores() -> bool {
     DFLASH_TENSOR_CORES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-static GDN_TREE_KERNEL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// 0: no call to [`set_gdn_tree_kernel`] (the environment decides), 1: on, 2: off.
+static GDN_TREE_KERNEL: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Whether a hybrid target's tree verify runs its GDN layers on the tree kernels
 /// (`gdn_split.cu` `gdn_scan_tree`: one scan over a depth-first order, three launches per layer)
-/// instead of the plain path's tree form in candle ops. Off until measured against the plain
-/// path on a GPU (`gpu_check --hybrid`, `gdn_tree_*` cases); `DFLASH_GDN_TREE_KERNEL=1` or this
-/// switch turns it on. Process-wide.
+/// instead of the plain path's tree form in candle ops. On by default: at the Qwen3.6-27B shape
+/// (H100, session 19) a DDTree-16 verify took 27.9 ms on them against 95.8 on the plain form,
+/// a DDTree-64 verify 34.3 against 492 (`gpu_check --hybrid` `gdn_tree_*` cases check them
+/// against the plain form). `DFLASH_GDN_TREE_KERNEL=0` or this switch turns them off.
+/// Process-wide.
 pub fn set_gdn_tree_kernel(on: bool) {
-    GDN_TREE_KERNEL.store(on, std::sync::atomic::Ordering::Relaxed);
+    GDN_TREE_KERNEL.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Whether [`set_gdn_tree_kernel`] (or `DFLASH_GDN_TREE_KERNEL=1`) turned the tree kernels on.
+/// Whether the tree kernels are on ([`set_gdn_tree_kernel`], else `DFLASH_GDN_TREE_KERNEL`,
+/// read once; on unless it is `0`).
 pub fn gdn_tree_kernel() -> bool {
-    GDN_TREE_KERNEL.load(std::sync::atomic::Ordering::Relaxed)
-        || std::env::var("DFLASH_GDN_TREE_KERNEL").is_ok_and(|v| v == "1")
+    static FROM_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    match GDN_TREE_KERNEL.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => *FROM_ENV
+            .get_or_init(|| std::env::var("DFLASH_GDN_TREE_KERNEL").map_or(true, |v| v != "0")),
+    }
 }
 
 /// Most rows the skinny GEMMs (`gemv*`) take (four m16 tiles per warp); wider products go to

@@ -327,6 +327,8 @@ impl DecoderLayer {
         }
         let (gate_up, experts) = match &mut self.mlp {
             FeedForward::Dense(mlp) => (Some(mlp.stack_gate_up()?), None),
+            // The dense-attention stack runs no shared expert (`qwen3_moe` has none).
+            FeedForward::Sparse(moe) if moe.has_shared_expert() => return Ok(()),
             FeedForward::Sparse(moe) => match moe.stack_experts()? {
                 Some(stacked) => (None, Some(stacked)),
                 None => return Ok(()),

@@ -250,6 +250,11 @@ impl SparseMoe {
         })
     }
 
+    /// Whether the block has the hybrids' shared expert.
+    pub fn has_shared_expert(&self) -> bool {
+        self.shared.is_some()
+    }
+
     /// The router `[E, H]`.
     pub fn router(&self) -> &Tensor {
         &self.gate
@@ -309,13 +314,10 @@ pub struct StackedExperts {
 }
 
 impl SparseMoe {
-    /// Stacks the experts into [`StackedExperts`] and re-points every expert at views of the
-    /// stacks (same values; the per-expert tensors are freed, so nothing is stored twice).
-    /// None for a block with a shared expert (the hybrids'), which the kernels do not run.
+    /// Stacks the routed experts into [`StackedExperts`] and re-points every expert at views of
+    /// the stacks (same values; the per-expert tensors are freed, so nothing is stored twice).
+    /// A shared expert (the hybrids') is not part of it: [`Self::stack_shared`].
     pub fn stack_experts(&mut self) -> Result<Option<StackedExperts>> {
-        if self.shared.is_some() {
-            return Ok(None);
-        }
         let (mut gates, mut ups, mut downs) = (Vec::new(), Vec::new(), Vec::new());
         for m in &self.experts {
             let (g, u, d) = m.weights();
@@ -339,6 +341,46 @@ impl SparseMoe {
             norm_topk_prob: self.norm_topk_prob,
         }))
     }
+}
+
+impl SparseMoe {
+    /// The shared expert for the device path: its `[gate; up]` stacked `[2S, H]` (the expert
+    /// re-pointed at views of it), its down projection `[H, S]` and its gate row `[1, H]`.
+    /// None for a block without one (`qwen3_moe`).
+    pub fn stack_shared(&mut self) -> Result<Option<SharedExpertWeights>> {
+        let Some(s) = &mut self.shared else {
+            return Ok(None);
+        };
+        let gate_up = s.mlp.stack_gate_up()?;
+        Ok(Some(SharedExpertWeights {
+            gate_up,
+            down: s.mlp.weights().2.clone(),
+            gate: s.gate.clone(),
+        }))
+    }
+}
+
+impl SparseMoe {
+    /// The shared expert's gate row `[1, H]`, stacked `[gate; up]` `[2S, H]` and down `[H, S]`
+    /// (copies; for checks that rebuild the block from its pieces). Errors without one.
+    pub fn shared_parts_for_checks(&self) -> Result<(Tensor, Tensor, Tensor)> {
+        let Some(s) = &self.shared else {
+            candle_core::bail!("the block has no shared expert")
+        };
+        let (g, u, d) = s.mlp.weights();
+        Ok((s.gate.clone(), Tensor::cat(&[g, u], 0)?, d.clone()))
+    }
+}
+
+/// A shared expert's weights as the device path reads them ([`SparseMoe::stack_shared`]).
+#[derive(Debug, Clone)]
+pub struct SharedExpertWeights {
+    /// `[2S, H]`, gate rows first.
+    pub gate_up: Tensor,
+    /// `[H, S]`.
+    pub down: Tensor,
+    /// `[1, H]`: `sigmoid(x @ gateᵀ)` scales the expert's output per token.
+    pub gate: Tensor,
 }
 
 /// One token's routing: `(expert, weight)` for the top `k` of `softmax(logits)` computed in
@@ -459,13 +501,22 @@ mod tests {
         assert!(same(&gu.narrow(0, 8, 8).unwrap(), &u));
         assert!(same(&s.down.get(2).unwrap(), &d));
         assert_eq!(m.forward(&x).unwrap().to_vec2::<f32>().unwrap(), before);
-        // A block with a shared expert is left as it is.
+        assert!(m.stack_shared().unwrap().is_none());
+        // A block with a shared expert (the hybrids'): the routed experts stack the same way,
+        // the shared one separately, and the block's forward stays bit-identical.
         let shared = MoeConfig {
             shared_expert_intermediate_size: Some(8),
             ..cfg
         };
         let mut h = SparseMoe::random(&mut rng, &shared, 16, DType::F32, &Device::Cpu).unwrap();
-        assert!(h.stack_experts().unwrap().is_none());
+        let before = h.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        let s = h.stack_experts().unwrap().unwrap();
+        assert_eq!(s.gate_up.dims(), &[4, 16, 16]);
+        let sh = h.stack_shared().unwrap().unwrap();
+        assert_eq!(sh.gate_up.dims(), &[16, 16]);
+        assert_eq!(sh.down.dims(), &[16, 8]);
+        assert_eq!(sh.gate.dims(), &[1, 16]);
+        assert_eq!(h.forward(&x).unwrap().to_vec2::<f32>().unwrap(), before);
     }
 
     #[test]

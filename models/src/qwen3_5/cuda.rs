@@ -118,15 +118,24 @@ impl Qwen35Model {
             mark(&dev, out_label);
             let (x1, ss1) = cuda::gemv_resid(&mixed, o_proj, &x, Some(&counter), None)?;
             mark(&dev, "mlp");
-            let (gate_up, down) = layer.fused_mlp()?;
             let norm = RowNorm {
                 ss: ss1.as_ref(),
                 weight: &layer.post_norm,
                 eps,
             };
-            let act = cuda::gemv_silu(&x1, gate_up, Some(norm))?;
-            let down_counter = (!one_row).then_some(&counter);
-            let (x2, ss2) = cuda::gemv_resid(&act, down, &x1, down_counter, None)?;
+            let (x2, ss2) = if layer.is_sparse() {
+                // The next layer's input norm sums its rows itself (no sums from here).
+                let h = cuda::rms_apply(&x1, norm)?;
+                let x2 = layer.moe_on_device(&x1, &h)?.ok_or_else(|| {
+                    ModelError::Unsupported("a sparse layer without its device block".into())
+                })?;
+                (x2, None)
+            } else {
+                let (gate_up, down) = layer.fused_mlp()?;
+                let act = cuda::gemv_silu(&x1, gate_up, Some(norm))?;
+                let down_counter = (!one_row).then_some(&counter);
+                cuda::gemv_resid(&act, down, &x1, down_counter, None)?
+            };
             x = x2;
             ss = ss2;
             tapped.layer_output(li, &x);

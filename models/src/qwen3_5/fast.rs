@@ -7,7 +7,9 @@ use candle_core::{DType, Tensor};
 #[cfg(feature = "cuda")]
 use crate::error::ModelError;
 use crate::error::ModelResult;
-use crate::layers::moe::FeedForward;
+use crate::layers::moe::{FeedForward, SharedExpertWeights, SparseMoe, StackedExperts};
+#[cfg(feature = "cuda")]
+use crate::cuda::decoder_stack::MOE_DEVICE_MAX_ROWS;
 #[cfg(feature = "cuda")]
 use crate::layers::ops::OpsMode;
 use crate::qwen3_5::{HybridLayer, Mixer, Qwen35Model};
@@ -55,7 +57,96 @@ impl GdnPaths {
     }
 }
 
+/// A sparse-MoE layer's block as the device path reads it: the routed experts stacked for
+/// `cuda::moe_block` (router, routing and only the selected experts on the device, no host
+/// sync) and the shared expert's stacked weights.
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub struct MoeKernels {
+    experts: StackedExperts,
+    shared: Option<SharedExpertWeights>,
+}
+
+impl MoeKernels {
+    /// Stacks `moe`'s experts (re-pointing them at views of the stacks: the plain block keeps
+    /// its values and shares the memory).
+    pub fn stack(moe: &mut SparseMoe) -> candle_core::Result<Option<Self>> {
+        Ok(match moe.stack_experts()? {
+            Some(experts) => Some(Self {
+                experts,
+                shared: moe.stack_shared()?,
+            }),
+            None => None,
+        })
+    }
+
+    /// `x1 + moe(h)` on the device for `h = norm(x1)` (`[rows, H]`, CUDA bf16, at most
+    /// [`MOE_DEVICE_MAX_ROWS`] rows): the shared expert (skinny GEMMs up to
+    /// [`crate::cuda::GEMV_MAX_ROWS`] rows, cuBLAS above) scaled by its sigmoid gate and added
+    /// to `x1`, then the routed experts with that sum as the residual of `cuda::moe_block`'s
+    /// combine. The same math as `SparseMoe::forward` (to bf16 rounding: the sums are grouped
+    /// differently). None where it does not apply (the caller runs the plain block).
+    #[cfg(feature = "cuda")]
+    pub fn apply(&self, x1: &Tensor, h: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        use crate::cuda;
+        use crate::layers::ops::linear;
+        let rows = h.dim(0)?;
+        if !h.device().is_cuda() || h.dtype() != DType::BF16 || rows > MOE_DEVICE_MAX_ROWS {
+            return Ok(None);
+        }
+        let resid = match &self.shared {
+            Some(sh) => {
+                let out = if rows <= cuda::GEMV_MAX_ROWS {
+                    let act = cuda::gemv_silu(h, &sh.gate_up, None)?;
+                    cuda::gemv(&act, &sh.down, None)?
+                } else {
+                    let gu = linear(h, &sh.gate_up)?;
+                    let s = sh.down.dim(1)?;
+                    let act = (candle_nn::ops::silu(&gu.narrow(1, 0, s)?)? * gu.narrow(1, s, s)?)?;
+                    linear(&act, &sh.down)?
+                };
+                let g = candle_nn::ops::sigmoid(&linear(h, &sh.gate)?)?;
+                (x1 + out.broadcast_mul(&g)?)?
+            }
+            None => x1.clone(),
+        };
+        let w = cuda::MoeWeights {
+            router: &self.experts.router,
+            gate_up: &self.experts.gate_up,
+            down: &self.experts.down,
+            top_k: self.experts.top_k,
+            norm_topk_prob: self.experts.norm_topk_prob,
+        };
+        Ok(Some(cuda::moe_block(h, None, &w, Some(&resid), false)?.0))
+    }
+}
+
 impl HybridLayer {
+    /// [`MoeKernels::apply`] for a sparse layer; None for a dense one.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn moe_on_device(&self, x1: &Tensor, h: &Tensor) -> ModelResult<Option<Tensor>> {
+        match &self.moe {
+            Some(k) => Ok(k.apply(x1, h)?),
+            None => Ok(None),
+        }
+    }
+
+    /// Without CUDA there is no device block.
+    #[cfg(not(feature = "cuda"))]
+    pub(crate) fn moe_on_device(
+        &self,
+        _x1: &candle_core::Tensor,
+        _h: &candle_core::Tensor,
+    ) -> ModelResult<Option<candle_core::Tensor>> {
+        Ok(None)
+    }
+
+    /// Whether the layer's MLP is a sparse-MoE block.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn is_sparse(&self) -> bool {
+        matches!(self.mlp, FeedForward::Sparse(_))
+    }
+
     /// The stacked gate/up and the down projection of a dense MLP (fused path only).
     #[cfg(feature = "cuda")]
     pub(crate) fn fused_mlp(&self) -> ModelResult<(&Tensor, &Tensor)> {
@@ -70,7 +161,7 @@ impl HybridLayer {
 
 impl Qwen35Model {
     /// Whether the fused CUDA forward can run this model: CUDA, bf16, inference mode, dense
-    /// MLPs, GDN heads of 128 with a conv of at most 4 taps, and every projection in the
+    /// MLPs or sparse-MoE blocks the device kernels take, GDN heads of 128 with a conv of at most 4 taps, and every projection in the
     /// skinny GEMMs' shapes (`k % 256 == 0`, `n % 16 == 0`; true for the published shapes).
     pub fn fast_kernels_available(&self) -> bool {
         #[cfg(feature = "cuda")]
@@ -80,10 +171,20 @@ impl Qwen35Model {
             let h = c.hidden_size;
             let (nh, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
             let hv_dv = c.linear_num_value_heads * c.linear_value_head_dim;
+            let has_dense = c.moe.is_none() || c.sparse_layers.iter().any(|s| !s);
             self.device.is_cuda()
                 && self.dtype == DType::BF16
                 && self.mode == OpsMode::Fused
-                && c.moe.is_none()
+                && c.moe.as_ref().is_none_or(|m| {
+                    crate::cuda::moe_shape_fits(
+                        m.num_experts,
+                        h,
+                        m.moe_intermediate_size,
+                        m.num_experts_per_tok,
+                    ) && m
+                        .shared_expert_intermediate_size
+                        .is_none_or(|s| fits(2 * s, h) && fits(h, s))
+                })
                 && c.linear_key_head_dim == crate::cuda::GDN_HEAD_DIM
                 && c.linear_value_head_dim == crate::cuda::GDN_HEAD_DIM
                 && c.linear_conv_kernel_dim <= crate::cuda::GDN_MAX_CONV
@@ -91,8 +192,8 @@ impl Qwen35Model {
                 && fits(h, hv_dv)
                 && fits(2 * nh * d + 2 * nkv * d, h)
                 && fits(h, nh * d)
-                && fits(c.intermediate_size, h)
-                && fits(h, c.intermediate_size)
+                && (!has_dense || fits(c.intermediate_size, h))
+                && (!has_dense || fits(h, c.intermediate_size))
                 && fits(c.vocab_size, h)
         }
         #[cfg(not(feature = "cuda"))]
@@ -107,8 +208,9 @@ impl Qwen35Model {
                 if let Mixer::Full(a) = &mut l.mixer {
                     a.fuse_projections()?;
                 }
-                if let FeedForward::Dense(m) = &mut l.mlp {
-                    l.gate_up = Some(m.stack_gate_up()?);
+                match &mut l.mlp {
+                    FeedForward::Dense(m) => l.gate_up = Some(m.stack_gate_up()?),
+                    FeedForward::Sparse(m) => l.moe = MoeKernels::stack(m)?,
                 }
             }
             self.fast = true;
@@ -122,7 +224,7 @@ impl Qwen35Model {
         self.fast = on
             && self.fast_kernels_available()
             && self.layers.iter().all(|l| {
-                l.gate_up.is_some()
+                (l.gate_up.is_some() || l.moe.is_some())
                     && match &l.mixer {
                         Mixer::Full(a) => a.fused_qkv().is_some(),
                         Mixer::Linear(_) => true,

@@ -511,6 +511,18 @@ impl GatedDeltaNet {
         let applies = self.kernels_apply(proj, state)? && forest.len() == t;
         let order = crate::qwen3_5::delta_rule::dfs_order(parents, crate::cuda::GDN_TREE_MAX_DEPTH);
         let (Some((order, depth)), true) = (order, applies) else {
+            // Visible once per process: a declined tree runs the plain tree form (~15x slower
+            // for 64 nodes at the 27B shape), which a benchmark must be able to see.
+            static DECLINED: std::sync::Once = std::sync::Once::new();
+            DECLINED.call_once(|| {
+                tracing::warn!(
+                    rows = t,
+                    kernels_apply = applies,
+                    max_depth = crate::cuda::GDN_TREE_MAX_DEPTH,
+                    state_contiguous = state.ssm.is_contiguous(),
+                    "GDN tree kernels declined a verify tree (plain tree form instead; logged once)"
+                )
+            });
             return Ok(None);
         };
         let dev = proj.device();

@@ -45,7 +45,7 @@ use crate::layers::rope::RotaryEmbedding;
 use crate::qwen3_5::delta_rule::Forest;
 use crate::random::WeightRng;
 use crate::taps::TapCollector;
-pub use fast::{GdnPath, GdnPaths};
+pub use fast::{GdnPath, GdnPaths, MoeKernels};
 pub use gated_attention::{one_plus, GatedAttention};
 pub use gdn::{DeltaForm, GatedDeltaNet};
 #[cfg(feature = "cuda")]
@@ -67,6 +67,8 @@ pub struct HybridLayer {
     mlp: FeedForward,
     /// `[gate; up]` stacked for the fused CUDA path (the dense MLP's two re-pointed at views).
     gate_up: Option<Tensor>,
+    /// A sparse layer's block stacked for the device path (`fast.rs`).
+    moe: Option<fast::MoeKernels>,
 }
 
 #[derive(Debug, Clone)]
@@ -177,6 +179,7 @@ impl Qwen35Model {
                     device,
                 )?,
                 gate_up: None,
+                moe: None,
             });
         }
         let norm = one_plus(&w.tensor(&format!("{pre}norm.weight"), &[h], dtype, device)?)?;
@@ -232,6 +235,7 @@ impl Qwen35Model {
                     device,
                 )?,
                 gate_up: None,
+                moe: None,
             });
         }
         let norm = rng.norm(h, dtype, device)?;
@@ -590,7 +594,16 @@ impl Qwen35Model {
             };
             let x1 = (x + mixed)?;
             let h2 = rms_norm(&x1, &layer.post_norm, self.cfg.rms_norm_eps, self.mode)?;
-            x = (&x1 + layer.mlp.forward(&h2)?)?;
+            // A sparse layer on the fast path: the block on the device (no host routing, so
+            // trees and prefill pieces stay sync-free); else the plain block.
+            let on_device = match self.fast {
+                true => layer.moe_on_device(&x1, &h2)?,
+                false => None,
+            };
+            x = match on_device {
+                Some(x2) => x2,
+                None => (&x1 + layer.mlp.forward(&h2)?)?,
+            };
             tapped.layer_output(li, &x);
         }
         for (s, seq) in batch.iter_mut().enumerate() {

@@ -309,6 +309,10 @@ fn main() -> Result<()> {
         println!("moe block {b}");
         report.insert("moe_block".into(), b);
         save(&report)?;
+        let b = or_err(moe::hybrid_block_check(&dev));
+        println!("moe hybrid block {b}");
+        report.insert("moe_hybrid_block".into(), b);
+        save(&report)?;
         let f = or_err(moe_forward::forward_check(&dev));
         println!("moe forward {f}");
         report.insert("moe_target_fused_vs_plain_4_layers".into(), f);

@@ -182,3 +182,85 @@ pub fn block_check(dev: &Device) -> Result<Value> {
     res.insert("pass".into(), json!(pass));
     Ok(Value::Object(res))
 }
+
+/// The hybrids' sparse block (Qwen3.6-35B-A3B shape: hidden 2048, 256 experts, top 8
+/// renormalised, width 512, a shared expert of 512 with its sigmoid gate) on the device
+/// (`qwen3_5::MoeKernels::apply`: the shared expert beside `cuda::moe_block`) against the plain
+/// block, `x1 + moe(h)` for 1 / 16 / 64 / 100 rows; pass as the block check: max / mean rel err
+/// within [`TOL`] / [`MEAN_TOL`] of the plain bf16 block (the plain f32 block reported as the
+/// noise floor). Wrong case: the plain block's output without the shared expert's gate (the
+/// expert added at full weight) must fail.
+pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
+    use dflash_models::qwen3_5::MoeKernels;
+    let cfg = MoeConfig {
+        num_experts: 256,
+        num_experts_per_tok: 8,
+        moe_intermediate_size: 512,
+        shared_expert_intermediate_size: Some(512),
+        norm_topk_prob: true,
+    };
+    let h = 2048;
+    let mut rng = WeightRng::on_device().rounded_to(DType::BF16);
+    let f32_block = SparseMoe::random(&mut rng, &cfg, h, DType::F32, dev)?;
+    let mut bf16_block = f32_block.to_dtype(DType::BF16)?;
+    let kernels = MoeKernels::stack(&mut bf16_block)?
+        .ok_or_else(|| anyhow::anyhow!("the block did not stack"))?;
+    let mut out = serde_json::Map::new();
+    let mut all = true;
+    for rows in [1usize, 16, 64, 100] {
+        let x1 = rng.normal(&[rows, h], 0.0, 1.0, DType::BF16, dev)?;
+        let hn = rng.normal(&[rows, h], 0.0, 1.0, DType::BF16, dev)?;
+        let plain = (&x1 + bf16_block.forward(&hn)?)?;
+        let exact = (x1.to_dtype(DType::F32)? + f32_block.forward(&hn.to_dtype(DType::F32)?)?)?;
+        let device = kernels
+            .apply(&x1, &hn)?
+            .ok_or_else(|| anyhow::anyhow!("the device block refused {rows} rows"))?;
+        let e = errs(&device, &plain)?;
+        let pass = within(e);
+        all &= pass;
+        let ms = time_ms(dev, 20, || {
+            kernels.apply(&x1, &hn)?;
+            Ok(())
+        })?;
+        let plain_ms = time_ms(dev, 5, || {
+            bf16_block.forward(&hn)?;
+            Ok(())
+        })?;
+        out.insert(
+            format!("rows_{rows}"),
+            json!({
+                "pass": pass, "device_vs_plain_bf16": e,
+                "device_vs_plain_f32": errs(&device, &exact)?,
+                "plain_bf16_vs_plain_f32": errs(&plain, &exact)?,
+                "device_ms": ms, "plain_ms": plain_ms,
+            }),
+        );
+    }
+    // Wrong case: the shared expert ungated (sigmoid gate dropped): the plain block with its
+    // gated shared expert swapped for the whole one, built from the plain pieces.
+    let rows = 16;
+    let x1 = rng.normal(&[rows, h], 0.0, 1.0, DType::BF16, dev)?;
+    let hn = rng.normal(&[rows, h], 0.0, 1.0, DType::BF16, dev)?;
+    let device = kernels
+        .apply(&x1, &hn)?
+        .ok_or_else(|| anyhow::anyhow!("the device block refused {rows} rows"))?;
+    let ungated = {
+        let (gate_w, shared_gate_up, shared_down) = bf16_block.shared_parts_for_checks()?;
+        let gu = linear(&hn, &shared_gate_up)?;
+        let s = shared_down.dim(1)?;
+        let act = (gu.narrow(1, 0, s)?.silu()? * gu.narrow(1, s, s)?)?;
+        let shared = linear(&act, &shared_down)?;
+        let g = (linear(&hn, &gate_w)?.neg()?.exp()? + 1.0)?.recip()?;
+        let gated = shared.broadcast_mul(&g)?;
+        // plain = x1 + routed + gated; the wrong block adds the ungated expert instead.
+        ((&x1 + bf16_block.forward(&hn)?)? - gated + shared)?
+    };
+    let wrong = errs(&device, &ungated)?;
+    let wrong_fails = !within(wrong);
+    out.insert(
+        "wrong_shared_expert_ungated".into(),
+        json!({"errs": wrong, "fails_as_it_must": wrong_fails}),
+    );
+    out.insert("pass".into(), json!(all && wrong_fails));
+    Ok(Value::Object(out))
+}
