@@ -41,6 +41,8 @@ fn main() -> anyhow::Result<()> {
     // `dflash-serve bench ...` is the benchmark (its own flags); everything else is the server.
     let argv: Vec<String> = std::env::args().collect();
     if argv.get(1).map(String::as_str) == Some("bench") {
+        // Warnings (a kernel path declined, a fallback taken) belong in a benchmark's log.
+        init_tracing("warning")?;
         return bench::main(argv[1..].to_vec());
     }
     let args = Args::parse_sglang();

@@ -372,8 +372,12 @@ pub fn regenerate(args: &RegenerateArgs) -> Result<RegenSummary, RegenError> {
         },
     );
 
+    if device.is_cuda() {
+        use_kv_pool(&mut engine, &device, args.batch_size, context, &args.target_model)?;
+    }
     let bar = ProgressBar::new(lines.len() as u64);
-    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+    let on_terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    if on_terminal {
         bar.set_style(
             ProgressStyle::with_template(
                 "{bar:30} {pos}/{len} records [{elapsed_precise} < {eta_precise}] {msg}",
@@ -488,11 +492,15 @@ pub fn regenerate(args: &RegenerateArgs) -> Result<RegenSummary, RegenError> {
         write_progress(&ppath, &progress)?;
         batches += 1;
         bar.set_position(end as u64);
-        bar.set_message(format!(
-            "{:.0} tok/s, {} skipped",
-            new_tokens as f64 / started.elapsed().as_secs_f64().max(1e-9),
-            progress.skipped
-        ));
+        let rate = new_tokens as f64 / started.elapsed().as_secs_f64().max(1e-9);
+        bar.set_message(format!("{rate:.0} tok/s, {} skipped", progress.skipped));
+        if !on_terminal {
+            tracing::info!(
+                "{end}/{} records, {rate:.0} generated tok/s, {} skipped",
+                lines.len(),
+                progress.skipped
+            );
+        }
     }
     bar.finish_and_clear();
     Ok(RegenSummary {
@@ -501,6 +509,37 @@ pub fn regenerate(args: &RegenerateArgs) -> Result<RegenSummary, RegenError> {
         skipped: progress.skipped,
         complete: true,
     })
+}
+
+/// On CUDA the batch decodes in a paged K/V pool (as the server does), so its rounds run as
+/// batched steps instead of one forward per sequence. Sized for the whole batch at full
+/// context, capped at half the free device memory (logits and activations beside it); the
+/// engine retracts and resumes sequences if a batch ever needs more.
+fn use_kv_pool(
+    engine: &mut Engine,
+    device: &Device,
+    batch: usize,
+    context: usize,
+    target: &Path,
+) -> Result<(), RegenError> {
+    let per_row = engine.kv_bytes_per_row().max(1);
+    let free = dflash_models::probe::device_memory(device)
+        .map_err(|e| RegenError::Target {
+            path: target.to_path_buf(),
+            message: format!("reading free device memory: {e}"),
+        })?
+        .map_or(0, |(free, _)| free);
+    let tokens = batch.saturating_mul(context).min(free / 2 / per_row);
+    engine.use_kv_pool(tokens).map_err(|e| RegenError::Target {
+        path: target.to_path_buf(),
+        message: format!("allocating a K/V pool of {tokens} tokens: {e} (lower --batch-size or --context-length)"),
+    })?;
+    tracing::info!(
+        "K/V pool: {} tokens ({:.2} GB) for batches of {batch}",
+        engine.kv_pool_tokens().unwrap_or(0),
+        (engine.kv_pool_tokens().unwrap_or(0) * per_row) as f64 / 1e9
+    );
+    Ok(())
 }
 
 pub fn run(args: RegenerateArgs) -> anyhow::Result<()> {
