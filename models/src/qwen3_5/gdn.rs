@@ -204,6 +204,20 @@ impl GatedDeltaNet {
         )
     }
 
+    /// The same layer with its model-dtype weights cast to `dtype` (the f32 decay terms stay
+    /// as they are): a bf16 layer's exact f32 copy, the reference of the kernel checks.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        Ok(Self {
+            in_proj: self.in_proj.to_dtype(dtype)?,
+            conv_taps: self.conv_taps.to_dtype(dtype)?,
+            neg_a: self.neg_a.clone(),
+            dt_bias: self.dt_bias.clone(),
+            norm: self.norm.to_dtype(dtype)?,
+            out_proj: self.out_proj.to_dtype(dtype)?,
+            ..*self
+        })
+    }
+
     pub fn conv_dim(&self) -> usize {
         2 * self.hk * self.dk + self.hv * self.dv
     }

@@ -33,6 +33,10 @@ use crate::time_ms;
 pub const TOL: f32 = 2e-2;
 pub const MEAN_TOL: f32 = 1e-3;
 
+/// The hybrid block check's bound: the device block's mean rel err against the exact f32
+/// block over the plain bf16 block's (see [`hybrid_block_check`]).
+pub const HYBRID_MEAN_VS_F32: f32 = 1.25;
+
 pub fn coder_block() -> MoeConfig {
     MoeConfig {
         num_experts: 128,
@@ -186,10 +190,14 @@ pub fn block_check(dev: &Device) -> Result<Value> {
 /// The hybrids' sparse block (Qwen3.6-35B-A3B shape: hidden 2048, 256 experts, top 8
 /// renormalised, width 512, a shared expert of 512 with its sigmoid gate) on the device
 /// (`qwen3_5::MoeKernels::apply`: the shared expert beside `cuda::moe_block`) against the plain
-/// block, `x1 + moe(h)` for 1 / 16 / 64 / 100 rows; pass as the block check: max / mean rel err
-/// within [`TOL`] / [`MEAN_TOL`] of the plain bf16 block (the plain f32 block reported as the
-/// noise floor). Wrong case: the plain block's output without the shared expert's gate (the
-/// expert added at full weight) must fail.
+/// block, `x1 + moe(h)` for 1 / 16 / 64 / 100 rows. The device path rounds `x1 + shared` to
+/// bf16 before the routed experts' combine adds to it, where the plain block rounds
+/// `routed + shared` first: one more rounding of a unit-size sum, about 1.5e-3 of mean rel err
+/// against the plain bf16 block (H100, session 19: 1.40e-3..1.51e-3), above the routed
+/// block's [`MEAN_TOL`]. So the pass is against the exact f32 block: the device's max rel err
+/// within [`TOL`] of the plain bf16 block, and its mean rel err against f32 at most
+/// [`HYBRID_MEAN_VS_F32`] times the plain bf16 block's own (measured 1.04x..1.16x). Wrong case:
+/// the shared expert ungated (added at full weight) must fail [`within`] against the device.
 pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
     use dflash_models::qwen3_5::MoeKernels;
     let cfg = MoeConfig {
@@ -216,7 +224,8 @@ pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
             .apply(&x1, &hn)?
             .ok_or_else(|| anyhow::anyhow!("the device block refused {rows} rows"))?;
         let e = errs(&device, &plain)?;
-        let pass = within(e);
+        let (vs_f32, floor) = (errs(&device, &exact)?, errs(&plain, &exact)?);
+        let pass = e[0] <= TOL && vs_f32[1] <= HYBRID_MEAN_VS_F32 * floor[1];
         all &= pass;
         let ms = time_ms(dev, 20, || {
             kernels.apply(&x1, &hn)?;
@@ -230,8 +239,8 @@ pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
             format!("rows_{rows}"),
             json!({
                 "pass": pass, "device_vs_plain_bf16": e,
-                "device_vs_plain_f32": errs(&device, &exact)?,
-                "plain_bf16_vs_plain_f32": errs(&plain, &exact)?,
+                "device_vs_plain_f32": vs_f32,
+                "plain_bf16_vs_plain_f32": floor,
                 "device_ms": ms, "plain_ms": plain_ms,
             }),
         );
