@@ -529,9 +529,14 @@ impl GatedDeltaNet {
             // for 64 nodes at the 27B shape), which a benchmark must be able to see.
             static DECLINED: std::sync::Once = std::sync::Once::new();
             DECLINED.call_once(|| {
+                let depth = crate::qwen3_5::delta_rule::dfs_order(parents, usize::MAX)
+                    .and_then(|(_, d)| d.into_iter().max());
                 tracing::warn!(
                     rows = t,
+                    forest_rows = forest.len(),
                     kernels_apply = applies,
+                    // None: a parent after its child (not a topological order).
+                    tree_depth = ?depth,
                     max_depth = crate::cuda::GDN_TREE_MAX_DEPTH,
                     state_contiguous = state.ssm.is_contiguous(),
                     "GDN tree kernels declined a verify tree (plain tree form instead; logged once)"
