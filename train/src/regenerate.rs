@@ -373,7 +373,13 @@ pub fn regenerate(args: &RegenerateArgs) -> Result<RegenSummary, RegenError> {
     );
 
     if device.is_cuda() {
-        use_kv_pool(&mut engine, &device, args.batch_size, context, &args.target_model)?;
+        use_kv_pool(
+            &mut engine,
+            &device,
+            args.batch_size,
+            context,
+            &args.target_model,
+        )?;
     }
     let bar = ProgressBar::new(lines.len() as u64);
     let on_terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());

@@ -5,11 +5,11 @@
 use candle_core::{DType, Tensor};
 
 #[cfg(feature = "cuda")]
+use crate::cuda::decoder_stack::MOE_DEVICE_MAX_ROWS;
+#[cfg(feature = "cuda")]
 use crate::error::ModelError;
 use crate::error::ModelResult;
 use crate::layers::moe::{FeedForward, SharedExpertWeights, SparseMoe, StackedExperts};
-#[cfg(feature = "cuda")]
-use crate::cuda::decoder_stack::MOE_DEVICE_MAX_ROWS;
 #[cfg(feature = "cuda")]
 use crate::layers::ops::OpsMode;
 use crate::qwen3_5::{HybridLayer, Mixer, Qwen35Model};
@@ -102,7 +102,8 @@ impl MoeKernels {
                 } else {
                     let gu = linear(h, &sh.gate_up)?;
                     let s = sh.down.dim(1)?;
-                    let act = (candle_nn::ops::silu(&gu.narrow(1, 0, s)?)? * gu.narrow(1, s, s)?)?;
+                    let act =
+                        (candle_nn::ops::silu(&gu.narrow(1, 0, s)?)? * gu.narrow(1, s, s)?)?;
                     linear(&act, &sh.down)?
                 };
                 let g = candle_nn::ops::sigmoid(&linear(h, &sh.gate)?)?;
@@ -285,5 +286,58 @@ mod tests {
         assert!(!m.fast_kernels_available());
         assert!(!m.fast_kernels());
         assert!(!m.with_fast_kernels(true).fast_kernels());
+    }
+
+    /// `GatedDeltaNet::to_dtype` is the kernel checks' f32 reference (`gpu_check --hybrid`):
+    /// an f32 layer's copy mixes bit-identically, and a bf16 layer's f32 copy holds exactly
+    /// the bf16 weights and mixes within bf16 rounding of the bf16 layer.
+    #[test]
+    fn a_gdn_layers_f32_copy_holds_its_weights_and_mixes_as_it_does() {
+        use crate::qwen3_5::delta_rule::Forest;
+        use crate::qwen3_5::GatedDeltaNet;
+        let v = serde_json::json!({
+            "model_type": "qwen3_5_text", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 16, "layer_types": ["linear_attention"],
+            "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+        });
+        let cfg = HybridConfig::from_value(std::path::Path::new("gdn-copy"), &v).unwrap();
+        let cpu = Device::Cpu;
+        let chain: Vec<Option<usize>> = (0..5).map(|i: usize| i.checked_sub(1)).collect();
+        let forest = Forest::new(&[chain.as_slice()], 4, &cpu).unwrap();
+        let mix = |g: &GatedDeltaNet, proj: &candle_core::Tensor, dtype: DType| {
+            let state = g.zero_state(dtype, &cpu).unwrap();
+            let (y, _) = g.mix(proj, &forest, &[&state], &[false], true).unwrap();
+            y.to_dtype(DType::F32).unwrap()
+        };
+        let g = GatedDeltaNet::random(&mut WeightRng::new(3), &cfg, DType::F32, &cpu).unwrap();
+        // Projection width: q|k|v (the conv), z (Hv x dv), b and a (Hv each).
+        let p = g.conv_dim() + 2 * 8 + 2 * 2;
+        let proj = WeightRng::new(4)
+            .normal(&[5, p], 0.0, 1.0, DType::BF16, &cpu)
+            .unwrap();
+        let proj32 = proj.to_dtype(DType::F32).unwrap();
+        let same = g.to_dtype(DType::F32).unwrap();
+        assert_eq!(
+            mix(&g, &proj32, DType::F32).to_vec2::<f32>().unwrap(),
+            mix(&same, &proj32, DType::F32).to_vec2::<f32>().unwrap()
+        );
+        let gb = GatedDeltaNet::random(&mut WeightRng::new(3), &cfg, DType::BF16, &cpu).unwrap();
+        let g32 = gb.to_dtype(DType::F32).unwrap();
+        assert_eq!(
+            g32.in_proj.to_vec2::<f32>().unwrap(),
+            gb.in_proj
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap()
+        );
+        let (yb, y32) = (mix(&gb, &proj, DType::BF16), mix(&g32, &proj32, DType::F32));
+        let err = (&yb - &y32).unwrap().abs().unwrap().max_all().unwrap();
+        let scale = y32.abs().unwrap().max_all().unwrap();
+        let rel = err.to_scalar::<f32>().unwrap() / scale.to_scalar::<f32>().unwrap();
+        assert!(rel < 2e-2, "bf16 layer vs its f32 copy: {rel}");
     }
 }
