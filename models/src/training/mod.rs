@@ -10,4 +10,5 @@
 pub mod adamw;
 pub mod attn_dflash;
 pub mod attn_dflash_ref;
+pub mod explicit_mlp;
 pub mod linear_ce;
