@@ -17,7 +17,9 @@
 //! existing `rms_bwd` / `silu_bwd` kernels, cuBLASLt GEMMs accumulating into the flat gradient
 //! buffer) will be checked against; the test checks it against candle's autograd.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{Result, Tensor};
+
+use super::explicit_proj::{rms_backward, rms_forward};
 
 /// The MLP half's weights: the post-attention norm's `[H]`, gate and up `[I, H]`, down `[H, I]`.
 pub struct MlpWeights<'a> {
@@ -54,15 +56,7 @@ fn mm_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// `y = x1 + down(silu(gate(n)) * up(n))`, `x1: [rows, H]`; the norm in f32 as
 /// [`crate::layers::ops::rms_norm`].
 pub fn forward(x1: &Tensor, w: &MlpWeights<'_>) -> Result<(Tensor, MlpSaved)> {
-    let dtype = x1.dtype();
-    let xf = x1.to_dtype(DType::F32)?;
-    let inv_rms = (xf.sqr()?.mean_keepdim(D::Minus1)? + w.eps)?
-        .sqrt()?
-        .recip()?;
-    let n = xf
-        .broadcast_mul(&inv_rms)?
-        .to_dtype(dtype)?
-        .broadcast_mul(w.norm)?;
+    let (n, inv_rms) = rms_forward(x1, w.norm, w.eps)?;
     let g = mm_t(&n, w.gate)?;
     let u = mm_t(&n, w.up)?;
     let a = (g.silu()? * &u)?;
@@ -82,7 +76,6 @@ pub fn forward(x1: &Tensor, w: &MlpWeights<'_>) -> Result<(Tensor, MlpSaved)> {
 
 /// The gradient of the input `x1` and of every weight, from `dy` (the gradient of `y`).
 pub fn backward(s: &MlpSaved, dy: &Tensor, w: &MlpWeights<'_>) -> Result<(Tensor, MlpGrads)> {
-    let dtype = dy.dtype();
     let down = dy.t()?.matmul(&s.a)?;
     let da = dy.matmul(w.down)?;
     let sig = candle_nn::ops::sigmoid(&s.g)?;
@@ -93,15 +86,8 @@ pub fn backward(s: &MlpSaved, dy: &Tensor, w: &MlpWeights<'_>) -> Result<(Tensor
     let gate = dg.t()?.matmul(&s.n)?;
     let up = du.t()?.matmul(&s.n)?;
     let dn = (dg.matmul(w.gate)? + du.matmul(w.up)?)?;
-    // The norm in f32: n = x r w.
-    let (dnf, xf) = (dn.to_dtype(DType::F32)?, s.x1.to_dtype(DType::F32)?);
-    let xr = xf.broadcast_mul(&s.inv_rms)?;
-    let norm = (&dnf * &xr)?.sum(0)?.to_dtype(w.norm.dtype())?;
-    let dnw = dnf.broadcast_mul(&w.norm.to_dtype(DType::F32)?)?;
-    let mean = (&dnw * &xf)?.mean_keepdim(D::Minus1)?;
-    let r3 = s.inv_rms.powf(3.0)?;
-    let dx = (dnw.broadcast_mul(&s.inv_rms)? - xf.broadcast_mul(&(mean * r3)?)?)?;
-    let dx1 = (dy + dx.to_dtype(dtype)?)?;
+    let (dx, norm) = rms_backward(&s.x1, &s.inv_rms, w.norm, &dn)?;
+    let dx1 = (dy + dx)?;
     Ok((
         dx1,
         MlpGrads {

@@ -11,4 +11,5 @@ pub mod adamw;
 pub mod attn_dflash;
 pub mod attn_dflash_ref;
 pub mod explicit_mlp;
+pub mod explicit_proj;
 pub mod linear_ce;
