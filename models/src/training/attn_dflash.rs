@@ -80,6 +80,67 @@ pub fn dflash_attention(
     q.contiguous()?.apply_op3(&k, &v, op)
 }
 
+/// The DFlash attention for the explicit engine (`explicit_attn.rs`): the forward without
+/// autograd (it keeps its log-sum-exp) and the backward called directly, with the context and
+/// block parts of the key / value gradients split apart.
+pub struct DFlashAttention {
+    op: DFlashAttnOp,
+}
+
+impl DFlashAttention {
+    /// `ctx` context rows in all; layouts as [`dflash_attention_forward`].
+    pub fn new(
+        blocks: &[BlockSpan],
+        ctx: usize,
+        block_size: usize,
+        window: Option<usize>,
+        device: &Device,
+    ) -> Result<Self> {
+        Ok(Self {
+            op: DFlashAttnOp::new(blocks, ctx, block_size, window, device)?,
+        })
+    }
+
+    /// `(out [R, H * D], k, v)`, `k` / `v` the packed `[KV, ctx + R, D]` the backward reads.
+    pub fn forward(
+        &self,
+        q: &Tensor,
+        kc: &Tensor,
+        vc: &Tensor,
+        kb: &Tensor,
+        vb: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let k = Tensor::cat(&[kc, kb], 1)?.contiguous()?;
+        let v = Tensor::cat(&[vc, vb], 1)?.contiguous()?;
+        let out = q.contiguous()?.apply_op3_no_bwd(&k, &v, &self.op)?;
+        Ok((out, k, v))
+    }
+
+    /// `(dq, dkc, dvc, dkb, dvb)` from `dout: [R, H * D]` (the last forward's log-sum-exp).
+    pub fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor, Tensor, Tensor)> {
+        let q = q.contiguous()?;
+        let (dq, dk, dv) = match self.op.bwd(&q, k, v, out, dout)? {
+            (Some(dq), Some(dk), Some(dv)) => (dq, dk, dv),
+            _ => bail!("dflash attention: the backward returned no gradient"),
+        };
+        let (c, r) = (self.op.ctx, q.dim(1)?);
+        Ok((
+            dq,
+            dk.narrow(1, 0, c)?,
+            dv.narrow(1, 0, c)?,
+            dk.narrow(1, c, r)?,
+            dv.narrow(1, c, r)?,
+        ))
+    }
+}
+
 /// Per sequence (a run of blocks with one context offset): `(context offset, first block,
 /// end block)`, and for each of the `ctx` context rows the sequence it belongs to (u32::MAX
 /// for rows before the first sequence's).

@@ -10,6 +10,7 @@
 pub mod adamw;
 pub mod attn_dflash;
 pub mod attn_dflash_ref;
+pub mod explicit_attn;
 pub mod explicit_mlp;
 pub mod explicit_proj;
 pub mod linear_ce;
