@@ -30,6 +30,7 @@ mod cache;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod train;
+pub mod train_explicit;
 
 #[cfg(feature = "cuda")]
 pub use cuda::DraftGraph;

@@ -51,7 +51,7 @@ pub enum TrainAttention {
 
 /// Window of a sliding layer for the fused op: `W`, or no limit on the context (the block
 /// stays causal) when the config has none, as `training_mask` with `usize::MAX`.
-const NO_WINDOW: usize = 1 << 30;
+pub(crate) const NO_WINDOW: usize = 1 << 30;
 
 /// One sequence of a training batch.
 #[derive(Debug, Clone, Copy)]
@@ -156,7 +156,7 @@ pub fn composed_attention(
 }
 
 impl DFlashDrafter {
-    fn check_train(&self, batch: &[TrainSequence<'_>]) -> ModelResult<()> {
+    pub(crate) fn check_train(&self, batch: &[TrainSequence<'_>]) -> ModelResult<()> {
         let b = self.block_size();
         let width = self.target_layer_ids().len() * self.config().layers.hidden_size;
         let max_pos = self.rotary().max_positions();

@@ -212,6 +212,38 @@ impl DecoderLayer {
 
     /// This layer's tensors with their checkpoint names relative to its prefix; for a dense
     /// layer, [`Self::TENSOR_NAMES`] in order.
+    /// The tensors the explicit training engine reads (`dflash/train_explicit.rs`), as
+    /// `(attention half, MLP half)`; None for a sparse-MoE layer (drafters are dense).
+    pub(crate) fn train_weights(
+        &self,
+    ) -> Option<(
+        crate::training::explicit_attn::AttnWeights<'_>,
+        crate::training::explicit_mlp::MlpWeights<'_>,
+    )> {
+        let (gate, up, down) = self.mlp.dense()?.weights();
+        Some((
+            crate::training::explicit_attn::AttnWeights {
+                input_norm: &self.input_layernorm,
+                q: &self.q_proj,
+                k: &self.k_proj,
+                v: &self.v_proj,
+                o: &self.o_proj,
+                q_norm: &self.q_norm,
+                k_norm: &self.k_norm,
+                heads: self.num_heads,
+                kv_heads: self.num_kv_heads,
+                eps: self.eps,
+            },
+            crate::training::explicit_mlp::MlpWeights {
+                norm: &self.post_attention_layernorm,
+                gate,
+                up,
+                down,
+                eps: self.eps,
+            },
+        ))
+    }
+
     pub fn named_tensors(&self) -> Vec<(String, &Tensor)> {
         let mut out: Vec<(String, &Tensor)> = Self::TENSOR_NAMES[..8]
             .iter()
