@@ -197,18 +197,35 @@ mod tests {
         d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap().max(1e-12)
     }
 
+    fn tiny_config() -> DFlashConfig {
+        DFlashConfig::from_file(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/dflash-tiny-random/config.json"
+        ))
+        .unwrap()
+    }
+
     /// The whole explicit step (context path, two layers, final norm) against candle's
     /// autograd through `train_hidden_with` (fused attention on its CPU reference), f32, two
     /// sequences of different lengths with several anchors each: the output and every
     /// drafter-owned tensor's gradient within 1e-4.
     #[test]
     fn the_explicit_step_equals_autograd_for_every_tensor() {
+        check_step(tiny_config());
+    }
+
+    /// As above with the first layer a sliding-window layer (window 5: anchors 9 and 14 see
+    /// only part of their context).
+    #[test]
+    fn the_explicit_step_equals_autograd_with_a_sliding_layer() {
+        let mut cfg = tiny_config();
+        cfg.layers.layer_types[0] = dflash_common::LayerType::SlidingAttention;
+        cfg.layers.sliding_window = Some(5);
+        check_step(cfg);
+    }
+
+    fn check_step(cfg: DFlashConfig) {
         let dev = Device::Cpu;
-        let cfg = DFlashConfig::from_file(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../tests/fixtures/dflash-tiny-random/config.json"
-        ))
-        .unwrap();
         let (h, v) = (cfg.layers.hidden_size, cfg.layers.vocab_size);
         let width = cfg.target_layer_ids.len() * h;
         let mut rng = WeightRng::new(21);

@@ -174,6 +174,19 @@ pub enum TrainOpsArg {
     Composed,
 }
 
+/// How the drafter's training step computes its gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TrainEngineArg {
+    /// candle's autograd over the drafter's training forward (`--train-attention` and
+    /// `--train-ops` choose its pieces): the reference.
+    Autograd,
+    /// The forward and backward written out (`DFlashDrafter::train_forward_explicit` /
+    /// `train_backward_explicit`): each gradient produced once, no zero-and-add per graph edge;
+    /// the fused DFlash attention always, the fused norm/RoPE/SiLU kernels on CUDA under
+    /// `--train-ops fused`. Autograd runs only over the head's loss.
+    Explicit,
+}
+
 /// How data-parallel replicas sum their gradients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum GradReducerArg {
@@ -324,6 +337,11 @@ pub struct TrainArgs {
     /// elementwise ops, autograd).
     #[arg(long, value_enum, default_value_t = TrainOpsArg::Fused, help_heading = "Objective")]
     pub train_ops: TrainOpsArg,
+    /// How the drafter's gradients are computed: autograd (candle's backprop over the training
+    /// forward) or explicit (the backward written out, no general autograd on the hot path;
+    /// checked against autograd by the CPU tests).
+    #[arg(long, value_enum, default_value_t = TrainEngineArg::Autograd, help_heading = "Objective")]
+    pub train_engine: TrainEngineArg,
 
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 4, help_heading = "Optimisation")]

@@ -19,7 +19,9 @@
 //! Replicas are checked equal at every checkpoint ([`check_replicas_agree`]): a drifted
 //! replica is an error, never a silently saved checkpoint.
 
-use candle_core::{DType, Device, Shape, Tensor};
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Shape, Tensor, Var};
 use dflash_common::DFlashConfig;
 use dflash_models::{DFlashDrafter, TargetEmbeddingsAndHead, TrainSequence};
 
@@ -30,7 +32,7 @@ use super::optimizer::{OptimizerChoice, TrainOptimizer};
 use super::pipeline::ComputedBatch;
 use super::setup;
 use super::window::{Stage, StageClock};
-use super::{DeviceSpec, GradReducerArg, TrainArgs};
+use super::{DeviceSpec, GradReducerArg, TrainArgs, TrainEngineArg};
 
 /// One data-parallel rank: its device, optimizer (f32 masters and moments), the target's frozen
 /// embedding and head, and the drafter built over the optimizer's variables when it shares
@@ -192,29 +194,22 @@ impl Replica {
                     anchors: a,
                 })
                 .collect();
-            let hidden = drafter.train_hidden_with(&seqs, args.train_paths(&self.device))?;
-            let rows = Tensor::new(prep.targets.rows.as_slice(), &self.device)?;
-            let hidden = hidden.index_select(&rows, 0)?;
-            let (loss, predicted) = loss::head_cross_entropy(
-                args.head_loss,
-                &hidden,
-                drafter,
-                &self.parts.lm_head,
-                &prep.targets,
-                total_weight,
-            )?;
-            out.predicted.push(predicted);
-            clock.lap(Stage::Forward)?;
-            let store = loss.backward()?;
-            for (i, (_, var)) in vars.iter().enumerate() {
-                if let Some(g) = store.get(var.as_tensor()) {
-                    // Accumulated in f32 (a no-op cast for the f32 masters' gradients).
-                    let g = g.to_dtype(DType::F32)?;
-                    out.grads[i] = Some(match out.grads[i].take() {
-                        Some(acc) => (acc + g)?,
-                        None => g,
-                    });
+            let (loss, predicted, grads) = match args.train_engine {
+                TrainEngineArg::Autograd => {
+                    self.autograd_step(args, drafter, &seqs, prep, total_weight, clock)?
                 }
+                TrainEngineArg::Explicit => {
+                    self.explicit_step(args, drafter, &seqs, prep, total_weight, clock)?
+                }
+            };
+            out.predicted.push(predicted);
+            for (i, g) in grads {
+                // Accumulated in f32 (a no-op cast for the f32 masters' gradients).
+                let g = g.to_dtype(DType::F32)?;
+                out.grads[i] = Some(match out.grads[i].take() {
+                    Some(acc) => (acc + g)?,
+                    None => g,
+                });
             }
             // Detached: a clone would keep this micro-batch's whole graph alive until the
             // step's read-back (`to_dtype` to the same dtype is a clone).
@@ -224,6 +219,101 @@ impl Replica {
         Ok(out)
     }
 }
+
+impl Replica {
+    /// One micro-batch under candle's autograd: its loss, argmax predictions and each
+    /// optimizer variable's gradient (by index into [`TrainOptimizer::vars`]).
+    fn autograd_step(
+        &self,
+        args: &TrainArgs,
+        drafter: &DFlashDrafter,
+        seqs: &[TrainSequence<'_>],
+        prep: &Prepared,
+        total_weight: f64,
+        clock: &mut StageClock<'_>,
+    ) -> TrainResult<MicroBatchGrads> {
+        let hidden = drafter.train_hidden_with(seqs, args.train_paths(&self.device))?;
+        let rows = Tensor::new(prep.targets.rows.as_slice(), &self.device)?;
+        let hidden = hidden.index_select(&rows, 0)?;
+        let (loss, predicted) = loss::head_cross_entropy(
+            args.head_loss,
+            &hidden,
+            drafter,
+            &self.parts.lm_head,
+            &prep.targets,
+            total_weight,
+        )?;
+        clock.lap(Stage::Forward)?;
+        let store = loss.backward()?;
+        let grads = self
+            .opt
+            .vars()
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (_, var))| store.get(var.as_tensor()).map(|g| (i, g.clone())))
+            .collect();
+        Ok((loss, predicted, grads))
+    }
+
+    /// One micro-batch under the explicit engine: the drafter's forward and backward written
+    /// out; autograd runs only over the head's loss, from a leaf copy of the label rows' hidden
+    /// states, whose gradient is scattered back to every block row.
+    fn explicit_step(
+        &self,
+        args: &TrainArgs,
+        drafter: &DFlashDrafter,
+        seqs: &[TrainSequence<'_>],
+        prep: &Prepared,
+        total_weight: f64,
+        clock: &mut StageClock<'_>,
+    ) -> TrainResult<MicroBatchGrads> {
+        // Sets the process-wide fused-op switch the explicit pieces read on CUDA.
+        args.train_paths(&self.device);
+        let (hidden, tape) = drafter.train_forward_explicit(seqs)?;
+        let hidden = hidden.detach();
+        let rows = Tensor::new(prep.targets.rows.as_slice(), &self.device)?;
+        let picked = Var::from_tensor(&hidden.index_select(&rows, 0)?)?;
+        let (loss, predicted) = loss::head_cross_entropy(
+            args.head_loss,
+            picked.as_tensor(),
+            drafter,
+            &self.parts.lm_head,
+            &prep.targets,
+            total_weight,
+        )?;
+        clock.lap(Stage::Forward)?;
+        let store = loss.backward()?;
+        let d_hidden = match store.get(picked.as_tensor()) {
+            Some(d) => hidden
+                .zeros_like()?
+                .index_add(&rows, &d.to_dtype(hidden.dtype())?, 0)?,
+            // No supervised row in this micro-batch: nothing flows back.
+            None => hidden.zeros_like()?,
+        };
+        let index: HashMap<&str, usize> = self
+            .opt
+            .vars()
+            .iter()
+            .enumerate()
+            .map(|(i, (n, _))| (n.as_str(), i))
+            .collect();
+        let grads = drafter
+            .train_backward_explicit(&tape, &d_hidden)?
+            .into_iter()
+            .map(|(name, g)| match index.get(name.as_str()) {
+                Some(&i) => Ok((i, g)),
+                None => Err(TrainError::DrafterMismatch(format!(
+                    "the explicit engine produced a gradient for {name}, which the optimizer \
+                     does not hold"
+                ))),
+            })
+            .collect::<TrainResult<Vec<_>>>()?;
+        Ok((loss, predicted, grads))
+    }
+}
+
+/// A micro-batch's loss, argmax predictions and (optimizer variable index, gradient) pairs.
+type MicroBatchGrads = (Tensor, Tensor, Vec<(usize, Tensor)>);
 
 /// Every rank's micro-batches of one step, ranks beside each other (one thread per rank after
 /// the first, which runs on this thread with `clock`): rank `r` takes the `r`-th contiguous run
