@@ -17,19 +17,17 @@ use crate::training::attn_dflash::DFlashAttention;
 use crate::training::attn_dflash_ref::BlockSpan;
 use crate::training::explicit_attn::{self, AttnSaved, Rotations};
 use crate::training::explicit_mlp::{self, MlpSaved};
-use crate::training::explicit_proj::{rms_backward, rms_forward};
+use crate::training::explicit_proj::{rms_backward, rms_forward, RmsSaved};
 
 /// What [`DFlashDrafter::train_backward_explicit`] reads from the forward.
 pub struct ExplicitTape {
     features: Tensor,
-    fc_out: Tensor,
-    ctx_inv_rms: Tensor,
+    ctx_norm: RmsSaved,
     ctx: Tensor,
     rot: [Tensor; 4],
     attns: Vec<DFlashAttention>,
     layers: Vec<(AttnSaved, MlpSaved)>,
-    last: Tensor,
-    last_inv_rms: Tensor,
+    last_norm: RmsSaved,
 }
 
 impl ExplicitTape {
@@ -79,7 +77,7 @@ impl DFlashDrafter {
         }
         let features = Tensor::cat(&parts, 0)?.to_dtype(self.dtype())?;
         let fc_out = features.matmul(&self.fc.t()?)?;
-        let (ctx, ctx_inv_rms) = rms_forward(&fc_out, &self.hidden_norm, eps)?;
+        let (ctx, ctx_norm) = rms_forward(&fc_out, &self.hidden_norm, eps)?;
         let (cb, sb) = self
             .rotary()
             .gather(&Tensor::new(positions.as_slice(), &dev)?)?;
@@ -108,19 +106,17 @@ impl DFlashDrafter {
             layers.push((a_saved, m_saved));
             h = h2;
         }
-        let (out, last_inv_rms) = rms_forward(&h, self.final_norm_weight(), eps)?;
+        let (out, last_norm) = rms_forward(&h, self.final_norm_weight(), eps)?;
         Ok((
             out,
             ExplicitTape {
                 features,
-                fc_out,
-                ctx_inv_rms,
+                ctx_norm,
                 ctx,
                 rot,
                 attns,
                 layers,
-                last: h,
-                last_inv_rms,
+                last_norm,
             },
         ))
     }
@@ -133,12 +129,7 @@ impl DFlashDrafter {
         d_out: &Tensor,
     ) -> ModelResult<Vec<(String, Tensor)>> {
         let rot = tape.rotations();
-        let (mut dh, d_norm) = rms_backward(
-            &tape.last,
-            &tape.last_inv_rms,
-            self.final_norm_weight(),
-            d_out,
-        )?;
+        let (mut dh, d_norm) = rms_backward(&tape.last_norm, self.final_norm_weight(), d_out)?;
         let mut dctx = tape.ctx.zeros_like()?;
         let mut per_layer = Vec::with_capacity(tape.layers.len());
         for (li, layer) in self.layers().iter().enumerate().rev() {
@@ -150,8 +141,7 @@ impl DFlashDrafter {
             dh = dh0;
             per_layer.push((li, ag, mg));
         }
-        let (d_fc_out, d_hidden_norm) =
-            rms_backward(&tape.fc_out, &tape.ctx_inv_rms, &self.hidden_norm, &dctx)?;
+        let (d_fc_out, d_hidden_norm) = rms_backward(&tape.ctx_norm, &self.hidden_norm, &dctx)?;
         let d_fc = d_fc_out.t()?.matmul(&tape.features)?;
         let mut out = vec![
             ("fc.weight".to_string(), d_fc),

@@ -37,7 +37,7 @@ pub fn applies(x: &Tensor) -> bool {
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::{qk_norm_rope, rms_norm, silu_mul};
+pub use imp::{qk_norm_rope, qk_norm_rope_with_table, rms_norm, silu_mul};
 
 #[cfg(feature = "cuda")]
 mod imp {
@@ -159,19 +159,32 @@ mod imp {
         sin: &Tensor,
         eps: f64,
     ) -> Result<Option<Tensor>> {
+        Ok(qk_norm_rope_with_table(x, weight, cos, sin, eps)?.map(|(z, _)| z))
+    }
+
+    /// [`qk_norm_rope`] and the f32 `[tokens, head_dim]` cos|sin table its kernels read (the
+    /// explicit engine hands it to `cuda::train_ops::qk_norm_rope_bwd` itself).
+    pub fn qk_norm_rope_with_table(
+        x: &Tensor,
+        weight: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        eps: f64,
+    ) -> Result<Option<(Tensor, Tensor)>> {
         let (t, _, d) = x.dims3()?;
         if d % 64 != 0 || d > k::QK_MAX_HEAD_DIM || cos.dims2()? != (t, d / 2) {
             return Ok(None);
         }
         // The composition rounds the table to x's dtype before using it.
         let table = |c: &Tensor| c.to_dtype(x.dtype())?.to_dtype(DType::F32);
-        let cs = Tensor::cat(&[&table(cos)?, &table(sin)?], D::Minus1)?.contiguous()?;
+        let cs = Tensor::cat(&[&table(cos)?, &table(sin)?], D::Minus1)?
+            .contiguous()?
+            .detach();
         let w = weight.to_dtype(x.dtype())?.contiguous()?;
-        Ok(Some(x.contiguous()?.apply_op3(
-            &w,
-            &cs.detach(),
-            QkNormRope { eps: eps as f32 },
-        )?))
+        let z = x
+            .contiguous()?
+            .apply_op3(&w, &cs, QkNormRope { eps: eps as f32 })?;
+        Ok(Some((z, cs)))
     }
 
     struct SiluMul;

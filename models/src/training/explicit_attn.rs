@@ -9,7 +9,7 @@ use candle_core::{Result, Tensor};
 
 use super::attn_dflash::DFlashAttention;
 use super::explicit_proj::{
-    project_backward, project_forward, rms_backward, rms_forward, ProjSaved,
+    project_backward, project_forward, rms_backward, rms_forward, ProjSaved, RmsSaved,
 };
 
 /// One layer's attention-half weights (`[out, in]` projections, `[d]` q / k norms, `[H]`
@@ -36,8 +36,7 @@ pub struct Rotations<'a> {
 
 /// What [`backward`] reads.
 pub struct AttnSaved {
-    h: Tensor,
-    inv_rms: Tensor,
+    norm: RmsSaved,
     q: ProjSaved,
     kb: ProjSaved,
     vb: ProjSaved,
@@ -68,7 +67,7 @@ pub fn forward(
     rot: Rotations<'_>,
     attn: &DFlashAttention,
 ) -> Result<(Tensor, AttnSaved)> {
-    let (x, inv_rms) = rms_forward(h, w.input_norm, w.eps)?;
+    let (x, norm) = rms_forward(h, w.input_norm, w.eps)?;
     let qn = Some((w.q_norm, w.eps));
     let kn = Some((w.k_norm, w.eps));
     let (q_heads, q) = project_forward(&x, w.q, qn, w.heads, Some(rot.block))?;
@@ -82,8 +81,7 @@ pub fn forward(
     Ok((
         h1,
         AttnSaved {
-            h: h.clone(),
-            inv_rms,
+            norm,
             q,
             kb,
             vb,
@@ -122,7 +120,7 @@ pub fn backward(
         kn_c.ok_or_else(missing)?,
     );
     let dx = ((dx_q + dx_k)? + dx_v)?;
-    let (dh_norm, input_norm) = rms_backward(&s.h, &s.inv_rms, w.input_norm, &dx)?;
+    let (dh_norm, input_norm) = rms_backward(&s.norm, w.input_norm, &dx)?;
     let dh = (dh1 + dh_norm)?;
     let dctx = (dctx_k + dctx_v)?;
     Ok((

@@ -19,7 +19,7 @@
 
 use candle_core::{Result, Tensor};
 
-use super::explicit_proj::{rms_backward, rms_forward};
+use super::explicit_proj::{rms_backward, rms_forward, RmsSaved};
 
 /// The MLP half's weights: the post-attention norm's `[H]`, gate and up `[I, H]`, down `[H, I]`.
 pub struct MlpWeights<'a> {
@@ -32,9 +32,7 @@ pub struct MlpWeights<'a> {
 
 /// What the backward reads from the forward.
 pub struct MlpSaved {
-    x1: Tensor,
-    /// `1 / sqrt(mean(x1^2) + eps)`, f32 `[rows, 1]`.
-    inv_rms: Tensor,
+    norm: RmsSaved,
     n: Tensor,
     g: Tensor,
     u: Tensor,
@@ -56,37 +54,51 @@ fn mm_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// `y = x1 + down(silu(gate(n)) * up(n))`, `x1: [rows, H]`; the norm in f32 as
 /// [`crate::layers::ops::rms_norm`].
 pub fn forward(x1: &Tensor, w: &MlpWeights<'_>) -> Result<(Tensor, MlpSaved)> {
-    let (n, inv_rms) = rms_forward(x1, w.norm, w.eps)?;
+    let (n, norm) = rms_forward(x1, w.norm, w.eps)?;
     let g = mm_t(&n, w.gate)?;
     let u = mm_t(&n, w.up)?;
-    let a = (g.silu()? * &u)?;
+    let a = silu_mul_forward(&g, &u)?;
     let y = (x1 + mm_t(&a, w.down)?)?;
-    Ok((
-        y,
-        MlpSaved {
-            x1: x1.clone(),
-            inv_rms,
-            n,
-            g,
-            u,
-            a,
-        },
-    ))
+    Ok((y, MlpSaved { norm, n, g, u, a }))
+}
+
+/// `silu(g) * u`: one kernel on CUDA while `layers::train_ops` applies, else composed.
+fn silu_mul_forward(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if crate::layers::train_ops::applies(g) {
+        return crate::layers::train_ops::silu_mul(g, u);
+    }
+    g.silu()? * u
+}
+
+/// `(dg, du)` of [`silu_mul_forward`] from `da`. The choice of form follows the forward's
+/// (the switch is process-wide and a step sees one setting).
+fn silu_mul_backward(g: &Tensor, u: &Tensor, da: &Tensor) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if crate::layers::train_ops::applies(g) {
+        return crate::cuda::train_ops::silu_mul_bwd(
+            &g.contiguous()?,
+            &u.contiguous()?,
+            &da.to_dtype(g.dtype())?.contiguous()?,
+        );
+    }
+    let sig = candle_nn::ops::sigmoid(g)?;
+    // silu'(g) = σ(g) (1 + g (1 - σ(g))).
+    let dsilu = (&sig * ((g * (sig.ones_like()? - &sig)?)? + 1.0)?)?;
+    let du = (da * g.silu()?)?;
+    let dg = ((da * u)? * dsilu)?;
+    Ok((dg, du))
 }
 
 /// The gradient of the input `x1` and of every weight, from `dy` (the gradient of `y`).
 pub fn backward(s: &MlpSaved, dy: &Tensor, w: &MlpWeights<'_>) -> Result<(Tensor, MlpGrads)> {
     let down = dy.t()?.matmul(&s.a)?;
     let da = dy.matmul(w.down)?;
-    let sig = candle_nn::ops::sigmoid(&s.g)?;
-    // silu'(g) = σ(g) (1 + g (1 - σ(g))).
-    let dsilu = (&sig * ((&s.g * (sig.ones_like()? - &sig)?)? + 1.0)?)?;
-    let du = (&da * s.g.silu()?)?;
-    let dg = ((&da * &s.u)? * dsilu)?;
+    let (dg, du) = silu_mul_backward(&s.g, &s.u, &da)?;
     let gate = dg.t()?.matmul(&s.n)?;
     let up = du.t()?.matmul(&s.n)?;
     let dn = (dg.matmul(w.gate)? + du.matmul(w.up)?)?;
-    let (dx, norm) = rms_backward(&s.x1, &s.inv_rms, w.norm, &dn)?;
+    let (dx, norm) = rms_backward(&s.norm, w.norm, &dn)?;
     let dx1 = (dy + dx)?;
     Ok((
         dx1,

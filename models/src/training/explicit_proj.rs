@@ -7,10 +7,29 @@
 
 use candle_core::{DType, Result, Tensor, D};
 
+/// What [`rms_backward`] reads: the input and, on the composed path, `r` per row (f32, shaped
+/// as `x` with a last dimension of 1). The fused CUDA backward recomputes `r` instead.
+pub struct RmsSaved {
+    x: Tensor,
+    inv_rms: Option<Tensor>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    eps: f64,
+}
+
 /// `n = x r w` over the last dimension (`r = 1 / sqrt(mean(x^2) + eps)` in f32, the product
-/// cast back before the weight, as `layers::ops::rms_norm`). Returns `(n, r)` with `r` f32
-/// shaped as `x` with a last dimension of 1.
-pub fn rms_forward(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+/// cast back before the weight, as `layers::ops::rms_norm`): one fused kernel on CUDA while
+/// `layers::train_ops` applies, else composed.
+pub fn rms_forward(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, RmsSaved)> {
+    #[cfg(feature = "cuda")]
+    if crate::layers::train_ops::applies(x) {
+        let n = crate::layers::train_ops::rms_norm(x, w, eps)?;
+        let saved = RmsSaved {
+            x: x.clone(),
+            inv_rms: None,
+            eps,
+        };
+        return Ok((n, saved));
+    }
     let xf = x.to_dtype(DType::F32)?;
     let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
         .sqrt()?
@@ -19,12 +38,21 @@ pub fn rms_forward(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)>
         .broadcast_mul(&r)?
         .to_dtype(x.dtype())?
         .broadcast_mul(w)?;
-    Ok((n, r))
+    let saved = RmsSaved {
+        x: x.clone(),
+        inv_rms: Some(r),
+        eps,
+    };
+    Ok((n, saved))
 }
 
 /// `(dx, dw)` of [`rms_forward`] from `dn`: `dw = Σ dn x r` over every leading index,
 /// `dx = r (dn w) - x r³ mean(dn w x)`.
-pub fn rms_backward(x: &Tensor, r: &Tensor, w: &Tensor, dn: &Tensor) -> Result<(Tensor, Tensor)> {
+pub fn rms_backward(s: &RmsSaved, w: &Tensor, dn: &Tensor) -> Result<(Tensor, Tensor)> {
+    let Some(r) = &s.inv_rms else {
+        return fused_rms_backward(s, w, dn);
+    };
+    let x = &s.x;
     let (dnf, xf) = (dn.to_dtype(DType::F32)?, x.to_dtype(DType::F32)?);
     let last = xf.dim(D::Minus1)?;
     let xr = xf.broadcast_mul(r)?;
@@ -36,6 +64,23 @@ pub fn rms_backward(x: &Tensor, r: &Tensor, w: &Tensor, dn: &Tensor) -> Result<(
     let mean = (&dnw * &xf)?.mean_keepdim(D::Minus1)?;
     let dx = (dnw.broadcast_mul(r)? - xf.broadcast_mul(&(mean * r.powf(3.0)?)?)?)?;
     Ok((dx.to_dtype(x.dtype())?, dw))
+}
+
+#[cfg(feature = "cuda")]
+fn fused_rms_backward(s: &RmsSaved, w: &Tensor, dn: &Tensor) -> Result<(Tensor, Tensor)> {
+    let dt = s.x.dtype();
+    let (dx, dw) = crate::cuda::train_ops::rms_norm_bwd(
+        &s.x.contiguous()?,
+        &w.to_dtype(dt)?.contiguous()?,
+        &dn.to_dtype(dt)?.contiguous()?,
+        s.eps as f32,
+    )?;
+    Ok((dx, dw.reshape(w.shape())?.to_dtype(w.dtype())?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_rms_backward(_: &RmsSaved, _: &Tensor, _: &Tensor) -> Result<(Tensor, Tensor)> {
+    candle_core::bail!("rms_backward: a fused forward without the CUDA build")
 }
 
 /// `[cos, cos]` and `[sin, sin]` over the last dimension, shaped to broadcast over heads.
@@ -71,17 +116,33 @@ pub fn rope_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> 
     dy.broadcast_mul(&c)? - rotate_half(&dy.broadcast_mul(&s)?)?
 }
 
+/// How a projection's heads were shaped after the GEMM (what its backward reads).
+enum HeadShaping {
+    /// Neither norm nor RoPE (v).
+    Plain,
+    /// Composed: the per-head norm (when given), then RoPE (when given).
+    Composed(Option<RmsSaved>),
+    /// One fused norm + RoPE kernel (CUDA): the pre-norm projection `[rows, heads, d]`, the
+    /// f32 cos|sin table and eps.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    FusedQk {
+        pre: Tensor,
+        table: Tensor,
+        eps: f64,
+    },
+}
+
 /// What [`project_backward`] reads.
 pub struct ProjSaved {
     x: Tensor,
-    /// The projection before its norm, `[rows, heads, d]` (None without a norm).
-    pre_norm: Option<(Tensor, Tensor)>,
+    shaping: HeadShaping,
     heads: usize,
     d: usize,
 }
 
 /// `x: [rows, H]` -> `[heads, rows, d]` contiguous: `x Wᵀ`, the per-head norm (`norm`), RoPE
-/// (`rot`), as `DecoderLayer::project`.
+/// (`rot`), as `DecoderLayer::project`. Norm and RoPE together run as one fused kernel on CUDA
+/// while `layers::train_ops` applies and takes the shape.
 pub fn project_forward(
     x: &Tensor,
     w: &Tensor,
@@ -92,22 +153,38 @@ pub fn project_forward(
     let rows = x.dim(0)?;
     let d = w.dim(0)? / heads;
     let mut y = x.matmul(&w.t()?)?.reshape((rows, heads, d))?;
+    let saved = |shaping| ProjSaved {
+        x: x.clone(),
+        shaping,
+        heads,
+        d,
+    };
+    #[cfg(feature = "cuda")]
+    if let (Some((nw, eps)), Some((cos, sin))) = (norm, rot) {
+        if crate::layers::train_ops::applies(&y) {
+            if let Some((z, table)) =
+                crate::layers::train_ops::qk_norm_rope_with_table(&y, nw, cos, sin, eps)?
+            {
+                return Ok((z, saved(HeadShaping::FusedQk { pre: y, table, eps })));
+            }
+        }
+    }
+    if norm.is_none() && rot.is_none() {
+        return Ok((y.transpose(0, 1)?.contiguous()?, saved(HeadShaping::Plain)));
+    }
     let mut pre_norm = None;
     if let Some((nw, eps)) = norm {
         let (n, r) = rms_forward(&y, nw, eps)?;
-        pre_norm = Some((y, r));
+        pre_norm = Some(r);
         y = n;
     }
     if let Some((cos, sin)) = rot {
         y = rope_forward(&y, cos, sin)?;
     }
-    let saved = ProjSaved {
-        x: x.clone(),
-        pre_norm,
-        heads,
-        d,
-    };
-    Ok((y.transpose(0, 1)?.contiguous()?, saved))
+    Ok((
+        y.transpose(0, 1)?.contiguous()?,
+        saved(HeadShaping::Composed(pre_norm)),
+    ))
 }
 
 /// `(dx, dW, dnorm)` of [`project_forward`] from `dy: [heads, rows, d]`.
@@ -119,20 +196,67 @@ pub fn project_backward(
     rot: Option<(&Tensor, &Tensor)>,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let rows = s.x.dim(0)?;
-    let mut g = dy.transpose(0, 1)?.contiguous()?;
-    if let Some((cos, sin)) = rot {
-        g = rope_backward(&g, cos, sin)?;
-    }
     let mut dnorm = None;
-    if let (Some((pre, r)), Some(nw)) = (&s.pre_norm, norm) {
-        let (dx, dw) = rms_backward(pre, r, nw, &g)?;
-        g = dx;
-        dnorm = Some(dw);
-    }
+    let g = match &s.shaping {
+        HeadShaping::Plain => dy.transpose(0, 1)?.contiguous()?,
+        HeadShaping::Composed(pre_norm) => {
+            let mut g = dy.transpose(0, 1)?.contiguous()?;
+            if let Some((cos, sin)) = rot {
+                g = rope_backward(&g, cos, sin)?;
+            }
+            if let (Some(r), Some(nw)) = (pre_norm, norm) {
+                let (dx, dw) = rms_backward(r, nw, &g)?;
+                g = dx;
+                dnorm = Some(dw);
+            }
+            g
+        }
+        HeadShaping::FusedQk { pre, table, eps } => {
+            let nw = norm.ok_or_else(|| {
+                candle_core::Error::Msg(
+                    "project_backward: a fused q/k norm needs its weight".into(),
+                )
+            })?;
+            let (g, dw) = fused_qk_backward(pre, table, *eps, nw, dy)?;
+            dnorm = Some(dw);
+            g
+        }
+    };
     let g = g.reshape((rows, s.heads * s.d))?;
     let dw = g.t()?.matmul(&s.x)?;
     let dx = g.matmul(w)?;
     Ok((dx, dw, dnorm))
+}
+
+/// `(d pre [rows, heads, d], d norm weight)` of the fused q/k norm + RoPE.
+#[cfg(feature = "cuda")]
+fn fused_qk_backward(
+    pre: &Tensor,
+    table: &Tensor,
+    eps: f64,
+    nw: &Tensor,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let dt = pre.dtype();
+    let (dx, dw) = crate::cuda::train_ops::qk_norm_rope_bwd(
+        &pre.contiguous()?,
+        &nw.to_dtype(dt)?.contiguous()?,
+        table,
+        &dy.to_dtype(dt)?.contiguous()?,
+        eps as f32,
+    )?;
+    Ok((dx, dw.reshape(nw.shape())?.to_dtype(nw.dtype())?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_qk_backward(
+    _: &Tensor,
+    _: &Tensor,
+    _: f64,
+    _: &Tensor,
+    _: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    candle_core::bail!("project_backward: a fused q/k forward without the CUDA build")
 }
 
 #[cfg(test)]

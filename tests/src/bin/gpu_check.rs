@@ -6,7 +6,7 @@
 //! (serve/src/bench/, deploy/bench/README.md), which also checks the fused CUDA kernels.
 //!
 //! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid | --pooled | --train | --scale | --moe |
-//! --trainer-optimizer | --data-parallel]
+//! --trainer-optimizer | --train-explicit | --data-parallel]
 //!
 //! With `--data-parallel` (CUDA builds) it checks NCCL (`nccl` builds) and the trainer's
 //! data-parallel replicas on the visible GPUs (`gpu_check/data_parallel.rs`).
@@ -77,6 +77,8 @@ mod train;
 mod train_attn;
 #[path = "gpu_check/train_attn_bwd.rs"]
 mod train_attn_bwd;
+#[path = "gpu_check/train_explicit.rs"]
+mod train_explicit;
 #[path = "gpu_check/train_ops.rs"]
 mod train_ops;
 #[path = "gpu_check/train_optim.rs"]
@@ -210,6 +212,16 @@ fn main() -> Result<()> {
     let mut report = serde_json::Map::new();
     if args.iter().any(|a| a == "--trainer-optimizer") {
         let out = json!({ "trainer_optimizer": train_optim::run(&dev)? }).to_string();
+        println!("{out}");
+        return Ok(());
+    }
+    // --train-explicit: the explicit training engine against autograd, and both engines' time
+    // at the tiny and 8B recipes' drafter shapes (gpu_check/train_explicit.rs).
+    if args.iter().any(|a| a == "--train-explicit") {
+        let out = json!({ "train_explicit": train_explicit::run(&dev)? }).to_string();
+        if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
+            std::fs::write(path, &out)?;
+        }
         println!("{out}");
         return Ok(());
     }

@@ -120,7 +120,13 @@ impl Replica {
         dtype: DType,
     ) -> TrainResult<Self> {
         let shared = if opt.drafter_shares_storage(dtype) {
-            Some(setup::drafter_from_vars(cfg, opt.vars(), &parts, dtype)?)
+            Some(setup::drafter_from_vars(
+                cfg,
+                opt.vars(),
+                &parts,
+                dtype,
+                true,
+            )?)
         } else {
             None
         };
@@ -161,10 +167,13 @@ impl Replica {
         clock: &mut StageClock<'_>,
     ) -> TrainResult<RankGrads> {
         let rebuilt;
+        let explicit = args.train_engine == TrainEngineArg::Explicit;
         let drafter = match &self.shared {
-            Some(d) => d,
-            None => {
-                rebuilt = setup::drafter_from_vars(cfg, self.opt.vars(), &self.parts, dtype)?;
+            Some(d) if !explicit => d,
+            _ => {
+                // The explicit engine's drafter holds detached views of the variables.
+                rebuilt =
+                    setup::drafter_from_vars(cfg, self.opt.vars(), &self.parts, dtype, !explicit)?;
                 &rebuilt
             }
         };

@@ -219,17 +219,26 @@ pub fn to_vars(params: Vec<(String, Tensor)>) -> TrainResult<Vec<(String, Var)>>
 }
 
 /// A drafter whose weights are the trainable variables (cast to `dtype` when it is not f32,
-/// which keeps the cast in the graph so gradients reach the f32 masters).
+/// which keeps the cast in the graph so gradients reach the f32 masters). With `tracked`
+/// false the weights are detached views (same storage, so the optimizer's updates show): the
+/// explicit engine's ops then record no autograd graph, which would keep every intermediate
+/// alive until the step ends.
 pub fn drafter_from_vars(
     cfg: &DFlashConfig,
     params: &[(String, Var)],
     parts: &TargetEmbeddingsAndHead,
     dtype: DType,
+    tracked: bool,
 ) -> TrainResult<DFlashDrafter> {
     let tensors = params
         .iter()
         .map(|(n, v)| {
-            let t = v.as_tensor();
+            let t = if tracked {
+                v.as_tensor().clone()
+            } else {
+                v.as_tensor().detach()
+            };
+            let t = &t;
             let t = if t.dtype() == dtype {
                 t.clone()
             } else {
