@@ -195,6 +195,18 @@ impl Target {
         both!(self, m => m.fast_kernels())
     }
 
+    /// Whether verify forwards replay captured CUDA graphs, so that padding a short verify up
+    /// to its algorithm's full size saves a capture: dense targets with step graphs on. The
+    /// hybrid targets capture none, and padding costs them real work (a root-only DDTree-64
+    /// verify padded to a 65-deep chain is past the GDN tree kernels' depth and ran the plain
+    /// form in every GDN layer: ~535 ms instead of ~35 ms on the 27B, H100).
+    pub fn replays_verify_graphs(&self) -> bool {
+        match self {
+            Target::Qwen3(m) => m.step_graphs_on(),
+            Target::Hybrid(_) => false,
+        }
+    }
+
     /// Step graphs captured so far (the hybrid engine path captures none).
     pub fn step_graphs_held(&self) -> usize {
         match self {

@@ -199,6 +199,11 @@ impl GraphCache {
         Self::new(self.0.is_some())
     }
 
+    /// Whether graphs are captured and replayed.
+    pub fn is_on(&self) -> bool {
+        self.0.is_some()
+    }
+
     /// Graphs held (0 when off).
     pub fn held(&self) -> usize {
         self.0.as_ref().map_or(0, GraphSlots::len)

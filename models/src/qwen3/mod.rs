@@ -277,6 +277,12 @@ impl Qwen3Model {
         self
     }
 
+    /// Whether forwards are captured and replayed as step graphs (the fused kernels with
+    /// [`Self::with_step_graphs`] on).
+    pub fn step_graphs_on(&self) -> bool {
+        self.graphs.is_on()
+    }
+
     /// Step graphs held (0 with graphs off).
     pub fn step_graphs_held(&self) -> usize {
         self.graphs.held()

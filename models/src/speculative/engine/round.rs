@@ -334,9 +334,10 @@ impl Engine {
     /// 19 ms per capture for the 8B shape, and 8 graph slots per model). The placeholders come
     /// after every real entry, so causal and ancestor masks keep them out of the real rows;
     /// their K/V rows are dropped by the compaction and their logits never read. None: verify
-    /// the tree as it is (no room in the cache or the position table, or not on CUDA).
+    /// the tree as it is (no room in the cache or the position table, not on CUDA, or a target
+    /// that replays no verify graphs: [`crate::target::Target::replays_verify_graphs`]).
     fn verify_padding(&self, s: &Sequence, tree: &DraftTree) -> Option<DraftTree> {
-        if !self.target.device().is_cuda() {
+        if !self.target.device().is_cuda() || !self.target.replays_verify_graphs() {
             return None;
         }
         let full = match s.req.algorithm {
