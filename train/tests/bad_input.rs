@@ -275,3 +275,34 @@ fn data_parallel_device_lists_that_cannot_split_a_step_are_refused_naming_the_fl
     assert!(!out.join("model.safetensors").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--train-engine explicit` with `--train-attention composed` is refused before anything
+/// runs, naming the flag and both ways out; the default attention is accepted.
+#[test]
+fn explicit_engine_with_composed_attention_is_refused_naming_the_fix() {
+    let dir = scratch("engine-flags");
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = dir.join("data.jsonl");
+    std::fs::write(&data, format!("{GOOD}\n")).unwrap();
+    let out = dir.join("out");
+    let e = error_of(&args(
+        &data,
+        &out,
+        &[
+            "--train-engine",
+            "explicit",
+            "--train-attention",
+            "composed",
+        ],
+    ));
+    assert!(
+        e.contains("--train-engine")
+            && e.contains("drop --train-attention composed")
+            && e.contains("--train-engine autograd"),
+        "{e}"
+    );
+    assert!(!out.join("model.safetensors").exists());
+    let ok = args(&data, &out, &["--train-engine", "explicit"]);
+    assert!(ok.check_engine().is_ok());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

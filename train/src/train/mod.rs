@@ -478,6 +478,23 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// Refuses `--train-engine explicit` with `--train-attention composed` (the explicit step's
+    /// attention is the fused op, whose backward it calls).
+    pub fn check_engine(&self) -> TrainResult<()> {
+        if self.train_engine == TrainEngineArg::Explicit
+            && self.train_attention == TrainAttentionArg::Composed
+        {
+            return Err(TrainError::Flag {
+                flag: "--train-engine",
+                message: "explicit runs the fused DFlash attention (its backward written out); \
+                          drop --train-attention composed, or use --train-engine autograd for \
+                          the composed attention"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
     /// The `--dataset` values, synthetic specs kept whole.
     pub fn dataset_specs(&self) -> TrainResult<Vec<DatasetSpec>> {
         let mut out = Vec::new();

@@ -71,6 +71,7 @@ pub fn train(args: &TrainArgs) -> TrainResult<TrainSummary> {
             ),
         });
     }
+    args.check_engine()?;
     let drafter_devices = replicas::open_devices(&args.drafter_devices, args.grad_accum)?;
     let drafter_device = drafter_devices[0].clone();
     let dtype = setup::compute_dtype(args.compute_dtype, &drafter_device);
