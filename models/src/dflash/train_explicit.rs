@@ -171,6 +171,7 @@ impl DFlashDrafter {
 
 #[cfg(test)]
 mod tests {
+    use crate::training::max_rel;
     use std::collections::HashMap;
 
     use candle_core::{DType, Device, Tensor, Var};
@@ -180,12 +181,6 @@ mod tests {
     use crate::dflash::{DFlashDrafter, TargetEmbeddingsAndHead};
     use crate::layers::ops::OpsMode;
     use crate::random::WeightRng;
-
-    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
-        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-        let m = b.abs().unwrap().max_all().unwrap();
-        d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap().max(1e-12)
-    }
 
     fn tiny_config() -> DFlashConfig {
         DFlashConfig::from_file(concat!(

@@ -145,13 +145,8 @@ mod tests {
     use crate::random::WeightRng;
     use crate::training::attn_dflash::{dflash_attention, DFlashAttention};
     use crate::training::attn_dflash_ref::BlockSpan;
+    use crate::training::max_rel;
     use candle_core::{DType, Device, Tensor, Var};
-
-    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
-        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-        let m = b.abs().unwrap().max_all().unwrap();
-        d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap().max(1e-12)
-    }
 
     fn tables(pos: &[usize], d: usize) -> (Tensor, Tensor) {
         let ang: Vec<f32> = pos

@@ -116,13 +116,8 @@ mod tests {
     use super::{backward, forward, MlpWeights};
     use crate::layers::ops::{rms_norm, silu_mul, OpsMode};
     use crate::random::WeightRng;
-    use candle_core::{DType, Device, Tensor, Var};
-
-    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
-        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-        let m = b.abs().unwrap().max_all().unwrap();
-        d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap().max(1e-12)
-    }
+    use crate::training::max_rel;
+    use candle_core::{DType, Device, Var};
 
     /// The written-out backward against candle's autograd of the same layer half (the
     /// trainer's composed path) in f32: the input's and every weight's gradient within 1e-5;

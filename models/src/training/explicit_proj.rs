@@ -264,13 +264,8 @@ mod tests {
     use super::{project_backward, project_forward};
     use crate::layers::ops::{qk_norm_rope, OpsMode};
     use crate::random::WeightRng;
+    use crate::training::max_rel;
     use candle_core::{DType, Device, Tensor, Var};
-
-    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
-        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-        let m = b.abs().unwrap().max_all().unwrap();
-        d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap().max(1e-12)
-    }
 
     /// The q/k head projection (projection, per-head RMSNorm, RoPE, head-major) and its
     /// written-out backward against candle's autograd of the composed path, f32: dx, dW and

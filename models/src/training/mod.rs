@@ -14,3 +14,11 @@ pub mod explicit_attn;
 pub mod explicit_mlp;
 pub mod explicit_proj;
 pub mod linear_ce;
+
+/// max |a - b| / max |b| (the explicit engine's tests).
+#[cfg(test)]
+pub(crate) fn max_rel(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
+    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+    let m = b.abs().unwrap().max_all().unwrap();
+    d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap().max(1e-12)
+}

@@ -230,6 +230,26 @@ impl Replica {
 }
 
 impl Replica {
+    /// The loss of the label rows' hidden states under `--head-loss` (this rank's frozen head)
+    /// and each row's argmax.
+    fn head_loss(
+        &self,
+        args: &TrainArgs,
+        drafter: &DFlashDrafter,
+        hidden: &Tensor,
+        prep: &Prepared,
+        total_weight: f64,
+    ) -> TrainResult<(Tensor, Tensor)> {
+        Ok(loss::head_cross_entropy(
+            args.head_loss,
+            hidden,
+            drafter,
+            &self.parts.lm_head,
+            &prep.targets,
+            total_weight,
+        )?)
+    }
+
     /// One micro-batch under candle's autograd: its loss, argmax predictions and each
     /// optimizer variable's gradient (by index into [`TrainOptimizer::vars`]).
     fn autograd_step(
@@ -244,14 +264,7 @@ impl Replica {
         let hidden = drafter.train_hidden_with(seqs, args.train_paths(&self.device))?;
         let rows = Tensor::new(prep.targets.rows.as_slice(), &self.device)?;
         let hidden = hidden.index_select(&rows, 0)?;
-        let (loss, predicted) = loss::head_cross_entropy(
-            args.head_loss,
-            &hidden,
-            drafter,
-            &self.parts.lm_head,
-            &prep.targets,
-            total_weight,
-        )?;
+        let (loss, predicted) = self.head_loss(args, drafter, &hidden, prep, total_weight)?;
         clock.lap(Stage::Forward)?;
         let store = loss.backward()?;
         let grads = self
@@ -282,14 +295,8 @@ impl Replica {
         let hidden = hidden.detach();
         let rows = Tensor::new(prep.targets.rows.as_slice(), &self.device)?;
         let picked = Var::from_tensor(&hidden.index_select(&rows, 0)?)?;
-        let (loss, predicted) = loss::head_cross_entropy(
-            args.head_loss,
-            picked.as_tensor(),
-            drafter,
-            &self.parts.lm_head,
-            &prep.targets,
-            total_weight,
-        )?;
+        let (loss, predicted) =
+            self.head_loss(args, drafter, picked.as_tensor(), prep, total_weight)?;
         clock.lap(Stage::Forward)?;
         let store = loss.backward()?;
         let d_hidden = match store.get(picked.as_tensor()) {

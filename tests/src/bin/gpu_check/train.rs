@@ -59,7 +59,7 @@ fn targets(rows: usize, vocab: usize, seed: u32) -> BlockTargets {
 
 /// Bytes in use on the device (after a sync: the pool has given back what is free); 0 on the
 /// CPU.
-fn used_bytes(dev: &Device) -> Result<usize> {
+pub(crate) fn used_bytes(dev: &Device) -> Result<usize> {
     dev.synchronize()?;
     #[cfg(feature = "cuda")]
     if dev.is_cuda() {

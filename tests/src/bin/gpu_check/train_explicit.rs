@@ -31,26 +31,13 @@ use dflash_models::{
 use serde_json::{json, Value};
 
 use super::time_ms;
+use crate::train::used_bytes;
+use crate::train_ops::{flat, rel_err};
 
 const B: usize = 16;
 
 /// Per parameter: name and flat f32 gradient.
 type Grads = Vec<(String, Vec<f32>)>;
-
-fn flat(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
-}
-
-/// max |a - b| / max |b|.
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
-    let err = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    err / scale
-}
 
 fn target_config(hidden: usize, heads: (usize, usize), d: usize, inter: usize) -> Qwen3Config {
     Qwen3Config {
@@ -280,17 +267,6 @@ fn grad_case(dev: &Device, d: usize) -> Result<Value> {
                  "criterion": "explicit <= 1.5 x autograd + 1e-3", "pass": bf16_pass},
         "pass": f32_pass && bf16_pass,
     }))
-}
-
-/// Bytes in use on the device after a sync.
-fn used_bytes(dev: &Device) -> Result<usize> {
-    dev.synchronize()?;
-    #[cfg(feature = "cuda")]
-    if dev.is_cuda() {
-        let (free, total) = candle_core::cuda_backend::cudarc::driver::result::mem_get_info()?;
-        return Ok(total - free);
-    }
-    Ok(0)
 }
 
 /// Check 3 at one shape: forward + backward ms of each engine (bf16, fused kernels).

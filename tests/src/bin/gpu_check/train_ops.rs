@@ -31,12 +31,12 @@ const DIFF: OpsMode = OpsMode::Differentiable;
 
 type OpFn<'a> = &'a dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>;
 
-fn flat(t: &Tensor) -> Result<Vec<f32>> {
+pub(crate) fn flat(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
 }
 
 /// max |a - b| / max |b|.
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
     let err = a
         .iter()
