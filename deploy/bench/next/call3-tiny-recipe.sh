@@ -1,29 +1,26 @@
 #!/usr/bin/env bash
-# Issue 18: the tiny recipe's data to the end (resuming the committed CPU-made part), then a
-# 60-step calibration run of each engine (their step_s sets STEPS for the 6-minute runs:
-# STEPS = 360 / step_s).
+# Issue 18: one 6-minute run of the tiny recipe on the regenerated data (committed, complete since
+# session 21) under ENGINE (default explicit; STEPS from the engine's calibrated step time:
+# STEPS = 360 / step_s), then `dflash-train eval` of its checkpoint on the held-out prompts.
+# TRAIN_FLAGS_EXTRA adds flags (e.g. the old path: `--train-attention composed --train-ops
+# composed --optimizer reference --train-engine autograd`).
 set -u
-D=${D:-.gpu-train}
+D=${D:-.gpu-train}; ENGINE=${ENGINE:-explicit}; STEPS=${STEPS:?optimizer steps for 6 minutes}
 mkdir -p /tmp/b && tar -xJf $D/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 mkdir -p $OUT/r .gpu-data
-# The input travels in the bundle dir (../shared is not on the device): make it with
-# `xz -dc ../shared/fixtures/corpus/train.jsonl.xz | head -3000 | xz > $D/train3000-in.jsonl.xz`.
-xz -dc $D/train3000-in.jsonl.xz > .gpu-data/train3000-in.jsonl || exit 1
-[ "$(wc -c < .gpu-data/train3000-in.jsonl)" = 8139412 ] || { echo "unexpected input size"; exit 1; }
-[ -f .gpu-data/train3000-regen.jsonl ] || {
-  xz -dc deploy/bench/data/tiny-recipe-train3000-regen.jsonl.xz > .gpu-data/train3000-regen.jsonl
-  cp deploy/bench/data/tiny-recipe-train3000-regen.jsonl.progress.json .gpu-data/train3000-regen.jsonl.progress.json
-}
-PHASE=regen BIN=/tmp/b/dflash-train OUT=$OUT/r DATA_IN=.gpu-data/train3000-in.jsonl \
-  DATA=.gpu-data/train3000-regen.jsonl TLIM=300 bash deploy/bench/tiny_recipe.sh
-xz -6 -c .gpu-data/train3000-regen.jsonl > $OUT/r/train3000-regen.jsonl.xz
-cp .gpu-data/train3000-regen.jsonl.progress.json $OUT/r/
-for e in explicit autograd; do
-  left=$(( 570 - $(el) )); [ $left -gt 60 ] || break
-  PHASE=train BIN=/tmp/b/dflash-train OUT=$OUT/r DATA=.gpu-data/train3000-regen.jsonl RUN=/tmp/run-$e \
-    STEPS=60 NAME=cal-$e TRAIN_FLAGS="--train-engine $e" TLIM=$(( left / 2 )) bash deploy/bench/tiny_recipe.sh
-  rm -rf /tmp/run-$e
-done
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/r/gpu.txt
+xz -dc deploy/bench/data/tiny-recipe-train3000-regen.jsonl.xz > .gpu-data/train3000-regen.jsonl
+[ "$(wc -l < .gpu-data/train3000-regen.jsonl)" = 3000 ] || { echo "regenerated data incomplete"; exit 1; }
+NAME=six-$ENGINE
+PHASE=train BIN=/tmp/b/dflash-train OUT=$OUT/r DATA=.gpu-data/train3000-regen.jsonl RUN=/tmp/run-six \
+  STEPS=$STEPS NAME=$NAME TRAIN_FLAGS="--train-engine $ENGINE ${TRAIN_FLAGS_EXTRA:-}" TLIM=${TLIM:-420} \
+  bash deploy/bench/tiny_recipe.sh
+# The run dir's top level holds the exported drafter (config.json, model.safetensors).
+left=$(( 585 - $(el) ))
+if [ -f /tmp/run-six/model.safetensors ] && [ $left -gt 20 ]; then
+  mkdir -p $OUT/r/$NAME-drafter && cp /tmp/run-six/config.json /tmp/run-six/model.safetensors $OUT/r/$NAME-drafter/
+  PHASE=eval BIN=/tmp/b/dflash-train OUT=$OUT/r CHECKPOINTS="$NAME=/tmp/run-six" TLIM=$left bash deploy/bench/tiny_recipe.sh
+fi
 tar -C $OUT -cJf $OUT/tiny.tar.xz r && rm -rf $OUT/r
 echo "done at $(el) s"
