@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use dflash_train::train::{parse_train_args, train, TrainArgs};
+use dflash_train::train::{parse_train_args, train, TrainArgs, TrainEngineArg};
 
 fn demo_target() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../serve/assets/tiny-coder-demo")
@@ -304,5 +304,12 @@ fn explicit_engine_with_composed_attention_is_refused_naming_the_fix() {
     assert!(!out.join("model.safetensors").exists());
     let ok = args(&data, &out, &["--train-engine", "explicit"]);
     assert!(ok.check_engine().is_ok());
+    // Unnamed, the engine follows the attention: explicit by default, autograd for composed.
+    let default = args(&data, &out, &[]);
+    assert!(default.check_engine().is_ok());
+    assert_eq!(default.engine(), TrainEngineArg::Explicit);
+    let composed = args(&data, &out, &["--train-attention", "composed"]);
+    assert!(composed.check_engine().is_ok());
+    assert_eq!(composed.engine(), TrainEngineArg::Autograd);
     std::fs::remove_dir_all(&dir).unwrap();
 }

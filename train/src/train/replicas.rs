@@ -167,7 +167,7 @@ impl Replica {
         clock: &mut StageClock<'_>,
     ) -> TrainResult<RankGrads> {
         let rebuilt;
-        let explicit = args.train_engine == TrainEngineArg::Explicit;
+        let explicit = args.engine() == TrainEngineArg::Explicit;
         let drafter = match &self.shared {
             Some(d) if !explicit => d,
             _ => {
@@ -203,7 +203,7 @@ impl Replica {
                     anchors: a,
                 })
                 .collect();
-            let (loss, predicted, grads) = match args.train_engine {
+            let (loss, predicted, grads) = match args.engine() {
                 TrainEngineArg::Autograd => {
                     self.autograd_step(args, drafter, &seqs, prep, total_weight, clock)?
                 }
