@@ -20,6 +20,9 @@ TINY="--target-model serve/assets/tiny-coder-demo --dataset .gpu-data/train3000-
 timeout 60 /tmp/b/dflash-train train $TINY --stop-after-steps 12 --log-every 6 --output-dir /tmp/tiny-plain > $OUT/p/tiny_plain.log 2>&1
 echo "tiny plain rc=$? at $(el) s"; grep '"window"' /tmp/tiny-plain/metrics.jsonl | tail -1 | cut -c1-300
 cp /tmp/tiny-plain/metrics.jsonl $OUT/p/tiny_plain_metrics.jsonl
+# The 8B recipe (2048 x 4, 512 anchors), 12 steps, without a profiler.
+TRAIN=/tmp/b/dflash-train CHECK=/tmp/b/gpu_check OUT=$OUT/p TLIM=120 STEPS=12 ENGINES=explicit SWEEP=1 \
+  LENS=2048 BATCHES=4 SWEEP_STEPS=12 bash deploy/bench/train_engines.sh
 if which nsys > /dev/null; then
   timeout 120 nsys profile -t cuda -o /tmp/tiny-nsys --force-overwrite true /tmp/b/dflash-train train $TINY \
     --stop-after-steps 12 --log-every 6 --output-dir /tmp/tiny-nsys-run > $OUT/p/tiny_nsys_run.log 2>&1

@@ -300,9 +300,9 @@ impl Replica {
         clock.lap(Stage::Forward)?;
         let store = loss.backward()?;
         let d_hidden = match store.get(picked.as_tensor()) {
-            Some(d) => hidden
-                .zeros_like()?
-                .index_add(&rows, &d.to_dtype(hidden.dtype())?, 0)?,
+            Some(d) => prep
+                .targets
+                .scatter_rows(&d.to_dtype(hidden.dtype())?, hidden.dim(0)?)?,
             // No supervised row in this micro-batch: nothing flows back.
             None => hidden.zeros_like()?,
         };
