@@ -5,7 +5,7 @@ use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::adamw_consts::AdamWConsts;
-use super::launch::{cfg, cuda, go, opt_ptr, ptr};
+use super::launch::{alloc_f32, cfg, cuda, go, opt_ptr, ptr};
 
 pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx"));
 pub(super) const MODULE: &str = "dflash_adamw";
@@ -98,4 +98,40 @@ pub fn adamw_step(
         .arg(&c.lr_wd);
     let blocks = (n.div_ceil(APPLY_THREADS as usize) as u32).clamp(1, APPLY_BLOCKS);
     go(&mut b, cfg((blocks, 1, 1), APPLY_THREADS), "adamw_apply")
+}
+
+/// Threads per block of the packing kernels.
+const PACK_THREADS: u32 = 256;
+
+/// `parts` (bf16 or f32, on one device, in order) as one new contiguous f32 buffer of all
+/// their elements: one launch per part, the cast and the packing in one pass.
+pub fn pack_f32(parts: &[Tensor]) -> Result<Tensor> {
+    let Some(first) = parts.first() else {
+        bail!("pack_f32: no parts")
+    };
+    let dev = cuda(first)?;
+    let total: usize = parts.iter().map(|p| p.elem_count()).sum();
+    // Every element is written below: the parts cover the buffer exactly.
+    let flat = alloc_f32(&dev, total)?;
+    let base = ptr(&flat)?;
+    let mut at = 0u64;
+    for part in parts {
+        let n = part.elem_count();
+        let name = match part.dtype() {
+            DType::BF16 => "pack_bf16_f32",
+            DType::F32 => "pack_f32_f32",
+            other => bail!("pack_f32: parts must be bf16 or f32, got {other:?}"),
+        };
+        if n > 0 {
+            let part = part.contiguous()?;
+            let (sp, dp, nn) = (ptr(&part)?, base + at * 4, n as i64);
+            let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&sp).arg(&dp).arg(&nn);
+            let blocks = (n.div_ceil(8 * PACK_THREADS as usize) as u32).clamp(1, APPLY_BLOCKS);
+            go(&mut b, cfg((blocks, 1, 1), PACK_THREADS), name)?;
+        }
+        at += n as u64;
+    }
+    Ok(flat)
 }

@@ -27,7 +27,7 @@ use crate::layers::ops::OpsMode;
 mod adamw;
 mod adamw_consts;
 #[cfg(feature = "cuda")]
-pub use adamw::{adamw_step, SUMSQ_BLOCKS};
+pub use adamw::{adamw_step, pack_f32, SUMSQ_BLOCKS};
 pub use adamw_consts::AdamWConsts;
 #[cfg(feature = "cuda")]
 mod argmax;
@@ -162,6 +162,32 @@ pub fn set_dflash_tensor_cores(on: bool) {
 /// Whether [`set_dflash_tensor_cores`] left them on.
 pub fn dflash_tensor_cores() -> bool {
     DFLASH_TENSOR_CORES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// 0: no call to [`set_dflash_dkv_pipelined`] (the environment decides), 1: on, 2: off.
+static DFLASH_DKV_PIPELINED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Turns the pipelined form of the tensor-core context dk/dv kernel on or off
+/// (`attn_dflash_tc.cu`: two buffers of the visited blocks' Q and dO rows, the next block's
+/// copies in flight during the current one's products; the same sums bit for bit). Off by
+/// default until `gpu_check --train` has compared and timed it on a GPU
+/// (`attn_dflash_dkv_pipelined_*`); `DFLASH_DKV_PIPELINED=1` or this switch turns it on.
+/// Process-wide.
+pub fn set_dflash_dkv_pipelined(on: bool) {
+    DFLASH_DKV_PIPELINED.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the pipelined context dk/dv kernel is on ([`set_dflash_dkv_pipelined`], else
+/// `DFLASH_DKV_PIPELINED`, read once; off unless it is `1`).
+pub fn dflash_dkv_pipelined() -> bool {
+    static FROM_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    match DFLASH_DKV_PIPELINED.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => {
+            *FROM_ENV.get_or_init(|| std::env::var("DFLASH_DKV_PIPELINED").is_ok_and(|v| v == "1"))
+        }
+    }
 }
 
 /// 0: no call to [`set_gdn_tree_kernel`] (the environment decides), 1: on, 2: off.

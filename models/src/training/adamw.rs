@@ -311,3 +311,21 @@ pub fn flatten(tensors: &[Tensor]) -> Result<Tensor> {
         .collect::<Result<Vec<_>>>()?;
     Tensor::cat(&flat, 0)
 }
+
+/// Gradients (bf16 or f32) as one contiguous f32 `[Σ elements]` buffer, in order, for
+/// [`FlatAdamW::step`]: on CUDA one cast-and-pack pass per tensor into one allocation
+/// (`cuda::pack_f32`; exact, a bf16 value is an f32 value), elsewhere [`flatten`].
+pub fn pack_gradients(tensors: &[Tensor]) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(first) = tensors.first() {
+        if first.device().is_cuda()
+            && tensors.iter().all(|t| {
+                t.device().same_device(first.device())
+                    && matches!(t.dtype(), DType::BF16 | DType::F32)
+            })
+        {
+            return crate::cuda::pack_f32(tensors);
+        }
+    }
+    flatten(tensors)
+}

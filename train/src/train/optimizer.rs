@@ -18,7 +18,7 @@
 //! cut per tensor on the writer thread (`snapshot.rs`), so the loop waits for three copies.
 
 use candle_core::{DType, Device, Tensor, Var};
-use dflash_models::training::adamw::{FlatAdamW, FlatAdamWConfig};
+use dflash_models::training::adamw::{pack_gradients, FlatAdamW, FlatAdamWConfig};
 
 use super::checkpoint::OptimizerTensors;
 use super::error::TrainResult;
@@ -169,10 +169,14 @@ impl TrainOptimizer {
     /// or the norm is not finite. Fused, it is only enqueued: [`Self::outcome`] says what it did.
     pub fn step(&mut self, grads: Vec<Option<Tensor>>, loss: &Tensor, lr: f64) -> TrainResult<()> {
         let vars = self.vars();
+        // Gradients arrive in the compute dtype (one micro-batch) or f32 (accumulated); the
+        // fused path casts them while packing its flat buffer.
+        let fused = matches!(self.inner, Inner::Fused { .. });
         let grads = vars
             .iter()
             .zip(grads)
             .map(|((_, v), g)| match g {
+                Some(g) if fused => Ok(g),
                 Some(g) => g.to_dtype(DType::F32),
                 None => Tensor::zeros(v.shape(), DType::F32, v.device()),
             })
@@ -206,13 +210,7 @@ impl TrainOptimizer {
                 });
             }
             Inner::Fused { flat, vars, .. } => {
-                let flat_grad = Tensor::cat(
-                    &grads
-                        .iter()
-                        .map(|g| g.flatten_all())
-                        .collect::<candle_core::Result<Vec<_>>>()?,
-                    0,
-                )?;
+                let flat_grad = pack_gradients(&grads)?;
                 flat.step(&flat_grad, Some(loss), lr)?;
                 // A skipped step left the working weights as they were: copying them is a
                 // no-op then, and saves deciding it on the host.

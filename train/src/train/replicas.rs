@@ -213,10 +213,10 @@ impl Replica {
             };
             out.predicted.push(predicted);
             for (i, g) in grads {
-                // Accumulated in f32 (a no-op cast for the f32 masters' gradients).
-                let g = g.to_dtype(DType::F32)?;
+                // Accumulated in f32 (a no-op cast for the f32 masters' gradients); a single
+                // micro-batch's stays in the compute dtype until the optimizer packs it.
                 out.grads[i] = Some(match out.grads[i].take() {
-                    Some(acc) => (acc + g)?,
+                    Some(acc) => (acc.to_dtype(DType::F32)? + g.to_dtype(DType::F32)?)?,
                     None => g,
                 });
             }
@@ -515,7 +515,8 @@ pub fn all_reduce_in_rank_order(
     for grads in &per_rank {
         for (i, g) in grads.iter().enumerate() {
             let Some(g) = g else { continue };
-            let g = g.to_device(&devices[0])?;
+            // Summed in f32 (a rank's gradient may still be in the compute dtype).
+            let g = g.to_device(&devices[0])?.to_dtype(DType::F32)?;
             sums[i] = Some(match sums[i].take() {
                 Some(acc) => (acc + g)?,
                 None => g,
