@@ -324,10 +324,22 @@ impl DecoderLayer {
 
     /// `residual + o_proj(attn)`, then the MLP block with its own residual.
     pub fn finish(&self, residual: &Tensor, attn: &Tensor) -> Result<Tensor> {
+        self.finish_with(residual, attn, self.mode)
+    }
+
+    /// [`Self::finish`] with a dense MLP's SiLU-gate product as `mlp_mode` says: the
+    /// trainer's frozen target passes `Differentiable` for the one fused kernel on CUDA
+    /// (`layers::train_ops::silu_mul`, f32 inside) in place of candle's silu and multiply.
+    pub fn finish_with(
+        &self,
+        residual: &Tensor,
+        attn: &Tensor,
+        mlp_mode: OpsMode,
+    ) -> Result<Tensor> {
         let x = (residual + linear(attn, &self.o_proj)?)?;
         let h = rms_norm(&x, &self.post_attention_layernorm, self.eps, self.mode)?;
         let mlp = match &self.mlp {
-            FeedForward::Dense(m) => m.forward_with(&h, self.mode)?,
+            FeedForward::Dense(m) => m.forward_with(&h, mlp_mode)?,
             sparse => sparse.forward(&h)?,
         };
         x + mlp

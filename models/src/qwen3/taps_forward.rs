@@ -11,6 +11,7 @@ use candle_core::Tensor;
 use super::Qwen3Model;
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::{attend, AttnPattern};
+use crate::layers::ops::OpsMode;
 use crate::taps::TapCollector;
 
 /// What [`Qwen3Model::forward_taps`] returns.
@@ -68,7 +69,9 @@ impl Qwen3Model {
             let h = layer.input_norm(&x)?;
             let (q, k, v) = layer.qkv(&h, &cos, &sin)?;
             let attn = attention.run(&q, &k, &v)?;
-            x = layer.finish(&x, &attn)?;
+            // The SiLU-gate product in one kernel on CUDA (no gradient flows: the target is
+            // frozen); elsewhere candle's silu and multiply as in `finish`.
+            x = layer.finish_with(&x, &attn, OpsMode::Differentiable)?;
             tapped.layer_output(li, &x);
         }
         let normed = tapped
