@@ -325,9 +325,99 @@ __device__ void tc_bwd_dq(const bf16_t* __restrict__ q, const bf16_t* __restrict
     }
 }
 
+// Stages block b's G heads' Q and dO rows (cp.async, not committed) and its lse and delta
+// (plain loads) into one buffer of the context dk/dv kernel. All threads take part.
+template <int D, int PAD>
+__device__ __forceinline__ void stage_block(bf16_t* qs, bf16_t* dos, float* ls, float* dls,
+                                            const bf16_t* __restrict__ q,
+                                            const bf16_t* __restrict__ dout,
+                                            const float* __restrict__ lse,
+                                            const float* __restrict__ delta, int b, int kvh,
+                                            int G, int H, int R) {
+    for (int e = threadIdx.x; e < G * 16 * (D / 8); e += blockDim.x) {
+        int w = e / (16 * (D / 8)), i = (e / (D / 8)) % 16, p = e % (D / 8);
+        const int hh = kvh * G + w;
+        tcp16(tsm(qs + (w * 16 + i) * PAD + 8 * p), q + ((size_t)hh * R + b * 16 + i) * D + 8 * p,
+              16);
+        tcp16(tsm(dos + (w * 16 + i) * PAD + 8 * p),
+              dout + (size_t)(b * 16 + i) * H * D + (size_t)hh * D + 8 * p, 16);
+    }
+    for (int e = threadIdx.x; e < G * 16; e += blockDim.x) {
+        const size_t li = (size_t)(kvh * G + e / 16) * R + b * 16 + e % 16;
+        ls[e] = lse[li];
+        dls[e] = delta[li];
+    }
+}
+
+// One visible block's contribution to the warp's 16 context keys (anchor a; the block's rows
+// staged in qs / dos / ls / dls): dV += P^T dO and dK += dS^T Q over the group's G heads.
+template <int D, int PAD>
+__device__ __forceinline__ void dkv_visit(const bf16_t* qs, const bf16_t* dos, const float* ls,
+                                          const float* dls, int G, int a, u32 ka_lane,
+                                          u32 va_lane, bool inA, bool inB, int jA, int jB,
+                                          int window, float scale, float (*dk)[4],
+                                          float (*dv)[4]) {
+    const int lane = threadIdx.x & 31, tig = lane & 3, lm = lane >> 3, lr = lane & 7;
+    for (int w = 0; w < G; ++w) {
+        u32 qn_lane = tsm(qs + (w * 16 + (lm >> 1) * 8 + lr) * PAD + (lm & 1) * 8);
+        u32 don_lane = tsm(dos + (w * 16 + (lm >> 1) * 8 + lr) * PAD + (lm & 1) * 8);
+        u32 qt_lane = tsm(qs + (w * 16 + (lm & 1) * 8 + lr) * PAD + (lm >> 1) * 8);
+        u32 dot_lane = tsm(dos + (w * 16 + (lm & 1) * 8 + lr) * PAD + (lm >> 1) * 8);
+        // S^T = K Q^T and dP^T = V dO^T: [16 keys x 16 queries].
+        float st[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        float dpt[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 a0, a1, a2, a3, b0, b1, b2, b3;
+            tldsm(ka_lane + kk * 16 * 2, a0, a1, a2, a3);
+            tldsm(qn_lane + kk * 16 * 2, b0, b1, b2, b3);
+            mma_bf16(st[0], a0, a1, a2, a3, b0, b1);
+            mma_bf16(st[1], a0, a1, a2, a3, b2, b3);
+            tldsm(va_lane + kk * 16 * 2, a0, a1, a2, a3);
+            tldsm(don_lane + kk * 16 * 2, b0, b1, b2, b3);
+            mma_bf16(dpt[0], a0, a1, a2, a3, b0, b1);
+            mma_bf16(dpt[1], a0, a1, a2, a3, b2, b3);
+        }
+        float p[2][4], ds[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int k = nt * 8 + tig * 2 + e;  // query slot
+                const float L = ls[w * 16 + k], dl = dls[w * 16 + k];
+                const bool vA = inA && jA < a && (window == 0 || jA >= a + k + 1 - window);
+                const bool vB = inB && jB < a && (window == 0 || jB >= a + k + 1 - window);
+                p[nt][e] = vA ? __expf(st[nt][e] * scale - L) : 0.f;
+                p[nt][2 + e] = vB ? __expf(st[nt][2 + e] * scale - L) : 0.f;
+                ds[nt][e] = p[nt][e] * (dpt[nt][e] - dl);
+                ds[nt][2 + e] = p[nt][2 + e] * (dpt[nt][2 + e] - dl);
+            }
+        }
+        // A fragments over the 16 queries (one k-step).
+        const u32 pa0 = pack2(p[0][0], p[0][1]), pa1 = pack2(p[0][2], p[0][3]),
+                  pa2 = pack2(p[1][0], p[1][1]), pa3 = pack2(p[1][2], p[1][3]);
+        const u32 sa0 = pack2(ds[0][0], ds[0][1]), sa1 = pack2(ds[0][2], ds[0][3]),
+                  sa2 = pack2(ds[1][0], ds[1][1]), sa3 = pack2(ds[1][2], ds[1][3]);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            u32 b0, b1, b2, b3;
+            tldsm_t(dot_lane + dp * 16 * 2, b0, b1, b2, b3);
+            mma_bf16(dv[2 * dp], pa0, pa1, pa2, pa3, b0, b1);
+            mma_bf16(dv[2 * dp + 1], pa0, pa1, pa2, pa3, b2, b3);
+            tldsm_t(qt_lane + dp * 16 * 2, b0, b1, b2, b3);
+            mma_bf16(dk[2 * dp], sa0, sa1, sa2, sa3, b0, b1);
+            mma_bf16(dk[2 * dp + 1], sa0, sa1, sa2, sa3, b2, b3);
+        }
+    }
+}
+
 // Grid (ceil(C / 64), KV), 128 threads: dk, dv of context rows (laid out as kc / vc).
 // seqs u32 [nseq, 3] = (context offset, first block, end block), ctx_seq u32 [C].
-template <int D>
+// PIPE: two buffers of the visited blocks' rows, the next block's copies in flight while the
+// current one is computed (without, each visit waits for its own copies: latency-bound, ~3 ms
+// a layer at the 8B recipe's shape against 0.77 for the forward, session 21's profile).
+// Both forms visit the same blocks in the same order: the same sums, bit for bit.
+template <int D, bool PIPE>
 __device__ void tc_bwd_dkv_ctx(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
                                const bf16_t* __restrict__ vc, const u32* __restrict__ blocks,
                                const u32* __restrict__ seqs, const u32* __restrict__ ctx_seq,
@@ -335,16 +425,16 @@ __device__ void tc_bwd_dkv_ctx(const bf16_t* __restrict__ q, const bf16_t* __res
                                const float* __restrict__ delta, bf16_t* __restrict__ dkc,
                                bf16_t* __restrict__ dvc, int H, int KV, int R, int C, int cs,
                                int window, float scale) {
-    constexpr int PAD = D + 8, ODT = D / 8;
+    constexpr int PAD = D + 8, ODT = D / 8, NBUF = PIPE ? 2 : 1;
     extern __shared__ __align__(16) bf16_t tc_smem[];
     const int G = H / KV;
     bf16_t* ks = tc_smem;
     bf16_t* vs = ks + TCH * PAD;
-    bf16_t* qs = vs + TCH * PAD;      // G x 16 rows
-    bf16_t* dos = qs + G * 16 * PAD;  // G x 16 rows
-    float* ls = (float*)(dos + G * 16 * PAD);  // G x 16 lse
-    float* dls = ls + G * 16;                  // G x 16 delta
-    u32* row_seq = (u32*)(dls + G * 16);       // 64
+    bf16_t* qs = vs + TCH * PAD;                 // NBUF x G x 16 rows
+    bf16_t* dos = qs + NBUF * G * 16 * PAD;      // NBUF x G x 16 rows
+    float* ls = (float*)(dos + NBUF * G * 16 * PAD);  // NBUF x G x 16 lse
+    float* dls = ls + NBUF * G * 16;                  // NBUF x G x 16 delta
+    u32* row_seq = (u32*)(dls + NBUF * G * 16);       // 64
     const int r0 = blockIdx.x * TCH, kvh = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
     const size_t krow0 = (size_t)kvh * cs + r0;
@@ -368,6 +458,7 @@ __device__ void tc_bwd_dkv_ctx(const bf16_t* __restrict__ q, const bf16_t* __res
         dv[nt][0] = dv[nt][1] = dv[nt][2] = dv[nt][3] = 0.f;
     }
     const int kA = warp * 16 + g, kB = kA + 8;  // the lane's key rows within the tile
+    const int rows16 = G * 16;
     int run = 0;
     while (run < TCH) {
         const u32 sq = row_seq[run];
@@ -379,78 +470,48 @@ __device__ void tc_bwd_dkv_ctx(const bf16_t* __restrict__ q, const bf16_t* __res
             const int jmin = r0 + run - off, jmax = r0 + end - 1 - off;
             const bool inA = kA >= run && kA < end, inB = kB >= run && kB < end;
             const int jA = r0 + kA - off, jB = r0 + kB - off;
-            for (int b = blo; b < bhi; ++b) {
-                const int a = (int)blocks[2 * b + 1];
-                if (a <= jmin) continue;
-                if (window > 0 && jmax < a + 1 - window) continue;
-                __syncthreads();  // every warp is done with the previous block's rows
-                for (int e = threadIdx.x; e < G * 16 * (D / 8); e += blockDim.x) {
-                    int w = e / (16 * (D / 8)), i = (e / (D / 8)) % 16, p = e % (D / 8);
-                    const int hh = kvh * G + w;
-                    tcp16(tsm(qs + (w * 16 + i) * PAD + 8 * p),
-                          q + ((size_t)hh * R + b * 16 + i) * D + 8 * p, 16);
-                    tcp16(tsm(dos + (w * 16 + i) * PAD + 8 * p),
-                          dout + (size_t)(b * 16 + i) * H * D + (size_t)hh * D + 8 * p, 16);
+            // The next block at or after b that sees a row of this run (bhi: none).
+            auto next_visible = [&](int b) {
+                for (; b < bhi; ++b) {
+                    const int a = (int)blocks[2 * b + 1];
+                    if (a <= jmin) continue;
+                    if (window > 0 && jmax < a + 1 - window) continue;
+                    return b;
                 }
-                for (int e = threadIdx.x; e < G * 16; e += blockDim.x) {
-                    const size_t li = (size_t)(kvh * G + e / 16) * R + b * 16 + e % 16;
-                    ls[e] = lse[li];
-                    dls[e] = delta[li];
+                return bhi;
+            };
+            if constexpr (PIPE) {
+                int b = next_visible(blo), cur = 0;
+                if (b < bhi)
+                    stage_block<D, PAD>(qs, dos, ls, dls, q, dout, lse, delta, b, kvh, G, H, R);
+                asm volatile("cp.async.commit_group;\n" ::);
+                while (b < bhi) {
+                    const int nb = next_visible(b + 1), nx = cur ^ 1;
+                    if (nb < bhi)
+                        stage_block<D, PAD>(qs + nx * rows16 * PAD, dos + nx * rows16 * PAD,
+                                            ls + nx * rows16, dls + nx * rows16, q, dout, lse,
+                                            delta, nb, kvh, G, H, R);
+                    asm volatile("cp.async.commit_group;\n" ::);
+                    // The current block's copies (the group before the one just committed).
+                    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+                    __syncthreads();
+                    dkv_visit<D, PAD>(qs + cur * rows16 * PAD, dos + cur * rows16 * PAD,
+                                      ls + cur * rows16, dls + cur * rows16, G,
+                                      (int)blocks[2 * b + 1], ka_lane, va_lane, inA, inB, jA, jB,
+                                      window, scale, dk, dv);
+                    __syncthreads();  // every warp is done with `cur` before it is restaged
+                    b = nb;
+                    cur = nx;
                 }
-                tcommit_wait();
-                __syncthreads();
-                for (int w = 0; w < G; ++w) {
-                    u32 qn_lane = tsm(qs + (w * 16 + (lm >> 1) * 8 + lr) * PAD + (lm & 1) * 8);
-                    u32 don_lane = tsm(dos + (w * 16 + (lm >> 1) * 8 + lr) * PAD + (lm & 1) * 8);
-                    u32 qt_lane = tsm(qs + (w * 16 + (lm & 1) * 8 + lr) * PAD + (lm >> 1) * 8);
-                    u32 dot_lane = tsm(dos + (w * 16 + (lm & 1) * 8 + lr) * PAD + (lm >> 1) * 8);
-                    // S^T = K Q^T and dP^T = V dO^T: [16 keys x 16 queries].
-                    float st[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-                    float dpt[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-                    for (int kk = 0; kk < D / 16; ++kk) {
-                        u32 a0, a1, a2, a3, b0, b1, b2, b3;
-                        tldsm(ka_lane + kk * 16 * 2, a0, a1, a2, a3);
-                        tldsm(qn_lane + kk * 16 * 2, b0, b1, b2, b3);
-                        mma_bf16(st[0], a0, a1, a2, a3, b0, b1);
-                        mma_bf16(st[1], a0, a1, a2, a3, b2, b3);
-                        tldsm(va_lane + kk * 16 * 2, a0, a1, a2, a3);
-                        tldsm(don_lane + kk * 16 * 2, b0, b1, b2, b3);
-                        mma_bf16(dpt[0], a0, a1, a2, a3, b0, b1);
-                        mma_bf16(dpt[1], a0, a1, a2, a3, b2, b3);
-                    }
-                    float p[2][4], ds[2][4];
-#pragma unroll
-                    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int k = nt * 8 + tig * 2 + e;  // query slot
-                            const float L = ls[w * 16 + k], dl = dls[w * 16 + k];
-                            const bool vA =
-                                inA && jA < a && (window == 0 || jA >= a + k + 1 - window);
-                            const bool vB =
-                                inB && jB < a && (window == 0 || jB >= a + k + 1 - window);
-                            p[nt][e] = vA ? __expf(st[nt][e] * scale - L) : 0.f;
-                            p[nt][2 + e] = vB ? __expf(st[nt][2 + e] * scale - L) : 0.f;
-                            ds[nt][e] = p[nt][e] * (dpt[nt][e] - dl);
-                            ds[nt][2 + e] = p[nt][2 + e] * (dpt[nt][2 + e] - dl);
-                        }
-                    }
-                    // A fragments over the 16 queries (one k-step).
-                    const u32 pa0 = pack2(p[0][0], p[0][1]), pa1 = pack2(p[0][2], p[0][3]),
-                              pa2 = pack2(p[1][0], p[1][1]), pa3 = pack2(p[1][2], p[1][3]);
-                    const u32 sa0 = pack2(ds[0][0], ds[0][1]), sa1 = pack2(ds[0][2], ds[0][3]),
-                              sa2 = pack2(ds[1][0], ds[1][1]), sa3 = pack2(ds[1][2], ds[1][3]);
-#pragma unroll
-                    for (int dp = 0; dp < D / 16; ++dp) {
-                        u32 b0, b1, b2, b3;
-                        tldsm_t(dot_lane + dp * 16 * 2, b0, b1, b2, b3);
-                        mma_bf16(dv[2 * dp], pa0, pa1, pa2, pa3, b0, b1);
-                        mma_bf16(dv[2 * dp + 1], pa0, pa1, pa2, pa3, b2, b3);
-                        tldsm_t(qt_lane + dp * 16 * 2, b0, b1, b2, b3);
-                        mma_bf16(dk[2 * dp], sa0, sa1, sa2, sa3, b0, b1);
-                        mma_bf16(dk[2 * dp + 1], sa0, sa1, sa2, sa3, b2, b3);
-                    }
+                asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+            } else {
+                for (int b = next_visible(blo); b < bhi; b = next_visible(b + 1)) {
+                    __syncthreads();  // every warp is done with the previous block's rows
+                    stage_block<D, PAD>(qs, dos, ls, dls, q, dout, lse, delta, b, kvh, G, H, R);
+                    tcommit_wait();
+                    __syncthreads();
+                    dkv_visit<D, PAD>(qs, dos, ls, dls, G, (int)blocks[2 * b + 1], ka_lane,
+                                      va_lane, inA, inB, jA, jB, window, scale, dk, dv);
                 }
             }
         }
@@ -493,8 +554,16 @@ __device__ void tc_bwd_dkv_ctx(const bf16_t* __restrict__ q, const bf16_t* __res
         const u32* seqs, const u32* ctx_seq, const bf16_t* dout, const float* lse,             \
         const float* delta, bf16_t* dkc, bf16_t* dvc, int H, int KV, int R, int C, int cs,     \
         int window, float scale) {                                                             \
-        tc_bwd_dkv_ctx<D>(q, kc, vc, blocks, seqs, ctx_seq, dout, lse, delta, dkc, dvc, H, KV, \
-                          R, C, cs, window, scale);                                            \
+        tc_bwd_dkv_ctx<D, false>(q, kc, vc, blocks, seqs, ctx_seq, dout, lse, delta, dkc, dvc, \
+                                 H, KV, R, C, cs, window, scale);                              \
+    }                                                                                          \
+    extern "C" __global__ void dflash_tc_bwd_dkv_ctx_pipe_d##D(                                \
+        const bf16_t* q, const bf16_t* kc, const bf16_t* vc, const u32* blocks,                \
+        const u32* seqs, const u32* ctx_seq, const bf16_t* dout, const float* lse,             \
+        const float* delta, bf16_t* dkc, bf16_t* dvc, int H, int KV, int R, int C, int cs,     \
+        int window, float scale) {                                                             \
+        tc_bwd_dkv_ctx<D, true>(q, kc, vc, blocks, seqs, ctx_seq, dout, lse, delta, dkc, dvc,  \
+                                H, KV, R, C, cs, window, scale);                               \
     }
 
 DFLASH_TC(64)

@@ -104,9 +104,14 @@ pub(super) fn launch_bwd_dkv_ctx(dev: &CudaDevice, x: &Dims, p: [u64; 11]) -> Re
         return Ok(());
     }
     let g = x.h / x.kv;
-    let name = format!("dflash_tc_bwd_dkv_ctx_d{}", x.d);
+    // The pipelined form holds two buffers of the visited block's rows.
+    let (name, bufs) = if super::dflash_dkv_pipelined() {
+        (format!("dflash_tc_bwd_dkv_ctx_pipe_d{}", x.d), 2)
+    } else {
+        (format!("dflash_tc_bwd_dkv_ctx_d{}", x.d), 1)
+    };
     // K, V tiles, the group's Q and dO rows, their lse and delta, and the rows' sequences.
-    let smem = rows_bytes(2 * TILE + 32 * g, x.d) + 2 * 16 * g * 4 + TILE * 4;
+    let smem = rows_bytes(2 * TILE + bufs * 32 * g, x.d) + bufs * 2 * 16 * g * 4 + TILE * 4;
     let f = function(dev, &name, smem)?;
     let [hi, kvi, ri, ci, csi, _, _, wi] = x.ints();
     let scale = x.scale();

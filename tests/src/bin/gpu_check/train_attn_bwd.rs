@@ -22,6 +22,8 @@
 //!    drafter: 4 heads over 2, head_dim 64, block 16, 256 anchors per sequence), bf16, for 8
 //!    sequences of 640 rows; the fused path alone for the trainer's 32 sequences of ~740,
 //!    with the tensor-core kernels and with the scalar ones only.
+//! 4. The pipelined context dk/dv kernel against the default (bit-identical gradients) and
+//!    both backwards' time, at the tiny recipe's shape (also sliding) and the 8B drafter's.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
@@ -358,6 +360,70 @@ fn speed(dev: &Device, seqs: usize, len: usize, composed: bool) -> Result<Value>
     Ok(Value::Object(res))
 }
 
+/// The pipelined context dk/dv kernel (`cuda::set_dflash_dkv_pipelined`) against the default
+/// one on the same bf16 inputs: every gradient bit-identical (same blocks, same order), and
+/// both backwards timed. `seqs` sequences of `len` rows, `per_seq` anchors each.
+fn pipelined_case(
+    dev: &Device,
+    (heads, kv, d): (usize, usize, usize),
+    (seqs, len, per_seq): (usize, usize, usize),
+    window: Option<usize>,
+) -> Result<Value> {
+    let mut spans = Vec::new();
+    for s in 0..seqs {
+        for i in 0..per_seq {
+            spans.push(BlockSpan {
+                ctx_offset: (s * len) as u32,
+                anchor: (1 + i * (len - 1) / per_seq) as u32,
+            });
+        }
+    }
+    let (r, c) = (spans.len() * B, seqs * len);
+    let mut rng = WeightRng::new(9);
+    let mut draw = |shape: &[usize]| rng.normal(shape, 0.0, 1.0, DType::BF16, dev);
+    let inputs = vec![
+        draw(&[heads, r, d])?,
+        draw(&[kv, c, d])?,
+        draw(&[kv, c, d])?,
+        draw(&[kv, r, d])?,
+        draw(&[kv, r, d])?,
+    ];
+    let dout = draw(&[r, heads * d])?.to_dtype(DType::F32)?;
+    let f: AttnFn = &|t, s| dflash_attention(&t[0], &t[1], &t[2], &t[3], &t[4], s, B, window);
+    let mut runs = Vec::new();
+    for on in [false, true] {
+        dflash_models::cuda::set_dflash_dkv_pipelined(on);
+        let got = grads_on_device(&inputs, &dout, &spans, f);
+        let vars: Vec<Var> = inputs
+            .iter()
+            .map(Var::from_tensor)
+            .collect::<candle_core::Result<_>>()?;
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let loss = (f(&ts, &spans)?.to_dtype(DType::F32)? * &dout)?.sum_all()?;
+        let bwd = time_ms(dev, 5, || {
+            loss.backward()?;
+            Ok(())
+        });
+        dflash_models::cuda::set_dflash_dkv_pipelined(false);
+        runs.push((got?, bwd?));
+    }
+    let mut worst = 0f32;
+    for (a, b) in runs[0].0.iter().zip(&runs[1].0) {
+        let d = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        worst = worst.max(d);
+    }
+    Ok(json!({
+        "shape": {"heads": heads, "kv_heads": kv, "head_dim": d, "sequences": seqs,
+                  "rows_per_seq": len, "anchors_per_seq": per_seq, "window": window},
+        "bwd_ms_default": runs[0].1, "bwd_ms_pipelined": runs[1].1,
+        "max_abs_diff": worst, "pass": worst == 0.0,
+    }))
+}
+
 pub fn run(dev: &Device) -> Result<Value> {
     let mut report = serde_json::Map::new();
     let mut record = |key: String, r: Result<Value>| {
@@ -400,5 +466,24 @@ pub fn run(dev: &Device) -> Result<Value> {
     let scalar = speed(dev, 32, 740, false);
     dflash_models::cuda::set_dflash_tensor_cores(true);
     record("attn_dflash_speed_trainer_shape_scalar".into(), scalar);
+    if dev.is_cuda() {
+        // The tiny recipe's attention, a sliding variant, and the 8B drafter's (32 heads over
+        // 8, head_dim 128, one 2048-row sequence, 512 anchors).
+        for (name, heads, rows, window) in [
+            ("tiny", (HEADS, KV_HEADS, 64), (32, 740, 256), None),
+            (
+                "tiny_window",
+                (HEADS, KV_HEADS, 64),
+                (8, 740, 256),
+                Some(100),
+            ),
+            ("8b", (32, 8, 128), (1, 2048, 512), None),
+        ] {
+            record(
+                format!("attn_dflash_dkv_pipelined_{name}"),
+                pipelined_case(dev, heads, rows, window),
+            );
+        }
+    }
     Ok(Value::Object(report))
 }
