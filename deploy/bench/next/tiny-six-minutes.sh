@@ -17,7 +17,7 @@ PHASE=train BIN=/tmp/b/dflash-train OUT=$OUT/r DATA=.gpu-data/train3000-regen.js
   STEPS=$STEPS NAME=$NAME TRAIN_FLAGS="--train-engine $ENGINE ${TRAIN_FLAGS_EXTRA:-}" TLIM=${TLIM:-420} \
   bash deploy/bench/tiny_recipe.sh
 # The run dir's top level holds the exported drafter (config.json, model.safetensors).
-left=$(( 585 - $(el) ))
+left=$(( ${END:-585} - $(el) ))
 if [ -f /tmp/run-six/model.safetensors ] && [ $left -gt 20 ]; then
   mkdir -p $OUT/r/$NAME-drafter && cp /tmp/run-six/config.json /tmp/run-six/model.safetensors $OUT/r/$NAME-drafter/
   PHASE=eval BIN=/tmp/b/dflash-train OUT=$OUT/r CHECKPOINTS="$NAME=/tmp/run-six" TLIM=$left bash deploy/bench/tiny_recipe.sh
