@@ -190,6 +190,31 @@ pub fn dflash_dkv_pipelined() -> bool {
     }
 }
 
+/// 0: no call to [`set_batched_context_append`] (the environment decides), 1: on, 2: off.
+static BATCHED_CONTEXT_APPEND: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether a batched drafter round writes the new context rows of every sequence of one pool
+/// with one norm + RoPE + cache-write launch per layer (each row carrying its own committed
+/// length and page-table row) instead of one launch per sequence per layer (160 launches a
+/// round at 32 sequences, each with its host-side views). Off by default until `gpu_check
+/// --pooled` and a served c=32 run have checked and timed it on a GPU;
+/// `DFLASH_BATCHED_CONTEXT_APPEND=1` or this switch turns it on. Process-wide.
+pub fn set_batched_context_append(on: bool) {
+    BATCHED_CONTEXT_APPEND.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the batched context append is on ([`set_batched_context_append`], else
+/// `DFLASH_BATCHED_CONTEXT_APPEND`, read once; off unless it is `1`).
+pub fn batched_context_append() -> bool {
+    static FROM_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    match BATCHED_CONTEXT_APPEND.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => *FROM_ENV
+            .get_or_init(|| std::env::var("DFLASH_BATCHED_CONTEXT_APPEND").is_ok_and(|v| v == "1")),
+    }
+}
+
 /// 0: no call to [`set_gdn_tree_kernel`] (the environment decides), 1: on, 2: off.
 static GDN_TREE_KERNEL: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 

@@ -171,6 +171,7 @@ impl DFlashDrafter {
         let layers = self.layers();
         let (nh, nkv, d) = layers[0].heads();
         let (cos, sin) = self.rotary().tables();
+        let per_row = self.context_rows_batched(caches, spans, ctx.device())?;
         for (li, layer) in layers.iter().enumerate() {
             let fused = layer
                 .fused()
@@ -180,6 +181,26 @@ impl DFlashDrafter {
             // (a third of its bytes).
             let kv_w = fused.qkv.narrow(0, nh * d, 2 * nkv * d)?;
             let kv_rows = cuda::linear(ctx, &kv_w)?;
+            if let Some((row_lens, row_pages)) = &per_row {
+                // Every cache of the batch writes into the pool's buffers of this layer.
+                let kv = caches[0].layer(li).attention()?;
+                let (kc, vc) = kv.buffers();
+                cuda::kv_norm_rope_cache(&cuda::QkvRows {
+                    qkv: &kv_rows,
+                    q_norm,
+                    k_norm,
+                    cos,
+                    sin,
+                    positions: pos,
+                    cache_len: row_lens,
+                    kc,
+                    vc,
+                    pages: Some(row_pages),
+                    heads: (nh, nkv, d),
+                    eps,
+                })?;
+                continue;
+            }
             for (s, (cache, (off, n, len))) in caches.iter().zip(spans).enumerate() {
                 if *n == 0 {
                     continue;
@@ -203,6 +224,56 @@ impl DFlashDrafter {
             }
         }
         Ok(())
+    }
+
+    /// The per-row inputs of one launch per layer for the context rows of the whole batch
+    /// (see [`crate::cuda::batched_context_append`]): each row is its own "sequence" of one
+    /// row to the cache-write kernel, with its cache's committed length plus its index among
+    /// that cache's new rows (u32 `[rows]`) and its cache's page table (u32 `[rows, width]`).
+    /// None where the switch is off, fewer than two caches have new rows, or the caches are
+    /// not all in one pool (their buffers differ): one launch per cache then.
+    fn context_rows_batched(
+        &self,
+        caches: &[&SequenceCache],
+        spans: &[(usize, usize, Tensor)],
+        dev: &candle_core::Device,
+    ) -> ModelResult<Option<(Tensor, Tensor)>> {
+        if !crate::cuda::batched_context_append()
+            || spans.iter().filter(|(_, n, _)| *n > 0).count() < 2
+        {
+            return Ok(None);
+        }
+        let Some(pool) = caches.first().and_then(|c| c.page_table().pool()) else {
+            return Ok(None);
+        };
+        if !caches
+            .iter()
+            .all(|c| c.page_table().pool().is_some_and(|p| p.same(pool)))
+        {
+            return Ok(None);
+        }
+        let width = caches
+            .iter()
+            .map(|c| c.page_table().pages().len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let rows: usize = spans.iter().map(|(_, n, _)| n).sum();
+        let (mut lens, mut pages) = (Vec::with_capacity(rows), vec![0u32; rows * width]);
+        let mut at = 0;
+        for (cache, (_, n, _)) in caches.iter().zip(spans) {
+            for i in 0..*n {
+                lens.push((cache.len() + i) as u32);
+                cache
+                    .page_table()
+                    .copy_into(&mut pages[(at + i) * width..(at + i + 1) * width]);
+            }
+            at += n;
+        }
+        Ok(Some((
+            Tensor::new(lens.as_slice(), dev)?,
+            Tensor::from_vec(pages, (rows, width), dev)?,
+        )))
     }
 
     /// [`DFlashDrafter::draft_logits`] of one sequence replayed from a [`RoundGraph`] when

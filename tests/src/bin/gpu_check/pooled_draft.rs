@@ -45,15 +45,25 @@ fn draft(
     Ok(d.draft_logits(&mut inputs)?)
 }
 
-pub fn run(target: &Qwen3Model) -> Result<Value> {
-    let dev = target.device().clone();
-    let cfg = DFlashConfig::for_target(target.config(), 2, 16, 4095, Some(vec![1, 2]));
+/// Four rounds of the six sequences drafting together in one pool (the first round their
+/// whole contexts, then 1..16 new rows each), every draft compared with the same sequence in
+/// a drafter cache of its own without graphs: (worst relative logit difference, argmax agreeing
+/// rows, rows), and the caches for the round-graph part.
+#[allow(clippy::type_complexity)]
+fn batch_rounds(
+    d: &DFlashDrafter,
+) -> Result<(
+    f32,
+    usize,
+    usize,
+    Vec<SequenceCache>,
+    Vec<SequenceCache>,
+    DFlashDrafter,
+)> {
+    let dev = d.device().clone();
+    let cfg = d.config();
     let b = cfg.block_size;
     let width = cfg.target_layer_ids.len() * cfg.layers.hidden_size;
-    let d = DFlashDrafter::random(cfg, target, 11, OpsMode::Fused)?;
-    if !d.fast_kernels() {
-        bail!("the pooled drafter check needs the fused kernels (CUDA, bf16)");
-    }
     let alone = d.clone().with_step_graphs(false);
     let pool = d.new_kv_pool(96)?;
     // Pages held by others while ours are taken: page tables with gaps.
@@ -112,10 +122,40 @@ pub fn run(target: &Qwen3Model) -> Result<Value> {
         }
     }
     drop(holders);
-    println!("pooled drafter batch: worst relative logit difference {worst:.2e}, argmax agrees on {agree}/{rows}");
-    if worst > 2e-2 {
-        bail!("pooled drafter: logits differ from each sequence alone by {worst} (relative)");
+    Ok((worst, agree, rows, pooled, own, alone))
+}
+
+pub fn run(target: &Qwen3Model) -> Result<Value> {
+    let dev = target.device().clone();
+    let cfg = DFlashConfig::for_target(target.config(), 2, 16, 4095, Some(vec![1, 2]));
+    let b = cfg.block_size;
+    let width = cfg.target_layer_ids.len() * cfg.layers.hidden_size;
+    let d = DFlashDrafter::random(cfg, target, 11, OpsMode::Fused)?;
+    if !d.fast_kernels() {
+        bail!("the pooled drafter check needs the fused kernels (CUDA, bf16)");
     }
+    let mut batch = Vec::new();
+    // The context rows written one launch per sequence per layer, then one per layer for the
+    // whole batch (`cuda::set_batched_context_append`): both against each sequence alone.
+    let mut last = None;
+    for batched in [false, true] {
+        dflash_models::cuda::set_batched_context_append(batched);
+        let r = batch_rounds(&d);
+        dflash_models::cuda::set_batched_context_append(false);
+        let (worst, agree, rows, pooled, own, alone) = r?;
+        println!("pooled drafter batch (batched context append {batched}): worst relative logit difference {worst:.2e}, argmax agrees on {agree}/{rows}");
+        if worst > 2e-2 {
+            bail!("pooled drafter (batched context append {batched}): logits differ from each sequence alone by {worst} (relative)");
+        }
+        batch.push(
+            json!({"batched_context_append": batched, "worst_rel_diff": worst,
+                          "argmax_agree": agree, "rows": rows}),
+        );
+        last = Some((pooled, own, alone, worst, agree, rows));
+    }
+    let Some((mut pooled, mut own, alone, worst, agree, rows)) = last else {
+        bail!("no batch rounds ran");
+    };
     // One sequence alone on its pooled cache: rounds of 3 new rows, the graph captured on the
     // second and replayed after.
     let mut graph_worst = 0f32;
@@ -141,6 +181,7 @@ pub fn run(target: &Qwen3Model) -> Result<Value> {
         bail!("pooled drafter round graph was never captured");
     }
     Ok(json!({
+        "batches": batch,
         "batch_worst_rel_diff": worst,
         "argmax_agree": agree,
         "rows": rows,
