@@ -29,7 +29,8 @@ load plain 1,32 60
 stop
 export SGLANG_SIMULATE_ACC_LEN=6.5
 for batched in 0 1; do
-  DFLASH_BATCHED_CONTEXT_APPEND=$batched start chain$batched --speculative-draft-model-path /tmp/q8-dflash --speculative-verify chain
+  export DFLASH_BATCHED_CONTEXT_APPEND=$batched
+  start chain$batched --speculative-draft-model-path /tmp/q8-dflash --speculative-verify chain
   load chain$batched 1,32 90
   stop
 done
