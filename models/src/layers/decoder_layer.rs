@@ -273,6 +273,8 @@ impl DecoderLayer {
     }
 
     /// Per-head projection, per-head RMSNorm, then RoPE: `[rows, hidden]` -> `[heads, rows, d]`.
+    /// `mode` picks the q/k norm + RoPE's form (see [`Self::qkv_with`]); the rest follows
+    /// the layer's own mode.
     fn project(
         &self,
         x: &Tensor,
@@ -280,11 +282,12 @@ impl DecoderLayer {
         norm: Option<&Tensor>,
         heads: usize,
         rot: Option<(&Tensor, &Tensor)>,
+        mode: OpsMode,
     ) -> Result<Tensor> {
         let rows = x.dim(0)?;
         let mut y = linear(x, w)?.reshape((rows, heads, self.head_dim))?;
         if let (Some(n), Some((cos, sin))) = (norm, rot) {
-            return qk_norm_rope(&y, n, cos, sin, self.eps, self.mode);
+            return qk_norm_rope(&y, n, cos, sin, self.eps, mode);
         }
         if let Some(n) = norm {
             y = rms_norm(&y, n, self.eps, self.mode)?;
@@ -298,14 +301,36 @@ impl DecoderLayer {
     /// Queries, keys and values of already-normed input `x: [rows, hidden]` at the positions
     /// whose rotary rows are `cos`, `sin`: `[heads, rows, d]`, `[kv_heads, rows, d]` twice.
     pub fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        self.qkv_with(x, cos, sin, self.mode)
+    }
+
+    /// [`Self::qkv`] with the q/k norm + RoPE as `mode` says: the trainer's frozen target
+    /// passes `Differentiable` for the one fused kernel on CUDA (norm, RoPE and the head-major
+    /// write; `layers::train_ops::qk_norm_rope`) in place of candle's norm, rope and transpose.
+    pub fn qkv_with(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mode: OpsMode,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let q = self.project(
             x,
             &self.q_proj,
             Some(&self.q_norm),
             self.num_heads,
             Some((cos, sin)),
+            mode,
         )?;
-        let (k, v) = self.kv(x, cos, sin)?;
+        let k = self.project(
+            x,
+            &self.k_proj,
+            Some(&self.k_norm),
+            self.num_kv_heads,
+            Some((cos, sin)),
+            mode,
+        )?;
+        let v = self.project(x, &self.v_proj, None, self.num_kv_heads, None, mode)?;
         Ok((q, k, v))
     }
 
@@ -317,8 +342,9 @@ impl DecoderLayer {
             Some(&self.k_norm),
             self.num_kv_heads,
             Some((cos, sin)),
+            self.mode,
         )?;
-        let v = self.project(x, &self.v_proj, None, self.num_kv_heads, None)?;
+        let v = self.project(x, &self.v_proj, None, self.num_kv_heads, None, self.mode)?;
         Ok((k, v))
     }
 

@@ -65,13 +65,21 @@ impl Qwen3Model {
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
         let mut x = self.embed(&tokens)?;
         let mut tapped = TapCollector::new(layers, self.cfg.num_hidden_layers);
+        // On CUDA the q/k norm + RoPE and the SiLU gate run as the trainer's one-kernel ops
+        // (`layers::train_ops`, chosen by the `Differentiable` mode; no gradient flows, the
+        // target is frozen) in place of candle's norm, rope, transpose, silu and multiply;
+        // elsewhere (or with the train ops switched to their compositions) the model's own
+        // mode, unchanged.
+        let fused_ops = if self.device.is_cuda() && crate::layers::train_ops::fused_train_ops() {
+            OpsMode::Differentiable
+        } else {
+            self.mode
+        };
         for (li, layer) in self.layers[..=deepest].iter().enumerate() {
             let h = layer.input_norm(&x)?;
-            let (q, k, v) = layer.qkv(&h, &cos, &sin)?;
+            let (q, k, v) = layer.qkv_with(&h, &cos, &sin, fused_ops)?;
             let attn = attention.run(&q, &k, &v)?;
-            // The SiLU-gate product in one kernel on CUDA (no gradient flows: the target is
-            // frozen); elsewhere candle's silu and multiply as in `finish`.
-            x = layer.finish_with(&x, &attn, OpsMode::Differentiable)?;
+            x = layer.finish_with(&x, &attn, fused_ops)?;
             tapped.layer_output(li, &x);
         }
         let normed = tapped
