@@ -54,3 +54,81 @@ impl DFlashDrafter {
         SequenceCache::new_paged_with(pool, kinds, capacity + self.cfg.block_size, 0, rows)
     }
 }
+
+/// Per-row write targets of a batched context append (`dflash/cuda.rs`): for `caches` taking
+/// `new_rows[s]` new context rows each (in batch order), every row's cache row index (its
+/// cache's committed length plus its index among that cache's new rows) and its cache's page
+/// table padded to `width` entries (the longest table), `rows x width` entries. None unless
+/// every cache is in one pool (the buffers the launch writes) and two or more take rows.
+/// Host work only, so the CPU tests check it; only the CUDA build launches with it.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn batched_append_rows(
+    caches: &[&SequenceCache],
+    new_rows: &[usize],
+) -> Option<(Vec<u32>, Vec<u32>, usize)> {
+    if new_rows.iter().filter(|&&n| n > 0).count() < 2 {
+        return None;
+    }
+    let pool = caches.first()?.page_table().pool()?;
+    if !caches
+        .iter()
+        .all(|c| c.page_table().pool().is_some_and(|p| p.same(pool)))
+    {
+        return None;
+    }
+    let width = caches
+        .iter()
+        .map(|c| c.page_table().pages().len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let rows: usize = new_rows.iter().sum();
+    let (mut lens, mut pages) = (Vec::with_capacity(rows), vec![0u32; rows * width]);
+    let mut at = 0;
+    for (cache, &n) in caches.iter().zip(new_rows) {
+        for i in 0..n {
+            lens.push((cache.len() + i) as u32);
+            cache
+                .page_table()
+                .copy_into(&mut pages[(at + i) * width..(at + i + 1) * width]);
+        }
+        at += n;
+    }
+    Some((lens, pages, width))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::batched_append_rows;
+    use crate::cache::{KvPool, SequenceCache};
+    use candle_core::{DType, Device};
+
+    /// Rows of three pooled caches (one taking none) get their cache's length plus their
+    /// index and their cache's page table; caches outside one pool, or one cache alone, get
+    /// no batched append.
+    #[test]
+    fn batched_append_rows_follow_each_cache() {
+        let dev = Device::Cpu;
+        let pool = KvPool::new(1, 1, 8, 32, DType::F32, &dev).unwrap();
+        let paged =
+            |rows: usize| SequenceCache::new_paged_with(&pool, vec![None], 256, 0, rows).unwrap();
+        let (mut a, b, mut c) = (paged(40), paged(20), paged(70));
+        a.advance(33);
+        c.advance(65);
+        let caches = [&a, &b, &c];
+        let (lens, pages, width) = batched_append_rows(&caches, &[3, 0, 2]).unwrap();
+        assert_eq!(lens, vec![33, 34, 35, 65, 66]);
+        let table = |s: &SequenceCache| {
+            let mut row = vec![0u32; width];
+            s.page_table().copy_into(&mut row);
+            row
+        };
+        assert_eq!(width, c.page_table().pages().len());
+        for (r, cache) in [&a, &a, &a, &c, &c].iter().enumerate() {
+            assert_eq!(&pages[r * width..(r + 1) * width], table(cache).as_slice());
+        }
+        assert!(batched_append_rows(&caches, &[3, 0, 0]).is_none());
+        let own = SequenceCache::new_attention(1, 1, 8, 64, DType::F32, &dev).unwrap();
+        assert!(batched_append_rows(&[&a, &own], &[1, 1]).is_none());
+    }
+}

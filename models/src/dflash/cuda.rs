@@ -11,6 +11,7 @@ use crate::cuda::decoder_stack::{
     cache_key, capture_graph, graph_page_width, stacked_page_tables, AttnSeq, PooledBatch, Stack,
 };
 use crate::cuda::graphs::Key;
+use crate::dflash::cache::batched_append_rows;
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
 use crate::taps::TapCollector;
@@ -238,38 +239,14 @@ impl DFlashDrafter {
         spans: &[(usize, usize, Tensor)],
         dev: &candle_core::Device,
     ) -> ModelResult<Option<(Tensor, Tensor)>> {
-        if !crate::cuda::batched_context_append()
-            || spans.iter().filter(|(_, n, _)| *n > 0).count() < 2
-        {
+        if !crate::cuda::batched_context_append() {
             return Ok(None);
         }
-        let Some(pool) = caches.first().and_then(|c| c.page_table().pool()) else {
+        let new_rows: Vec<usize> = spans.iter().map(|(_, n, _)| *n).collect();
+        let Some((lens, pages, width)) = batched_append_rows(caches, &new_rows) else {
             return Ok(None);
         };
-        if !caches
-            .iter()
-            .all(|c| c.page_table().pool().is_some_and(|p| p.same(pool)))
-        {
-            return Ok(None);
-        }
-        let width = caches
-            .iter()
-            .map(|c| c.page_table().pages().len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let rows: usize = spans.iter().map(|(_, n, _)| n).sum();
-        let (mut lens, mut pages) = (Vec::with_capacity(rows), vec![0u32; rows * width]);
-        let mut at = 0;
-        for (cache, (_, n, _)) in caches.iter().zip(spans) {
-            for i in 0..*n {
-                lens.push((cache.len() + i) as u32);
-                cache
-                    .page_table()
-                    .copy_into(&mut pages[(at + i) * width..(at + i + 1) * width]);
-            }
-            at += n;
-        }
+        let rows = lens.len();
         Ok(Some((
             Tensor::new(lens.as_slice(), dev)?,
             Tensor::from_vec(pages, (rows, width), dev)?,
