@@ -82,45 +82,55 @@ extern "C" __global__ void adamw_apply(float* __restrict__ p, float* __restrict_
 
 // One parameter's gradient (bf16 or f32, contiguous) written as f32 into its segment of the
 // flat gradient: the cast and the packing in one pass (candle's cast and then cat read and
-// wrote it twice, ~16 ms per 8B-recipe step on an H100, session 21). Eight elements per
-// thread per iteration through 16-byte accesses where both ends allow, else one at a time.
-extern "C" __global__ void pack_bf16_f32(const bf16_t* __restrict__ src, float* __restrict__ dst,
-                                         long long n) {
+// wrote it twice, ~16 ms per 8B-recipe step on an H100, session 21). 16-byte accesses where
+// both ends allow, else one element at a time.
+//
+// W elements of T per 16-byte load, written as W / 4 float4s; taking the bf16 halves of the
+// words (common.cuh's lo / hi) keeps the 128-bit load whole.
+template <typename T>
+struct Pack;
+
+template <>
+struct Pack<bf16_t> {
+    static constexpr int W = 8;
+    __device__ static void vec(const uint4& r, float4* d) {
+        d[0] = make_float4(lo(r.x), hi(r.x), lo(r.y), hi(r.y));
+        d[1] = make_float4(lo(r.z), hi(r.z), lo(r.w), hi(r.w));
+    }
+    __device__ static float one(bf16_t x) { return bf2f(x); }
+};
+
+template <>
+struct Pack<float> {
+    static constexpr int W = 4;
+    __device__ static void vec(const uint4& r, float4* d) {
+        d[0] = make_float4(__uint_as_float(r.x), __uint_as_float(r.y), __uint_as_float(r.z),
+                           __uint_as_float(r.w));
+    }
+    __device__ static float one(float x) { return x; }
+};
+
+template <typename T>
+__device__ void pack_f32(const T* __restrict__ src, float* __restrict__ dst, long long n) {
+    constexpr int W = Pack<T>::W;
     const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     const long long stride = (long long)gridDim.x * blockDim.x;
-    const bool vec = ((size_t)src & 15) == 0 && ((size_t)dst & 15) == 0;
     long long done = 0;
-    if (vec) {
-        const long long n8 = n / 8;
+    if (((size_t)src & 15) == 0 && ((size_t)dst & 15) == 0) {
         const uint4* s = reinterpret_cast<const uint4*>(src);
         float4* d = reinterpret_cast<float4*>(dst);
-        for (long long c = tid; c < n8; c += stride) {
-            // Bit operations on the words keep the 128-bit load whole (bf16 k of a word is its
-            // low half for even k, the high half for odd k).
-            const uint4 r = s[c];
-            d[2 * c] = make_float4(__uint_as_float(r.x << 16), __uint_as_float(r.x & 0xffff0000u),
-                                   __uint_as_float(r.y << 16), __uint_as_float(r.y & 0xffff0000u));
-            d[2 * c + 1] =
-                make_float4(__uint_as_float(r.z << 16), __uint_as_float(r.z & 0xffff0000u),
-                            __uint_as_float(r.w << 16), __uint_as_float(r.w & 0xffff0000u));
-        }
-        done = n8 * 8;
+        for (long long c = tid; c < n / W; c += stride) Pack<T>::vec(s[c], d + c * (W / 4));
+        done = n / W * W;
     }
-    for (long long i = done + tid; i < n; i += stride) dst[i] = bf2f(src[i]);
+    for (long long i = done + tid; i < n; i += stride) dst[i] = Pack<T>::one(src[i]);
+}
+
+extern "C" __global__ void pack_bf16_f32(const bf16_t* __restrict__ src, float* __restrict__ dst,
+                                         long long n) {
+    pack_f32(src, dst, n);
 }
 
 extern "C" __global__ void pack_f32_f32(const float* __restrict__ src, float* __restrict__ dst,
                                         long long n) {
-    const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    const bool vec = ((size_t)src & 15) == 0 && ((size_t)dst & 15) == 0;
-    long long done = 0;
-    if (vec) {
-        const long long n4 = n / 4;
-        const float4* s = reinterpret_cast<const float4*>(src);
-        float4* d = reinterpret_cast<float4*>(dst);
-        for (long long c = tid; c < n4; c += stride) d[c] = s[c];
-        done = n4 * 4;
-    }
-    for (long long i = done + tid; i < n; i += stride) dst[i] = src[i];
+    pack_f32(src, dst, n);
 }

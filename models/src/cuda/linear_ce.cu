@@ -61,8 +61,8 @@ __device__ __forceinline__ void unpack_words(const uint4& raw, float* f, const b
     const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int k = 0; k < 4; k++) {
-        f[2 * k] = __uint_as_float(w[k] << 16);
-        f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+        f[2 * k] = lo(w[k]);
+        f[2 * k + 1] = hi(w[k]);
     }
 }
 
@@ -76,7 +76,7 @@ __device__ __forceinline__ void unpack_words(const uint4& raw, float* f, const f
 __device__ __forceinline__ uint4 pack_words(const float* f, const bf16_t*) {
     u32 w[4];
 #pragma unroll
-    for (int k = 0; k < 4; k++) w[k] = (u32)f2bf(f[2 * k]) | ((u32)f2bf(f[2 * k + 1]) << 16);
+    for (int k = 0; k < 4; k++) w[k] = pack2(f[2 * k], f[2 * k + 1]);
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 

@@ -26,6 +26,7 @@ use crate::layers::ops::OpsMode;
 #[cfg(feature = "cuda")]
 mod adamw;
 mod adamw_consts;
+mod switch;
 #[cfg(feature = "cuda")]
 pub use adamw::{adamw_step, pack_f32, SUMSQ_BLOCKS};
 pub use adamw_consts::AdamWConsts;
@@ -164,8 +165,8 @@ pub fn dflash_tensor_cores() -> bool {
     DFLASH_TENSOR_CORES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// 0: no call to [`set_dflash_dkv_pipelined`] (the environment decides), 1: on, 2: off.
-static DFLASH_DKV_PIPELINED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static DFLASH_DKV_PIPELINED: switch::EnvSwitch =
+    switch::EnvSwitch::new("DFLASH_DKV_PIPELINED", false);
 
 /// Turns the pipelined form of the tensor-core context dk/dv kernel on or off
 /// (`attn_dflash_tc.cu`: two buffers of the visited blocks' Q and dO rows, the next block's
@@ -174,24 +175,17 @@ static DFLASH_DKV_PIPELINED: std::sync::atomic::AtomicU8 = std::sync::atomic::At
 /// (`attn_dflash_dkv_pipelined_*`); `DFLASH_DKV_PIPELINED=1` or this switch turns it on.
 /// Process-wide.
 pub fn set_dflash_dkv_pipelined(on: bool) {
-    DFLASH_DKV_PIPELINED.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+    DFLASH_DKV_PIPELINED.set(on);
 }
 
 /// Whether the pipelined context dk/dv kernel is on ([`set_dflash_dkv_pipelined`], else
 /// `DFLASH_DKV_PIPELINED`, read once; off unless it is `1`).
 pub fn dflash_dkv_pipelined() -> bool {
-    static FROM_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    match DFLASH_DKV_PIPELINED.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => {
-            *FROM_ENV.get_or_init(|| std::env::var("DFLASH_DKV_PIPELINED").is_ok_and(|v| v == "1"))
-        }
-    }
+    DFLASH_DKV_PIPELINED.get()
 }
 
-/// 0: no call to [`set_batched_context_append`] (the environment decides), 1: on, 2: off.
-static BATCHED_CONTEXT_APPEND: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static BATCHED_CONTEXT_APPEND: switch::EnvSwitch =
+    switch::EnvSwitch::new("DFLASH_BATCHED_CONTEXT_APPEND", false);
 
 /// Whether a batched drafter round writes the new context rows of every sequence of one pool
 /// with one norm + RoPE + cache-write launch per layer (each row carrying its own committed
@@ -200,23 +194,16 @@ static BATCHED_CONTEXT_APPEND: std::sync::atomic::AtomicU8 = std::sync::atomic::
 /// --pooled` and a served c=32 run have checked and timed it on a GPU;
 /// `DFLASH_BATCHED_CONTEXT_APPEND=1` or this switch turns it on. Process-wide.
 pub fn set_batched_context_append(on: bool) {
-    BATCHED_CONTEXT_APPEND.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+    BATCHED_CONTEXT_APPEND.set(on);
 }
 
 /// Whether the batched context append is on ([`set_batched_context_append`], else
 /// `DFLASH_BATCHED_CONTEXT_APPEND`, read once; off unless it is `1`).
 pub fn batched_context_append() -> bool {
-    static FROM_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    match BATCHED_CONTEXT_APPEND.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => *FROM_ENV
-            .get_or_init(|| std::env::var("DFLASH_BATCHED_CONTEXT_APPEND").is_ok_and(|v| v == "1")),
-    }
+    BATCHED_CONTEXT_APPEND.get()
 }
 
-/// 0: no call to [`set_gdn_tree_kernel`] (the environment decides), 1: on, 2: off.
-static GDN_TREE_KERNEL: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static GDN_TREE_KERNEL: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GDN_TREE_KERNEL", true);
 
 /// Whether a hybrid target's tree verify runs its GDN layers on the tree kernels
 /// (`gdn_split.cu` `gdn_scan_tree`: one scan over a depth-first order, three launches per layer)
@@ -226,19 +213,13 @@ static GDN_TREE_KERNEL: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU
 /// against the plain form). `DFLASH_GDN_TREE_KERNEL=0` or this switch turns them off.
 /// Process-wide.
 pub fn set_gdn_tree_kernel(on: bool) {
-    GDN_TREE_KERNEL.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+    GDN_TREE_KERNEL.set(on);
 }
 
 /// Whether the tree kernels are on ([`set_gdn_tree_kernel`], else `DFLASH_GDN_TREE_KERNEL`,
 /// read once; on unless it is `0`).
 pub fn gdn_tree_kernel() -> bool {
-    static FROM_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    match GDN_TREE_KERNEL.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => *FROM_ENV
-            .get_or_init(|| std::env::var("DFLASH_GDN_TREE_KERNEL").map_or(true, |v| v != "0")),
-    }
+    GDN_TREE_KERNEL.get()
 }
 
 /// Most rows the skinny GEMMs (`gemv*`) take (four m16 tiles per warp); wider products go to

@@ -55,6 +55,16 @@ impl DFlashDrafter {
     }
 }
 
+/// The pool every one of `caches` lives in; None when one has buffers of its own or they
+/// live in different pools (then no launch can write them all through one set of buffers).
+pub(crate) fn one_pool<'a>(caches: &[&'a SequenceCache]) -> Option<&'a KvPool> {
+    let pool = caches.first()?.page_table().pool()?;
+    caches
+        .iter()
+        .all(|c| c.page_table().pool().is_some_and(|p| p.same(pool)))
+        .then_some(pool)
+}
+
 /// Per-row write targets of a batched context append (`dflash/cuda.rs`): for `caches` taking
 /// `new_rows[s]` new context rows each (in batch order), every row's cache row index (its
 /// cache's committed length plus its index among that cache's new rows) and its cache's page
@@ -69,13 +79,7 @@ pub(crate) fn batched_append_rows(
     if new_rows.iter().filter(|&&n| n > 0).count() < 2 {
         return None;
     }
-    let pool = caches.first()?.page_table().pool()?;
-    if !caches
-        .iter()
-        .all(|c| c.page_table().pool().is_some_and(|p| p.same(pool)))
-    {
-        return None;
-    }
+    one_pool(caches)?;
     let width = caches
         .iter()
         .map(|c| c.page_table().pages().len())

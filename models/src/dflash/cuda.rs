@@ -11,7 +11,7 @@ use crate::cuda::decoder_stack::{
     cache_key, capture_graph, graph_page_width, stacked_page_tables, AttnSeq, PooledBatch, Stack,
 };
 use crate::cuda::graphs::Key;
-use crate::dflash::cache::batched_append_rows;
+use crate::dflash::cache::{batched_append_rows, one_pool};
 use crate::dflash::{DFlashDrafter, DraftInput};
 use crate::error::{ModelError, ModelResult};
 use crate::taps::TapCollector;
@@ -52,14 +52,7 @@ impl DFlashDrafter {
     /// their attention is then one set of launches per layer (every block has the same
     /// `block_size` rows). None for a single cache or caches of their own.
     fn pooled_blocks(&self, caches: &[&SequenceCache]) -> ModelResult<Option<PooledBlocks>> {
-        let Some(pool) = caches.first().and_then(|c| c.page_table().pool()) else {
-            return Ok(None);
-        };
-        if caches.len() < 2
-            || !caches
-                .iter()
-                .all(|c| c.page_table().pool().is_some_and(|p| p.same(pool)))
-        {
+        if caches.len() < 2 || one_pool(caches).is_none() {
             return Ok(None);
         }
         let dev = self.device();

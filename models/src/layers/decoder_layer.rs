@@ -322,6 +322,23 @@ impl DecoderLayer {
             Some((cos, sin)),
             mode,
         )?;
+        let (k, v) = self.kv_with(x, cos, sin, mode)?;
+        Ok((q, k, v))
+    }
+
+    /// Keys and values only (the DFlash context path: no query, no input norm).
+    pub fn kv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.kv_with(x, cos, sin, self.mode)
+    }
+
+    /// [`Self::kv`] with the k norm + RoPE as `mode` says (see [`Self::qkv_with`]).
+    fn kv_with(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mode: OpsMode,
+    ) -> Result<(Tensor, Tensor)> {
         let k = self.project(
             x,
             &self.k_proj,
@@ -331,20 +348,6 @@ impl DecoderLayer {
             mode,
         )?;
         let v = self.project(x, &self.v_proj, None, self.num_kv_heads, None, mode)?;
-        Ok((q, k, v))
-    }
-
-    /// Keys and values only (the DFlash context path: no query, no input norm).
-    pub fn kv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor)> {
-        let k = self.project(
-            x,
-            &self.k_proj,
-            Some(&self.k_norm),
-            self.num_kv_heads,
-            Some((cos, sin)),
-            self.mode,
-        )?;
-        let v = self.project(x, &self.v_proj, None, self.num_kv_heads, None, self.mode)?;
         Ok((k, v))
     }
 

@@ -304,10 +304,16 @@ fn trainer_step(dev: &Device) -> Result<Value> {
     }))
 }
 
-/// Forward and forward + backward times (ms) of the fused path (and of the composed one with
-/// `composed`) for `seqs` sequences of `len` rows with 256 anchors each.
-fn speed(dev: &Device, seqs: usize, len: usize, composed: bool) -> Result<Value> {
-    let (per_seq, d) = (256usize, 64usize);
+/// Evenly spaced anchors (`per_seq` per sequence of `len` rows, `seqs` sequences) and random
+/// bf16 inputs `[q, kc, vc, kb, vb]` for `heads` q-heads over `kv`, head_dim `d`, with an f32
+/// `dout`: the timing cases' workload.
+#[allow(clippy::type_complexity)]
+fn timing_inputs(
+    dev: &Device,
+    (heads, kv, d): (usize, usize, usize),
+    (seqs, len, per_seq): (usize, usize, usize),
+    seed: u64,
+) -> Result<(Vec<BlockSpan>, Vec<Tensor>, Tensor)> {
     let mut spans = Vec::new();
     for s in 0..seqs {
         for i in 0..per_seq {
@@ -318,16 +324,24 @@ fn speed(dev: &Device, seqs: usize, len: usize, composed: bool) -> Result<Value>
         }
     }
     let (r, c) = (spans.len() * B, seqs * len);
-    let mut rng = WeightRng::new(3);
+    let mut rng = WeightRng::new(seed);
     let mut draw = |shape: &[usize]| rng.normal(shape, 0.0, 1.0, DType::BF16, dev);
     let inputs = vec![
-        draw(&[HEADS, r, d])?,
-        draw(&[KV_HEADS, c, d])?,
-        draw(&[KV_HEADS, c, d])?,
-        draw(&[KV_HEADS, r, d])?,
-        draw(&[KV_HEADS, r, d])?,
+        draw(&[heads, r, d])?,
+        draw(&[kv, c, d])?,
+        draw(&[kv, c, d])?,
+        draw(&[kv, r, d])?,
+        draw(&[kv, r, d])?,
     ];
-    let dout = draw(&[r, HEADS * d])?.to_dtype(DType::F32)?;
+    let dout = draw(&[r, heads * d])?.to_dtype(DType::F32)?;
+    Ok((spans, inputs, dout))
+}
+
+/// Forward and forward + backward times (ms) of the fused path (and of the composed one with
+/// `composed`) for `seqs` sequences of `len` rows with 256 anchors each.
+fn speed(dev: &Device, seqs: usize, len: usize, composed: bool) -> Result<Value> {
+    let (per_seq, d) = (256usize, 64usize);
+    let (spans, inputs, dout) = timing_inputs(dev, (HEADS, KV_HEADS, d), (seqs, len, per_seq), 3)?;
     let fused: AttnFn = &|t, s| dflash_attention(&t[0], &t[1], &t[2], &t[3], &t[4], s, B, None);
     let composed_fn: AttnFn =
         &|t, s| composed_attention(&t[0], &t[1], &t[2], &t[3], &t[4], s, B, None);
@@ -369,26 +383,7 @@ fn pipelined_case(
     (seqs, len, per_seq): (usize, usize, usize),
     window: Option<usize>,
 ) -> Result<Value> {
-    let mut spans = Vec::new();
-    for s in 0..seqs {
-        for i in 0..per_seq {
-            spans.push(BlockSpan {
-                ctx_offset: (s * len) as u32,
-                anchor: (1 + i * (len - 1) / per_seq) as u32,
-            });
-        }
-    }
-    let (r, c) = (spans.len() * B, seqs * len);
-    let mut rng = WeightRng::new(9);
-    let mut draw = |shape: &[usize]| rng.normal(shape, 0.0, 1.0, DType::BF16, dev);
-    let inputs = vec![
-        draw(&[heads, r, d])?,
-        draw(&[kv, c, d])?,
-        draw(&[kv, c, d])?,
-        draw(&[kv, r, d])?,
-        draw(&[kv, r, d])?,
-    ];
-    let dout = draw(&[r, heads * d])?.to_dtype(DType::F32)?;
+    let (spans, inputs, dout) = timing_inputs(dev, (heads, kv, d), (seqs, len, per_seq), 9)?;
     let f: AttnFn = &|t, s| dflash_attention(&t[0], &t[1], &t[2], &t[3], &t[4], s, B, window);
     let mut runs = Vec::new();
     for on in [false, true] {
