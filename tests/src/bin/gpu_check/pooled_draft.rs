@@ -138,10 +138,11 @@ pub fn run(target: &Qwen3Model) -> Result<Value> {
     // The context rows written one launch per sequence per layer, then one per layer for the
     // whole batch (`cuda::set_batched_context_append`): both against each sequence alone.
     let mut last = None;
+    let default = dflash_models::cuda::batched_context_append();
     for batched in [false, true] {
         dflash_models::cuda::set_batched_context_append(batched);
         let r = batch_rounds(&d);
-        dflash_models::cuda::set_batched_context_append(false);
+        dflash_models::cuda::set_batched_context_append(default);
         let (worst, agree, rows, pooled, own, alone) = r?;
         println!("pooled drafter batch (batched context append {batched}): worst relative logit difference {worst:.2e}, argmax agrees on {agree}/{rows}");
         if worst > 2e-2 {
