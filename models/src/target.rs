@@ -173,12 +173,10 @@ impl Target {
         both!(self, m => m.forward(batch, taps))
     }
 
-    /// Forwards replayed from a CUDA graph so far (the hybrid targets capture none yet).
+    /// Forwards replayed from a CUDA graph so far (the hybrid targets capture decode steps
+    /// only).
     pub fn graph_replays(&self) -> u64 {
-        match self {
-            Target::Qwen3(m) => m.graph_replays(),
-            Target::Hybrid(_) => 0,
-        }
+        both!(self, m => m.graph_replays())
     }
 
     /// The same target with the fused CUDA kernels on or off (the plain candle path is the
@@ -197,9 +195,10 @@ impl Target {
 
     /// Whether verify forwards replay captured CUDA graphs, so that padding a short verify up
     /// to its algorithm's full size saves a capture: dense targets with step graphs on. The
-    /// hybrid targets capture none, and padding costs them real work (a root-only DDTree-64
-    /// verify padded to a 65-deep chain is past the GDN tree kernels' depth and ran the plain
-    /// form in every GDN layer: ~535 ms instead of ~35 ms on the 27B, H100).
+    /// hybrid targets capture decode steps only, and padding costs them real work (a
+    /// root-only DDTree-64 verify padded to a 65-deep chain is past the GDN tree kernels'
+    /// depth and ran the plain form in every GDN layer: ~535 ms instead of ~35 ms on the 27B,
+    /// H100).
     pub fn replays_verify_graphs(&self) -> bool {
         match self {
             Target::Qwen3(m) => m.step_graphs_on(),
@@ -207,12 +206,23 @@ impl Target {
         }
     }
 
-    /// Step graphs captured so far (the hybrid engine path captures none).
-    pub fn step_graphs_held(&self) -> usize {
+    /// The same target with step graphs on or off (dense: decode and verify steps; hybrid:
+    /// decode steps); no effect without the fused kernels.
+    pub fn with_step_graphs(self, on: bool) -> Self {
         match self {
-            Target::Qwen3(m) => m.step_graphs_held(),
-            Target::Hybrid(_) => 0,
+            Target::Qwen3(m) => Target::Qwen3(m.with_step_graphs(on)),
+            Target::Hybrid(m) => Target::Hybrid(m.with_step_graphs(on)),
         }
+    }
+
+    /// Whether forwards are captured and replayed as step graphs.
+    pub fn step_graphs_on(&self) -> bool {
+        both!(self, m => m.step_graphs_on())
+    }
+
+    /// Step graphs captured so far (a hybrid's: decode steps).
+    pub fn step_graphs_held(&self) -> usize {
+        both!(self, m => m.step_graphs_held())
     }
 
     /// Bytes of K/V one cached row of a sequence takes (attention layers only).

@@ -102,7 +102,7 @@ impl GraphSlots {
         key: Key,
         state: &mut S,
         capture: impl FnOnce(&S) -> ModelResult<G>,
-        run: impl FnOnce(&G, &mut S) -> ModelResult<R>,
+        run: impl FnOnce(&mut G, &mut S) -> ModelResult<R>,
     ) -> ModelResult<Option<R>> {
         let mut slots = self
             .0
@@ -155,11 +155,11 @@ impl GraphSlots {
                 }
             }
         };
-        let entry = slots
+        let mut entry = slots
             .graphs
             .remove(at)
             .ok_or_else(|| ModelError::Unsupported("graph slot vanished".into()))?;
-        let result = match entry.1.downcast_ref::<G>() {
+        let result = match entry.1.downcast_mut::<G>() {
             Some(g) => {
                 slots.replays += 1;
                 run(g, state)
@@ -322,7 +322,7 @@ mod tests {
                         c.set(c.get() + 1);
                         Err(ModelError::Unsupported("no capture here".into()))
                     },
-                    |g: &Fake, _| Ok(g.0),
+                    |g: &mut Fake, _| Ok(g.0),
                 )
                 .unwrap();
             assert_eq!(r, None);

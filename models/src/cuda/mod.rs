@@ -224,6 +224,26 @@ pub fn gdn_tree_kernel() -> bool {
     GDN_TREE_KERNEL.get()
 }
 
+static HYBRID_DECODE_GRAPHS: switch::EnvSwitch =
+    switch::EnvSwitch::new("DFLASH_HYBRID_DECODE_GRAPHS", false);
+
+/// Whether a hybrid target built from now on replays its decode steps from CUDA graphs
+/// (`qwen3_5/graph.rs`, `Qwen35Model::forward_decode_graph`; a model's own setting is
+/// `with_step_graphs`). Off by default until a GPU has timed and checked the engine path
+/// (`deploy/bench/next/callE-moe-graph.sh`: the MoE hybrid's eager decode is launch-bound,
+/// ~15 small launches a layer; `gpu_check --hybrid` found a replay bit-identical to the eager
+/// step and no faster at the dense 27B shape); `DFLASH_HYBRID_DECODE_GRAPHS=1` or this switch
+/// turns it on. Process-wide.
+pub fn set_hybrid_decode_graphs(on: bool) {
+    HYBRID_DECODE_GRAPHS.set(on);
+}
+
+/// Whether hybrid decode graphs are on ([`set_hybrid_decode_graphs`], else
+/// `DFLASH_HYBRID_DECODE_GRAPHS`, read once; off unless it is `1`).
+pub fn hybrid_decode_graphs() -> bool {
+    HYBRID_DECODE_GRAPHS.get()
+}
+
 /// Most rows the skinny GEMMs (`gemv*`) take (four m16 tiles per warp); wider products go to
 /// cuBLAS.
 pub const GEMV_MAX_ROWS: usize = 64;

@@ -6,6 +6,7 @@ use candle_core::{DType, Tensor};
 
 #[cfg(feature = "cuda")]
 use crate::cuda::decoder_stack::MOE_DEVICE_MAX_ROWS;
+use crate::cuda::graphs::GraphCache;
 #[cfg(feature = "cuda")]
 use crate::error::ModelError;
 use crate::error::ModelResult;
@@ -215,6 +216,7 @@ impl Qwen35Model {
                 }
             }
             self.fast = true;
+            self.step_graphs = GraphCache::new(crate::cuda::hybrid_decode_graphs());
         }
         Ok(self)
     }
@@ -231,13 +233,37 @@ impl Qwen35Model {
                         Mixer::Linear(_) => true,
                     }
             });
+        self.step_graphs = self.step_graphs.fresh();
         self
     }
 
+    /// Turns the replay of decode steps from CUDA graphs on or off (`graph.rs`; the default
+    /// is `cuda::hybrid_decode_graphs`). No effect without the fused kernels.
+    pub fn with_step_graphs(mut self, on: bool) -> Self {
+        self.step_graphs = GraphCache::new(on && self.fast);
+        self
+    }
+
+    /// Whether decode steps are captured and replayed as graphs.
+    pub fn step_graphs_on(&self) -> bool {
+        self.step_graphs.is_on()
+    }
+
+    /// Decode graphs held (0 with graphs off).
+    pub fn step_graphs_held(&self) -> usize {
+        self.step_graphs.held()
+    }
+
+    /// Forwards replayed from a decode graph so far (shared by the model's clones).
+    pub fn graph_replays(&self) -> u64 {
+        self.step_graphs.replays()
+    }
+
     /// Chooses the fused GDN mixers (the benches compare them; the default is what measured
-    /// fastest).
+    /// fastest). Graphs captured before are dropped.
     pub fn with_gdn_paths(mut self, paths: GdnPaths) -> Self {
         self.gdn_paths = paths;
+        self.step_graphs = self.step_graphs.fresh();
         self
     }
 

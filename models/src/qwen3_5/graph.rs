@@ -16,15 +16,24 @@
 //! it another tensor); after a replay the new state is copied out into fresh tensors that the
 //! cache commits, as the eager forward's staging. Verify graphs (t > 1) would have to copy
 //! out a full state per row (2.4 GB at 16 rows of the 27B shape), so only decode is captured.
+//!
+//! The model's forward replays it ([`Qwen35Model::forward_decode_graph`], in the model's
+//! [`crate::cuda::graphs::GraphCache`], where `cuda::hybrid_decode_graphs` or the model's
+//! `with_step_graphs` turns it on): a sparse-MoE
+//! layer's device block (`cuda::moe_block`) has no host round trip, so the MoE hybrids' decode
+//! step, ~15 small launches a layer, is one host call too.
 
 use candle_core::cuda_backend::cudarc::driver::CudaGraph;
 use candle_core::{DType, Tensor};
 
+use crate::batch::{ForwardOutput, SeqForward};
 use crate::cache::{GdnState, LayerCache, SequenceCache, StagedState};
 use crate::cuda::decoder_stack::capture_graph;
+use crate::cuda::graphs::{GraphObject, Key};
 use crate::cuda::{self, GraphSplit, RowNorm};
 use crate::error::{ModelError, ModelResult};
-use crate::qwen3_5::{Mixer, Qwen35Model};
+use crate::layers::attention::AttnPattern;
+use crate::qwen3_5::{GdnPath, Mixer, Qwen35Model};
 
 /// One GDN layer's state buffers owned by the graph.
 struct GraphState {
@@ -180,15 +189,24 @@ impl Qwen35Model {
                 }
             };
             let (x1, ss1) = cuda::gemv_resid(&mixed, o_proj, &x, Some(&counter), None)?;
-            let (gate_up, down) = layer.fused_mlp()?;
             let norm = RowNorm {
                 ss: ss1.as_ref(),
                 weight: &layer.post_norm,
                 eps,
             };
-            let act = cuda::gemv_silu(&x1, gate_up, Some(norm))?;
-            // One row: down makes no sums (the next in-projection sums its row), as eager.
-            let (x2, ss2) = cuda::gemv_resid(&act, down, &x1, None, None)?;
+            let (x2, ss2) = if layer.is_sparse() {
+                // As eager: the device MoE block (routing included, no host round trip).
+                let h = cuda::rms_apply(&x1, norm)?;
+                let x2 = layer.moe_on_device(&x1, &h)?.ok_or_else(|| {
+                    ModelError::Unsupported("hybrid graph: a sparse layer off the device".into())
+                })?;
+                (x2, None)
+            } else {
+                let (gate_up, down) = layer.fused_mlp()?;
+                let act = cuda::gemv_silu(&x1, gate_up, Some(norm))?;
+                // One row: down makes no sums (the next in-projection sums its row), as eager.
+                cuda::gemv_resid(&act, down, &x1, None, None)?
+            };
             x = x2;
             ss = ss2;
         }
@@ -203,6 +221,74 @@ impl Qwen35Model {
         let out = cuda::gemv(&h, &self.lm_head, None)?.to_dtype(DType::F32)?;
         logits.slice_set(&out, 0, 0)?;
         Ok(())
+    }
+}
+
+// SAFETY: a HybridDecodeGraph holds a CUDA graph and tensors (see `GraphObject`).
+unsafe impl GraphObject for HybridDecodeGraph {}
+
+impl Qwen35Model {
+    /// Replays a decode step from the model's graph of its cache when it qualifies (graphs
+    /// on, one sequence, one causal token, its logits and no taps, a cache in buffers of its
+    /// own with room, the `Chain` GDN decode path the graph records), capturing it on the
+    /// key's second use (`cuda::graphs`); `None` means "run the eager fused forward". The key
+    /// is the cache's attention buffers plus what the step bakes in (the attention's keys per
+    /// split, whether the row is staged for rollback), so a replay never meets a graph that
+    /// [`HybridDecodeGraph::step`] would call stale.
+    pub(crate) fn forward_decode_graph(
+        &self,
+        batch: &mut [SeqForward<'_>],
+        taps: &[usize],
+    ) -> ModelResult<Option<ForwardOutput>> {
+        let Some(graphs) = self.step_graphs.slots() else {
+            return Ok(None);
+        };
+        let [seq] = batch else { return Ok(None) };
+        if seq.tokens.len() != 1
+            || !matches!(seq.logit_rows, [0])
+            || !taps.is_empty()
+            || *seq.pattern != AttnPattern::Causal
+            || self.gdn_paths.decode != GdnPath::Chain
+            || !seq.cache.page_table().is_contiguous()
+            || seq.cache.len() + 1 > seq.cache.backed_rows()
+        {
+            return Ok(None);
+        }
+        let Some(tracker) = seq.cache.row_tracker() else {
+            return Ok(None);
+        };
+        let keep = tracker.rollback >= 1;
+        let heads = self.layers.iter().find_map(|l| match &l.mixer {
+            Mixer::Full(a) => Some(a.heads()),
+            Mixer::Linear(_) => None,
+        });
+        let kps = heads.map_or(1, |h| {
+            cuda::planned_keys_per_split(seq.cache.len() + 1, 1, h)
+        });
+        let mut key = attention_key(seq.cache)?;
+        for v in [kps as u64, keep as u64] {
+            key = (key ^ v).wrapping_mul(0x100000001b3);
+        }
+        let key = Key {
+            cache: key,
+            tokens: 1,
+            seqs: 1,
+            tree: false,
+            taps: Vec::new(),
+        };
+        let (token, position) = (seq.tokens[0], seq.positions[0]);
+        let logits = graphs.with_graph(
+            key,
+            &mut *seq.cache,
+            |cache| self.capture_decode_graph(cache),
+            |g, cache| g.step(cache, token, position),
+        )?;
+        Ok(logits.map(|logits| ForwardOutput {
+            logits: Some(logits),
+            taps: None,
+            token_offsets: vec![0, 1],
+            logit_offsets: vec![0, 1],
+        }))
     }
 }
 

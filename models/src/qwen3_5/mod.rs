@@ -35,6 +35,7 @@ use dflash_common::{HybridConfig, HybridLayerType, WeightFiles};
 
 use crate::batch::{check_batch, ForwardOutput, SeqForward, StackedBatch};
 use crate::cache::{KvBuffer, LayerCache, SequenceCache, StagedState};
+use crate::cuda::graphs::GraphCache;
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::{attend, AttnPattern};
 use crate::layers::decoder_layer::linear;
@@ -87,6 +88,9 @@ pub struct Qwen35Model {
     fast: bool,
     /// Which fused GDN mixer that forward runs for a decode step and for a chain verify.
     gdn_paths: GdnPaths,
+    /// Captured decode steps (`graph.rs`), shared by the model's clones; with the fused
+    /// kernels, on where `cuda::hybrid_decode_graphs` says.
+    step_graphs: GraphCache,
 }
 
 /// Where the text weights sit: `model.language_model.` in the released multimodal checkpoints,
@@ -289,6 +293,7 @@ impl Qwen35Model {
             form: DeltaForm::Auto,
             fast: false,
             gdn_paths: GdnPaths::default(),
+            step_graphs: GraphCache::new(false),
         }
         .prepare_fast()
     }
@@ -431,6 +436,9 @@ impl Qwen35Model {
         )?;
         #[cfg(feature = "cuda")]
         if self.takes_fused(batch) {
+            if let Some(out) = self.forward_decode_graph(batch, taps)? {
+                return Ok(out);
+            }
             return self.forward_fused(&mut batch[0], taps);
         }
         let StackedBatch {

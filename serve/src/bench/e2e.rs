@@ -62,6 +62,14 @@ fn run_one(s: &E2eSetup<'_>, algorithm: Algorithm) -> Result<(f64, Value)> {
     Ok((tps, stats))
 }
 
+/// Plain greedy decoding's tokens/s on a warm engine (the second request of [`run_one`]).
+pub fn plain_warm_tok_per_s(s: &E2eSetup<'_>) -> Result<f64> {
+    let (_, stats) = run_one(s, Algorithm::Plain)?;
+    stats["warm"]["tok_per_s"]
+        .as_f64()
+        .ok_or_else(|| anyhow!("plain decoding reported no warm tokens/s"))
+}
+
 /// Decodes the e2e request with the step graphs of target and drafter (`s`) and without them
 /// (`uncaptured`, the same target with graphs off, and the drafter likewise): plain greedy
 /// decoding must give the same tokens; for the chain the drafts come from a drafter whose

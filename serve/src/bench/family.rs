@@ -144,19 +144,48 @@ pub fn run(
     // Plain decoding through the engine: its warm per-token time against the bytes a token
     // reads (weights of the routed experts only, the K/V at the mean context, the recurrent
     // state read and written).
+    let ctx = args.e2e_prompt as f64 + args.e2e_tokens as f64 / 2.0;
+    let bytes = active * elem + kv_per_pos * ctx + 2.0 * state;
+    let roof = bytes / bw * 1e3;
     if let Some(tps) = e2e_fig["plain"]["warm_tok_per_s"].as_f64() {
-        let ctx = args.e2e_prompt as f64 + args.e2e_tokens as f64 / 2.0;
-        let bytes = active * elem + kv_per_pos * ctx + 2.0 * state;
         let ms = 1e3 / tps;
-        let roof = bytes / bw * 1e3;
         out.insert(
             "decode_through_engine".into(),
             json!({"ms_per_token": ms, "roofline_ms": roof, "fraction_of_roofline": roof / ms,
                    "bytes_GB": bytes / 1e9, "mean_context": ctx,
+                   "step_graphs": target.step_graphs_on(),
                    "note": "plain greedy decoding of the e2e request (warm engine, host work and read-back included)"}),
         );
     }
     out.insert("e2e".into(), e2e_fig);
+    if matches!(family.target, FamilyTarget::Hybrid(_)) && target.fast_kernels() {
+        // The hybrid's decode graphs against the eager fused step, same weights and request:
+        // decode_through_engine ran the default, this the other setting; greedy tokens must be
+        // identical both ways.
+        let on = target.step_graphs_on();
+        let other = target.clone().with_step_graphs(!on);
+        let other_setup = e2e::E2eSetup {
+            target: &other,
+            ..setup
+        };
+        let ms = 1e3 / e2e::plain_warm_tok_per_s(&other_setup)?;
+        out.insert(
+            format!("decode_step_graphs_{}", if on { "off" } else { "on" }),
+            json!({"ms_per_token": ms, "fraction_of_roofline": roof / ms,
+                   "note": "decode_through_engine's request with the hybrid decode graphs switched the other way"}),
+        );
+        if !args.no_e2e_check {
+            let (with, without) = if on {
+                (&setup, &other)
+            } else {
+                (&other_setup, &target_g)
+            };
+            out.insert(
+                "e2e_step_graph_check".into(),
+                e2e::graph_check(with, without)?,
+            );
+        }
+    }
     if args.e2e_batch > 0 {
         out.insert(
             "e2e_batched".into(),
