@@ -1,31 +1,46 @@
 #!/usr/bin/env bash
-# Issue 20: the hybrid decode step graphs in the engine (graph.rs `forward_decode_graph`, off by
-# default: DFLASH_HYBRID_DECODE_GRAPHS) on a 12-layer Qwen3.6-35B-A3B-shaped target (the
-# published shape's layers cut to 12: 9 GDN + 3 gated attention, 256 experts top 8;
-# `qwen3.6-35b-a3b-12-layers.json`): decode through the engine eager (decode_through_engine)
-# and from graphs (decode_step_graphs_on), greedy tokens identical both ways
-# (e2e_step_graph_check). Bundle: dflash-serve. TOTAL=1 runs the published 40-layer shape too
-# (`--model qwen3.6-35b-a3b`, ~3 min); if the graphs win, make them the default
-# (models/src/cuda/mod.rs `HYBRID_DECODE_GRAPHS`) and rerun the 27B shape to see they cost it
-# nothing.
+# Issue 20 (bundle: dflash-serve, built at or after the hybrid decode graphs + prefill phases):
+#   1. The hybrid decode step graphs in the engine (qwen3_5/graph.rs `forward_decode_graph`, off
+#      by default: DFLASH_HYBRID_DECODE_GRAPHS) on a 12-layer Qwen3.6-35B-A3B-shaped target (the
+#      published shape cut to 12 layers: 9 GDN + 3 gated attention, 256 experts top 8;
+#      `qwen3.6-35b-a3b-12-layers.json`): decode through the engine eager
+#      (decode_through_engine) and from graphs (decode_step_graphs_on), greedy tokens
+#      identical both ways (e2e_step_graph_check); the MoE prefill's phases (prefill_1024_phases).
+#   2. The Qwen3.6-27B shape: prefill 4K with its phases (prefill_4096_phases: where the 0.3 of
+#      the matmul rate goes), decode eager vs graphs, e2e chain / DDTree-16.
+#   3. With TOTAL=1, the published 40-layer 35B-A3B shape the same way (~3 min).
+# If the graphs win and the tokens agree, make them the default (models/src/cuda/mod.rs
+# `HYBRID_DECODE_GRAPHS`).
 set -u
 D=${D:-.gpu-serve}
 mkdir -p /tmp/b && tar -xJf $D/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 mkdir -p $OUT/g
 export RUST_LOG=warn
-timeout ${TLIM:-120} /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json \
-  --e2e-only --prefill 1024 --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --out $OUT/g/h35-12.json > $OUT/g/h35-12.log 2>&1
-echo "bench 35b-a3b 12 layers rc=$? at $(el) s"
-python3 - $OUT/g/h35-12.json <<'PY'
+show() {
+python3 - "$1" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
-for k in ("decode_through_engine", "decode_step_graphs_on", "e2e_step_graph_check"):
-    print(k, json.dumps(d.get(k)))
+for k, v in d.items():
+    if k.startswith(("decode_", "prefill_", "e2e_step_graph_check")):
+        print(k, json.dumps(v)[:900])
+e = d.get("e2e", {})
+for k in ("chain", "ddtree_16", "ddtree_64"):
+    if k in e:
+        print("e2e", k, e[k].get("speedup_vs_plain"), e[k].get("warm_speedup_vs_plain"))
 PY
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/g/gpu.txt
+timeout 120 /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json \
+  --e2e-only --prefill 1024 --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --out $OUT/g/h35-12.json > $OUT/g/h35-12.log 2>&1
+echo "bench 35b-a3b 12 layers rc=$? at $(el) s"; show $OUT/g/h35-12.json
+timeout 260 /tmp/b/dflash-serve bench --model qwen3.6-27b --e2e-only --prefill 4096 --e2e-prompt 1024 \
+  --e2e-tokens 128 --budgets 16 --out $OUT/g/h27.json > $OUT/g/h27.log 2>&1
+echo "bench 27b rc=$? at $(el) s"; show $OUT/g/h27.json
 if [ "${TOTAL:-0}" = 1 ]; then
-  timeout 230 /tmp/b/dflash-serve bench --model qwen3.6-35b-a3b --e2e-only --e2e-prompt 1024 --e2e-tokens 128 \
-    --budgets 16,64 --out $OUT/g/h35.json > $OUT/g/h35.log 2>&1
-  echo "bench 35b-a3b rc=$? at $(el) s"
+  timeout $(( 580 - $(el) )) /tmp/b/dflash-serve bench --model qwen3.6-35b-a3b --e2e-only --e2e-prompt 1024 \
+    --e2e-tokens 128 --budgets 16,64 --out $OUT/g/h35.json > $OUT/g/h35.log 2>&1
+  echo "bench 35b-a3b rc=$? at $(el) s"; show $OUT/g/h35.json
 fi
+tar -C $OUT -cJf $OUT/hybrid-graphs.tar.xz g && rm -rf $OUT/g
 echo "done at $(el) s"

@@ -518,14 +518,18 @@ impl Qwen35Model {
         let positions = Tensor::new(all_positions.as_slice(), &self.device)?;
         let (cos, sin) = self.rope.gather(&positions)?;
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
+        self.phase("embed");
         let mut x = self.embed(&all_tokens)?;
         let mut tapped = TapCollector::new(taps, self.layers.len());
         let mut staged: Vec<Vec<(usize, StagedState)>> = batch.iter().map(|_| Vec::new()).collect();
         for (li, layer) in self.layers.iter().enumerate() {
+            self.phase("input_norm");
             let h = rms_norm(&x, &layer.input_norm, self.cfg.rms_norm_eps, self.mode)?;
             let mixed = match &layer.mixer {
                 Mixer::Full(attn) => {
+                    self.phase("attn.qkv");
                     let (q, k, v, gate) = attn.qkv_gate(&h, &cos, &sin)?;
+                    self.phase("attn.mix");
                     let mut outs = Vec::with_capacity(batch.len());
                     for (s, seq) in batch.iter().enumerate() {
                         let (off, t) = (token_offsets[s], seq.tokens.len());
@@ -545,10 +549,13 @@ impl Qwen35Model {
                             self.mode,
                         )?);
                     }
+                    self.phase("attn.out");
                     attn.out(&cat_rows(outs)?, &gate)?
                 }
                 Mixer::Linear(gdn) => {
+                    self.phase("gdn.project");
                     let proj = gdn.project(&h)?;
+                    self.phase("gdn.mix");
                     let mut pieces: Vec<Option<Tensor>> = vec![None; batch.len()];
                     if let Some((forest, rows)) = &plan {
                         let p = match rows {
@@ -597,9 +604,11 @@ impl Qwen35Model {
                             })
                         })
                         .collect::<ModelResult<Vec<_>>>()?;
+                    self.phase("gdn.out");
                     gdn.out(&cat_rows(pieces)?)?
                 }
             };
+            self.phase("mlp");
             let x1 = (x + mixed)?;
             let h2 = rms_norm(&x1, &layer.post_norm, self.cfg.rms_norm_eps, self.mode)?;
             // A sparse layer on the fast path: the block on the device (no host routing, so
@@ -614,6 +623,7 @@ impl Qwen35Model {
             };
             tapped.layer_output(li, &x);
         }
+        self.phase("commit_and_head");
         for (s, seq) in batch.iter_mut().enumerate() {
             let t = seq.tokens.len();
             let parents = keep_rows[s].then_some(forests[s].as_slice());
@@ -636,12 +646,20 @@ impl Qwen35Model {
             };
             Some(self.lm_head(&h)?)
         };
+        self.phase("end");
         Ok(ForwardOutput {
             logits,
             taps,
             token_offsets,
             logit_offsets,
         })
+    }
+
+    /// Marks the start of a phase of the plain forward for a bench's GPU-timeline profile
+    /// (`cuda::phases`: one relaxed atomic load when no profile is open; nothing on the CPU).
+    fn phase(&self, _label: &'static str) {
+        #[cfg(feature = "cuda")]
+        crate::cuda::phases::mark(&self.device, _label);
     }
 }
 

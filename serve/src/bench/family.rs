@@ -130,6 +130,26 @@ pub fn run(
         json!({"seconds": prefill_s, "tok_per_s": n as f64 / prefill_s,
                "TFLOPs": flops / prefill_s / 1e12, "fraction_of_matmul_rate": flops / prefill_s / mm}),
     );
+    #[cfg(feature = "cuda")]
+    if dev.is_cuda() {
+        // Where the prefill's time goes: one more prefill with the plain forward's phases
+        // marked on the GPU timeline (`cuda::phases`), summed per phase over the layers.
+        let started = Instant::now();
+        dflash_models::cuda::phases::start();
+        let run = prefill_once(&target, n);
+        let spans = dflash_models::cuda::phases::finish();
+        let seconds = started.elapsed().as_secs_f64();
+        let (_, spans) = (run?, spans?);
+        let mut phases = Map::new();
+        for (label, ms, count) in spans {
+            phases.insert(label.into(), json!({"ms": ms, "count": count}));
+        }
+        out.insert(
+            format!("prefill_{n}_phases"),
+            json!({"seconds": seconds, "phases": phases,
+                   "note": "one more prefill with CUDA events at each phase of the plain forward (models/src/qwen3_5/mod.rs marks; the dense-attention MoE family has none): ms from each mark to the next, summed over layers"}),
+        );
+    }
 
     let target_g = target.clone();
     let setup = e2e::E2eSetup {
@@ -275,25 +295,28 @@ fn kernel_checks(target: &Target) -> Result<Value> {
 /// Seconds for one prefill of `n` tokens into a fresh cache (median of `reps`).
 fn prefill_seconds(target: &Target, n: usize, reps: usize) -> Result<f64> {
     let dev = dflash_models::DraftTarget::device(target).clone();
+    let ms = time_ms(&dev, reps.max(1), || prefill_once(target, n))?;
+    Ok(ms / 1e3)
+}
+
+/// One prefill of `n` tokens into a fresh cache (the last row's logits).
+fn prefill_once(target: &Target, n: usize) -> Result<()> {
     let vocab = dflash_models::DraftTarget::vocab_size(target);
     let toks = tokens(n, 3, vocab);
     let pos: Vec<u32> = (0..n as u32).collect();
-    let ms = time_ms(&dev, reps.max(1), || {
-        let mut cache = target.new_cache(n + 8, 0)?;
-        target
-            .forward(
-                &mut [SeqForward {
-                    cache: &mut cache,
-                    tokens: &toks,
-                    positions: &pos,
-                    pattern: &AttnPattern::Causal,
-                    logit_rows: &[n - 1],
-                }],
-                &[],
-            )?
-            .logits
-            .context("prefill returned no logits")?;
-        Ok(())
-    })?;
-    Ok(ms / 1e3)
+    let mut cache = target.new_cache(n + 8, 0)?;
+    target
+        .forward(
+            &mut [SeqForward {
+                cache: &mut cache,
+                tokens: &toks,
+                positions: &pos,
+                pattern: &AttnPattern::Causal,
+                logit_rows: &[n - 1],
+            }],
+            &[],
+        )?
+        .logits
+        .context("prefill returned no logits")?;
+    Ok(())
 }
