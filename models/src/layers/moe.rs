@@ -263,7 +263,6 @@ impl SparseMoe {
     /// `[T, H] -> [T, H]`; every row is routed on its own, so any batch of rows (prefill,
     /// decode, verify trees) gives each token exactly what a one-token forward would.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
         let logits = linear(x, &self.gate)?
             .to_dtype(DType::F32)?
             .to_vec2::<f32>()?;
