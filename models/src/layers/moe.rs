@@ -288,50 +288,54 @@ impl SparseMoe {
     /// The routed experts' weighted outputs summed per row: `rows[e]` / `weights[e]` are the
     /// rows routed to expert `e` and their weights. Each row's sum starts from zero and adds
     /// its experts in ascending order, every addition rounded to `x`'s dtype: what
-    /// transformers' `index_add_` per expert computes. Done as one gather-and-add per top-k
-    /// slot over all rows instead of one `index_add` per expert: candle's dim-0 `index_add`
-    /// runs one thread per column looping over the expert's rows, and a prefill of 4K rows at
-    /// the 35B-A3B shape made 256 such launches a layer.
+    /// transformers' `index_add_` per expert computes. Done with one gather of the inputs in
+    /// expert order, one weighting, and one gather-and-add per top-k slot over all rows,
+    /// instead of an upload, a gather, a weighting and an `index_add` per expert: candle's
+    /// dim-0 `index_add` runs one thread per column looping over the expert's rows, and a
+    /// prefill of 4K rows at the 35B-A3B shape made 256 such launches a layer.
     fn combine(&self, x: &Tensor, rows: &[Vec<u32>], weights: &[Vec<f32>]) -> Result<Tensor> {
         let (dtype, n) = (x.dtype(), x.dim(0)?);
+        let dev = x.device();
         let mut out = x.zeros_like()?;
-        let mut parts = Vec::new();
-        // Each row's positions in the stacked outputs, in ascending expert order.
+        // Every (row, expert) pair in ascending expert order: the rows to gather, their
+        // weights, each used expert's span, and each row's pair positions in that order. Two
+        // uploads for the whole block, not two per expert.
+        let (mut order, mut wts, mut spans) = (Vec::new(), Vec::new(), Vec::new());
         let mut row_pairs: Vec<Vec<u32>> = vec![Vec::with_capacity(self.top_k); n];
-        let mut at = 0u32;
-        for (e, expert) in self.experts.iter().enumerate() {
-            if rows[e].is_empty() {
+        for (e, (r, w)) in rows.iter().zip(weights).enumerate() {
+            if r.is_empty() {
                 continue;
             }
-            let idx = Tensor::new(rows[e].as_slice(), x.device())?;
-            let w = Tensor::new(weights[e].as_slice(), x.device())?
-                .to_dtype(dtype)?
-                .unsqueeze(1)?;
-            parts.push(
-                expert
-                    .forward(&x.index_select(&idx, 0)?)?
-                    .broadcast_mul(&w)?,
-            );
-            for &r in &rows[e] {
-                row_pairs[r as usize].push(at);
-                at += 1;
+            spans.push((e, order.len(), r.len()));
+            for &row in r {
+                row_pairs[row as usize].push(order.len() as u32);
+                order.push(row);
             }
+            wts.extend_from_slice(w);
         }
-        if parts.is_empty() {
+        if order.is_empty() {
             return Ok(out);
         }
+        let pairs = order.len() as u32;
+        let gathered = x.index_select(&Tensor::new(order.as_slice(), dev)?, 0)?;
+        let parts = spans
+            .iter()
+            .map(|&(e, at, len)| self.experts[e].forward(&gathered.narrow(0, at, len)?))
+            .collect::<Result<Vec<_>>>()?;
+        let w = Tensor::new(wts.as_slice(), dev)?
+            .to_dtype(dtype)?
+            .unsqueeze(1)?;
+        let weighted = Tensor::cat(&parts, 0)?.broadcast_mul(&w)?;
         // A zero row after the pairs for rows with fewer pairs than the most (none: every
         // row takes top_k experts; kept so the gather never reads past the stack).
-        parts.push(Tensor::zeros((1, x.dim(1)?), dtype, x.device())?);
-        let stacked = Tensor::cat(&parts, 0)?;
+        let stacked = Tensor::cat(&[weighted, Tensor::zeros((1, x.dim(1)?), dtype, dev)?], 0)?;
         let depth = row_pairs.iter().map(Vec::len).max().unwrap_or(0);
         for j in 0..depth {
             let idx: Vec<u32> = row_pairs
                 .iter()
-                .map(|p| p.get(j).copied().unwrap_or(at))
+                .map(|p| p.get(j).copied().unwrap_or(pairs))
                 .collect();
-            let idx = Tensor::new(idx.as_slice(), x.device())?;
-            out = (out + stacked.index_select(&idx, 0)?)?;
+            out = (out + stacked.index_select(&Tensor::new(idx.as_slice(), dev)?, 0)?)?;
         }
         Ok(out)
     }
