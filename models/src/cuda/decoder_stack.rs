@@ -423,28 +423,21 @@ pub(crate) fn capture_graph(
 /// and V buffer: a hash of all of them, the capacity and the page count (a new cache at the
 /// same addresses with the same layout is the same memory, so a graph stays valid for it).
 pub(crate) fn cache_key(cache: &SequenceCache) -> ModelResult<u64> {
-    // FNV-1a over the addresses.
-    let mut h: u64 = 0xcbf29ce484222325;
-    let mut eat = |v: u64| {
-        for b in v.to_le_bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x100000001b3);
-        }
-    };
+    let mut h = crate::cuda::graphs::Fnv1a::new();
     // Caches of one pool share its buffers, and a graph reads the page table as an input
     // (padded to a fixed width), so one graph serves every cache of the pool whatever its
     // capacity; a cache in buffers of its own is known by them and its capacity.
     if cache.page_table().is_contiguous() {
-        eat(cache.capacity() as u64);
+        h.eat(cache.capacity() as u64);
     } else {
-        eat(u64::MAX);
+        h.eat(u64::MAX);
     }
     for i in 0..cache.num_layers() {
         let (k, v) = cache.layer(i).attention()?.buffers();
-        eat(cuda::device_address(k)?);
-        eat(cuda::device_address(v)?);
+        h.eat(cuda::device_address(k)?);
+        h.eat(cuda::device_address(v)?);
     }
-    Ok(h)
+    Ok(h.finish())
 }
 
 /// The page tables of `caches` (one pool's) as one upload for a pooled batch: u32

@@ -21,6 +21,27 @@ pub const GRAPH_MAX_TOKENS: usize = 128;
 /// Graphs kept per model (least recently used dropped first).
 pub const GRAPH_SLOTS: usize = 24;
 
+/// FNV-1a over little-endian `u64`s: the graph keys' identity of a cache's buffers (the
+/// dense `decoder_stack::cache_key`, the hybrid `qwen3_5/graph.rs` key).
+pub(crate) struct Fnv1a(u64);
+
+impl Fnv1a {
+    pub fn new() -> Self {
+        Self(0xcbf29ce484222325)
+    }
+
+    pub fn eat(&mut self, v: u64) {
+        for b in v.to_le_bytes() {
+            self.0 ^= b as u64;
+            self.0 = self.0.wrapping_mul(0x100000001b3);
+        }
+    }
+
+    pub fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 /// What a graph was captured for.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Key {

@@ -29,7 +29,7 @@ use candle_core::{DType, Tensor};
 use crate::batch::{ForwardOutput, SeqForward};
 use crate::cache::{GdnState, LayerCache, SequenceCache, StagedState};
 use crate::cuda::decoder_stack::capture_graph;
-use crate::cuda::graphs::{GraphObject, Key};
+use crate::cuda::graphs::{Fnv1a, GraphObject, Key};
 use crate::cuda::{self, GraphSplit, RowNorm};
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::AttnPattern;
@@ -86,7 +86,7 @@ impl Qwen35Model {
             });
         }
         let dev = self.device.clone();
-        let mut heads = None;
+        let heads = self.attention_heads();
         let mut states = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
             match &layer.mixer {
@@ -103,7 +103,6 @@ impl Qwen35Model {
                     if a.fused_qkv().is_none() || a.head_dim() != cuda::GATTN_HEAD_DIM {
                         return unsupported("gated attention outside the fused kernels' shape");
                     }
-                    heads = Some(a.heads());
                 }
             }
         }
@@ -258,19 +257,14 @@ impl Qwen35Model {
             return Ok(None);
         };
         let keep = tracker.rollback >= 1;
-        let heads = self.layers.iter().find_map(|l| match &l.mixer {
-            Mixer::Full(a) => Some(a.heads()),
-            Mixer::Linear(_) => None,
-        });
-        let kps = heads.map_or(1, |h| {
+        let kps = self.attention_heads().map_or(1, |h| {
             cuda::planned_keys_per_split(seq.cache.len() + 1, 1, h)
         });
-        let mut key = attention_key(seq.cache)?;
-        for v in [kps as u64, keep as u64] {
-            key = (key ^ v).wrapping_mul(0x100000001b3);
-        }
+        let mut hash = attention_hash(seq.cache)?;
+        hash.eat(kps as u64);
+        hash.eat(keep as u64);
         let key = Key {
-            cache: key,
+            cache: hash.finish(),
             tokens: 1,
             seqs: 1,
             tree: false,
@@ -289,6 +283,15 @@ impl Qwen35Model {
             token_offsets: vec![0, 1],
             logit_offsets: vec![0, 1],
         }))
+    }
+
+    /// `(query heads, KV heads)` of the gated-attention layers (None: none), which fix the
+    /// decode step's key splits.
+    fn attention_heads(&self) -> Option<(usize, usize)> {
+        self.layers.iter().find_map(|l| match &l.mixer {
+            Mixer::Full(a) => Some(a.heads()),
+            Mixer::Linear(_) => None,
+        })
     }
 }
 
@@ -376,20 +379,19 @@ impl HybridDecodeGraph {
 /// layer's K and V buffer: their addresses and the capacity (FNV-1a), as the dense graphs'
 /// `cache_key`, which reads every layer as an attention layer.
 fn attention_key(cache: &SequenceCache) -> ModelResult<u64> {
-    let mut h: u64 = 0xcbf29ce484222325;
-    let mut eat = |v: u64| {
-        for b in v.to_le_bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x100000001b3);
-        }
-    };
-    eat(cache.capacity() as u64);
+    Ok(attention_hash(cache)?.finish())
+}
+
+/// [`attention_key`]'s hash, open for more values.
+fn attention_hash(cache: &SequenceCache) -> ModelResult<Fnv1a> {
+    let mut h = Fnv1a::new();
+    h.eat(cache.capacity() as u64);
     for i in 0..cache.num_layers() {
         if let LayerCache::Attention(a) = cache.layer(i) {
             let (k, v) = a.buffers();
-            eat(i as u64);
-            eat(cuda::device_address(k)?);
-            eat(cuda::device_address(v)?);
+            h.eat(i as u64);
+            h.eat(cuda::device_address(k)?);
+            h.eat(cuda::device_address(v)?);
         }
     }
     Ok(h)
