@@ -22,7 +22,7 @@ python3 - "$1" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
 for k, v in d.items():
-    if k.startswith(("decode_", "prefill_", "e2e_step_graph_check")):
+    if k.startswith(("decode_", "prefill_", "e2e_step_graph_check", "kernel_checks")):
         print(k, json.dumps(v)[:900])
 e = d.get("e2e", {})
 for k in ("chain", "ddtree_16", "ddtree_64"):

@@ -1,8 +1,11 @@
 // Cache-less causal attention over a batch of packed sequences of different lengths (bf16 in,
-// f32 accumulate, head_dim 64 or 128), for the trainer's target forward: it needs the hidden
-// states of every token of every sequence and never decodes after, so no K/V cache is written
-// and one launch covers the whole batch (the plain path ran one materialised f32 attention per
-// sequence and layer against a freshly allocated cache). Compiled to PTX by models/build.rs.
+// f32 accumulate, head_dim 64, 128 or 256), for the trainer's target forward: it needs the
+// hidden states of every token of every sequence and never decodes after, so no K/V cache is
+// written and one launch covers the whole batch (the plain path ran one materialised f32
+// attention per sequence and layer against a freshly allocated cache). Head dim 256 is the
+// Qwen3.5/3.6 hybrids' gated attention: their prefill from an empty cache takes this kernel
+// too (the new rows are every key; the cache write stays the caller's). Compiled to PTX by
+// models/build.rs.
 //
 // The schedule is attn_prefill.cu's (FlashAttention-2 on mma.sync m16n8k16): blocks of 4 warps
 // x 16 query rows, rows token * groups + g so one staged K/V tile serves every q-head of its KV
@@ -190,4 +193,13 @@ extern "C" __global__ void __launch_bounds__(128, 3) attn_varlen_causal_d128(
     const u32* __restrict__ offsets, const u32* __restrict__ tiles, bf16_t* __restrict__ out,
     int total, int nh, int nkv, float scale) {
     varlen_body<128>(q, k, v, offsets, tiles, out, total, nh, nkv, scale);
+}
+
+// Head dim 256: 128 f32 output accumulators per thread, so one block per SM by the bound (the
+// register file then fits two, and the 101 KB of tiles twice in shared memory).
+extern "C" __global__ void __launch_bounds__(128, 1) attn_varlen_causal_d256(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
+    const u32* __restrict__ offsets, const u32* __restrict__ tiles, bf16_t* __restrict__ out,
+    int total, int nh, int nkv, float scale) {
+    varlen_body<256>(q, k, v, offsets, tiles, out, total, nh, nkv, scale);
 }

@@ -1,5 +1,6 @@
 //! Launch wrapper of attn_varlen.cu: cache-less causal attention over the packed sequences of
-//! a batch in one launch (the trainer's target forward, `Qwen3Model::forward_taps`).
+//! a batch in one launch (the trainer's target forward, `Qwen3Model::forward_taps`; the
+//! hybrids' gated attention over a prefill from an empty cache, head dim 256).
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -12,13 +13,14 @@ pub(super) const MODULE: &str = "dflash_attn_varlen";
 
 /// Whether [`attention_varlen_causal`] takes tensors of this head dim.
 pub fn varlen_head_dim_supported(d: usize) -> bool {
-    d == 64 || d == 128
+    d == 64 || d == 128 || d == 256
 }
 
 /// Causal attention of each sequence of a packed batch over its own rows only: q `[nh, total,
-/// d]`, k and v `[nkv, total, d]` (bf16, d 64 or 128, the layouts the projections produce),
+/// d]`, k and v `[nkv, total, d]` (bf16, d 64, 128 or 256, the layouts the projections produce),
 /// sequence `s` on rows `offsets[s]..offsets[s + 1]` (u32 `[seqs + 1]` on the device), `tiles`
-/// from [`super::varlen_plan::varlen_tiles`] (u32 on the device). Returns `[total, nh * d]` bf16.
+/// from [`super::varlen_plan::varlen_tiles`] (u32 on the device). Returns `[total, nh * d]` bf16
+/// (rows in no sequence left unwritten).
 pub fn attention_varlen_causal(
     q: &Tensor,
     k: &Tensor,
@@ -40,7 +42,7 @@ pub fn attention_varlen_causal(
         || nh % nkv != 0
     {
         bail!(
-            "attention_varlen_causal: q {:?}, k {:?}, v {:?} (head_dim 64 or 128, heads a multiple of kv heads)",
+            "attention_varlen_causal: q {:?}, k {:?}, v {:?} (head_dim 64, 128 or 256, heads a multiple of kv heads)",
             q.shape(),
             k.shape(),
             v.shape()
@@ -54,15 +56,15 @@ pub fn attention_varlen_causal(
     if ntiles > 65535 {
         bail!("attention_varlen_causal: {ntiles} tiles exceed the grid's 65535 rows")
     }
-    let name = if d == 64 {
-        "attn_varlen_causal_d64"
-    } else {
-        "attn_varlen_causal_d128"
+    let name = match d {
+        64 => "attn_varlen_causal_d64",
+        128 => "attn_varlen_causal_d128",
+        _ => "attn_varlen_causal_d256",
     };
     let f = dev
         .get_or_load_custom_func(name, MODULE, PTX)?
         .into_cuda_function();
-    // K, V and Q tiles of 64 rows: 52 KB at d 128, over the 48 KB static limit.
+    // K, V and Q tiles of 64 rows: 52 KB at d 128 (101 KB at 256), over the 48 KB static limit.
     let smem = 3 * 64 * (d + 8) * 2;
     f.set_attribute(
         CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -10,7 +10,7 @@ use crate::layers::ops::{rms_norm, OpsMode};
 use super::check_attn::{max_err, plain_norm_rope};
 use super::{attn_prefill, gemv, kernels};
 
-pub use super::check_attn::decode_attention_timings;
+pub use super::check_attn::{decode_attention_timings, varlen_attention_errors};
 
 /// Milliseconds per call of `f`, 20 back-to-back host launches after one warm-up.
 fn host_loop_ms(dev: &Device, f: &dyn Fn() -> Result<Tensor>) -> Result<f64> {
@@ -188,6 +188,7 @@ pub fn kernel_errors(dev: &Device) -> Result<Vec<(String, f32, f32)>> {
     }
 
     super::check_attn::fused_attention_errors(dev, &mut out)?;
+    super::check_attn::varlen_attention_errors(dev, &mut out)?;
 
     // Skinny GEMMs against cuBLAS and the candle ops they fuse.
     let (n, k) = (1008usize, 4096usize);

@@ -190,6 +190,59 @@ pub(super) fn fused_attention_errors(
     Ok(())
 }
 
+/// The cache-less varlen causal attention (`attn_varlen.cu`) against the plain ops per
+/// sequence, at the Qwen3-8B (d 128, 32 / 8 heads) and Qwen3.6 gated-attention (d 256, 24 / 4)
+/// shapes: a packed batch of two sequences, and one sequence addressed by its offsets inside
+/// the batch's rows (how the hybrid's prefill calls it).
+pub fn varlen_attention_errors(
+    dev: &Device,
+    out: &mut Vec<(String, f32, f32)>,
+) -> Result<()> {
+    let bf = |t: Tensor| t.to_dtype(DType::BF16);
+    for (nh, nkv, d) in [(32usize, 8usize, 128usize), (24, 4, 256)] {
+        let lens = [300usize, 1000];
+        let total: usize = lens.iter().sum();
+        let q = bf(Tensor::randn(0f32, 1.0, (nh, total, d), dev)?)?;
+        let k = bf(Tensor::randn(0f32, 1.0, (nkv, total, d), dev)?)?;
+        let v = bf(Tensor::randn(0f32, 1.0, (nkv, total, d), dev)?)?;
+        let mut plain = Vec::new();
+        let mut off = 0;
+        for &t in &lens {
+            let mask = AttnPattern::Causal.mask(0, t, dev)?;
+            let rows = |x: &Tensor| x.narrow(1, off, t);
+            plain.push(attend(
+                &rows(&q)?,
+                &rows(&k)?,
+                &rows(&v)?,
+                mask.as_ref(),
+                OpsMode::Fused,
+            )?);
+            off += t;
+        }
+        let plain_all = Tensor::cat(&plain, 0)?;
+        let groups = nh / nkv;
+        let offs = Tensor::new(&[0u32, lens[0] as u32, total as u32], dev)?;
+        let tiles = Tensor::new(super::varlen_tiles(&lens, groups).as_slice(), dev)?;
+        let fast = super::attention_varlen_causal(&q, &k, &v, &offs, &tiles)?;
+        let (e, s) = max_err(&fast, &plain_all)?;
+        out.push((
+            format!("attention_varlen:h{nh}_kv{nkv}_d{d}:t300+1000:vs_plain"),
+            e,
+            s,
+        ));
+        let offs = Tensor::new(&[lens[0] as u32, total as u32], dev)?;
+        let tiles = Tensor::new(super::varlen_tiles(&lens[1..], groups).as_slice(), dev)?;
+        let one = super::attention_varlen_causal(&q, &k, &v, &offs, &tiles)?;
+        let (e, s) = max_err(&one.narrow(0, lens[0], lens[1])?, &plain[1])?;
+        out.push((
+            format!("attention_varlen:h{nh}_kv{nkv}_d{d}:t1000_at300:vs_plain"),
+            e,
+            s,
+        ));
+    }
+    Ok(())
+}
+
 /// Microseconds per layer of the attention step, Qwen3-8B heads (32 / 8, d 128), inside a
 /// CUDA graph of 20 repetitions: `(case, two_launch_us, fused_us)` for decode at 1K and 8K
 /// (the fused kernel with `split_plan`'s plan, the one set on the device, and one-chunk splits

@@ -133,6 +133,13 @@ impl Qwen35Model {
                             &k.narrow(1, off, t)?,
                             &v.narrow(1, off, t)?,
                         )?;
+                        #[cfg(feature = "cuda")]
+                        if let Some(o) =
+                            self.fresh_causal_attention((&q, &k, &v), (off, t), len, seq.pattern)?
+                        {
+                            outs.push(o);
+                            continue;
+                        }
                         let (kc, vc) = seq.cache.view_kv(li, len + t)?;
                         outs.push(attend(
                             &q.narrow(1, off, t)?,

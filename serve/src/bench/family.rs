@@ -292,6 +292,18 @@ fn kernel_checks(target: &Target) -> Result<Value> {
                    "argmax_equal_rows": same, "rows": am.len()}),
         );
     }
+    // The varlen attention the fused prefill's gated-attention layers take, alone.
+    #[cfg(feature = "cuda")]
+    {
+        let mut attn = Vec::new();
+        dflash_models::cuda::check::varlen_attention_errors(
+            dflash_models::DraftTarget::device(target),
+            &mut attn,
+        )?;
+        for (name, err, scale) in attn {
+            res.insert(name, json!({"max_abs_diff": err, "max_abs_plain": scale}));
+        }
+    }
     Ok(Value::Object(res))
 }
 
