@@ -8,6 +8,9 @@
 #      identical both ways (e2e_step_graph_check); the MoE prefill's phases (prefill_1024_phases).
 #   2. The Qwen3.6-27B shape: prefill 4K with its phases (prefill_4096_phases: where the 0.3 of
 #      the matmul rate goes), decode eager vs graphs, e2e chain / DDTree-16.
+#   Both without --e2e-only, so `kernel_checks` runs: the fused forwards against the plain
+#   ones, and the varlen causal attention (head dim 128 and 256) the hybrid prefill now takes
+#   for its gated-attention layers, against the plain ops.
 #   3. With TOTAL=1, the published 40-layer 35B-A3B shape the same way (~3 min).
 # If the graphs win and the tokens agree, make them the default (models/src/cuda/mod.rs
 # `HYBRID_DECODE_GRAPHS`).
@@ -31,10 +34,10 @@ for k in ("chain", "ddtree_16", "ddtree_64"):
 PY
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/g/gpu.txt
-timeout 120 /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json \
-  --e2e-only --prefill 1024 --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --out $OUT/g/h35-12.json > $OUT/g/h35-12.log 2>&1
+timeout 150 /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json \
+  --prefill 1024 --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --out $OUT/g/h35-12.json > $OUT/g/h35-12.log 2>&1
 echo "bench 35b-a3b 12 layers rc=$? at $(el) s"; show $OUT/g/h35-12.json
-timeout 260 /tmp/b/dflash-serve bench --model qwen3.6-27b --e2e-only --prefill 4096 --e2e-prompt 1024 \
+timeout 260 /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 4096 --e2e-prompt 1024 \
   --e2e-tokens 128 --budgets 16 --out $OUT/g/h27.json > $OUT/g/h27.log 2>&1
 echo "bench 27b rc=$? at $(el) s"; show $OUT/g/h27.json
 if [ "${TOTAL:-0}" = 1 ]; then
