@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 20 (bundle: dflash-serve, built at or after the hybrid decode graphs + prefill phases):
+#   0. gpu_check --moe: the one-row block with the shared expert inside (moe.cu) checked.
 #   1. The hybrid decode step graphs in the engine (qwen3_5/graph.rs `forward_decode_graph`, off
 #      by default: DFLASH_HYBRID_DECODE_GRAPHS) on a 12-layer Qwen3.6-35B-A3B-shaped target (the
 #      published shape cut to 12 layers: 9 GDN + 3 gated attention, 256 experts top 8;
 #      `qwen3.6-35b-a3b-12-layers.json`): decode through the engine eager
 #      (decode_through_engine) and from graphs (decode_step_graphs_on), greedy tokens
-#      identical both ways (e2e_step_graph_check); the MoE prefill's phases (prefill_1024_phases).
+#      identical both ways (e2e_step_graph_check); the MoE prefill's phases (prefill_1024_phases);
+#      again with DFLASH_MOE_SHARED_IN_BLOCK=0 (the shared expert beside the block, as before).
 #   2. The Qwen3.6-27B shape: prefill 4K with its phases (prefill_4096_phases: where the 0.3 of
 #      the matmul rate goes), decode eager vs graphs, e2e chain / DDTree-16.
 #   Both without --e2e-only, so `kernel_checks` runs: the fused forwards against the plain
@@ -34,9 +36,17 @@ for k in ("chain", "ddtree_16", "ddtree_64"):
 PY
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/g/gpu.txt
+# The device MoE block checks: moe_hybrid_block rows_1 now runs the shared expert inside the
+# block (DFLASH_MOE_SHARED_IN_BLOCK, default on), rows_1_shared_apart beside it, with timings;
+# the Coder shape cut to 4 layers (its path is unchanged).
+timeout 150 /tmp/b/gpu_check cuda $OUT/g/moe.json --moe --moe-layers=4 > $OUT/g/moe.log 2>&1
+echo "gpu_check --moe rc=$? at $(el) s"; grep -o '"moe_hybrid_block":{[^}]*}[^}]*}[^}]*}[^}]*}[^}]*}[^}]*}[^}]*}' $OUT/g/moe.json | head -c 2500; echo
 timeout 150 /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json \
   --prefill 1024 --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --out $OUT/g/h35-12.json > $OUT/g/h35-12.log 2>&1
 echo "bench 35b-a3b 12 layers rc=$? at $(el) s"; show $OUT/g/h35-12.json
+DFLASH_MOE_SHARED_IN_BLOCK=0 timeout 100 /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json \
+  --e2e-only --no-e2e-check --prefill 1024 --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --out $OUT/g/h35-12-apart.json > $OUT/g/h35-12-apart.log 2>&1
+echo "bench 35b-a3b 12 layers, shared expert apart rc=$? at $(el) s"; show $OUT/g/h35-12-apart.json
 timeout 260 /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 4096 --e2e-prompt 1024 \
   --e2e-tokens 128 --budgets 16 --out $OUT/g/h27.json > $OUT/g/h27.log 2>&1
 echo "bench 27b rc=$? at $(el) s"; show $OUT/g/h27.json

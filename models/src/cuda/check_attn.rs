@@ -194,10 +194,7 @@ pub(super) fn fused_attention_errors(
 /// sequence, at the Qwen3-8B (d 128, 32 / 8 heads) and Qwen3.6 gated-attention (d 256, 24 / 4)
 /// shapes: a packed batch of two sequences, and one sequence addressed by its offsets inside
 /// the batch's rows (how the hybrid's prefill calls it).
-pub fn varlen_attention_errors(
-    dev: &Device,
-    out: &mut Vec<(String, f32, f32)>,
-) -> Result<()> {
+pub fn varlen_attention_errors(dev: &Device, out: &mut Vec<(String, f32, f32)>) -> Result<()> {
     let bf = |t: Tensor| t.to_dtype(DType::BF16);
     for (nh, nkv, d) in [(32usize, 8usize, 128usize), (24, 4, 256)] {
         let lens = [300usize, 1000];

@@ -382,6 +382,7 @@ fn moe_weights(ex: &StackedExperts) -> cuda::MoeWeights<'_> {
         down: &ex.down,
         top_k: ex.top_k,
         norm_topk_prob: ex.norm_topk_prob,
+        shared: None,
     }
 }
 

@@ -133,7 +133,10 @@ pub use lt_gemm::{linear_lt, tuned_timings, LtMode};
 #[cfg(feature = "cuda")]
 mod moe;
 #[cfg(feature = "cuda")]
-pub use moe::{moe_block, moe_experts, moe_route, MoeRouting, MoeWeights};
+pub use moe::{
+    moe_block, moe_experts, moe_route, moe_route_shared, MoeRouting, MoeWeights, SharedExpertRefs,
+    SHARED_ROUTER_PAD,
+};
 #[cfg(feature = "cuda")]
 mod splitk;
 #[cfg(feature = "cuda")]
@@ -222,6 +225,23 @@ pub fn set_gdn_tree_kernel(on: bool) {
 /// read once; on unless it is `0`).
 pub fn gdn_tree_kernel() -> bool {
     GDN_TREE_KERNEL.get()
+}
+
+static MOE_SHARED_IN_BLOCK: switch::EnvSwitch =
+    switch::EnvSwitch::new("DFLASH_MOE_SHARED_IN_BLOCK", true);
+
+/// Whether a one-row sparse-MoE block with a shared expert of the routed width (Qwen3.5/3.6
+/// MoE) runs that expert inside the device block (`moe.cu`: the gate row stacked under the
+/// router, one more pair per row with weight sigmoid(gate), 4 launches for the block) instead
+/// of beside it (two GEMVs, the gate GEMV, sigmoid, scale, add: 6 more). On unless
+/// `DFLASH_MOE_SHARED_IN_BLOCK=0` or this switch turns it off. Process-wide.
+pub fn set_moe_shared_in_block(on: bool) {
+    MOE_SHARED_IN_BLOCK.set(on);
+}
+
+/// Whether the shared expert rides in the one-row block ([`set_moe_shared_in_block`]).
+pub fn moe_shared_in_block() -> bool {
+    MOE_SHARED_IN_BLOCK.get()
 }
 
 static HYBRID_DECODE_GRAPHS: switch::EnvSwitch =

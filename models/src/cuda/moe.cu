@@ -20,6 +20,14 @@
 // Only the selected experts' weights are read. The expert weights are stacked: gate_up
 // [E, 2I, H] (gate rows then up rows per expert), down [E, H, I].
 //
+// A shared expert of the routed width (Qwen3.5/3.6 MoE: out = sigmoid(x g) shared(x) + the
+// routed sum) can ride along at one row (decode): the router GEMV's rows are the E experts,
+// then the shared gate (column E of the logits, row stride `stride`); moe_route appends to
+// every row a pair of expert id E with weight sigmoid(logit E) after its top k (so k + 1 pairs
+// a row, the shared one last in ascending order), and the rows kernels read expert E's
+// weights from separate pointers. Five launches fewer per layer than the shared expert on
+// its own (two GEMVs, the gate GEMV, sigmoid, scale, add).
+//
 // Routing metadata, u32 `meta` (P = rows * k pairs):
 //   [0]              n_uniq, the number of experts used
 //   [1, 1+P)         top-k experts of every row, highest probability first
@@ -34,29 +42,34 @@
 #include "gemv_impl.cuh"
 
 #define MOE_MAX_E 512
+#define MOE_MAX_E_SH (MOE_MAX_E + 32)  // room for the shared expert's id E
 #define MOE_MAX_K 16
 #define MOE_MAX_ROWS 64
 #define ROUTE_WARPS 8
 
 __device__ __forceinline__ float bf16r(float v) { return bf2f(f2bf(v)); }
 
+// logits: [T, stride] (stride >= E + shared); shared: 1 appends the shared expert's pair (id E,
+// weight sigmoid(logit E)) to every row, so rows hold kk = k + shared pairs (P = T * kk).
 extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     moe_route(const void* __restrict__ logits, int is_bf16, int T, int E, int k, int norm,
-              u32* __restrict__ meta, float* __restrict__ wts) {
+              u32* __restrict__ meta, float* __restrict__ wts, int stride, int shared) {
     __shared__ float ex[ROUTE_WARPS][MOE_MAX_E];
-    __shared__ u32 sel[MOE_MAX_ROWS][MOE_MAX_E / 32];
-    __shared__ u32 cnt[MOE_MAX_E], off[MOE_MAX_E];
+    __shared__ u32 sel[MOE_MAX_ROWS][MOE_MAX_E_SH / 32];
+    __shared__ u32 cnt[MOE_MAX_E_SH], off[MOE_MAX_E_SH];
     __shared__ u32 sorted_e[MOE_MAX_ROWS * MOE_MAX_K];
     __shared__ float sorted_w[MOE_MAX_ROWS * MOE_MAX_K];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, P = T * k, words = E / 32;
-    for (int i = threadIdx.x; i < E; i += blockDim.x) cnt[i] = 0;
+    const int kk = k + shared, Et = E + shared;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, P = T * kk,
+              words = (Et + 31) / 32;
+    for (int i = threadIdx.x; i < Et; i += blockDim.x) cnt[i] = 0;
     for (int i = threadIdx.x; i < T * words; i += blockDim.x) sel[i / words][i % words] = 0;
     __syncthreads();
     for (int r = warp; r < T; r += ROUTE_WARPS) {
         float* e = ex[warp];
         float mx = -INFINITY;
         for (int i = lane; i < E; i += 32) {
-            const size_t at = (size_t)r * E + i;
+            const size_t at = (size_t)r * stride + i;
             const float l = is_bf16 ? bf2f(((const bf16_t*)logits)[at]) : ((const float*)logits)[at];
             e[i] = l;
             mx = fmaxf(mx, l);
@@ -98,14 +111,21 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
                 for (int j = 0; j < k; ++j) s += ps[j];
                 for (int j = 0; j < k; ++j) ps[j] /= s;
             }
-            for (int j = 0; j < k; ++j) {
-                meta[1 + r * k + j] = ids[j];
-                wts[r * k + j] = ps[j];
+            if (shared) {
+                const size_t at = (size_t)r * stride + E;
+                const float l =
+                    is_bf16 ? bf2f(((const bf16_t*)logits)[at]) : ((const float*)logits)[at];
+                ids[k] = (u32)E;
+                ps[k] = 1.f / (1.f + expf(-l));
             }
-            // The row's experts in ascending order (insertion sort of k).
-            u32* se = sorted_e + r * k;
-            float* sw = sorted_w + r * k;
-            for (int j = 0; j < k; ++j) {
+            for (int j = 0; j < kk; ++j) {
+                meta[1 + r * kk + j] = ids[j];
+                wts[r * kk + j] = ps[j];
+            }
+            // The row's experts in ascending order (insertion sort of kk; the shared one last).
+            u32* se = sorted_e + r * kk;
+            float* sw = sorted_w + r * kk;
+            for (int j = 0; j < kk; ++j) {
                 int at = j;
                 while (at > 0 && se[at - 1] > ids[j]) {
                     se[at] = se[at - 1];
@@ -128,10 +148,10 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     u32* row_pair = pair_exp + P;
     if (warp == 0) {
         // Exclusive scans of the pair counts and of "used" over the experts: lane l owns the
-        // contiguous experts [l * E / 32, (l + 1) * E / 32).
-        const int per = E / 32, e0 = lane * per;
+        // contiguous experts [l * per, (l + 1) * per) below Et.
+        const int per = (Et + 31) / 32, e0 = lane * per;
         u32 pairs = 0, used = 0;
-        for (int i = 0; i < per; ++i) {
+        for (int i = 0; i < per && e0 + i < Et; ++i) {
             pairs += cnt[e0 + i];
             used += cnt[e0 + i] > 0;
         }
@@ -141,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
             if (lane >= o) pi += a, ui += b;
         }
         u32 at = pi - pairs, u = ui - used;
-        for (int i = 0; i < per; ++i) {
+        for (int i = 0; i < per && e0 + i < Et; ++i) {
             const int x = e0 + i;
             off[x] = at;
             if (cnt[x] > 0) {
@@ -158,7 +178,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     }
     __syncthreads();
     for (int q = threadIdx.x; q < P; q += blockDim.x) {
-        const int r = q / k;
+        const int r = q / kk;
         const u32 x = sorted_e[q];
         u32 pos = off[x];
         for (int rr = 0; rr < r; ++rr) pos += (sel[rr][x / 32] >> (x % 32)) & 1u;
@@ -170,15 +190,19 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
 }
 
 // act[p] = silu(x_r gate_e) * (x_r up_e) for pair p = blockIdx.y (row r, expert e), with x_r
-// the RMSNorm of row r from its sums of squares when NORM. N = I, K = H.
+// the RMSNorm of row r from its sums of squares when NORM. N = I, K = H. Expert E (when
+// shared_w is given) is the shared expert, its [2I, H] rows at shared_w.
 #define MOE_GATE_UP_ROWS(name, NORM)                                                            \
     extern "C" __global__ void __launch_bounds__(128, 8)                                         \
         name(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, bf16_t* __restrict__ act, \
              int N, int K, const u32* __restrict__ meta, int P, const bf16_t* __restrict__ nw,  \
-             float eps, const float* __restrict__ ss_in) {                                      \
+             float eps, const float* __restrict__ ss_in, const bf16_t* __restrict__ shared_w,   \
+             int E) {                                                                           \
         const int p = blockIdx.y;                                                               \
         const u32 r = meta[2 + 3 * P + p], e = meta[2 + 4 * P + p];                             \
-        rows_impl<2, 2, EPI_SILU, NORM, 1>(x + (size_t)r * K, w + (size_t)e * 2 * N * K,        \
+        const bf16_t* we =                                                                      \
+            shared_w != nullptr && e == (u32)E ? shared_w : w + (size_t)e * 2 * N * K;          \
+        rows_impl<2, 2, EPI_SILU, NORM, 1>(x + (size_t)r * K, we,                               \
                                            act + (size_t)p * N, N, K, nullptr, nw, eps,         \
                                            NORM ? ss_in + r : nullptr, nullptr, nullptr,        \
                                            nullptr, nullptr, 0);                                \
@@ -190,10 +214,12 @@ MOE_GATE_UP_ROWS(moe_gate_up_rows_norm, NORM_SS)
 // of this block (2 per warp) and row r = blockIdx.y; act [P, I] (I = 256 SP), w [E, H, I]. Two
 // experts' weights are in flight at a time; each expert's product is rounded, weighted and
 // added as the plain path does, in ascending expert order.
+// Expert E (when shared_w is given) is the shared expert, its [H, I] at shared_w.
 template <int SP>
 __device__ void down_rows(const bf16_t* __restrict__ act, const bf16_t* __restrict__ w,
                           bf16_t* __restrict__ y, const bf16_t* __restrict__ resid, int H, int k,
-                          const u32* __restrict__ meta, const float* __restrict__ wts, int P) {
+                          const u32* __restrict__ meta, const float* __restrict__ wts, int P,
+                          const bf16_t* __restrict__ shared_w, int E) {
     constexpr int I = 256 * SP;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n0 = (blockIdx.x * 4 + warp) * 2, r = blockIdx.y;
@@ -209,7 +235,9 @@ __device__ void down_rows(const bf16_t* __restrict__ act, const bf16_t* __restri
         for (int s = 0; s < 2; ++s) {
             if (s == 1 && !two) break;
             const u32 p = row_pair[j + s], e = pair_exp[p];
-            const uint4* w0 = (const uint4*)(w + ((size_t)e * H + n0) * I) + lane;
+            const bf16_t* we =
+                shared_w != nullptr && e == (u32)E ? shared_w : w + (size_t)e * H * I;
+            const uint4* w0 = (const uint4*)(we + (size_t)n0 * I) + lane;
             const uint4* xa = (const uint4*)(act + (size_t)p * I) + lane;
 #pragma unroll
             for (int q = 0; q < SP; ++q) {
@@ -246,8 +274,8 @@ __device__ void down_rows(const bf16_t* __restrict__ act, const bf16_t* __restri
 #define MOE_DOWN_ROWS(SP)                                                                       \
     extern "C" __global__ void __launch_bounds__(128) moe_down_rows_sp##SP(                     \
         const bf16_t* act, const bf16_t* w, bf16_t* y, const bf16_t* resid, int H, int k,       \
-        const u32* meta, const float* wts, int P) {                                             \
-        down_rows<SP>(act, w, y, resid, H, k, meta, wts, P);                                    \
+        const u32* meta, const float* wts, int P, const bf16_t* shared_w, int E) {              \
+        down_rows<SP>(act, w, y, resid, H, k, meta, wts, P, shared_w, E);                       \
     }
 MOE_DOWN_ROWS(1)
 MOE_DOWN_ROWS(2)

@@ -5,7 +5,8 @@
 //! down with the weighted combine and the residual add in its epilogue: 4 launches. 2..64 rows:
 //! the norm, router, routing, one tensor-core gate/up and one down launch over every used
 //! expert (each expert's weights read once for all the rows routed to it), the combine: 6.
-//! Shapes are checked here because the kernels trust them.
+//! A shared expert of the routed width rides along at one row ([`SharedExpertRefs`]): still
+//! 4 launches for the whole block. Shapes are checked here because the kernels trust them.
 
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::CudaDevice;
@@ -28,7 +29,23 @@ pub struct MoeWeights<'a> {
     pub down: &'a Tensor,
     pub top_k: usize,
     pub norm_topk_prob: bool,
+    /// A shared expert run inside the block at one row (None: the block has none, or the
+    /// caller runs it apart).
+    pub shared: Option<SharedExpertRefs<'a>>,
 }
+
+/// A shared expert of the routed experts' width, gated by `sigmoid(x g)`, as the one-row block
+/// runs it: `router_gate` is `[E + 16, H]`, the router's E rows, the gate row `g`, zero rows
+/// (the GEMV's 16-row multiple); `gate_up` `[2I, H]`, `down` `[H, I]`.
+#[derive(Clone, Copy)]
+pub struct SharedExpertRefs<'a> {
+    pub router_gate: &'a Tensor,
+    pub gate_up: &'a Tensor,
+    pub down: &'a Tensor,
+}
+
+/// Rows of [`SharedExpertRefs::router_gate`] past the E experts: the gate row and padding.
+pub const SHARED_ROUTER_PAD: usize = 16;
 
 impl MoeWeights<'_> {
     /// `(E, H, I)`, checked against each other and against what the kernels take.
@@ -43,6 +60,21 @@ impl MoeWeights<'_> {
                 self.gate_up.shape(),
                 self.down.shape()
             )
+        }
+        if let Some(sh) = &self.shared {
+            let fits = sh.router_gate.dims2()? == (e + SHARED_ROUTER_PAD, h)
+                && sh.gate_up.dims2()? == (2 * i, h)
+                && sh.down.dims2()? == (h, i)
+                && self.top_k < MOE_MAX_TOP_K;
+            if !fits {
+                bail!(
+                    "moe: shared expert router_gate {:?}, gate_up {:?}, down {:?} against {e} experts of width {i}, hidden {h}, top {} (< {MOE_MAX_TOP_K})",
+                    sh.router_gate.shape(),
+                    sh.gate_up.shape(),
+                    sh.down.shape(),
+                    self.top_k
+                )
+            }
         }
         if !moe_shape_fits(e, h, i, self.top_k) {
             bail!(
@@ -59,7 +91,9 @@ pub struct MoeRouting {
     meta: Tensor,
     wts: Tensor,
     rows: usize,
+    /// Pairs per row: the top k, plus one when the shared expert rides along.
     k: usize,
+    shared: bool,
 }
 
 impl MoeRouting {
@@ -103,8 +137,25 @@ fn alloc_u32(dev: &CudaDevice, n: usize) -> Result<Tensor> {
 /// Routes `logits` (`[t <= 64, E]`, bf16 or f32): softmax in f32, the top `k` (ties to the
 /// lower expert), renormalised when `norm`; and groups the (row, expert) pairs by expert.
 pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<MoeRouting> {
+    let e = logits.dims2()?.1;
+    route(logits, e, k, norm, false)
+}
+
+/// [`moe_route`] of the first `e` columns of `logits` (`[t, e + SHARED_ROUTER_PAD]`), with
+/// every row's shared-expert pair (id `e`, weight `sigmoid(logits[r, e])`) after its top k.
+pub fn moe_route_shared(logits: &Tensor, e: usize, k: usize, norm: bool) -> Result<MoeRouting> {
+    if logits.dims2()?.1 != e + SHARED_ROUTER_PAD || k >= MOE_MAX_TOP_K {
+        bail!(
+            "moe_route_shared: logits {:?} for {e} experts (top {k} < {MOE_MAX_TOP_K})",
+            logits.shape()
+        )
+    }
+    route(logits, e, k, norm, true)
+}
+
+fn route(logits: &Tensor, e: usize, k: usize, norm: bool, shared: bool) -> Result<MoeRouting> {
     let dev = cuda(logits)?;
-    let (t, e) = logits.dims2()?;
+    let (t, stride) = logits.dims2()?;
     let is_bf16 = match logits.dtype() {
         DType::BF16 => 1i32,
         DType::F32 => 0i32,
@@ -123,11 +174,13 @@ pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<MoeRouting> {
             logits.shape()
         )
     }
-    let p = t * k;
+    let kk = k + shared as usize;
+    let p = t * kk;
     let meta = alloc_u32(&dev, 2 + 6 * p)?;
     let wts = alloc_f32(&dev, 2 * p)?;
     let (lp, mp, wp) = (ptr(logits)?, ptr(&meta)?, ptr(&wts)?);
     let (ti, ei, ki, ni) = (t as i32, e as i32, k as i32, norm as i32);
+    let (si, shi) = (stride as i32, shared as i32);
     let f = dev.get_or_load_custom_func("moe_route", MODULE, PTX)?;
     let mut b = f.builder();
     b.arg(&lp)
@@ -137,13 +190,16 @@ pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<MoeRouting> {
         .arg(&ki)
         .arg(&ni)
         .arg(&mp)
-        .arg(&wp);
+        .arg(&wp)
+        .arg(&si)
+        .arg(&shi);
     go(&mut b, cfg((1, 1, 1), 256), "moe_route")?;
     Ok(MoeRouting {
         meta,
         wts,
         rows: t,
-        k,
+        k: kk,
+        shared,
     })
 }
 
@@ -172,7 +228,17 @@ pub fn moe_experts(
         }
     }
     let t = x.dims2()?.0;
-    if x.dims2()? != (routing.rows, h) || routing.k != w.top_k || ptr(x)? % 16 != 0 {
+    // The shared expert rides along at one row only (the rows kernels; the tensor-core path
+    // has no pointer for it).
+    let shared = match (routing.shared, &w.shared) {
+        (false, _) => None,
+        (true, Some(sh)) if t == 1 => Some(*sh),
+        (true, _) => bail!("moe: a shared-expert routing needs one row and the shared weights"),
+    };
+    if x.dims2()? != (routing.rows, h)
+        || routing.k != w.top_k + routing.shared as usize
+        || ptr(x)? % 16 != 0
+    {
         bail!(
             "moe: x {:?} against {} routed rows of top {} (hidden {h})",
             x.shape(),
@@ -186,8 +252,17 @@ pub fn moe_experts(
             bail!("moe: residual must be [{t}, {h}]")
         }
     }
-    let k = w.top_k;
+    let k = routing.k;
     let p = t * k;
+    let (sgu, sdn) = match shared {
+        Some(sh) => {
+            check_bf16("shared gate_up", sh.gate_up)?;
+            check_bf16("shared down", sh.down)?;
+            (ptr(sh.gate_up)?, ptr(sh.down)?)
+        }
+        None => (0u64, 0u64),
+    };
+    let ei = e as i32;
     let (pi, hi, ii, ki) = (p as i32, h as i32, i as i32, k as i32);
     let (mp, wp) = (ptr(&routing.meta)?, ptr(&routing.wts)?);
     let y = alloc_bf16(&dev, (t, h))?;
@@ -240,7 +315,9 @@ pub fn moe_experts(
             .arg(&pi)
             .arg(&nw)
             .arg(&eps)
-            .arg(&ss_in);
+            .arg(&ss_in)
+            .arg(&sgu)
+            .arg(&ei);
         go(&mut b, cfg((i.div_ceil(8) as u32, p as u32, 1), 128), name)?;
         let name = format!("moe_down_rows_sp{}", i / 256);
         let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
@@ -253,7 +330,9 @@ pub fn moe_experts(
             .arg(&ki)
             .arg(&mp)
             .arg(&wp)
-            .arg(&pi);
+            .arg(&pi)
+            .arg(&sdn)
+            .arg(&ei);
         go(&mut b, cfg((h.div_ceil(8) as u32, 1, 1), 128), &name)?;
         let ss = want_ss.then(|| row_sumsq(&y)).transpose()?;
         return Ok((y, ss));
@@ -358,9 +437,18 @@ fn moe_piece(
 ) -> Result<(Tensor, Option<Tensor>)> {
     if x.dims2()?.0 == 1 {
         // The one-row GEMV applies the norm itself; so does the gate/up kernel.
-        let logits = gemv(x, w.router, norm)?;
-        let routing = moe_route(&logits, w.top_k, w.norm_topk_prob)?;
+        let routing = match &w.shared {
+            Some(sh) => {
+                let e = w.dims()?.0;
+                let logits = gemv(x, sh.router_gate, norm)?;
+                moe_route_shared(&logits, e, w.top_k, w.norm_topk_prob)?
+            }
+            None => moe_route(&gemv(x, w.router, norm)?, w.top_k, w.norm_topk_prob)?,
+        };
         return moe_experts(x, norm, w, &routing, resid, want_ss);
+    }
+    if w.shared.is_some() {
+        bail!("moe: the shared expert rides along at one row only")
     }
     let h = match norm {
         Some(nm) => rms_apply(x, nm)?,

@@ -66,6 +66,11 @@ impl GdnPaths {
 pub struct MoeKernels {
     experts: StackedExperts,
     shared: Option<SharedExpertWeights>,
+    /// `[E + 16, H]`: the router's rows, the shared expert's gate row, zeros; where the shared
+    /// expert has the routed width, so the one-row device block runs it as one more pair
+    /// (`cuda::SharedExpertRefs`). A copy of the router (E x H, 1 MB a layer at the 35B-A3B
+    /// shape).
+    router_gate: Option<candle_core::Tensor>,
 }
 
 impl MoeKernels {
@@ -73,12 +78,48 @@ impl MoeKernels {
     /// its values and shares the memory).
     pub fn stack(moe: &mut SparseMoe) -> candle_core::Result<Option<Self>> {
         Ok(match moe.stack_experts()? {
-            Some(experts) => Some(Self {
-                experts,
-                shared: moe.stack_shared()?,
-            }),
+            Some(experts) => {
+                let shared = moe.stack_shared()?;
+                let router_gate = Self::router_gate(&experts, shared.as_ref())?;
+                Some(Self {
+                    experts,
+                    shared,
+                    router_gate,
+                })
+            }
             None => None,
         })
+    }
+
+    /// The router with the shared expert's gate row under it and zero rows to
+    /// [`crate::cuda::SHARED_ROUTER_PAD`], where the shared expert has the routed width.
+    #[cfg(feature = "cuda")]
+    fn router_gate(
+        experts: &StackedExperts,
+        shared: Option<&SharedExpertWeights>,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let Some(sh) = shared else { return Ok(None) };
+        let (e, h) = experts.router.dims2()?;
+        if sh.down.dim(1)? != experts.down.dim(2)? || sh.gate.dims2()? != (1, h) {
+            return Ok(None);
+        }
+        let r = &experts.router;
+        let pad = Tensor::zeros(
+            (crate::cuda::SHARED_ROUTER_PAD - 1, h),
+            r.dtype(),
+            r.device(),
+        )?;
+        let stacked = Tensor::cat(&[r, &sh.gate, &pad], 0)?;
+        Ok((stacked.dim(0)? == e + crate::cuda::SHARED_ROUTER_PAD).then_some(stacked))
+    }
+
+    /// Without CUDA no device block reads it.
+    #[cfg(not(feature = "cuda"))]
+    fn router_gate(
+        _experts: &StackedExperts,
+        _shared: Option<&SharedExpertWeights>,
+    ) -> candle_core::Result<Option<candle_core::Tensor>> {
+        Ok(None)
     }
 
     /// `x1 + moe(h)` on the device for `h = norm(x1)` (`[rows, H]`, CUDA bf16, at most
@@ -94,6 +135,27 @@ impl MoeKernels {
         let rows = h.dim(0)?;
         if !h.device().is_cuda() || h.dtype() != DType::BF16 || rows > MOE_DEVICE_MAX_ROWS {
             return Ok(None);
+        }
+        // One row: the shared expert as one more pair of the block (4 launches in all).
+        if let (1, Some(sh), Some(router_gate), true) = (
+            rows,
+            &self.shared,
+            &self.router_gate,
+            cuda::moe_shared_in_block(),
+        ) {
+            let w = cuda::MoeWeights {
+                router: &self.experts.router,
+                gate_up: &self.experts.gate_up,
+                down: &self.experts.down,
+                top_k: self.experts.top_k,
+                norm_topk_prob: self.experts.norm_topk_prob,
+                shared: Some(cuda::SharedExpertRefs {
+                    router_gate,
+                    gate_up: &sh.gate_up,
+                    down: &sh.down,
+                }),
+            };
+            return Ok(Some(cuda::moe_block(h, None, &w, Some(x1), false)?.0));
         }
         let resid = match &self.shared {
             Some(sh) => {
@@ -118,6 +180,7 @@ impl MoeKernels {
             down: &self.experts.down,
             top_k: self.experts.top_k,
             norm_topk_prob: self.experts.norm_topk_prob,
+            shared: None,
         };
         Ok(Some(cuda::moe_block(h, None, &w, Some(&resid), false)?.0))
     }

@@ -101,6 +101,7 @@ pub fn block_check(dev: &Device) -> Result<Value> {
         down: &stacked.down,
         top_k: k,
         norm_topk_prob: norm,
+        shared: None,
     };
     let mut res = serde_json::Map::new();
     let mut pass = true;
@@ -215,7 +216,17 @@ pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
         .ok_or_else(|| anyhow::anyhow!("the block did not stack"))?;
     let mut out = serde_json::Map::new();
     let mut all = true;
-    for rows in [1usize, 16, 64, 100] {
+    // rows_1 runs the shared expert inside the device block (the default); rows_1_shared_apart
+    // beside it (`cuda::set_moe_shared_in_block(false)`), as before.
+    let cases = [
+        (1usize, true),
+        (1, false),
+        (16, true),
+        (64, true),
+        (100, true),
+    ];
+    for (rows, in_block) in cases {
+        dflash_models::cuda::set_moe_shared_in_block(in_block);
         let x1 = rng.normal(&[rows, h], 0.0, 1.0, DType::BF16, dev)?;
         let hn = rng.normal(&[rows, h], 0.0, 1.0, DType::BF16, dev)?;
         let plain = (&x1 + bf16_block.forward(&hn)?)?;
@@ -235,8 +246,12 @@ pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
             bf16_block.forward(&hn)?;
             Ok(())
         })?;
+        let name = match in_block {
+            true => format!("rows_{rows}"),
+            false => format!("rows_{rows}_shared_apart"),
+        };
         out.insert(
-            format!("rows_{rows}"),
+            name,
             json!({
                 "pass": pass, "device_vs_plain_bf16": e,
                 "device_vs_plain_f32": vs_f32,
@@ -245,31 +260,36 @@ pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
             }),
         );
     }
+    dflash_models::cuda::set_moe_shared_in_block(true);
     // Wrong case: the shared expert ungated (sigmoid gate dropped): the plain block with its
-    // gated shared expert swapped for the whole one, built from the plain pieces.
-    let rows = 16;
-    let x1 = rng.normal(&[rows, h], 0.0, 1.0, DType::BF16, dev)?;
-    let hn = rng.normal(&[rows, h], 0.0, 1.0, DType::BF16, dev)?;
-    let device = kernels
-        .apply(&x1, &hn)?
-        .ok_or_else(|| anyhow::anyhow!("the device block refused {rows} rows"))?;
-    let ungated = {
-        let (gate_w, shared_gate_up, shared_down) = bf16_block.shared_parts_for_checks()?;
-        let gu = linear(&hn, &shared_gate_up)?;
-        let s = shared_down.dim(1)?;
-        let act = (gu.narrow(1, 0, s)?.silu()? * gu.narrow(1, s, s)?)?;
-        let shared = linear(&act, &shared_down)?;
-        let g = (linear(&hn, &gate_w)?.neg()?.exp()? + 1.0)?.recip()?;
-        let gated = shared.broadcast_mul(&g)?;
-        // plain = x1 + routed + gated; the wrong block adds the ungated expert instead.
-        ((&x1 + bf16_block.forward(&hn)?)? - gated + shared)?
-    };
-    let wrong = errs(&device, &ungated)?;
-    let wrong_fails = !within(wrong);
-    out.insert(
-        "wrong_shared_expert_ungated".into(),
-        json!({"errs": wrong, "fails_as_it_must": wrong_fails}),
-    );
+    // gated shared expert swapped for the whole one, built from the plain pieces; at 16 rows
+    // (shared expert beside the block) and at one (inside it).
+    let mut wrong_fails = true;
+    for rows in [16usize, 1] {
+        let x1 = rng.normal(&[rows, h], 0.0, 1.0, DType::BF16, dev)?;
+        let hn = rng.normal(&[rows, h], 0.0, 1.0, DType::BF16, dev)?;
+        let device = kernels
+            .apply(&x1, &hn)?
+            .ok_or_else(|| anyhow::anyhow!("the device block refused {rows} rows"))?;
+        let ungated = {
+            let (gate_w, shared_gate_up, shared_down) = bf16_block.shared_parts_for_checks()?;
+            let gu = linear(&hn, &shared_gate_up)?;
+            let s = shared_down.dim(1)?;
+            let act = (gu.narrow(1, 0, s)?.silu()? * gu.narrow(1, s, s)?)?;
+            let shared = linear(&act, &shared_down)?;
+            let g = (linear(&hn, &gate_w)?.neg()?.exp()? + 1.0)?.recip()?;
+            let gated = shared.broadcast_mul(&g)?;
+            // plain = x1 + routed + gated; the wrong block adds the ungated expert instead.
+            ((&x1 + bf16_block.forward(&hn)?)? - gated + shared)?
+        };
+        let wrong = errs(&device, &ungated)?;
+        let fails = !within(wrong);
+        wrong_fails &= fails;
+        out.insert(
+            format!("wrong_shared_expert_ungated_rows_{rows}"),
+            json!({"errs": wrong, "fails_as_it_must": fails}),
+        );
+    }
     out.insert("pass".into(), json!(all && wrong_fails));
     Ok(Value::Object(out))
 }
