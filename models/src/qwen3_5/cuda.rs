@@ -125,11 +125,7 @@ impl Qwen35Model {
             };
             let (x2, ss2) = if layer.is_sparse() {
                 // The next layer's input norm sums its rows itself (no sums from here).
-                let h = cuda::rms_apply(&x1, norm)?;
-                let x2 = layer.moe_on_device(&x1, &h)?.ok_or_else(|| {
-                    ModelError::Unsupported("a sparse layer without its device block".into())
-                })?;
-                (x2, None)
+                (layer.moe_block_normed(&x1, norm)?, None)
             } else {
                 let (gate_up, down) = layer.fused_mlp()?;
                 let act = cuda::gemv_silu(&x1, gate_up, Some(norm))?;

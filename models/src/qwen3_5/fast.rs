@@ -91,6 +91,45 @@ impl MoeKernels {
         })
     }
 
+    /// The block's weights with the shared expert inside, where it can ride in the one-row
+    /// block ([`crate::cuda::SharedExpertRefs`]) and [`crate::cuda::moe_shared_in_block`] is on.
+    #[cfg(feature = "cuda")]
+    fn with_shared_inside(&self) -> Option<crate::cuda::MoeWeights<'_>> {
+        let (sh, router_gate) = (self.shared.as_ref()?, self.router_gate.as_ref()?);
+        crate::cuda::moe_shared_in_block().then_some(crate::cuda::MoeWeights {
+            router: &self.experts.router,
+            gate_up: &self.experts.gate_up,
+            down: &self.experts.down,
+            top_k: self.experts.top_k,
+            norm_topk_prob: self.experts.norm_topk_prob,
+            shared: Some(crate::cuda::SharedExpertRefs {
+                router_gate,
+                gate_up: &sh.gate_up,
+                down: &sh.down,
+            }),
+        })
+    }
+
+    /// `x1 + moe(norm(x1))` for the fused forward's one-row steps: with the shared expert
+    /// inside the block the norm is applied by the router GEMV and the gate/up kernel as `x1`
+    /// streams in (no separate norm launch); otherwise the norm, then [`Self::apply`].
+    #[cfg(feature = "cuda")]
+    pub fn apply_normed(
+        &self,
+        x1: &Tensor,
+        norm: crate::cuda::RowNorm<'_>,
+    ) -> candle_core::Result<Option<Tensor>> {
+        if let (1, Some(w)) = (x1.dim(0)?, self.with_shared_inside()) {
+            if x1.device().is_cuda() && x1.dtype() == DType::BF16 {
+                return Ok(Some(
+                    crate::cuda::moe_block(x1, Some(norm), &w, Some(x1), false)?.0,
+                ));
+            }
+        }
+        let h = crate::cuda::rms_apply(x1, norm)?;
+        self.apply(x1, &h)
+    }
+
     /// The router with the shared expert's gate row under it and zero rows to
     /// [`crate::cuda::SHARED_ROUTER_PAD`], where the shared expert has the routed width.
     #[cfg(feature = "cuda")]
@@ -137,24 +176,7 @@ impl MoeKernels {
             return Ok(None);
         }
         // One row: the shared expert as one more pair of the block (4 launches in all).
-        if let (1, Some(sh), Some(router_gate), true) = (
-            rows,
-            &self.shared,
-            &self.router_gate,
-            cuda::moe_shared_in_block(),
-        ) {
-            let w = cuda::MoeWeights {
-                router: &self.experts.router,
-                gate_up: &self.experts.gate_up,
-                down: &self.experts.down,
-                top_k: self.experts.top_k,
-                norm_topk_prob: self.experts.norm_topk_prob,
-                shared: Some(cuda::SharedExpertRefs {
-                    router_gate,
-                    gate_up: &sh.gate_up,
-                    down: &sh.down,
-                }),
-            };
+        if let (1, Some(w)) = (rows, self.with_shared_inside()) {
             return Ok(Some(cuda::moe_block(h, None, &w, Some(x1), false)?.0));
         }
         let resid = match &self.shared {
@@ -194,6 +216,23 @@ impl HybridLayer {
             Some(k) => Ok(k.apply(x1, h)?),
             None => Ok(None),
         }
+    }
+
+    /// A sparse layer's `x1 + moe(norm(x1))` in the fused forward ([`MoeKernels::apply_normed`]);
+    /// an error for a dense layer or a block off the device.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn moe_block_normed(
+        &self,
+        x1: &Tensor,
+        norm: crate::cuda::RowNorm<'_>,
+    ) -> ModelResult<Tensor> {
+        let out = match &self.moe {
+            Some(k) => k.apply_normed(x1, norm)?,
+            None => None,
+        };
+        out.ok_or_else(|| {
+            ModelError::Unsupported("the fused forward: a sparse layer off the device".into())
+        })
     }
 
     /// Without CUDA there is no device block.

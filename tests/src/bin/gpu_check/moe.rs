@@ -261,6 +261,38 @@ pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
         );
     }
     dflash_models::cuda::set_moe_shared_in_block(true);
+    // The fused forward's one-row call (`MoeKernels::apply_normed`): the post-attention norm
+    // applied inside the block's kernels, against the plain norm then the plain block.
+    {
+        use dflash_models::layers::ops::{rms_norm, OpsMode};
+        let x1 = rng.normal(&[1, h], 0.0, 1.0, DType::BF16, dev)?;
+        let nw = rng.normal(&[h], 1.0, 0.2, DType::BF16, dev)?;
+        let eps = 1e-6;
+        let hn = rms_norm(&x1, &nw, eps, OpsMode::Fused)?;
+        let plain = (&x1 + bf16_block.forward(&hn)?)?;
+        let exact = (x1.to_dtype(DType::F32)? + f32_block.forward(&hn.to_dtype(DType::F32)?)?)?;
+        let norm = cuda::RowNorm {
+            ss: None,
+            weight: &nw,
+            eps,
+        };
+        let device = kernels
+            .apply_normed(&x1, norm)?
+            .ok_or_else(|| anyhow::anyhow!("the device block refused the normed row"))?;
+        let e = errs(&device, &plain)?;
+        let (vs_f32, floor) = (errs(&device, &exact)?, errs(&plain, &exact)?);
+        let pass = e[0] <= TOL && vs_f32[1] <= HYBRID_MEAN_VS_F32 * floor[1];
+        all &= pass;
+        let ms = time_ms(dev, 20, || {
+            kernels.apply_normed(&x1, norm)?;
+            Ok(())
+        })?;
+        out.insert(
+            "rows_1_normed_inside".into(),
+            json!({"pass": pass, "device_vs_plain_bf16": e, "device_vs_plain_f32": vs_f32,
+                   "plain_bf16_vs_plain_f32": floor, "device_ms": ms}),
+        );
+    }
     // Wrong case: the shared expert ungated (sigmoid gate dropped): the plain block with its
     // gated shared expert swapped for the whole one, built from the plain pieces; at 16 rows
     // (shared expert beside the block) and at one (inside it).
