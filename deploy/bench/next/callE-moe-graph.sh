@@ -40,7 +40,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # block (DFLASH_MOE_SHARED_IN_BLOCK, default on), rows_1_shared_apart beside it, with timings;
 # the Coder shape cut to 4 layers (its path is unchanged).
 timeout 150 /tmp/b/gpu_check cuda $OUT/g/moe.json --moe --moe-layers=4 > $OUT/g/moe.log 2>&1
-echo "gpu_check --moe rc=$? at $(el) s"; grep -o '"moe_hybrid_block":{[^}]*}[^}]*}[^}]*}[^}]*}[^}]*}[^}]*}[^}]*}' $OUT/g/moe.json | head -c 2500; echo
+echo "gpu_check --moe rc=$? at $(el) s"
+python3 -c "
+import json,sys
+d=json.load(open('$OUT/g/moe.json'))
+for k,v in d.get('moe_hybrid_block',{}).items(): print('hybrid_block',k,json.dumps(v)[:300])
+print('moe_block pass', json.dumps(d.get('moe_block',{}).get('pass')))
+" 2>&1 | head -20
 timeout 150 /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json \
   --prefill 1024 --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --out $OUT/g/h35-12.json > $OUT/g/h35-12.log 2>&1
 echo "bench 35b-a3b 12 layers rc=$? at $(el) s"; show $OUT/g/h35-12.json
