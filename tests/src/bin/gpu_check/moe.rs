@@ -188,10 +188,24 @@ pub fn block_check(dev: &Device) -> Result<Value> {
     Ok(Value::Object(res))
 }
 
+/// The hybrid block's pass (see [`hybrid_block_check`]) of `device` against the plain bf16
+/// block and the exact f32 one, with the errors as a JSON entry.
+fn hybrid_verdict(device: &Tensor, plain: &Tensor, exact: &Tensor) -> Result<(bool, Value)> {
+    let e = errs(device, plain)?;
+    let (vs_f32, floor) = (errs(device, exact)?, errs(plain, exact)?);
+    let pass = e[0] <= TOL && vs_f32[1] <= HYBRID_MEAN_VS_F32 * floor[1];
+    Ok((
+        pass,
+        json!({"pass": pass, "device_vs_plain_bf16": e, "device_vs_plain_f32": vs_f32,
+               "plain_bf16_vs_plain_f32": floor}),
+    ))
+}
+
 /// The hybrids' sparse block (Qwen3.6-35B-A3B shape: hidden 2048, 256 experts, top 8
 /// renormalised, width 512, a shared expert of 512 with its sigmoid gate) on the device
-/// (`qwen3_5::MoeKernels::apply`: the shared expert beside `cuda::moe_block`) against the plain
-/// block, `x1 + moe(h)` for 1 / 16 / 64 / 100 rows. The device path rounds `x1 + shared` to
+/// (`qwen3_5::MoeKernels::apply`: the shared expert beside `cuda::moe_block`, and inside it at
+/// one row; `apply_normed` with the norm inside too) against the plain block, `x1 + moe(h)` for
+/// 1 / 16 / 64 / 100 rows. The device path rounds `x1 + shared` to
 /// bf16 before the routed experts' combine adds to it, where the plain block rounds
 /// `routed + shared` first: one more rounding of a unit-size sum, about 1.5e-3 of mean rel err
 /// against the plain bf16 block (H100, session 19: 1.40e-3..1.51e-3), above the routed
@@ -234,31 +248,21 @@ pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
         let device = kernels
             .apply(&x1, &hn)?
             .ok_or_else(|| anyhow::anyhow!("the device block refused {rows} rows"))?;
-        let e = errs(&device, &plain)?;
-        let (vs_f32, floor) = (errs(&device, &exact)?, errs(&plain, &exact)?);
-        let pass = e[0] <= TOL && vs_f32[1] <= HYBRID_MEAN_VS_F32 * floor[1];
+        let (pass, mut entry) = hybrid_verdict(&device, &plain, &exact)?;
         all &= pass;
-        let ms = time_ms(dev, 20, || {
+        entry["device_ms"] = json!(time_ms(dev, 20, || {
             kernels.apply(&x1, &hn)?;
             Ok(())
-        })?;
-        let plain_ms = time_ms(dev, 5, || {
+        })?);
+        entry["plain_ms"] = json!(time_ms(dev, 5, || {
             bf16_block.forward(&hn)?;
             Ok(())
-        })?;
+        })?);
         let name = match in_block {
             true => format!("rows_{rows}"),
             false => format!("rows_{rows}_shared_apart"),
         };
-        out.insert(
-            name,
-            json!({
-                "pass": pass, "device_vs_plain_bf16": e,
-                "device_vs_plain_f32": vs_f32,
-                "plain_bf16_vs_plain_f32": floor,
-                "device_ms": ms, "plain_ms": plain_ms,
-            }),
-        );
+        out.insert(name, entry);
     }
     dflash_models::cuda::set_moe_shared_in_block(true);
     // The fused forward's one-row call (`MoeKernels::apply_normed`): the post-attention norm
@@ -279,19 +283,13 @@ pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
         let device = kernels
             .apply_normed(&x1, norm)?
             .ok_or_else(|| anyhow::anyhow!("the device block refused the normed row"))?;
-        let e = errs(&device, &plain)?;
-        let (vs_f32, floor) = (errs(&device, &exact)?, errs(&plain, &exact)?);
-        let pass = e[0] <= TOL && vs_f32[1] <= HYBRID_MEAN_VS_F32 * floor[1];
+        let (pass, mut entry) = hybrid_verdict(&device, &plain, &exact)?;
         all &= pass;
-        let ms = time_ms(dev, 20, || {
+        entry["device_ms"] = json!(time_ms(dev, 20, || {
             kernels.apply_normed(&x1, norm)?;
             Ok(())
-        })?;
-        out.insert(
-            "rows_1_normed_inside".into(),
-            json!({"pass": pass, "device_vs_plain_bf16": e, "device_vs_plain_f32": vs_f32,
-                   "plain_bf16_vs_plain_f32": floor, "device_ms": ms}),
-        );
+        })?);
+        out.insert("rows_1_normed_inside".into(), entry);
     }
     // Wrong case: the shared expert ungated (sigmoid gate dropped): the plain block with its
     // gated shared expert swapped for the whole one, built from the plain pieces; at 16 rows
