@@ -36,10 +36,20 @@ for k in ("chain", "ddtree_16", "ddtree_64"):
 PY
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/g/gpu.txt
+# Each run gets what is left of LIMIT (a call may get less device time than 600 s); the JSON
+# files stay under $OUT/g, so a cut-off call still returns what finished. Most telling first.
+LIMIT=${LIMIT:-570}
+left() { echo $(( LIMIT - $(el) > 10 ? LIMIT - $(el) : 10 )); }
+timeout $(left) /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json \
+  --prefill 1024 --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --out $OUT/g/h35-12.json > $OUT/g/h35-12.log 2>&1
+echo "bench 35b-a3b 12 layers rc=$? at $(el) s"; show $OUT/g/h35-12.json
+timeout $(left) /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 4096 --e2e-prompt 1024 \
+  --e2e-tokens 128 --budgets 16 --out $OUT/g/h27.json > $OUT/g/h27.log 2>&1
+echo "bench 27b rc=$? at $(el) s"; show $OUT/g/h27.json
 # The device MoE block checks: moe_hybrid_block rows_1 now runs the shared expert inside the
 # block (DFLASH_MOE_SHARED_IN_BLOCK, default on), rows_1_shared_apart beside it, with timings;
 # the Coder shape cut to 4 layers (its path is unchanged).
-timeout 150 /tmp/b/gpu_check cuda $OUT/g/moe.json --moe --moe-layers=4 > $OUT/g/moe.log 2>&1
+timeout $(left) /tmp/b/gpu_check cuda $OUT/g/moe.json --moe --moe-layers=4 > $OUT/g/moe.log 2>&1
 echo "gpu_check --moe rc=$? at $(el) s"
 python3 -c "
 import json,sys
@@ -47,17 +57,11 @@ d=json.load(open('$OUT/g/moe.json'))
 for k,v in d.get('moe_hybrid_block',{}).items(): print('hybrid_block',k,json.dumps(v)[:300])
 print('moe_block pass', json.dumps(d.get('moe_block',{}).get('pass')))
 " 2>&1 | head -20
-timeout 150 /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json \
-  --prefill 1024 --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --out $OUT/g/h35-12.json > $OUT/g/h35-12.log 2>&1
-echo "bench 35b-a3b 12 layers rc=$? at $(el) s"; show $OUT/g/h35-12.json
-DFLASH_MOE_SHARED_IN_BLOCK=0 timeout 100 /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json \
+DFLASH_MOE_SHARED_IN_BLOCK=0 timeout $(left) /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json \
   --e2e-only --no-e2e-check --prefill 1024 --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --out $OUT/g/h35-12-apart.json > $OUT/g/h35-12-apart.log 2>&1
 echo "bench 35b-a3b 12 layers, shared expert apart rc=$? at $(el) s"; show $OUT/g/h35-12-apart.json
-timeout 260 /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 4096 --e2e-prompt 1024 \
-  --e2e-tokens 128 --budgets 16 --out $OUT/g/h27.json > $OUT/g/h27.log 2>&1
-echo "bench 27b rc=$? at $(el) s"; show $OUT/g/h27.json
 if [ "${TOTAL:-0}" = 1 ]; then
-  timeout $(( 580 - $(el) )) /tmp/b/dflash-serve bench --model qwen3.6-35b-a3b --e2e-only --e2e-prompt 1024 \
+  timeout $(left) /tmp/b/dflash-serve bench --model qwen3.6-35b-a3b --e2e-only --e2e-prompt 1024 \
     --e2e-tokens 128 --budgets 16,64 --out $OUT/g/h35.json > $OUT/g/h35.log 2>&1
   echo "bench 35b-a3b rc=$? at $(el) s"; show $OUT/g/h35.json
 fi
