@@ -14,8 +14,12 @@
 #   ones, and the varlen causal attention (head dim 128 and 256) the hybrid prefill now takes
 #   for its gated-attention layers, against the plain ops.
 #   3. With TOTAL=1, the published 40-layer 35B-A3B shape the same way (~3 min).
+# Session 23's two changes are off by default until this call passes: the first two runs turn
+# them on (DFLASH_MOE_SHARED_IN_BLOCK=1, DFLASH_HYBRID_VARLEN_PREFILL=1), the 'apart' run leaves
+# the shared expert beside the block; session 21's 27B prefill (0.914 s, 0.305) is the baseline.
 # If the graphs win and the tokens agree, make them the default (models/src/cuda/mod.rs
-# `HYBRID_DECODE_GRAPHS`).
+# `HYBRID_DECODE_GRAPHS`); likewise `MOE_SHARED_IN_BLOCK` and `HYBRID_VARLEN_PREFILL` where
+# gpu_check --moe and the kernel checks pass and the figures improve.
 set -u
 D=${D:-.gpu-serve}
 mkdir -p /tmp/b && tar -xJf $D/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
@@ -40,10 +44,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # files stay under $OUT/g, so a cut-off call still returns what finished. Most telling first.
 LIMIT=${LIMIT:-570}
 left() { echo $(( LIMIT - $(el) > 10 ? LIMIT - $(el) : 10 )); }
-timeout $(left) /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json \
+DFLASH_MOE_SHARED_IN_BLOCK=1 DFLASH_HYBRID_VARLEN_PREFILL=1 timeout $(left) /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json \
   --prefill 1024 --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --out $OUT/g/h35-12.json > $OUT/g/h35-12.log 2>&1
 echo "bench 35b-a3b 12 layers rc=$? at $(el) s"; show $OUT/g/h35-12.json
-timeout $(left) /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 4096 --e2e-prompt 1024 \
+DFLASH_HYBRID_VARLEN_PREFILL=1 timeout $(left) /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 4096 --e2e-prompt 1024 \
   --e2e-tokens 128 --budgets 16 --out $OUT/g/h27.json > $OUT/g/h27.log 2>&1
 echo "bench 27b rc=$? at $(el) s"; show $OUT/g/h27.json
 # The device MoE block checks: moe_hybrid_block rows_1 now runs the shared expert inside the

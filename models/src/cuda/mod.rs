@@ -228,13 +228,16 @@ pub fn gdn_tree_kernel() -> bool {
 }
 
 static MOE_SHARED_IN_BLOCK: switch::EnvSwitch =
-    switch::EnvSwitch::new("DFLASH_MOE_SHARED_IN_BLOCK", true);
+    switch::EnvSwitch::new("DFLASH_MOE_SHARED_IN_BLOCK", false);
 
 /// Whether a one-row sparse-MoE block with a shared expert of the routed width (Qwen3.5/3.6
 /// MoE) runs that expert inside the device block (`moe.cu`: the gate row stacked under the
-/// router, one more pair per row with weight sigmoid(gate), 4 launches for the block) instead
-/// of beside it (two GEMVs, the gate GEMV, sigmoid, scale, add: 6 more). On unless
-/// `DFLASH_MOE_SHARED_IN_BLOCK=0` or this switch turns it off. Process-wide.
+/// router, one more pair per row with weight sigmoid(gate), the post-attention norm inside
+/// the kernels: 4 launches for the block) instead of beside it (norm, two GEMVs, the gate GEMV,
+/// sigmoid, scale, add: 7 more). Off by default until a GPU has checked and timed it
+/// (session 23 wrote it and got no device: `gpu_check --moe` `moe_hybrid_block` `rows_1` /
+/// `rows_1_normed_inside`, `deploy/bench/next/callE-moe-graph.sh`); `DFLASH_MOE_SHARED_IN_BLOCK=1`
+/// or this switch turns it on. Process-wide.
 pub fn set_moe_shared_in_block(on: bool) {
     MOE_SHARED_IN_BLOCK.set(on);
 }
@@ -242,6 +245,25 @@ pub fn set_moe_shared_in_block(on: bool) {
 /// Whether the shared expert rides in the one-row block ([`set_moe_shared_in_block`]).
 pub fn moe_shared_in_block() -> bool {
     MOE_SHARED_IN_BLOCK.get()
+}
+
+static HYBRID_VARLEN_PREFILL: switch::EnvSwitch =
+    switch::EnvSwitch::new("DFLASH_HYBRID_VARLEN_PREFILL", false);
+
+/// Whether a hybrid target's gated-attention layers attend a forward from an empty cache on
+/// the tensor-core varlen kernel (`attn_varlen.cu`, head dim 256;
+/// `Qwen35Model::fresh_causal_attention`) instead of the plain path's materialised f32 scores.
+/// Off by default until a GPU has checked and timed it (session 23 wrote it and got no
+/// device: the family bench's `kernel_checks`, `attention_varlen:*` and the fused-vs-plain
+/// `prefill_1000_last_row`, and `prefill_4096` of `--model qwen3.6-27b`);
+/// `DFLASH_HYBRID_VARLEN_PREFILL=1` or this switch turns it on. Process-wide.
+pub fn set_hybrid_varlen_prefill(on: bool) {
+    HYBRID_VARLEN_PREFILL.set(on);
+}
+
+/// Whether the hybrid prefill takes the varlen kernel ([`set_hybrid_varlen_prefill`]).
+pub fn hybrid_varlen_prefill() -> bool {
+    HYBRID_VARLEN_PREFILL.get()
 }
 
 static HYBRID_DECODE_GRAPHS: switch::EnvSwitch =

@@ -215,6 +215,7 @@ impl Qwen35Model {
         pattern: &AttnPattern,
     ) -> ModelResult<Option<Tensor>> {
         if !self.fast
+            || !cuda::hybrid_varlen_prefill()
             || committed != 0
             || t == 0
             || *pattern != AttnPattern::Causal

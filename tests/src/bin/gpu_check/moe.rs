@@ -230,8 +230,9 @@ pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
         .ok_or_else(|| anyhow::anyhow!("the block did not stack"))?;
     let mut out = serde_json::Map::new();
     let mut all = true;
-    // rows_1 runs the shared expert inside the device block (the default); rows_1_shared_apart
-    // beside it (`cuda::set_moe_shared_in_block(false)`), as before.
+    // rows_1 runs the shared expert inside the device block (`cuda::set_moe_shared_in_block`);
+    // rows_1_shared_apart beside it, as before. The process default is restored at the end.
+    let default_in_block = dflash_models::cuda::moe_shared_in_block();
     let cases = [
         (1usize, true),
         (1, false),
@@ -264,9 +265,9 @@ pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
         };
         out.insert(name, entry);
     }
-    dflash_models::cuda::set_moe_shared_in_block(true);
     // The fused forward's one-row call (`MoeKernels::apply_normed`): the post-attention norm
     // applied inside the block's kernels, against the plain norm then the plain block.
+    dflash_models::cuda::set_moe_shared_in_block(true);
     {
         use dflash_models::layers::ops::{rms_norm, OpsMode};
         let x1 = rng.normal(&[1, h], 0.0, 1.0, DType::BF16, dev)?;
@@ -320,6 +321,7 @@ pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
             json!({"errs": wrong, "fails_as_it_must": fails}),
         );
     }
+    dflash_models::cuda::set_moe_shared_in_block(default_in_block);
     out.insert("pass".into(), json!(all && wrong_fails));
     Ok(Value::Object(out))
 }
