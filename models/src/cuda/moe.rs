@@ -256,8 +256,13 @@ pub fn moe_experts(
     let p = t * k;
     let (sgu, sdn) = match shared {
         Some(sh) => {
-            check_bf16("shared gate_up", sh.gate_up)?;
-            check_bf16("shared down", sh.down)?;
+            for (name, t) in [("shared gate_up", sh.gate_up), ("shared down", sh.down)] {
+                check_bf16(name, t)?;
+                // The rows kernels read them 16 bytes at a time, as the stacked experts.
+                if ptr(t)? % 16 != 0 {
+                    bail!("moe: {name} must start on a 16-byte boundary")
+                }
+            }
             (ptr(sh.gate_up)?, ptr(sh.down)?)
         }
         None => (0u64, 0u64),
