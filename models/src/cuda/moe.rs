@@ -217,11 +217,18 @@ pub fn moe_experts(
     let dev = cuda(x)?;
     let (e, h, i) = w.dims()?;
     check_bf16("moe x", x)?;
+    let shared_parts = w
+        .shared
+        .iter()
+        .flat_map(|sh| [("shared gate_up", sh.gate_up), ("shared down", sh.down)]);
     for (name, t) in [
         ("router", w.router),
         ("gate_up", w.gate_up),
         ("down", w.down),
-    ] {
+    ]
+    .into_iter()
+    .chain(shared_parts)
+    {
         check_bf16(name, t)?;
         if ptr(t)? % 16 != 0 {
             bail!("moe: {name} must start on a 16-byte boundary")
@@ -255,16 +262,7 @@ pub fn moe_experts(
     let k = routing.k;
     let p = t * k;
     let (sgu, sdn) = match shared {
-        Some(sh) => {
-            for (name, t) in [("shared gate_up", sh.gate_up), ("shared down", sh.down)] {
-                check_bf16(name, t)?;
-                // The rows kernels read them 16 bytes at a time, as the stacked experts.
-                if ptr(t)? % 16 != 0 {
-                    bail!("moe: {name} must start on a 16-byte boundary")
-                }
-            }
-            (ptr(sh.gate_up)?, ptr(sh.down)?)
-        }
+        Some(sh) => (ptr(sh.gate_up)?, ptr(sh.down)?),
         None => (0u64, 0u64),
     };
     let ei = e as i32;

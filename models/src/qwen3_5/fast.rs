@@ -119,12 +119,11 @@ impl MoeKernels {
         x1: &Tensor,
         norm: crate::cuda::RowNorm<'_>,
     ) -> candle_core::Result<Option<Tensor>> {
-        if let (1, Some(w)) = (x1.dim(0)?, self.with_shared_inside()) {
-            if x1.device().is_cuda() && x1.dtype() == DType::BF16 {
-                return Ok(Some(
-                    crate::cuda::moe_block(x1, Some(norm), &w, Some(x1), false)?.0,
-                ));
-            }
+        let one_cuda_row = x1.dim(0)? == 1 && x1.device().is_cuda() && x1.dtype() == DType::BF16;
+        if let (true, Some(w)) = (one_cuda_row, self.with_shared_inside()) {
+            return Ok(Some(
+                crate::cuda::moe_block(x1, Some(norm), &w, Some(x1), false)?.0,
+            ));
         }
         let h = crate::cuda::rms_apply(x1, norm)?;
         self.apply(x1, &h)
@@ -138,18 +137,17 @@ impl MoeKernels {
         shared: Option<&SharedExpertWeights>,
     ) -> candle_core::Result<Option<Tensor>> {
         let Some(sh) = shared else { return Ok(None) };
-        let (e, h) = experts.router.dims2()?;
+        let r = &experts.router;
+        let h = r.dim(1)?;
         if sh.down.dim(1)? != experts.down.dim(2)? || sh.gate.dims2()? != (1, h) {
             return Ok(None);
         }
-        let r = &experts.router;
         let pad = Tensor::zeros(
             (crate::cuda::SHARED_ROUTER_PAD - 1, h),
             r.dtype(),
             r.device(),
         )?;
-        let stacked = Tensor::cat(&[r, &sh.gate, &pad], 0)?;
-        Ok((stacked.dim(0)? == e + crate::cuda::SHARED_ROUTER_PAD).then_some(stacked))
+        Ok(Some(Tensor::cat(&[r, &sh.gate, &pad], 0)?))
     }
 
     /// Without CUDA no device block reads it.
