@@ -10,6 +10,7 @@ use candle_core::{bail, Result, Tensor};
 use super::gdn::{
     check_chain, check_f32, gated_norm, ChainDims, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN,
 };
+use super::gdn_chunk::{chunked_delta_rule, GDN_CHUNKED_MIN_T};
 use super::launch::{alloc_f32, cfg, cuda, go, ptr};
 use super::phases::mark;
 
@@ -107,7 +108,9 @@ fn prep(
 
 /// The mixer over `t` new tokens from the cached conv window `win` (bf16 `[K-1, conv_dim]`)
 /// and state `s0` (f32 `[hv, dk, dv]`); `proj` bf16 `[t, P]` is the whole in-projection.
-/// Three launches: `gdn_prep`, `gdn_scan`, `gdn_gated_norm`.
+/// Three launches: `gdn_prep`, `gdn_scan`, `gdn_gated_norm` (a long prefill's last-state-only
+/// run: two per 4096 tokens of the chunked form in place of `gdn_scan` when
+/// [`super::gdn_chunked`] is on).
 pub fn gdn_split(
     win: &Tensor,
     proj: &Tensor,
@@ -129,9 +132,22 @@ pub fn gdn_split(
     let (t, d, hk, hv) = (dims.t, GDN_HEAD_DIM, w.hk, w.hv);
     mark(&cdev, "gdn.prep");
     let Prepped { q, k, v, g, beta } = prep(win, proj, w, None, dims)?;
+    // A prefill's long run: the chunked form on the tensor cores (`gdn_chunk.rs`).
+    if states == ScanStates::Last && !writes && t >= GDN_CHUNKED_MIN_T && super::gdn_chunked() {
+        mark(&cdev, "gdn.scan");
+        let (o, last) = chunked_delta_rule(&dev, s0, &q, &k, &v, &g, &beta, (t, hk, hv))?;
+        mark(&cdev, "gdn.norm");
+        let y = gated_norm(&o, proj, w, t)?;
+        return Ok(SplitOut {
+            y,
+            states: Some(last.reshape((1, hv, d, d))?),
+            k: k.reshape((t, hk, d))?,
+            g: g.reshape((t, hv))?,
+            u: None,
+        });
+    }
     let (hki, hvi, ti) = (hk as i32, hv as i32, t as i32);
     let (qp, kp, vp, gp, betap) = (ptr(&q)?, ptr(&k)?, ptr(&v)?, ptr(&g)?, ptr(&beta)?);
-
     let o = alloc_f32(&dev, t * hv * d)?;
     let u = if writes {
         Some(alloc_f32(&dev, t * hv * d)?)

@@ -70,6 +70,8 @@ pub mod check;
 #[cfg(feature = "cuda")]
 mod check_attn;
 #[cfg(feature = "cuda")]
+mod check_gdn;
+#[cfg(feature = "cuda")]
 pub mod check_attn_batch;
 #[cfg(feature = "cuda")]
 pub mod check_scale;
@@ -116,6 +118,10 @@ pub use gattn::{
 mod gdn;
 #[cfg(feature = "cuda")]
 pub use gdn::{gdn_chain, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN, GDN_MAX_CONV};
+#[cfg(feature = "cuda")]
+mod gdn_chunk;
+#[cfg(feature = "cuda")]
+pub use gdn_chunk::{GDN_CHUNK, GDN_CHUNKED_MIN_T};
 #[cfg(feature = "cuda")]
 mod gdn_split;
 #[cfg(feature = "cuda")]
@@ -227,17 +233,36 @@ pub fn gdn_tree_kernel() -> bool {
     GDN_TREE_KERNEL.get()
 }
 
+static GDN_CHUNKED: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GDN_CHUNKED", false);
+
+/// Whether a hybrid target's prefill of at least [`GDN_CHUNKED_MIN_T`] tokens runs the delta
+/// rule of its GDN layers in the chunked form on the tensor cores (`gdn_chunk.cu`: 64-token
+/// chunks, a parallel solve per chunk, then one pass over the chunks per 32 value columns)
+/// instead of `gdn_scan`'s token-by-token recurrence, which at the Qwen3.6-27B shape took 125 ms
+/// of a 4K prefill's 0.60 s (H100, session 24, `prefill_4096_phases` `gdn.scan`). Off by
+/// default until a GPU has checked and timed it (`cuda::check::gdn_chunked_errors`, the family
+/// bench's `kernel_checks`); `DFLASH_GDN_CHUNKED=1` or this switch turns it on. Process-wide.
+pub fn set_gdn_chunked(on: bool) {
+    GDN_CHUNKED.set(on);
+}
+
+/// Whether prefills take the chunked delta rule ([`set_gdn_chunked`]).
+pub fn gdn_chunked() -> bool {
+    GDN_CHUNKED.get()
+}
+
 static MOE_SHARED_IN_BLOCK: switch::EnvSwitch =
-    switch::EnvSwitch::new("DFLASH_MOE_SHARED_IN_BLOCK", false);
+    switch::EnvSwitch::new("DFLASH_MOE_SHARED_IN_BLOCK", true);
 
 /// Whether a one-row sparse-MoE block with a shared expert of the routed width (Qwen3.5/3.6
 /// MoE) runs that expert inside the device block (`moe.cu`: the gate row stacked under the
 /// router, one more pair per row with weight sigmoid(gate), the post-attention norm inside
 /// the kernels: 4 launches for the block) instead of beside it (norm, two GEMVs, the gate GEMV,
-/// sigmoid, scale, add: 7 more). Off by default until a GPU has checked and timed it
-/// (session 23 wrote it and got no device: `gpu_check --moe` `moe_hybrid_block` `rows_1` /
-/// `rows_1_normed_inside`, `deploy/bench/next/callE-moe-graph.sh`); `DFLASH_MOE_SHARED_IN_BLOCK=1`
-/// or this switch turns it on. Process-wide.
+/// sigmoid, scale, add: 7 more). On by default: checked by `gpu_check --moe`
+/// (`moe_hybrid_block` `rows_1`: 0.067 ms against 0.133 beside it) and faster end to end (H100,
+/// session 24, 12-layer Qwen3.6-35B-A3B shape, 1K context: decode 2.15 ms eager against 2.48
+/// beside it, 2.005 against 2.09 from graphs; deploy/bench/results/h100-2026-12-07-s24).
+/// `DFLASH_MOE_SHARED_IN_BLOCK=0` or this switch turns it off. Process-wide.
 pub fn set_moe_shared_in_block(on: bool) {
     MOE_SHARED_IN_BLOCK.set(on);
 }
@@ -248,15 +273,16 @@ pub fn moe_shared_in_block() -> bool {
 }
 
 static HYBRID_VARLEN_PREFILL: switch::EnvSwitch =
-    switch::EnvSwitch::new("DFLASH_HYBRID_VARLEN_PREFILL", false);
+    switch::EnvSwitch::new("DFLASH_HYBRID_VARLEN_PREFILL", true);
 
 /// Whether a hybrid target's gated-attention layers attend a forward from an empty cache on
 /// the tensor-core varlen kernel (`attn_varlen.cu`, head dim 256;
 /// `Qwen35Model::fresh_causal_attention`) instead of the plain path's materialised f32 scores.
-/// Off by default until a GPU has checked and timed it (session 23 wrote it and got no
-/// device: the family bench's `kernel_checks`, `attention_varlen:*` and the fused-vs-plain
-/// `prefill_1000_last_row`, and `prefill_4096` of `--model qwen3.6-27b`);
-/// `DFLASH_HYBRID_VARLEN_PREFILL=1` or this switch turns it on. Process-wide.
+/// On by default: the family bench's `kernel_checks` (`attention_varlen:*`, max abs diff
+/// 0.016 at head dim 128 and 256) pass and the Qwen3.6-27B shape's 4K prefill went from 0.914 s
+/// (0.305 of the matmul rate) to 0.602 s (0.453) (H100, session 24,
+/// deploy/bench/results/h100-2026-12-07-s24). `DFLASH_HYBRID_VARLEN_PREFILL=0` or this switch
+/// turns it off. Process-wide.
 pub fn set_hybrid_varlen_prefill(on: bool) {
     HYBRID_VARLEN_PREFILL.set(on);
 }
@@ -271,19 +297,21 @@ static HYBRID_DECODE_GRAPHS: switch::EnvSwitch =
 
 /// Whether a hybrid target built from now on replays its decode steps from CUDA graphs
 /// (`qwen3_5/graph.rs`, `Qwen35Model::forward_decode_graph`; a model's own setting is
-/// `with_step_graphs`). Off by default until a GPU has timed and checked the engine path
-/// (`deploy/bench/next/callE-moe-graph.sh`: the MoE hybrid's eager decode is launch-bound,
-/// ~15 small launches a layer; `gpu_check --hybrid` found a replay bit-identical to the eager
-/// step and no faster at the dense 27B shape); `DFLASH_HYBRID_DECODE_GRAPHS=1` or this switch
-/// turns it on. Process-wide.
+/// `with_step_graphs`). Without a call or `DFLASH_HYBRID_DECODE_GRAPHS` (`1` on, `0` off) they
+/// are on for sparse-MoE hybrids and off for dense ones, as measured (H100, session 24,
+/// 1K context, greedy tokens identical both ways): the 12-layer Qwen3.6-35B-A3B shape's decode,
+/// ~15 small launches a layer, 2.005 ms from graphs against 2.15 eager; the dense 27B's, whose
+/// launches are few and long, 23.38 against 22.99 (the replay's state copies in and out cost
+/// more than the launches it saves). Process-wide.
 pub fn set_hybrid_decode_graphs(on: bool) {
     HYBRID_DECODE_GRAPHS.set(on);
 }
 
-/// Whether hybrid decode graphs are on ([`set_hybrid_decode_graphs`], else
-/// `DFLASH_HYBRID_DECODE_GRAPHS`, read once; off unless it is `1`).
-pub fn hybrid_decode_graphs() -> bool {
-    HYBRID_DECODE_GRAPHS.get()
+/// Whether hybrid decode graphs are on for a model with (`sparse_moe`) or without sparse-MoE
+/// layers ([`set_hybrid_decode_graphs`], else `DFLASH_HYBRID_DECODE_GRAPHS`, else
+/// `sparse_moe`).
+pub fn hybrid_decode_graphs(sparse_moe: bool) -> bool {
+    HYBRID_DECODE_GRAPHS.get_or(sparse_moe)
 }
 
 /// Most rows the skinny GEMMs (`gemv*`) take (four m16 tiles per warp); wider products go to

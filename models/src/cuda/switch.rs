@@ -11,7 +11,8 @@ pub(crate) struct EnvSwitch {
     /// The value without a call or a variable; the variable flips it only when set to the
     /// other value (`0` for a switch on by default, `1` for one off by default).
     default: bool,
-    from_env: OnceLock<bool>,
+    /// The variable's explicit choice: `1` on, `0` off, anything else (or unset) none.
+    from_env: OnceLock<Option<bool>>,
 }
 
 impl EnvSwitch {
@@ -29,14 +30,23 @@ impl EnvSwitch {
     }
 
     pub(crate) fn get(&self) -> bool {
+        self.get_or(self.default)
+    }
+
+    /// The switch where a call or the variable chose, else `default` (a switch whose default
+    /// depends on the model it applies to).
+    pub(crate) fn get_or(&self, default: bool) -> bool {
         match self.state.load(Ordering::Relaxed) {
             1 => true,
             2 => false,
-            _ => *self.from_env.get_or_init(|| match std::env::var(self.var) {
-                Ok(v) if self.default => v != "0",
-                Ok(v) => v == "1",
-                Err(_) => self.default,
-            }),
+            _ => self
+                .from_env
+                .get_or_init(|| match std::env::var(self.var).as_deref() {
+                    Ok("1") => Some(true),
+                    Ok("0") => Some(false),
+                    _ => None,
+                })
+                .unwrap_or(default),
         }
     }
 }
@@ -54,5 +64,14 @@ mod tests {
         on.set(false);
         off.set(true);
         assert!(!on.get() && off.get());
+    }
+
+    /// Without a call or a variable, the caller's default decides.
+    #[test]
+    fn an_unset_switch_takes_the_callers_default() {
+        let auto = EnvSwitch::new("DFLASH_TEST_SWITCH_UNSET_AUTO", false);
+        assert!(auto.get_or(true) && !auto.get_or(false) && !auto.get());
+        auto.set(true);
+        assert!(auto.get_or(false));
     }
 }

@@ -316,7 +316,11 @@ impl Qwen35Model {
                 }
             }
             self.fast = true;
-            self.step_graphs = GraphCache::new(crate::cuda::hybrid_decode_graphs());
+            let sparse_moe = self
+                .layers
+                .iter()
+                .any(|l| matches!(l.mlp, FeedForward::Sparse(_)));
+            self.step_graphs = GraphCache::new(crate::cuda::hybrid_decode_graphs(sparse_moe));
         }
         Ok(self)
     }

@@ -303,6 +303,21 @@ fn kernel_checks(target: &Target) -> Result<Value> {
         for (name, err, scale) in attn {
             res.insert(name, json!({"max_abs_diff": err, "max_abs_plain": scale}));
         }
+        // The chunked delta rule a long hybrid prefill may take, against the scan.
+        if matches!(target, Target::Hybrid(_)) {
+            let dev = dflash_models::DraftTarget::device(target);
+            for (errs, (name, scan_ms, chunked_ms)) in
+                dflash_models::cuda::check::gdn_chunked_errors(dev)?
+            {
+                for (name, err, scale) in errs {
+                    res.insert(name, json!({"max_abs_diff": err, "max_abs_scan": scale}));
+                }
+                res.insert(
+                    format!("{name}:ms"),
+                    json!({"scan": scan_ms, "chunked": chunked_ms}),
+                );
+            }
+        }
     }
     Ok(Value::Object(res))
 }
