@@ -4,13 +4,12 @@
 //! kernels of attn_dflash.cu stay the f32 path, the other shapes' path and the block keys'
 //! dk/dv.
 
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Result};
 
 use super::attn_dflash_dims::Dims;
-use super::launch::go;
+use super::launch::{function_with_smem, go};
 
 pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_dflash_tc.ptx"));
 pub(super) const MODULE: &str = "dflash_attn_dflash_tc";
@@ -31,15 +30,7 @@ pub(super) fn applies(dtype: DType, x: &Dims) -> bool {
 }
 
 fn function(dev: &CudaDevice, name: &str, smem: usize) -> Result<CudaFunction> {
-    let f = dev
-        .get_or_load_custom_func(name, MODULE, PTX)?
-        .into_cuda_function();
-    f.set_attribute(
-        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
-    )
-    .map_err(|e| candle_core::Error::Msg(format!("{name}: shared memory {smem} B: {e}")))?;
-    Ok(f)
+    function_with_smem(dev, (MODULE, PTX), name, smem)
 }
 
 /// Bytes of `rows` staged rows of head_dim `d` (padded by 8 bf16).

@@ -4,12 +4,13 @@
 //! forwards and draft blocks (a few dozen rows over a long cache, causal or tree) split the
 //! keys over many blocks and leave partials for `attn_combine` (see `cuda::attention_split`).
 
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::launch::{alloc_bf16, check_bf16, cuda, go, opt_ptr, page_stride, ptr};
+use super::launch::{
+    alloc_bf16, check_bf16, cuda, function_with_smem, go, opt_ptr, page_stride, ptr,
+};
 
 pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_prefill.ptx"));
 pub(super) const MODULE: &str = "dflash_attn_prefill";
@@ -199,17 +200,9 @@ fn prepare_warps(
     (nkv, nsplit): (usize, usize),
     warps: usize,
 ) -> Result<(CudaFunction, LaunchConfig)> {
-    let f = dev
-        .get_or_load_custom_func(name, MODULE, PTX)?
-        .into_cuda_function();
-    // K and V tiles and the block's Q rows: over the 48 KB static limit, so the function must be
-    // allowed that much dynamic shared memory (a per-function setting, cheap to repeat).
+    // K and V tiles and the block's Q rows: over the 48 KB static limit.
     let smem = (2 * PCH + 16 * warps) * PPAD * 2;
-    f.set_attribute(
-        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
-    )
-    .map_err(|e| candle_core::Error::Msg(format!("{name}: shared memory {smem} B: {e}")))?;
+    let f = function_with_smem(dev, (MODULE, PTX), name, smem)?;
     let cfg = LaunchConfig {
         grid_dim: (nkv as u32, rows.div_ceil(16 * warps) as u32, nsplit as u32),
         block_dim: ((32 * warps) as u32, 1, 1),

@@ -30,7 +30,11 @@ fn cases(dev: &Device) -> Result<Vec<GdnChunkedCase>> {
     let d = GDN_HEAD_DIM;
     let bf = |t: Tensor| t.to_dtype(DType::BF16);
     let mut out = Vec::new();
-    for (hk, hv, t) in [(16usize, 48usize, 1000usize), (16, 48, 4396), (16, 32, 1000)] {
+    for (hk, hv, t) in [
+        (16usize, 48usize, 1000usize),
+        (16, 48, 4396),
+        (16, 32, 1000),
+    ] {
         let (kernel, c) = (4usize, 2 * hk * d + hv * d);
         let p = c + hv * d + 2 * hv;
         let taps = bf((Tensor::randn(0f32, 1.0, (kernel, c), dev)? * 0.5)?)?;

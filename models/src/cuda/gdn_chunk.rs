@@ -3,13 +3,12 @@
 //! most of the GPU idle: one block per value head and 16 value columns, each walking every
 //! token). Takes what `gdn_prep` writes; shapes are checked by the caller (`gdn_split`).
 
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{Result, Tensor};
 
 use super::gdn::GDN_HEAD_DIM;
-use super::launch::{alloc_f32, go, ptr};
+use super::launch::{alloc_f32, function_with_smem, go, ptr};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn_chunk.ptx"));
 const MODULE: &str = "dflash_gdn_chunk";
@@ -27,18 +26,6 @@ const SCAN_COLUMNS: usize = 32;
 /// Shared memory of the two kernels (floats as laid out in gdn_chunk.cu).
 const SOLVE_SMEM: usize = 4 * (2 * 64 * 132 + 64 * 264 + 64 * 64 + 64 * 68 + 2 * 64);
 const SCAN_SMEM: usize = 4 * (2 * 64 * 132 + 64 * 136 + 128 * 40 + 64 * 40);
-
-fn function(dev: &CudaDevice, name: &str, smem: usize) -> Result<CudaFunction> {
-    let f = dev
-        .get_or_load_custom_func(name, MODULE, PTX)?
-        .into_cuda_function();
-    f.set_attribute(
-        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
-    )
-    .map_err(|e| candle_core::Error::Msg(format!("{name}: shared memory {smem} B: {e}")))?;
-    Ok(f)
-}
 
 /// The delta rule over `t` tokens from the state `s0` (f32 `[hv, 128, 128]`) given `gdn_prep`'s
 /// f32 outputs (`q`, `k` `[t, hk, 128]`, `v` `[t, hv * 128]`, `g`, `beta` `[t, hv]`): the raw
@@ -62,8 +49,8 @@ pub(super) fn chunked_delta_rule(
     let per_chunk = || alloc_f32(dev, hv * seg_chunks * GDN_CHUNK * d);
     let (u, w, qp, pu) = (per_chunk()?, per_chunk()?, per_chunk()?, per_chunk()?);
     let gc = alloc_f32(dev, hv * seg_chunks * GDN_CHUNK)?;
-    let solve = function(dev, "gdn_chunk_solve", SOLVE_SMEM)?;
-    let scan = function(dev, "gdn_chunk_scan", SCAN_SMEM)?;
+    let solve = function_with_smem(dev, (MODULE, PTX), "gdn_chunk_solve", SOLVE_SMEM)?;
+    let scan = function_with_smem(dev, (MODULE, PTX), "gdn_chunk_scan", SCAN_SMEM)?;
     let (up, wp, qpp, pup, gcp) = (ptr(&u)?, ptr(&w)?, ptr(&qp)?, ptr(&pu)?, ptr(&gc)?);
     let (qb, kb, vb, gb, bb, ob) = (ptr(q)?, ptr(k)?, ptr(v)?, ptr(g)?, ptr(beta)?, ptr(&o)?);
     let last = ptr(&s_last)?;
@@ -91,7 +78,13 @@ pub(super) fn chunked_delta_rule(
         // previous one left (in place: each block reads and writes only its own columns).
         let from = if start == 0 { ptr(s0)? } else { last };
         let mut b = stream.launch_builder(&scan);
-        b.arg(&from).arg(&ks).arg(&up).arg(&wp).arg(&qpp).arg(&pup).arg(&gcp);
+        b.arg(&from)
+            .arg(&ks)
+            .arg(&up)
+            .arg(&wp)
+            .arg(&qpp)
+            .arg(&pup)
+            .arg(&gcp);
         b.arg(&os).arg(&last).arg(&ni).arg(&hki).arg(&hvi);
         let cfg = LaunchConfig {
             grid_dim: (hv as u32, (d / SCAN_COLUMNS) as u32, 1),

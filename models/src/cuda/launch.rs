@@ -3,7 +3,10 @@
 //! host-to-device uploads of small inputs (stream-ordered, so CUDA graphs can replay them).
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchArgs, LaunchConfig};
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, DevicePtr, LaunchArgs, LaunchConfig,
+};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
@@ -111,6 +114,25 @@ pub(super) fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
         block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// Kernel `name` of `module` (from `ptx`), allowed `smem` bytes of dynamic shared memory (over
+/// the 48 KB default a function must be; a per-function setting, cheap to repeat).
+pub(super) fn function_with_smem(
+    dev: &CudaDevice,
+    (module, ptx): (&str, &str),
+    name: &str,
+    smem: usize,
+) -> Result<CudaFunction> {
+    let f = dev
+        .get_or_load_custom_func(name, module, ptx)?
+        .into_cuda_function();
+    f.set_attribute(
+        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .map_err(|e| candle_core::Error::Msg(format!("{name}: shared memory {smem} B: {e}")))?;
+    Ok(f)
 }
 
 pub(super) fn go(b: &mut LaunchArgs<'_>, cfg: LaunchConfig, name: &str) -> Result<()> {

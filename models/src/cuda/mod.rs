@@ -70,9 +70,9 @@ pub mod check;
 #[cfg(feature = "cuda")]
 mod check_attn;
 #[cfg(feature = "cuda")]
-mod check_gdn;
-#[cfg(feature = "cuda")]
 pub mod check_attn_batch;
+#[cfg(feature = "cuda")]
+mod check_gdn;
 #[cfg(feature = "cuda")]
 pub mod check_scale;
 #[cfg(feature = "cuda")]
