@@ -6,7 +6,7 @@
 //! (serve/src/bench/, deploy/bench/README.md), which also checks the fused CUDA kernels.
 //!
 //! Usage: gpu-check [cuda|cpu] [out.json] [--hybrid | --pooled | --train | --scale | --moe |
-//! --trainer-optimizer | --train-explicit | --data-parallel]
+//! --trainer-optimizer | --train-explicit | --data-parallel | --gdn-chunk]
 //!
 //! With `--data-parallel` (CUDA builds) it checks NCCL (`nccl` builds) and the trainer's
 //! data-parallel replicas on the visible GPUs (`gpu_check/data_parallel.rs`).
@@ -338,6 +338,29 @@ fn main() -> Result<()> {
         println!("moe bench {b}");
         report.insert("qwen3_coder_30b_a3b_shape_bench".into(), b);
         save(&report)?;
+        return Ok(());
+    }
+    // --gdn-chunk: only the chunked delta rule against the scan (errors and ms per case), the
+    // quick run to profile the two kernels with ncu.
+    #[cfg(feature = "cuda")]
+    if args.iter().any(|a| a == "--gdn-chunk") {
+        let mut cases = serde_json::Map::new();
+        for (errs, (name, scan_ms, chunked_ms)) in
+            dflash_models::cuda::check::gdn_chunked_errors(&dev)?
+        {
+            for (n, err, scale) in errs {
+                cases.insert(n, json!({"max_abs_diff": err, "max_abs_scan": scale}));
+            }
+            cases.insert(
+                format!("{name}:ms"),
+                json!({"scan": scan_ms, "chunked": chunked_ms}),
+            );
+        }
+        let out = json!({ "gdn_chunked": cases }).to_string();
+        if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
+            std::fs::write(path, &out)?;
+        }
+        println!("{out}");
         return Ok(());
     }
     if args.iter().any(|a| a == "--pooled") {

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 20: where the chunked delta rule's time goes (gpu_check --gdn-chunk under ncu: the
+# two chunk kernels and the token scan, time, throughputs, occupancy), then ncu of the 12-layer
+# 35B-A3B decode past the random-weight kernels (--launch-skip).
+set -u
+D=${D:-.gpu-serve}
+mkdir -p /tmp/b && tar -xJf $D/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+mkdir -p $OUT/h
+/tmp/b/gpu_check cuda $OUT/h/gdn.json --gdn-chunk 2>&1 | tail -2 | cut -c1-1500
+M=gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__registers_per_thread,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+timeout 120 ncu --clock-control none --metrics $M --csv -k regex:gdn_ /tmp/b/gpu_check cuda /tmp/x.json --gdn-chunk > $OUT/h/gdn_ncu.csv 2> $OUT/h/gdn_ncu.err
+echo "gdn ncu rc=$? at $(el) s"
+python3 - $OUT/h/gdn_ncu.csv <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+hdr = rows[0]; ki = hdr.index("Kernel Name"); mi = hdr.index("Metric Name"); vi = hdr.index("Metric Value"); ii = hdr.index("ID")
+by = collections.OrderedDict()
+for r in rows[1:]:
+    by.setdefault((r[ii], r[ki][:40]), {})[r[mi]] = r[vi]
+for (i, k), m in by.items():
+    print(i, k, " ".join(f"{a.split('.')[0].split('__')[-1]}={b}" for a, b in m.items()))
+PY
+timeout $(( 560 - $(el) )) ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-skip 3300 -c 4000 \
+  /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json --e2e-only \
+  --prefill 64 --e2e-prompt 64 --e2e-tokens 16 --budgets 16 --no-e2e-check --out /tmp/h35n.json > /tmp/h35.csv 2>$OUT/h/h35-ncu.err
+echo "h35 ncu rc=$? at $(el) s"
+python3 deploy/bench/next/ncu_mean.py /tmp/h35.csv > $OUT/h/h35_kernels.txt; head -45 $OUT/h/h35_kernels.txt
+xz -9 -c /tmp/h35.csv > $OUT/h/h35_ncu.csv.xz
+tar -C $OUT -cJf $OUT/gdn-profile.tar.xz h && rm -rf $OUT/h
+echo "done at $(el) s"
