@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Issue 20: where the chunked delta rule's time goes (gpu_check --gdn-chunk under ncu: the
-# two chunk kernels and the token scan, time, throughputs, occupancy), then ncu of the 12-layer
-# 35B-A3B decode past the random-weight kernels (--launch-skip).
+# Issue 20: the second form of the chunked delta rule (bf16 operands, cp.async double buffering,
+# 64-column scan blocks, a two-per-SM solve): gpu_check --gdn-chunk (errors against the scan,
+# ms), its kernels under ncu (time, throughputs, occupancy), the 27B prefill 4K with the chunked
+# form on and off (like for like, one warm machine), then ncu of the 12-layer 35B-A3B decode
+# past the random-weight kernels (--launch-skip).
 set -u
 D=${D:-.gpu-serve}
 mkdir -p /tmp/b && tar -xJf $D/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
@@ -21,6 +23,12 @@ for r in rows[1:]:
 for (i, k), m in by.items():
     print(i, k, " ".join(f"{a.split('.')[0].split('__')[-1]}={b}" for a, b in m.items()))
 PY
+for ch in 1 0; do
+  DFLASH_GDN_CHUNKED=$ch timeout 150 /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 4096 --e2e-prompt 1024 \
+    --e2e-tokens 32 --budgets 16 --no-e2e-check --out $OUT/h/h27-chunked$ch.json > $OUT/h/h27-chunked$ch.log 2>&1
+  echo "27b chunked=$ch rc=$? at $(el) s"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in d if k.startswith('prefill_') and not k.endswith('phases')}); print({a: round(b['ms'],1) for a,b in d['prefill_4096_phases']['phases'].items()}); print({k: v for k, v in d.get('kernel_checks', {}).items() if k.startswith('gdn')})" $OUT/h/h27-chunked$ch.json
+done
 timeout $(( 560 - $(el) )) ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-skip 3300 -c 4000 \
   /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json --e2e-only \
   --prefill 64 --e2e-prompt 64 --e2e-tokens 16 --budgets 16 --no-e2e-check --out /tmp/h35n.json > /tmp/h35.csv 2>$OUT/h/h35-ncu.err

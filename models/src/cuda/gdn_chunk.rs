@@ -8,7 +8,7 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{Result, Tensor};
 
 use super::gdn::GDN_HEAD_DIM;
-use super::launch::{alloc_f32, function_with_smem, go, ptr};
+use super::launch::{alloc_bf16, alloc_f32, function_with_smem, go, ptr};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn_chunk.ptx"));
 const MODULE: &str = "dflash_gdn_chunk";
@@ -46,12 +46,18 @@ pub(super) fn chunked_delta_rule(
     let o = alloc_f32(dev, t * hv * d)?;
     let s_last = alloc_f32(dev, hv * d * d)?;
     let seg_chunks = t.min(SEGMENT).div_ceil(GDN_CHUNK);
-    let per_chunk = || alloc_f32(dev, hv * seg_chunks * GDN_CHUNK * d);
-    let (u, w, qp, pu) = (per_chunk()?, per_chunk()?, per_chunk()?, per_chunk()?);
-    let gc = alloc_f32(dev, hv * seg_chunks * GDN_CHUNK)?;
+    let rows = hv * seg_chunks * GDN_CHUNK;
+    let (u, pu) = (alloc_f32(dev, rows * d)?, alloc_f32(dev, rows * d)?);
+    let (w, qp, kt) = (
+        alloc_bf16(dev, rows * d)?,
+        alloc_bf16(dev, rows * d)?,
+        alloc_bf16(dev, rows * d)?,
+    );
+    let gc = alloc_f32(dev, rows)?;
     let solve = function_with_smem(dev, (MODULE, PTX), "gdn_chunk_solve", SOLVE_SMEM)?;
     let scan = function_with_smem(dev, (MODULE, PTX), "gdn_chunk_scan", SCAN_SMEM)?;
-    let (up, wp, qpp, pup, gcp) = (ptr(&u)?, ptr(&w)?, ptr(&qp)?, ptr(&pu)?, ptr(&gc)?);
+    let (up, pup, gcp) = (ptr(&u)?, ptr(&pu)?, ptr(&gc)?);
+    let (wp, qpp, ktp) = (ptr(&w)?, ptr(&qp)?, ptr(&kt)?);
     let (qb, kb, vb, gb, bb, ob) = (ptr(q)?, ptr(k)?, ptr(v)?, ptr(g)?, ptr(beta)?, ptr(&o)?);
     let last = ptr(&s_last)?;
     let (hki, hvi) = (hk as i32, hv as i32);
@@ -66,7 +72,7 @@ pub(super) fn chunked_delta_rule(
         let (vs, gs, bs, os) = (at(vb, hv * d), at(gb, hv), at(bb, hv), at(ob, hv * d));
         let mut b = stream.launch_builder(&solve);
         b.arg(&qs).arg(&ks).arg(&vs).arg(&gs).arg(&bs);
-        b.arg(&up).arg(&wp).arg(&qpp).arg(&pup).arg(&gcp);
+        b.arg(&up).arg(&pup).arg(&wp).arg(&qpp).arg(&ktp).arg(&gcp);
         b.arg(&ni).arg(&hki).arg(&hvi);
         let cfg = LaunchConfig {
             grid_dim: (nc as u32, hv as u32, 1),
@@ -78,17 +84,11 @@ pub(super) fn chunked_delta_rule(
         // previous one left (in place: each block reads and writes only its own columns).
         let from = if start == 0 { ptr(s0)? } else { last };
         let mut b = stream.launch_builder(&scan);
-        b.arg(&from)
-            .arg(&ks)
-            .arg(&up)
-            .arg(&wp)
-            .arg(&qpp)
-            .arg(&pup)
-            .arg(&gcp);
-        b.arg(&os).arg(&last).arg(&ni).arg(&hki).arg(&hvi);
+        b.arg(&from).arg(&up).arg(&pup).arg(&wp).arg(&qpp).arg(&ktp);
+        b.arg(&gcp).arg(&os).arg(&last).arg(&ni).arg(&hvi);
         let cfg = LaunchConfig {
             grid_dim: (hv as u32, (d / SCAN_COLUMNS) as u32, 1),
-            block_dim: (128, 1, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: SCAN_SMEM as u32,
         };
         go(&mut b, cfg, "gdn_chunk_scan")?;
