@@ -19,13 +19,15 @@ pub const GDN_CHUNK: usize = 64;
 /// token-by-token scan's one launch is as fast.
 pub const GDN_CHUNKED_MIN_T: usize = 4 * GDN_CHUNK;
 /// Most tokens one launch pair takes; longer runs go segment by segment with the state carried
-/// (bounds the per-chunk buffers: 4 x hv x 4096 x 128 f32, 400 MB at 48 value heads).
+/// (bounds the per-chunk buffers: 2 f32 and 3 bf16 of hv x 4096 x 128, 300 MB at 48 value
+/// heads).
 const SEGMENT: usize = 4096;
 /// Value columns per scan block (`GC_BV`).
-const SCAN_COLUMNS: usize = 32;
-/// Shared memory of the two kernels (floats as laid out in gdn_chunk.cu).
-const SOLVE_SMEM: usize = 4 * (2 * 64 * 132 + 64 * 264 + 64 * 64 + 64 * 68 + 2 * 64);
-const SCAN_SMEM: usize = 4 * (2 * 64 * 132 + 64 * 136 + 128 * 40 + 64 * 40);
+const SCAN_COLUMNS: usize = 64;
+/// Shared memory of the two kernels (as laid out in gdn_chunk.cu): the solve's f32 tiles (two
+/// blocks an SM); the scan's two bf16 stages of [W | Q' | KT] and its state and v_new tiles.
+const SOLVE_SMEM: usize = 4 * (2 * 64 * 132 + 64 * 64 + 64 * 68 + 2 * 64);
+const SCAN_SMEM: usize = 2 * (2 * (2 * 64 * 136 + 128 * 72) + 64 * 136 + 64 * 72);
 
 /// The delta rule over `t` tokens from the state `s0` (f32 `[hv, 128, 128]`) given `gdn_prep`'s
 /// f32 outputs (`q`, `k` `[t, hk, 128]`, `v` `[t, hv * 128]`, `g`, `beta` `[t, hv]`): the raw
