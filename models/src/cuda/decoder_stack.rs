@@ -15,11 +15,10 @@
 //! A sparse-MoE layer (`qwen3_moe`) runs its block on the device instead of gate/up and down
 //! ([`cuda::moe_block`]: router, routing, the selected experts only): 4 launches for one row
 //! (the norm, the weighted combine and the residual add fused around them), 5-6 for up to 64,
-//! in pieces of 64 up to [`MOE_DEVICE_MAX_ROWS`] rows; wider forwards (prefills) take the
-//! plain block (routing on the host, one product per used expert).
+//! and for wider forwards (prefills) the routing in tiles of up to 64 pairs per expert
+//! ([`cuda::moe_route_wide`]), every used expert read once per tile.
 //!
-//! Both make no host-device copies up to [`MOE_DEVICE_MAX_ROWS`] rows, so a CUDA graph can
-//! capture them.
+//! Both make no host-device copies, so a CUDA graph can capture them.
 
 use candle_core::{DType, Tensor};
 
@@ -40,12 +39,10 @@ use crate::taps::TapCollector;
 /// (deploy/bench/results/h200-2026-11-30-decode).
 const GATE_UP_PREFETCH: usize = 8 << 20;
 
-/// Most rows whose sparse-MoE blocks run on the device ([`cuda::moe_block`], in pieces of
-/// [`cuda::MOE_MAX_ROWS`] that each read every expert their rows use); wider forwards run the
-/// plain block, which reads each used expert once but routes on the host (a sync per layer:
-/// no CUDA graph can hold it). Covers every single-sequence step graph and batched decode
-/// graphs of up to 512 sequences.
-pub(crate) const MOE_DEVICE_MAX_ROWS: usize = 512;
+/// Most rows of a batched sparse-MoE step that a CUDA graph captures: the step graphs were
+/// measured up to here (in pieces of [`cuda::MOE_MAX_ROWS`] rows); wider batches of a
+/// `qwen3_moe` target run eagerly, on the same device block.
+pub(crate) const MOE_GRAPH_MAX_ROWS: usize = 512;
 
 /// One sequence's rows in a fused layer pass.
 pub(crate) struct AttnSeq<'a> {
@@ -218,10 +215,7 @@ impl Stack<'_> {
             let o = self.linear(&attn, layer.o_proj())?;
             let (x1, h1) = cuda::add_rmsnorm(&x, &o, post_norm, eps)?;
             let down = match &fused.experts {
-                Some(ex) if h1.dim(0)? <= MOE_DEVICE_MAX_ROWS => {
-                    cuda::moe_block(&h1, None, &moe_weights(ex), None, false)?.0
-                }
-                Some(_) => layer.mlp().forward(&h1)?,
+                Some(ex) => cuda::moe_block(&h1, None, &moe_weights(ex), None, false)?.0,
                 None => {
                     let act = self.gate_up_silu(&h1, dense_gate_up(fused)?)?;
                     self.linear(&act, dense_down(layer)?)?

@@ -140,8 +140,8 @@ pub use lt_gemm::{linear_lt, tuned_timings, LtMode};
 mod moe;
 #[cfg(feature = "cuda")]
 pub use moe::{
-    moe_block, moe_experts, moe_route, moe_route_shared, MoeRouting, MoeWeights, SharedExpertRefs,
-    SHARED_ROUTER_PAD,
+    moe_block, moe_experts, moe_route, moe_route_shared, moe_route_wide, MoeRouting, MoeWeights,
+    SharedExpertRefs, SHARED_ROUTER_PAD,
 };
 #[cfg(feature = "cuda")]
 mod splitk;

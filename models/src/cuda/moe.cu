@@ -1,11 +1,12 @@
-// The sparse-MoE block on the device for a few rows (decode, chain and tree verification; at
-// most MOE_MAX_ROWS per launch), with the math of layers/moe.rs: p = softmax_f32(router
+// The sparse-MoE block on the device (decode, chain and tree verification: at most
+// MOE_MAX_ROWS rows per launch set; prefills: any number, routed by moe_route_rows/_tiles), with the math of layers/moe.rs: p = softmax_f32(router
 // logits), the top k by p (ties to the lower expert), optionally renormalised to sum 1, and
 // out[r] = sum over r's experts in ascending expert order of bf16(bf16(expert(x_r)) * bf16(w)),
 // each addition rounded to bf16 (what the plain path's index_add does), plus the residual.
 //
 //   moe_route              one block: routing of every row and the grouping of (row, expert)
 //                          pairs by expert, written to device memory (no host round trip);
+//   moe_route_rows/_tiles  the same for any number of rows (prefills), tiles of <= 64 pairs;
 //   moe_gate_up_rows*      one row per pair on CUDA cores (decode): grid (column tiles, pairs),
 //                          silu(gate) * up of the pair's expert, the input norm applied as x
 //                          streams in (the skinny GEMM's rows_impl);
@@ -51,6 +52,78 @@ __device__ __forceinline__ float bf16r(float v) { return bf2f(f2bf(v)); }
 
 // logits: [T, stride] (stride >= E + shared); shared: 1 appends the shared expert's pair (id E,
 // weight sigmoid(logit E)) to every row, so rows hold kk = k + shared pairs (P = T * kk).
+// Row r's routing by one warp: softmax over the E logits in f32 (e: the warp's [E] scratch),
+// the top k by probability (ties to the lower expert), renormalised when norm; with shared, a
+// last pair (id E, weight sigmoid(logit E)). Valid in lane 0: ids / ps [k + shared].
+__device__ void route_row(const void* __restrict__ logits, int is_bf16, int r, int E, int k,
+                          int norm, int stride, int shared, float* e, u32* ids, float* ps) {
+    const int lane = threadIdx.x & 31;
+    float mx = -INFINITY;
+    for (int i = lane; i < E; i += 32) {
+        const size_t at = (size_t)r * stride + i;
+        const float l = is_bf16 ? bf2f(((const bf16_t*)logits)[at]) : ((const float*)logits)[at];
+        e[i] = l;
+        mx = fmaxf(mx, l);
+    }
+    mx = warp_max(mx);
+    for (int i = lane; i < E; i += 32) e[i] = expf(e[i] - mx);
+    __syncwarp();
+    // One lane sums in ascending expert order, as the host does, so the weights are the
+    // host's bit for bit.
+    float sum = 0.f;
+    if (lane == 0)
+        for (int i = 0; i < E; ++i) sum += e[i];
+    sum = __shfl_sync(0xffffffffu, sum, 0);
+    for (int j = 0; j < k; ++j) {
+        // Warp argmax: the highest value, ties to the lower expert (a stable sort's order);
+        // taken experts are marked -1 (every probability is >= 0).
+        float bv = -2.f;
+        int bi = E;
+        for (int i = lane; i < E; i += 32) {
+            const float v = e[i];
+            if (v > bv) bv = v, bi = i;
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+        }
+        ids[j] = (u32)bi;
+        ps[j] = bv / sum;
+        __syncwarp();
+        if (lane == 0) e[bi] = -1.f;
+        __syncwarp();
+    }
+    if (lane == 0) {
+        if (norm) {
+            float s = 0.f;
+            for (int j = 0; j < k; ++j) s += ps[j];
+            for (int j = 0; j < k; ++j) ps[j] /= s;
+        }
+        if (shared) {
+            const size_t at = (size_t)r * stride + E;
+            const float l = is_bf16 ? bf2f(((const bf16_t*)logits)[at]) : ((const float*)logits)[at];
+            ids[k] = (u32)E;
+            ps[k] = 1.f / (1.f + expf(-l));
+        }
+    }
+}
+
+// A row's kk pairs in ascending expert order (insertion sort; the shared one, id E, last).
+__device__ __forceinline__ void sort_pairs(const u32* ids, const float* ps, int kk, u32* se,
+                                           float* sw) {
+    for (int j = 0; j < kk; ++j) {
+        int at = j;
+        while (at > 0 && se[at - 1] > ids[j]) {
+            se[at] = se[at - 1];
+            sw[at] = sw[at - 1];
+            --at;
+        }
+        se[at] = ids[j];
+        sw[at] = ps[j];
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     moe_route(const void* __restrict__ logits, int is_bf16, int T, int E, int k, int norm,
               u32* __restrict__ meta, float* __restrict__ wts, int stride, int shared) {
@@ -66,77 +139,17 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     for (int i = threadIdx.x; i < T * words; i += blockDim.x) sel[i / words][i % words] = 0;
     __syncthreads();
     for (int r = warp; r < T; r += ROUTE_WARPS) {
-        float* e = ex[warp];
-        float mx = -INFINITY;
-        for (int i = lane; i < E; i += 32) {
-            const size_t at = (size_t)r * stride + i;
-            const float l = is_bf16 ? bf2f(((const bf16_t*)logits)[at]) : ((const float*)logits)[at];
-            e[i] = l;
-            mx = fmaxf(mx, l);
-        }
-        mx = warp_max(mx);
-        for (int i = lane; i < E; i += 32) e[i] = expf(e[i] - mx);
-        __syncwarp();
-        // One lane sums in ascending expert order, as the host does, so the weights are the
-        // host's bit for bit.
-        float sum = 0.f;
-        if (lane == 0)
-            for (int i = 0; i < E; ++i) sum += e[i];
-        sum = __shfl_sync(0xffffffffu, sum, 0);
         u32 ids[MOE_MAX_K];
         float ps[MOE_MAX_K];
-        for (int j = 0; j < k; ++j) {
-            // Warp argmax: the highest value, ties to the lower expert (a stable sort's order);
-            // taken experts are marked -1 (every probability is >= 0).
-            float bv = -2.f;
-            int bi = E;
-            for (int i = lane; i < E; i += 32) {
-                const float v = e[i];
-                if (v > bv) bv = v, bi = i;
-            }
-            for (int o = 16; o > 0; o >>= 1) {
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
-            }
-            ids[j] = (u32)bi;
-            ps[j] = bv / sum;
-            __syncwarp();
-            if (lane == 0) e[bi] = -1.f;
-            __syncwarp();
-        }
+        route_row(logits, is_bf16, r, E, k, norm, stride, shared, ex[warp], ids, ps);
         if (lane == 0) {
-            if (norm) {
-                float s = 0.f;
-                for (int j = 0; j < k; ++j) s += ps[j];
-                for (int j = 0; j < k; ++j) ps[j] /= s;
-            }
-            if (shared) {
-                const size_t at = (size_t)r * stride + E;
-                const float l =
-                    is_bf16 ? bf2f(((const bf16_t*)logits)[at]) : ((const float*)logits)[at];
-                ids[k] = (u32)E;
-                ps[k] = 1.f / (1.f + expf(-l));
-            }
             for (int j = 0; j < kk; ++j) {
                 meta[1 + r * kk + j] = ids[j];
                 wts[r * kk + j] = ps[j];
-            }
-            // The row's experts in ascending order (insertion sort of kk; the shared one last).
-            u32* se = sorted_e + r * kk;
-            float* sw = sorted_w + r * kk;
-            for (int j = 0; j < kk; ++j) {
-                int at = j;
-                while (at > 0 && se[at - 1] > ids[j]) {
-                    se[at] = se[at - 1];
-                    sw[at] = sw[at - 1];
-                    --at;
-                }
-                se[at] = ids[j];
-                sw[at] = ps[j];
                 atomicAdd(&cnt[ids[j]], 1u);
                 sel[r][ids[j] / 32] |= 1u << (ids[j] % 32);
             }
+            sort_pairs(ids, ps, kk, sorted_e + r * kk, sorted_w + r * kk);
         }
         __syncwarp();
     }
@@ -186,6 +199,96 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
         pair_exp[pos] = x;
         row_pair[q] = pos;
         wts[P + q] = sorted_w[q];
+    }
+}
+
+// Routing of any number of rows (prefills), in the layout above with one change: the "used
+// experts" are tiles of at most MOE_MAX_ROWS pairs of one expert ([0] counts tiles, [1+P, ..)
+// holds each tile's expert, [1+2P, ..) its first pair), so the tensor-core kernels read a
+// popular expert once per 64 of its pairs. Two launches, after `counts` [E] is zeroed:
+//   moe_route_rows   a warp per row: its top k ([1, 1+P), wts [0, P)), its pairs in ascending
+//                    expert order (`sorted` [P], wts [P, 2P)), counts[e] += 1 per pair;
+//   moe_route_tiles  a block per expert: its first pair and first tile (the counts before it),
+//                    its tiles, and its pairs in row order (pair_row, pair_exp, row_pair).
+extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
+    moe_route_rows(const void* __restrict__ logits, int is_bf16, int T, int E, int k, int norm,
+                   u32* __restrict__ meta, float* __restrict__ wts, u32* __restrict__ sorted,
+                   u32* __restrict__ counts) {
+    __shared__ float ex[ROUTE_WARPS][MOE_MAX_E];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, P = T * k;
+    const int r = blockIdx.x * ROUTE_WARPS + warp;
+    if (r >= T) return;
+    u32 ids[MOE_MAX_K], se[MOE_MAX_K];
+    float ps[MOE_MAX_K], sw[MOE_MAX_K];
+    route_row(logits, is_bf16, r, E, k, norm, E, 0, ex[warp], ids, ps);
+    if (lane != 0) return;
+    sort_pairs(ids, ps, k, se, sw);
+    for (int j = 0; j < k; ++j) {
+        meta[1 + r * k + j] = ids[j];
+        wts[r * k + j] = ps[j];
+        sorted[r * k + j] = se[j];
+        wts[P + r * k + j] = sw[j];
+        atomicAdd(&counts[se[j]], 1u);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    moe_route_tiles(const u32* __restrict__ counts, const u32* __restrict__ sorted, int T,
+                    int E, int k, u32* __restrict__ meta) {
+    __shared__ u32 red[2][8];
+    const int x = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, P = T * k;
+    u32* uniq = meta + 1 + P;
+    u32* start = uniq + P;
+    u32* pair_row = start + P + 1;
+    u32* pair_exp = pair_row + P;
+    u32* row_pair = pair_exp + P;
+    // Pairs and tiles of the experts before this one.
+    u32 before = 0, tiles = 0;
+    for (int i = tid; i < x; i += 256) {
+        before += counts[i];
+        tiles += (counts[i] + MOE_MAX_ROWS - 1) / MOE_MAX_ROWS;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        before += __shfl_xor_sync(0xffffffffu, before, o);
+        tiles += __shfl_xor_sync(0xffffffffu, tiles, o);
+    }
+    if (lane == 0) red[0][warp] = before, red[1][warp] = tiles;
+    __syncthreads();
+    before = tiles = 0;
+    for (int w = 0; w < 8; ++w) before += red[0][w], tiles += red[1][w];
+    const u32 n = counts[x], nt = (n + MOE_MAX_ROWS - 1) / MOE_MAX_ROWS;
+    for (u32 j = tid; j < nt; j += 256) {
+        uniq[tiles + j] = (u32)x;
+        start[tiles + j] = before + j * MOE_MAX_ROWS;
+    }
+    if (x == E - 1 && tid == 0) {
+        meta[0] = tiles + nt;
+        start[tiles + nt] = (u32)P;
+    }
+    // The expert's pairs in row order: 256 rows a round, a block-wide scan of the hits.
+    u32 run = before;
+    for (int base = 0; base < T && run < before + n; base += 256) {
+        __syncthreads();  // red is reused below
+        const int r = base + tid;
+        int hit = -1;
+        if (r < T)
+            for (int j = 0; j < k; ++j)
+                if (sorted[r * k + j] == (u32)x) hit = j;
+        const u32 mask = __ballot_sync(0xffffffffu, hit >= 0);
+        if (lane == 0) red[0][warp] = __popc(mask);
+        __syncthreads();
+        u32 off = 0, total = 0;
+        for (int w = 0; w < 8; ++w) {
+            off += w < warp ? red[0][w] : 0u;
+            total += red[0][w];
+        }
+        if (hit >= 0) {
+            const u32 pos = run + off + __popc(mask & ((1u << lane) - 1u));
+            pair_row[pos] = (u32)r;
+            pair_exp[pos] = (u32)x;
+            row_pair[r * k + hit] = pos;
+        }
+        run += total;
     }
 }
 

@@ -86,7 +86,7 @@ impl MoeWeights<'_> {
     }
 }
 
-/// The routing of up to [`MOE_MAX_ROWS`] rows, on the device (layout: moe.cu's header).
+/// The routing of a forward's rows, on the device (layout: moe.cu's header).
 pub struct MoeRouting {
     meta: Tensor,
     wts: Tensor,
@@ -94,6 +94,9 @@ pub struct MoeRouting {
     /// Pairs per row: the top k, plus one when the shared expert rides along.
     k: usize,
     shared: bool,
+    /// Routed by [`moe_route_wide`]: the used-expert entries are tiles of at most
+    /// [`MOE_MAX_ROWS`] pairs.
+    wide: bool,
 }
 
 impl MoeRouting {
@@ -200,6 +203,69 @@ fn route(logits: &Tensor, e: usize, k: usize, norm: bool, shared: bool) -> Resul
         rows: t,
         k: kk,
         shared,
+        wide: false,
+    })
+}
+
+/// [`moe_route`] for any number of rows (`logits` `[t, E]`, bf16 or f32; no shared expert):
+/// the same top k and weights, with the pairs of an expert in tiles of at most
+/// [`MOE_MAX_ROWS`] (prefills: every expert's weights read once per 64 of its pairs, where
+/// pieces of 64 rows would each read nearly every expert). Three launches (a memset, the
+/// routing of every row, the grouping by expert), no host round trip.
+pub fn moe_route_wide(logits: &Tensor, k: usize, norm: bool) -> Result<MoeRouting> {
+    let dev = cuda(logits)?;
+    let (t, e) = logits.dims2()?;
+    let is_bf16 = match logits.dtype() {
+        DType::BF16 => 1i32,
+        DType::F32 => 0i32,
+        other => bail!("moe_route_wide: logits must be bf16 or f32, got {other:?}"),
+    };
+    if !logits.is_contiguous()
+        || t == 0
+        || !e.is_multiple_of(32)
+        || e > MOE_MAX_EXPERTS
+        || k == 0
+        || k > MOE_MAX_TOP_K.min(e)
+        || t * k >= u32::MAX as usize / 8
+    {
+        bail!(
+            "moe_route_wide: logits {:?}, top {k}: needs contiguous rows, experts % 32 == 0 and <= {MOE_MAX_EXPERTS}, 1 <= k <= {MOE_MAX_TOP_K}",
+            logits.shape()
+        )
+    }
+    let p = t * k;
+    let meta = alloc_u32(&dev, 2 + 6 * p)?;
+    let wts = alloc_f32(&dev, 2 * p)?;
+    let sorted = alloc_u32(&dev, p)?;
+    let counts = Tensor::zeros(e, DType::U32, logits.device())?;
+    let (lp, mp, wp, sp, cp) = (
+        ptr(logits)?,
+        ptr(&meta)?,
+        ptr(&wts)?,
+        ptr(&sorted)?,
+        ptr(&counts)?,
+    );
+    let (ti, ei, ki, ni) = (t as i32, e as i32, k as i32, norm as i32);
+    let f = dev.get_or_load_custom_func("moe_route_rows", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&lp).arg(&is_bf16).arg(&ti).arg(&ei).arg(&ki).arg(&ni);
+    b.arg(&mp).arg(&wp).arg(&sp).arg(&cp);
+    go(
+        &mut b,
+        cfg((t.div_ceil(8) as u32, 1, 1), 256),
+        "moe_route_rows",
+    )?;
+    let f = dev.get_or_load_custom_func("moe_route_tiles", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&cp).arg(&sp).arg(&ti).arg(&ei).arg(&ki).arg(&mp);
+    go(&mut b, cfg((e as u32, 1, 1), 256), "moe_route_tiles")?;
+    Ok(MoeRouting {
+        meta,
+        wts,
+        rows: t,
+        k,
+        shared: false,
+        wide: true,
     })
 }
 
@@ -340,7 +406,8 @@ pub fn moe_experts(
         let ss = want_ss.then(|| row_sumsq(&y)).transpose()?;
         return Ok((y, ss));
     }
-    // 2..64 rows: every used expert's weights once for the rows routed to it.
+    // 2..64 rows: every used expert's weights once for the rows routed to it; wider routings:
+    // once per tile of up to 64 of its pairs.
     let normed;
     let h_in = match norm {
         Some(nm) => {
@@ -349,8 +416,14 @@ pub fn moe_experts(
         }
         None => x,
     };
-    let mt = t.div_ceil(16);
-    let slots = e.min(p) as u32;
+    let (mt, slots) = if routing.wide {
+        (
+            MOE_MAX_ROWS / 16,
+            p.min(e + p.div_ceil(MOE_MAX_ROWS)) as u32,
+        )
+    } else {
+        (t.div_ceil(16), e.min(p) as u32)
+    };
     let pair_out = alloc_bf16(&dev, (p, h))?;
     let op = ptr(&pair_out)?;
     let xp = ptr(h_in)?;
@@ -397,9 +470,9 @@ pub fn moe_experts(
     Ok((y, ss))
 }
 
-/// The whole block on the device for `x: [t, H]` (any `t`, in pieces of [`MOE_MAX_ROWS`]):
-/// `norm(x)` (RMSNorm with `norm`'s weight, or x itself), the router, the routing, the
-/// experts, `+ resid`. Returns `(y, ss)` as [`moe_experts`].
+/// The whole block on the device for `x: [t, H]` (any `t`; past [`MOE_MAX_ROWS`] rows routed
+/// by [`moe_route_wide`]): `norm(x)` (RMSNorm with `norm`'s weight, or x itself), the router,
+/// the routing, the experts, `+ resid`. Returns `(y, ss)` as [`moe_experts`].
 pub fn moe_block(
     x: &Tensor,
     norm: Option<RowNorm<'_>>,
@@ -408,37 +481,7 @@ pub fn moe_block(
     want_ss: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let t = x.dims2()?.0;
-    if t <= MOE_MAX_ROWS {
-        return moe_piece(x, norm, w, resid, want_ss);
-    }
-    let (mut ys, mut sss) = (Vec::new(), Vec::new());
-    for start in (0..t).step_by(MOE_MAX_ROWS) {
-        let n = MOE_MAX_ROWS.min(t - start);
-        let ss = norm
-            .and_then(|nm| nm.ss)
-            .map(|s| s.narrow(0, start, n))
-            .transpose()?;
-        let nm = norm.map(|nm| RowNorm {
-            ss: ss.as_ref(),
-            ..nm
-        });
-        let r = resid.map(|r| r.narrow(0, start, n)).transpose()?;
-        let (y, s) = moe_piece(&x.narrow(0, start, n)?, nm, w, r.as_ref(), want_ss)?;
-        ys.push(y);
-        sss.extend(s);
-    }
-    let ss = want_ss.then(|| Tensor::cat(&sss, 0)).transpose()?;
-    Ok((Tensor::cat(&ys, 0)?, ss))
-}
-
-fn moe_piece(
-    x: &Tensor,
-    norm: Option<RowNorm<'_>>,
-    w: &MoeWeights<'_>,
-    resid: Option<&Tensor>,
-    want_ss: bool,
-) -> Result<(Tensor, Option<Tensor>)> {
-    if x.dims2()?.0 == 1 {
+    if t == 1 {
         // The one-row GEMV applies the norm itself; so does the gate/up kernel.
         let routing = match &w.shared {
             Some(sh) => {
@@ -457,7 +500,12 @@ fn moe_piece(
         Some(nm) => rms_apply(x, nm)?,
         None => x.clone(),
     };
-    let logits = gemv(&h, w.router, None)?;
-    let routing = moe_route(&logits, w.top_k, w.norm_topk_prob)?;
+    let routing = if t <= MOE_MAX_ROWS {
+        moe_route(&gemv(&h, w.router, None)?, w.top_k, w.norm_topk_prob)?
+    } else {
+        // Past the skinny GEMMs' rows the router is a cuBLAS product (the plain block's).
+        let logits = crate::layers::ops::linear(&h, w.router)?;
+        moe_route_wide(&logits, w.top_k, w.norm_topk_prob)?
+    };
     moe_experts(&h, None, w, &routing, resid, want_ss)
 }

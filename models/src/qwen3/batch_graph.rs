@@ -75,9 +75,9 @@ impl Qwen3Model {
             return Ok(None);
         }
         let t = batch[0].tokens.len();
-        // Sparse-MoE blocks route on the host past this many rows: no graph can hold that.
+        // Sparse-MoE step graphs only as wide as they were measured.
         if self.config().moe.is_some()
-            && padded_batch(n) * t > crate::cuda::decoder_stack::MOE_DEVICE_MAX_ROWS
+            && padded_batch(n) * t > crate::cuda::decoder_stack::MOE_GRAPH_MAX_ROWS
         {
             return Ok(None);
         }

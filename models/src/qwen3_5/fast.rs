@@ -4,8 +4,6 @@
 #[cfg(feature = "cuda")]
 use candle_core::{DType, Tensor};
 
-#[cfg(feature = "cuda")]
-use crate::cuda::decoder_stack::MOE_DEVICE_MAX_ROWS;
 use crate::cuda::graphs::GraphCache;
 #[cfg(feature = "cuda")]
 use crate::error::ModelError;
@@ -159,9 +157,9 @@ impl MoeKernels {
         Ok(None)
     }
 
-    /// `x1 + moe(h)` on the device for `h = norm(x1)` (`[rows, H]`, CUDA bf16, at most
-    /// [`MOE_DEVICE_MAX_ROWS`] rows): the shared expert (skinny GEMMs up to
-    /// [`crate::cuda::GEMV_MAX_ROWS`] rows, cuBLAS above) scaled by its sigmoid gate and added
+    /// `x1 + moe(h)` on the device for `h = norm(x1)` (`[rows, H]`, CUDA bf16, any number of
+    /// rows: [`crate::cuda::moe_block`] routes prefills in tiles): the shared expert (skinny
+    /// GEMMs up to [`crate::cuda::GEMV_MAX_ROWS`] rows, cuBLAS above) scaled by its sigmoid gate and added
     /// to `x1`, then the routed experts with that sum as the residual of `cuda::moe_block`'s
     /// combine. The same math as `SparseMoe::forward` (to bf16 rounding: the sums are grouped
     /// differently). None where it does not apply (the caller runs the plain block).
@@ -170,7 +168,7 @@ impl MoeKernels {
         use crate::cuda;
         use crate::layers::ops::linear;
         let rows = h.dim(0)?;
-        if !h.device().is_cuda() || h.dtype() != DType::BF16 || rows > MOE_DEVICE_MAX_ROWS {
+        if !h.device().is_cuda() || h.dtype() != DType::BF16 {
             return Ok(None);
         }
         // One row: the shared expert as one more pair of the block (4 launches in all).

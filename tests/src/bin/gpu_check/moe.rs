@@ -70,7 +70,12 @@ fn within(e: [f32; 2]) -> bool {
 /// Routing kernel against the host on the same logits: (rows whose top-k differ, largest
 /// weight difference).
 fn route_check(logits: &Tensor, k: usize, norm: bool) -> Result<(usize, f32)> {
-    let dev_routes = cuda::moe_route(logits, k, norm)?.to_host()?;
+    let dev_routes = if logits.dim(0)? <= cuda::MOE_MAX_ROWS {
+        cuda::moe_route(logits, k, norm)?
+    } else {
+        cuda::moe_route_wide(logits, k, norm)?
+    }
+    .to_host()?;
     let host_logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     let (mut bad, mut werr) = (0, 0f32);
     for (row, got) in host_logits.iter().zip(&dev_routes) {
@@ -105,14 +110,16 @@ pub fn block_check(dev: &Device) -> Result<Value> {
     };
     let mut res = serde_json::Map::new();
     let mut pass = true;
-    for t in [1usize, 2, 16, 64, 100] {
+    // 100 and 1,000 rows: the wide routing (1,000 x 8 pairs over 128 experts puts more than
+    // 64 pairs on most experts: several tiles each).
+    for t in [1usize, 2, 16, 64, 100, 1000] {
         let x = rng.normal(&[t, h], 0.0, 1.0, DType::BF16, dev)?;
         let resid = rng.normal(&[t, h], 0.0, 1.0, DType::BF16, dev)?;
         let x32 = x.to_dtype(DType::F32)?;
         let plain = (&resid + bf16_block.forward(&x)?)?;
         let plain32 = (resid.to_dtype(DType::F32)? + f32_block.forward(&x32)?)?;
         let mut row = serde_json::Map::new();
-        if t <= cuda::MOE_MAX_ROWS {
+        {
             // 1. Routing on the plain path's own logits.
             let l32 = linear(&x32, f32_block.router())?;
             let l16 = linear(&x, bf16_block.router())?;
@@ -130,7 +137,11 @@ pub fn block_check(dev: &Device) -> Result<Value> {
                 json!([w32, w16, w_nonorm]),
             );
             // 2a. The experts under the plain block's routing.
-            let routing = cuda::moe_route(&l16, 8, true)?;
+            let routing = if t <= cuda::MOE_MAX_ROWS {
+                cuda::moe_route(&l16, 8, true)?
+            } else {
+                cuda::moe_route_wide(&l16, 8, true)?
+            };
             row.insert("experts_used".into(), json!(routing.experts_used()?));
             let (y, _) =
                 cuda::moe_experts(&x, None, &weights(true, 8), &routing, Some(&resid), false)?;
@@ -169,7 +180,7 @@ pub fn block_check(dev: &Device) -> Result<Value> {
         row.insert("wrong_unnormalised_rel_err".into(), json!(e_bad));
         row.insert("wrong_case_fails".into(), json!(fails));
         // Timings: the device block against the plain block (host routing).
-        if t == 1 || t == 16 {
+        if t == 1 || t == 16 || t == 1000 {
             let dev_ms = time_ms(dev, 20, || {
                 cuda::moe_block(&x, None, &weights(true, 8), Some(&resid), false)?;
                 Ok(())

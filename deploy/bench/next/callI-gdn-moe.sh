@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Issue 20, after callH: the chunked delta rule's second form with its launch constants fixed
+# (64-column scan blocks, the solve's smaller shared memory), checked and profiled; the 27B
+# prefill 4K with it on and off; the 12-layer 35B-A3B with the wide MoE routing (prefill 1K,
+# e2e); ncu of the 35B-A3B decode past the random-weight kernels.
+set -u
+D=${D:-.gpu-serve}
+mkdir -p /tmp/b && tar -xJf $D/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+mkdir -p $OUT/i
+nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/i/gpu.txt
+/tmp/b/gpu_check cuda $OUT/i/gdn.json --gdn-chunk 2>&1 | tail -1 | cut -c1-1500
+M=gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,launch__grid_size
+timeout 90 ncu --clock-control none --metrics $M --csv -k regex:gdn_chunk /tmp/b/gpu_check cuda /tmp/x.json --gdn-chunk > $OUT/i/gdn_ncu.csv 2> $OUT/i/gdn_ncu.err
+echo "gdn ncu rc=$? at $(el) s"
+python3 - $OUT/i/gdn_ncu.csv <<'PY'
+import csv, sys, collections
+rows = list(csv.reader(open(sys.argv[1])))
+i0 = [i for i, r in enumerate(rows) if r and r[0] == "ID"][0]
+hdr = rows[i0]; rows = [r for r in rows[i0 + 1:] if len(r) == len(hdr)]
+ki, mi, vi, ii = (hdr.index(x) for x in ("Kernel Name", "Metric Name", "Metric Value", "ID"))
+by = collections.OrderedDict()
+for r in rows:
+    by.setdefault((r[ii], r[ki][:20]), {})[r[mi]] = r[vi]
+for (i, k), m in by.items():
+    print(i, k, " ".join(f"{a.split('.')[0].split('__')[-1][:12]}={b}" for a, b in m.items()))
+PY
+for ch in 1 0; do
+  DFLASH_GDN_CHUNKED=$ch timeout 150 /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 4096 --e2e-prompt 1024 \
+    --e2e-tokens 64 --budgets 16 --no-e2e-check --out $OUT/i/h27-chunked$ch.json > $OUT/i/h27-chunked$ch.log 2>&1
+  echo "27b chunked=$ch rc=$? at $(el) s"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in d if k.startswith(('prefill_', 'decode_')) and not k.endswith('phases')}); print({a: round(b['ms'],1) for a,b in d['prefill_4096_phases']['phases'].items()}); print({k: v for k, v in d.get('kernel_checks', {}).items() if k.startswith('gdn')}); e=d['e2e']; print('e2e', {k: (e[k].get('speedup_vs_plain'), e[k].get('warm_speedup_vs_plain')) for k in ('chain', 'ddtree_16') if k in e})" $OUT/i/h27-chunked$ch.json
+done
+for ch in 1 0; do
+  DFLASH_GDN_CHUNKED=$ch timeout 60 /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json \
+    --prefill 1024 --e2e-prompt 1024 --e2e-tokens 32 --budgets 16 --no-e2e-check --out $OUT/i/h35-12-chunked$ch.json > $OUT/i/h35-12-chunked$ch.log 2>&1
+  echo "35b-12 chunked=$ch rc=$? at $(el) s"; grep -m1 -i "error" $OUT/i/h35-12-chunked$ch.log | cut -c1-300
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in d if k.startswith(('prefill_', 'decode_')) and not k.endswith('phases')}); print({a: round(b['ms'],1) for a,b in d['prefill_1024_phases']['phases'].items()}); print({k: v for k, v in d.get('kernel_checks', {}).items() if not k.startswith(('gdn', 'attention'))}); e=d['e2e']; print('e2e', {k: (e[k].get('speedup_vs_plain'), e[k].get('warm_speedup_vs_plain')) for k in ('chain', 'ddtree_16') if k in e})" $OUT/i/h35-12-chunked$ch.json 2>&1 | cut -c1-1200
+done
+LEFT=$(( 540 - $(el) ))
+[ $LEFT -gt 60 ] && timeout $LEFT ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-skip 4600 -c 2500 \
+  /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json --e2e-only \
+  --prefill 64 --e2e-prompt 64 --e2e-tokens 16 --budgets 16 --no-e2e-check --out /tmp/h35n.json > /tmp/h35.csv 2>$OUT/i/h35-ncu.err
+echo "h35 ncu rc=$? at $(el) s"
+python3 deploy/bench/next/ncu_mean.py /tmp/h35.csv > $OUT/i/h35_kernels.txt; head -40 $OUT/i/h35_kernels.txt
+xz -9 -c /tmp/h35.csv > $OUT/i/h35_ncu.csv.xz
+tar -C $OUT -cJf $OUT/gdn-moe.tar.xz i && rm -rf $OUT/i
+echo "done at $(el) s"
