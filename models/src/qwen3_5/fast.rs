@@ -159,9 +159,9 @@ impl MoeKernels {
 
     /// `x1 + moe(h)` on the device for `h = norm(x1)` (`[rows, H]`, CUDA bf16, any number of
     /// rows: [`crate::cuda::moe_block`] routes prefills in tiles): the shared expert (skinny
-    /// GEMMs up to [`crate::cuda::GEMV_MAX_ROWS`] rows, cuBLAS above) scaled by its sigmoid gate and added
-    /// to `x1`, then the routed experts with that sum as the residual of `cuda::moe_block`'s
-    /// combine. The same math as `SparseMoe::forward` (to bf16 rounding: the sums are grouped
+    /// GEMMs up to [`crate::cuda::GEMV_MAX_ROWS`] rows, cuBLAS above) scaled by its sigmoid
+    /// gate and added to `x1`, then the routed experts with that sum as the residual of
+    /// `cuda::moe_block`'s combine. The same math as `SparseMoe::forward` (to bf16 rounding: the sums are grouped
     /// differently). None where it does not apply (the caller runs the plain block).
     #[cfg(feature = "cuda")]
     pub fn apply(&self, x1: &Tensor, h: &Tensor) -> candle_core::Result<Option<Tensor>> {
