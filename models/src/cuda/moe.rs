@@ -156,14 +156,19 @@ pub fn moe_route_shared(logits: &Tensor, e: usize, k: usize, norm: bool) -> Resu
     route(logits, e, k, norm, true)
 }
 
+/// The routing kernels' `is_bf16` flag for `logits`, refusing other dtypes.
+fn logits_is_bf16(logits: &Tensor, who: &str) -> Result<i32> {
+    match logits.dtype() {
+        DType::BF16 => Ok(1),
+        DType::F32 => Ok(0),
+        other => bail!("{who}: logits must be bf16 or f32, got {other:?}"),
+    }
+}
+
 fn route(logits: &Tensor, e: usize, k: usize, norm: bool, shared: bool) -> Result<MoeRouting> {
     let dev = cuda(logits)?;
     let (t, stride) = logits.dims2()?;
-    let is_bf16 = match logits.dtype() {
-        DType::BF16 => 1i32,
-        DType::F32 => 0i32,
-        other => bail!("moe_route: logits must be bf16 or f32, got {other:?}"),
-    };
+    let is_bf16 = logits_is_bf16(logits, "moe_route")?;
     if !logits.is_contiguous()
         || t == 0
         || t > MOE_MAX_ROWS
@@ -215,11 +220,7 @@ fn route(logits: &Tensor, e: usize, k: usize, norm: bool, shared: bool) -> Resul
 pub fn moe_route_wide(logits: &Tensor, k: usize, norm: bool) -> Result<MoeRouting> {
     let dev = cuda(logits)?;
     let (t, e) = logits.dims2()?;
-    let is_bf16 = match logits.dtype() {
-        DType::BF16 => 1i32,
-        DType::F32 => 0i32,
-        other => bail!("moe_route_wide: logits must be bf16 or f32, got {other:?}"),
-    };
+    let is_bf16 = logits_is_bf16(logits, "moe_route_wide")?;
     if !logits.is_contiguous()
         || t == 0
         || !e.is_multiple_of(32)
