@@ -39,9 +39,10 @@ use crate::taps::TapCollector;
 /// (deploy/bench/results/h200-2026-11-30-decode).
 const GATE_UP_PREFETCH: usize = 8 << 20;
 
-/// Most rows of a batched sparse-MoE step that a CUDA graph captures: the step graphs were
-/// measured up to here (in pieces of [`cuda::MOE_MAX_ROWS`] rows); wider batches of a
-/// `qwen3_moe` target run eagerly, on the same device block.
+/// Most rows of a batched sparse-MoE step that a CUDA graph captures: the bound from when wider
+/// steps routed on the host, kept until graphs of wider steps (now on the device block, routed
+/// by [`cuda::moe_route_wide`] past [`cuda::MOE_MAX_ROWS`] rows) are measured; wider batches
+/// of a `qwen3_moe` target run eagerly, on the same device block.
 pub(crate) const MOE_GRAPH_MAX_ROWS: usize = 512;
 
 /// One sequence's rows in a fused layer pass.
