@@ -2,7 +2,9 @@
 # Issue 20, after callH: the chunked delta rule's second form with its launch constants fixed
 # (64-column scan blocks, the solve's smaller shared memory), checked and profiled; the 27B
 # prefill 4K with it on and off; the 12-layer 35B-A3B with the wide MoE routing (prefill 1K,
-# e2e); ncu of the 35B-A3B decode past the random-weight kernels.
+# e2e); ncu of the 35B-A3B decode past the random-weight kernels. And programmatic dependent
+# launch of the one-row GEMMs (DFLASH_PDL=1, off by default): the 27B's decode and e2e, the
+# dense Qwen3-8B's decode, with it off and on (kernel checks and e2e token checks with it on).
 set -u
 D=${D:-.gpu-serve}
 mkdir -p /tmp/b && tar -xJf $D/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
@@ -47,6 +49,19 @@ for r in rows:
 for (i, k), m in by.items():
     print(i, k, " ".join(f"{a.split('.')[0].split('__')[-1][:12]}={b}" for a, b in m.items()))
 PY
+for pdl in 0 1; do
+  [ $(( 560 - $(el) )) -gt 80 ] || break
+  DFLASH_PDL=$pdl timeout 70 /tmp/b/dflash-serve bench --model qwen3-8b --contexts 1024 --batch-sizes '' \
+    --sizes 1,16 --budgets 16 --e2e-tokens 64 --out $OUT/i/q8-pdl$pdl.json > $OUT/i/q8-pdl$pdl.log 2>&1
+  echo "qwen3-8b pdl=$pdl rc=$? at $(el) s"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k.startswith(('decode', 'forward', 'kernel', 'fast', 'e2e'))})" $OUT/i/q8-pdl$pdl.json 2>&1 | cut -c1-1500
+done
+if [ $(( 560 - $(el) )) -gt 60 ]; then
+  DFLASH_PDL=1 timeout 60 /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 1024 --e2e-prompt 1024 \
+    --e2e-tokens 64 --budgets 16 --out $OUT/i/h27-pdl1.json > $OUT/i/h27-pdl1.log 2>&1
+  echo "27b pdl=1 rc=$? at $(el) s"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in d if k.startswith(('decode_', 'e2e_step'))}); print({k: v for k, v in d.get('kernel_checks', {}).items() if not k.startswith('gdn')}); e=d['e2e']; print('e2e', {k: (e[k].get('speedup_vs_plain'), e[k].get('warm_speedup_vs_plain')) for k in ('chain', 'ddtree_16') if k in e})" $OUT/i/h27-pdl1.json 2>&1 | cut -c1-1500
+fi
 LEFT=$(( 540 - $(el) ))
 [ $LEFT -gt 60 ] && timeout $LEFT ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-skip 4600 -c 2500 \
   /tmp/b/dflash-serve bench --model deploy/bench/next/qwen3.6-35b-a3b-12-layers.json --e2e-only \

@@ -7,7 +7,7 @@
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, ptr};
+use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, go_ex, ptr};
 use super::GEMV_MAX_ROWS;
 
 pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
@@ -105,7 +105,13 @@ fn launch(l: Launch<'_>) -> Result<(Tensor, Option<Tensor>)> {
     let (m, k) = l.x.dims2()?;
     let (wn, wk) = l.w.dims2()?;
     let rows_w = if l.epi == Epi::Silu { 2 * l.n } else { l.n };
-    if m == 0 || m > GEMV_MAX_ROWS || wk != k || wn != rows_w || k % 256 != 0 || l.n % 16 != 0 {
+    if m == 0
+        || m > GEMV_MAX_ROWS
+        || wk != k
+        || wn != rows_w
+        || !k.is_multiple_of(256)
+        || !l.n.is_multiple_of(16)
+    {
         bail!(
             "gemv: x {:?}, w {:?}, {} outputs: needs 1..={GEMV_MAX_ROWS} rows, k % 256 == 0, n % 16 == 0",
             l.x.shape(),
@@ -187,24 +193,11 @@ fn launch(l: Launch<'_>) -> Result<(Tensor, Option<Tensor>)> {
     );
     let (mi, ni, ki, ksi) = (m as i32, l.n as i32, k as i32, ks as i32);
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-    let mut b = f.builder();
-    b.arg(&xp)
-        .arg(&wp)
-        .arg(&yp)
-        .arg(&mi)
-        .arg(&ni)
-        .arg(&ki)
-        .arg(&ksi);
-    b.arg(&resid)
-        .arg(&nw)
-        .arg(&eps)
-        .arg(&ss_in)
-        .arg(&sp)
-        .arg(&pp)
-        .arg(&counter);
-    // Only the one-row kernels prefetch (their blocks finish with memory bandwidth to spare).
+    // Only the one-row kernels prefetch (their blocks finish with memory bandwidth to spare)
+    // and launch as programmatic dependents (`cuda::pdl`).
+    let rows_kernel = name.starts_with("gemv_rows");
     let (pf, pf_bytes) = match l.prefetch {
-        Some(p) if name.starts_with("gemv_rows") => {
+        Some(p) if rows_kernel => {
             check_bf16("gemv prefetch weight", p.weight)?;
             let bytes = p.bytes.min(p.weight.elem_count() * 2) & !15;
             (ptr(p.weight)?, bytes as u64)
@@ -214,8 +207,36 @@ fn launch(l: Launch<'_>) -> Result<(Tensor, Option<Tensor>)> {
     if pf % 16 != 0 {
         bail!("gemv: the prefetched weight must start on a 16-byte boundary")
     }
-    b.arg(&pf).arg(&pf_bytes);
-    go(&mut b, cfg((grid as u32, 1, 1), 128), &name)?;
+    let pdl = rows_kernel && super::pdl();
+    let pdl_arg = pdl as i32;
+    // The kernels' GEMV_ARGS, in order.
+    let mut args = [
+        &xp as *const u64 as *mut std::ffi::c_void,
+        &wp as *const u64 as *mut _,
+        &yp as *const u64 as *mut _,
+        &mi as *const i32 as *mut _,
+        &ni as *const i32 as *mut _,
+        &ki as *const i32 as *mut _,
+        &ksi as *const i32 as *mut _,
+        &resid as *const u64 as *mut _,
+        &nw as *const u64 as *mut _,
+        &eps as *const f32 as *mut _,
+        &ss_in as *const u64 as *mut _,
+        &sp as *const u64 as *mut _,
+        &pp as *const u64 as *mut _,
+        &counter as *const u64 as *mut _,
+        &pf as *const u64 as *mut _,
+        &pf_bytes as *const u64 as *mut _,
+        &pdl_arg as *const i32 as *mut _,
+    ];
+    go_ex(
+        &dev,
+        &f,
+        cfg((grid as u32, 1, 1), 128),
+        &mut args,
+        pdl,
+        &name,
+    )?;
     // The partials are freed stream-ordered after the kernel.
     drop(part);
     Ok((y, ss_out))

@@ -127,6 +127,22 @@ __device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_
     if (threadIdx.x == 0) *counter = 0u;
 }
 
+// Programmatic dependent launch (PDL, sm_90; `cuda::pdl`): a kernel launched with the
+// attribute may start while the kernel before it on the stream finishes. launch_dependents lets
+// the next one launch early in turn; wait blocks until the kernel before has completed and its
+// writes are visible, and must come before anything that kernel (or one before it) wrote is read
+// or anything is written.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // ---- M = 1 on CUDA cores ----------------------------------------------------------------
 // Block of 4 warps; KS consecutive warps own R consecutive output columns (SILU: R gate and R
 // up rows) and split their K range in KS contiguous parts, added in part order (so the sums do
@@ -135,13 +151,36 @@ template <int R, int U, int EPI, int NORM, int KS>
 __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                           bf16_t* __restrict__ y, int N, int K, const bf16_t* __restrict__ resid,
                           const bf16_t* __restrict__ nw, float eps, const float* ss_in,
-                          float* ss_out, float* part, u32* counter, const char* pf, u64 pf_bytes) {
+                          float* ss_out, float* part, u32* counter, const char* pf, u64 pf_bytes,
+                          int pdl) {
     constexpr int RW = EPI == EPI_SILU ? 2 * R : R;
     __shared__ float wsum[4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int grp = warp / KS, split = warp % KS;
     const int n0 = (blockIdx.x * (4 / KS) + grp) * R;
     const bool active = n0 < N;
+    if (pdl) {
+        // Launched as a dependent: the next kernel may launch now; this warp's weight rows
+        // (which no kernel writes) start into L2 while the kernel before finishes; then wait
+        // for it (x, the sums of squares, the residual, the counter are its or earlier ones').
+        pdl_launch_dependents();
+        if (active && lane == 0) {
+            const int spans = K >> 8, per = (spans + KS - 1) / KS, s0 = split * per;
+            const int s1 = min(spans, s0 + per);
+            for (int r = 0; r < RW; ++r) {
+                const char* row =
+                    (const char*)(w + (size_t)((r < R ? 0 : N) + n0 + (r % R)) * K) + (size_t)s0 * 512;
+                for (int s = s0; s < s1; s += 64) {  // at most 32 KB per instruction
+                    const u32 bytes = (u32)min(s1 - s, 64) * 512u;
+                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(
+                                     row + (size_t)(s - s0) * 512),
+                                 "r"(bytes)
+                                 : "memory");
+                }
+            }
+        }
+        pdl_wait();
+    }
     float acc[RW];
 #pragma unroll
     for (int r = 0; r < RW; ++r) acc[r] = 0.f;

@@ -135,6 +135,56 @@ pub(super) fn function_with_smem(
     Ok(f)
 }
 
+/// Launches `f` on `dev`'s stream with `args` (a pointer to each argument's value, in the
+/// kernel's order, the values alive for the call); with `pdl`, as a programmatic dependent
+/// launch (the kernel may start before the one before it on the stream has finished: it must
+/// `griddepcontrol.wait`, `pdl_wait` in gemv_impl.cuh, before reading what that one wrote).
+pub(super) fn go_ex(
+    dev: &CudaDevice,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &mut [*mut std::ffi::c_void],
+    pdl: bool,
+    name: &str,
+) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let stream = dev.cuda_stream();
+    let err = |e: String| candle_core::Error::Msg(format!("{name}: {e}"));
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| err(e.to_string()))?;
+    // SAFETY: a zeroed attribute is a valid "ignore" value; id and the union member are set
+    // together, and the driver reads only `numAttrs` of them.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: pdl as u32,
+    };
+    // SAFETY: the caller passes one pointer per kernel parameter, to a value of its type, alive
+    // until this returns (the driver copies the values at launch).
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            f.cu_function(),
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .map_err(|e| err(e.to_string()))
+}
+
 pub(super) fn go(b: &mut LaunchArgs<'_>, cfg: LaunchConfig, name: &str) -> Result<()> {
     unsafe { b.launch(cfg) }.map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
     Ok(())

@@ -71,7 +71,7 @@ impl Qwen3Model {
             return Ok(None);
         };
         let n = batch.len();
-        if n < 2 || n > BATCH_GRAPH_MAX_SEQS {
+        if !(2..=BATCH_GRAPH_MAX_SEQS).contains(&n) {
             return Ok(None);
         }
         let t = batch[0].tokens.len();
