@@ -56,8 +56,8 @@ pub struct BenchArgs {
     /// Context lengths for batch-1 decode
     #[arg(long, value_delimiter = ',', default_value = "1024,8192")]
     contexts: Vec<usize>,
-    /// Sequences per batched step (pooled K/V, 1K context each; empty: none)
-    #[arg(long, value_delimiter = ',', default_value = "8,32,64")]
+    /// Sequences per batched step (pooled K/V, 1K context each; the flag with no value: none)
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "8,32,64")]
     batch_sizes: Vec<usize>,
     /// New-token counts for the forward-latency sweep (over a 1024-token cache)
     #[arg(
