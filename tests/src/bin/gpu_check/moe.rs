@@ -250,6 +250,8 @@ pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
         (16, true),
         (64, true),
         (100, true),
+        // A prefill's rows: the wide routing, most experts in two or more tiles.
+        (1000, true),
     ];
     for (rows, in_block) in cases {
         dflash_models::cuda::set_moe_shared_in_block(in_block);
