@@ -51,10 +51,10 @@ for (i, k), m in by.items():
 PY
 for pdl in 0 1; do
   [ $(( 560 - $(el) )) -gt 80 ] || break
-  DFLASH_PDL=$pdl timeout 70 /tmp/b/dflash-serve bench --model qwen3-8b --contexts 1024 --batch-sizes \
+  DFLASH_PDL=$pdl timeout 70 /tmp/b/dflash-serve bench --model qwen3-8b --variants fast --contexts 1024 --batch-sizes \
     --sizes 1,16 --budgets 16 --e2e-tokens 64 --out $OUT/i/q8-pdl$pdl.json > $OUT/i/q8-pdl$pdl.log 2>&1
   echo "qwen3-8b pdl=$pdl rc=$? at $(el) s"
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k.startswith(('decode', 'forward', 'kernel', 'fast', 'e2e'))})" $OUT/i/q8-pdl$pdl.json 2>&1 | cut -c1-1500
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); f=d['variants']['fast']; print('decode', json.dumps(f.get('decode'))[:600]); print('e2e', json.dumps(f.get('e2e'))[:700]); print('checks', json.dumps(d.get('kernel_checks'))[:700])" $OUT/i/q8-pdl$pdl.json 2>&1 | cut -c1-2200
 done
 if [ $(( 560 - $(el) )) -gt 60 ]; then
   DFLASH_PDL=1 timeout 60 /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 1024 --e2e-prompt 1024 \
