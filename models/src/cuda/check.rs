@@ -11,7 +11,7 @@ use super::check_attn::{max_err, plain_norm_rope};
 use super::{attn_prefill, gemv, kernels};
 
 pub use super::check_attn::{decode_attention_timings, varlen_attention_errors};
-pub use super::check_gdn::{gdn_chunked_errors, GdnChunkedCase};
+pub use super::check_gdn::gdn_chunked_report;
 
 /// Milliseconds per call of `f`, 20 back-to-back host launches after one warm-up.
 fn host_loop_ms(dev: &Device, f: &dyn Fn() -> Result<Tensor>) -> Result<f64> {

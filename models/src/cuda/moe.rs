@@ -156,32 +156,35 @@ pub fn moe_route_shared(logits: &Tensor, e: usize, k: usize, norm: bool) -> Resu
     route(logits, e, k, norm, true)
 }
 
-/// The routing kernels' `is_bf16` flag for `logits`, refusing other dtypes.
-fn logits_is_bf16(logits: &Tensor, who: &str) -> Result<i32> {
-    match logits.dtype() {
-        DType::BF16 => Ok(1),
-        DType::F32 => Ok(0),
+/// The routing kernels' `is_bf16` flag for `logits` (`[t, stride]`) routed over `e` experts,
+/// top `k`, with the checks both routings need (`max_rows`: the most rows `who` takes).
+fn routable(logits: &Tensor, e: usize, k: usize, max_rows: usize, who: &str) -> Result<i32> {
+    let is_bf16 = match logits.dtype() {
+        DType::BF16 => 1,
+        DType::F32 => 0,
         other => bail!("{who}: logits must be bf16 or f32, got {other:?}"),
-    }
-}
-
-fn route(logits: &Tensor, e: usize, k: usize, norm: bool, shared: bool) -> Result<MoeRouting> {
-    let dev = cuda(logits)?;
-    let (t, stride) = logits.dims2()?;
-    let is_bf16 = logits_is_bf16(logits, "moe_route")?;
+    };
+    let t = logits.dims2()?.0;
     if !logits.is_contiguous()
         || t == 0
-        || t > MOE_MAX_ROWS
+        || t > max_rows
         || !e.is_multiple_of(32)
         || e > MOE_MAX_EXPERTS
         || k == 0
         || k > MOE_MAX_TOP_K.min(e)
     {
         bail!(
-            "moe_route: logits {:?}, top {k}: needs 1..={MOE_MAX_ROWS} contiguous rows, experts % 32 == 0 and <= {MOE_MAX_EXPERTS}, 1 <= k <= {MOE_MAX_TOP_K}",
+            "{who}: logits {:?}, top {k}: needs 1..={max_rows} contiguous rows, experts % 32 == 0 and <= {MOE_MAX_EXPERTS}, 1 <= k <= {MOE_MAX_TOP_K}",
             logits.shape()
         )
     }
+    Ok(is_bf16)
+}
+
+fn route(logits: &Tensor, e: usize, k: usize, norm: bool, shared: bool) -> Result<MoeRouting> {
+    let dev = cuda(logits)?;
+    let (t, stride) = logits.dims2()?;
+    let is_bf16 = routable(logits, e, k, MOE_MAX_ROWS, "moe_route")?;
     let kk = k + shared as usize;
     let p = t * kk;
     let meta = alloc_u32(&dev, 2 + 6 * p)?;
@@ -220,20 +223,14 @@ fn route(logits: &Tensor, e: usize, k: usize, norm: bool, shared: bool) -> Resul
 pub fn moe_route_wide(logits: &Tensor, k: usize, norm: bool) -> Result<MoeRouting> {
     let dev = cuda(logits)?;
     let (t, e) = logits.dims2()?;
-    let is_bf16 = logits_is_bf16(logits, "moe_route_wide")?;
-    if !logits.is_contiguous()
-        || t == 0
-        || !e.is_multiple_of(32)
-        || e > MOE_MAX_EXPERTS
-        || k == 0
-        || k > MOE_MAX_TOP_K.min(e)
-        || t * k >= u32::MAX as usize / 8
-    {
-        bail!(
-            "moe_route_wide: logits {:?}, top {k}: needs contiguous rows, experts % 32 == 0 and <= {MOE_MAX_EXPERTS}, 1 <= k <= {MOE_MAX_TOP_K}",
-            logits.shape()
-        )
-    }
+    // The u32 routing metadata holds 2 + 6 t k entries.
+    let is_bf16 = routable(
+        logits,
+        e,
+        k,
+        (u32::MAX as usize / 8) / k.max(1),
+        "moe_route_wide",
+    )?;
     let p = t * k;
     let meta = alloc_u32(&dev, 2 + 6 * p)?;
     let wts = alloc_f32(&dev, 2 * p)?;

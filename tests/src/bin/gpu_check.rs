@@ -344,18 +344,7 @@ fn main() -> Result<()> {
     // quick run to profile the two kernels with ncu.
     #[cfg(feature = "cuda")]
     if args.iter().any(|a| a == "--gdn-chunk") {
-        let mut cases = serde_json::Map::new();
-        for (errs, (name, scan_ms, chunked_ms)) in
-            dflash_models::cuda::check::gdn_chunked_errors(&dev)?
-        {
-            for (n, err, scale) in errs {
-                cases.insert(n, json!({"max_abs_diff": err, "max_abs_scan": scale}));
-            }
-            cases.insert(
-                format!("{name}:ms"),
-                json!({"scan": scan_ms, "chunked": chunked_ms}),
-            );
-        }
+        let cases = dflash_models::cuda::check::gdn_chunked_report(&dev)?;
         let out = json!({ "gdn_chunked": cases }).to_string();
         if let Some(path) = args.get(2).filter(|a| !a.starts_with("--")) {
             std::fs::write(path, &out)?;
