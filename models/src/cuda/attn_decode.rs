@@ -7,7 +7,7 @@
 use std::sync::Mutex;
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::attn_plan::{
@@ -16,7 +16,7 @@ use super::attn_plan::{
 use super::attn_scratch::{scratch, COUNTERS};
 use super::attn_step::{step_attention, step_fits};
 use super::kernels::{QkvRows, CHUNK};
-use super::launch::{alloc_bf16, cuda, go, opt_ptr, page_stride, ptr};
+use super::launch::{alloc_bf16, cuda, opt_ptr, page_stride, ptr, KernelArgs};
 
 const _: () = assert!(CHUNK_KEYS == CHUNK);
 
@@ -102,6 +102,7 @@ fn batch_launch() -> Result<(BatchKernel, usize)> {
 
 /// The kernel's parameter block (`Args` in attn_decode.cu, same field order).
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct Args {
     qkv: u64,
     qw: u64,
@@ -287,8 +288,8 @@ pub(crate) fn fused_attention_rt(
         block_dim: (128, 1, 1),
         shared_mem_bytes: shared_bytes as u32,
     };
-    let mut b = f.builder();
+    let mut b = KernelArgs::new();
     b.arg(&args);
-    go(&mut b, cfg, &name)?;
+    b.launch(&dev, &f, cfg, &name)?;
     Ok(out)
 }

@@ -376,9 +376,14 @@ __device__ __forceinline__ void attn_step_impl(const StepArgs& a) {
 }
 
 // S stages per warp: 3 (104 KB of rings, 2 blocks per SM) or 2 (70 KB, 3 blocks per SM).
+// Both open as programmatic dependents (`cuda::pdl`).
 extern "C" __global__ void __launch_bounds__(NWS * 32, 2) attn_step_s3(StepArgs a) {
+    pdl_launch_dependents();
+    pdl_wait();
     attn_step_impl<3>(a);
 }
 extern "C" __global__ void __launch_bounds__(NWS * 32, 3) attn_step_s2(StepArgs a) {
+    pdl_launch_dependents();
+    pdl_wait();
     attn_step_impl<2>(a);
 }

@@ -10,14 +10,14 @@ use std::sync::Mutex;
 use candle_core::cuda_backend::cudarc::driver::sys::{
     CUdevice_attribute_enum, CUfunction_attribute_enum,
 };
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{bail, Result, Tensor};
 
 use super::attn_plan::{step_shared_bytes, step_splits};
 use super::attn_scratch::{scratch, COUNTERS};
 use super::kernels::QkvRows;
-use super::launch::{alloc_bf16, cuda, go, opt_ptr, page_stride, ptr};
+use super::launch::{alloc_bf16, cuda, opt_ptr, page_stride, ptr, KernelArgs};
 
 pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_step.ptx"));
 pub(super) const MODULE: &str = "dflash_attn_step";
@@ -33,6 +33,7 @@ pub(crate) fn step_fits(seqs: usize, t: usize, nh: usize, nkv: usize, tree: bool
 
 /// The kernel's parameter block (`StepArgs` in attn_step.cu, same field order).
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct StepArgs {
     qkv: u64,
     qw: u64,
@@ -164,8 +165,8 @@ pub(crate) fn step_attention(rows: &QkvRows<'_>, stages: usize, blocks: usize) -
         block_dim: (128, 1, 1),
         shared_mem_bytes: smem as u32,
     };
-    let mut b = f.builder();
+    let mut b = KernelArgs::new();
     b.arg(&args);
-    go(&mut b, cfg, name)?;
+    b.launch(&dev, &f, cfg, name)?;
     Ok(out)
 }

@@ -3,11 +3,10 @@
 //! in three launches, from the stacked q|gate|k|v projection to the o_proj input. Shapes are
 //! checked here because the kernels trust them.
 
-use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::launch::{alloc_bf16, alloc_f32, cfg, cuda, go, ptr};
+use super::launch::{alloc_bf16, alloc_f32, cfg, cuda, ptr, KernelArgs};
 
 pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gattn.ptx"));
 pub(super) const MODULE: &str = "dflash_gattn";
@@ -181,27 +180,12 @@ pub fn gated_attention_chain_split(
     let eps = r.eps as f32;
     let name = format!("gattn_prep_{suffix}");
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-    let mut b = f.builder();
-    b.arg(&qkvp)
-        .arg(&qwp)
-        .arg(&kwp)
-        .arg(&cp)
-        .arg(&sp)
-        .arg(&qp)
-        .arg(&kcp)
-        .arg(&vcp);
-    b.arg(&nhi)
-        .arg(&nkvi)
-        .arg(&roti)
-        .arg(&capi)
-        .arg(&ci)
-        .arg(&c_dev)
-        .arg(&eps);
-    go(
-        &mut b,
-        cfg((t as u32, (nh + nkv) as u32, 1), d as u32),
-        &name,
-    )?;
+    let mut b = KernelArgs::new();
+    b.arg(&qkvp).arg(&qwp).arg(&kwp).arg(&cp).arg(&sp).arg(&qp).arg(&kcp);
+    b.arg(&vcp).arg(&nhi).arg(&nkvi).arg(&roti).arg(&capi).arg(&ci);
+    b.arg(&c_dev).arg(&eps);
+    let grid = (t as u32, (nh + nkv) as u32, 1);
+    b.launch(&dev, &f, cfg(grid, d as u32), &name)?;
 
     let row_groups = (t * (nh / nkv)).div_ceil(ROWS_PER_WARP);
     // A graph covers the whole cache: its replays may see any length up to the capacity.
@@ -218,34 +202,21 @@ pub fn gated_attention_chain_split(
     let scale = 1.0 / (d as f32).sqrt();
     let name = format!("gattn_split_{suffix}");
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-    let mut b = f.builder();
-    b.arg(&qp).arg(&kcp).arg(&vcp).arg(&accp).arg(&mlp);
-    b.arg(&ti)
-        .arg(&nhi)
-        .arg(&nkvi)
-        .arg(&capi)
-        .arg(&ci)
-        .arg(&c_dev)
-        .arg(&kpsi)
-        .arg(&splitsi)
-        .arg(&scale);
-    go(
-        &mut b,
-        cfg(
-            (nkv as u32, splits.div_ceil(WARPS) as u32, row_groups as u32),
-            (WARPS * 32) as u32,
-        ),
-        &name,
-    )?;
+    let mut b = KernelArgs::new();
+    b.arg(&qp).arg(&kcp).arg(&vcp).arg(&accp).arg(&mlp).arg(&ti).arg(&nhi);
+    b.arg(&nkvi).arg(&capi).arg(&ci).arg(&c_dev).arg(&kpsi).arg(&splitsi);
+    b.arg(&scale);
+    let grid = (nkv as u32, splits.div_ceil(WARPS) as u32, row_groups as u32);
+    b.launch(&dev, &f, cfg(grid, (WARPS * 32) as u32), &name)?;
 
     let out = alloc(&dev, dtype, (t, nh * d))?;
     let outp = ptr(&out)?;
     let name = format!("gattn_combine_{suffix}");
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-    let mut b = f.builder();
+    let mut b = KernelArgs::new();
     b.arg(&accp).arg(&mlp).arg(&qkvp).arg(&outp);
     b.arg(&ti).arg(&nhi).arg(&nkvi).arg(&splitsi);
-    go(&mut b, cfg((nrows as u32, 1, 1), d as u32), &name)?;
+    b.launch(&dev, &f, cfg((nrows as u32, 1, 1), d as u32), &name)?;
     // The launches are stream-ordered; the scratch is freed (back to the pool) after them.
     drop((q, acc, ml));
     Ok(out)

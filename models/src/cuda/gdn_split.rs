@@ -137,7 +137,7 @@ pub fn gdn_split(
         mark(&cdev, "gdn.scan");
         let (o, last) = chunked_delta_rule(&dev, s0, &q, &k, &v, &g, &beta, (t, hk, hv))?;
         mark(&cdev, "gdn.norm");
-        let y = gated_norm(&o, proj, w, t)?;
+        let y = gated_norm(&o, proj, w, t, None)?;
         return Ok(SplitOut {
             y,
             states: Some(last.reshape((1, hv, d, d))?),
@@ -183,7 +183,7 @@ pub fn gdn_split(
         "gdn_scan",
     )?;
     mark(&cdev, "gdn.norm");
-    let y = gated_norm(&o, proj, w, t)?;
+    let y = gated_norm(&o, proj, w, t, None)?;
     Ok(SplitOut {
         y,
         states: s_out.map(|s| s.reshape((n_states, hv, d, d))).transpose()?,
@@ -254,7 +254,7 @@ pub fn gdn_tree(
         cfg((hv as u32, (d / 16) as u32, 1), 128),
         "gdn_scan_tree",
     )?;
-    let y = gated_norm(&o, proj, w, t)?;
+    let y = gated_norm(&o, proj, w, t, None)?;
     Ok(SplitOut {
         y,
         states: None,

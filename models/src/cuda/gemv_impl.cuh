@@ -132,22 +132,6 @@ __device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_
     if (threadIdx.x == 0) *counter = 0u;
 }
 
-// Programmatic dependent launch (PDL, sm_90; `cuda::pdl`): a kernel launched with the
-// attribute may start while the kernel before it on the stream finishes. launch_dependents lets
-// the next one launch early in turn; wait blocks until the kernel before has completed and its
-// writes are visible, and must come before anything that kernel (or one before it) wrote is read
-// or anything is written.
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 // ---- M = 1 on CUDA cores ----------------------------------------------------------------
 // Block of 4 warps; KS consecutive warps own R consecutive output columns (SILU: R gate and R
 // up rows) and split their K range in KS contiguous parts, added in part order (so the sums do

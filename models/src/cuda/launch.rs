@@ -185,6 +185,42 @@ pub(super) fn go_ex(
     .map_err(|e| err(e.to_string()))
 }
 
+/// A kernel's arguments for [`KernelArgs::launch`]: a pointer to each value, in the kernel's
+/// order; the values outlive the builder (the driver copies them at launch).
+pub(super) struct KernelArgs<'a> {
+    ptrs: Vec<*mut std::ffi::c_void>,
+    values: std::marker::PhantomData<&'a ()>,
+}
+
+impl<'a> KernelArgs<'a> {
+    pub(super) fn new() -> Self {
+        Self {
+            ptrs: Vec::with_capacity(24),
+            values: std::marker::PhantomData,
+        }
+    }
+
+    /// The next argument: a plain value (a device address, a scalar, a `repr(C)` struct) of
+    /// the kernel parameter's type.
+    pub(super) fn arg<T: Copy>(&mut self, value: &'a T) -> &mut Self {
+        self.ptrs.push(value as *const T as *mut std::ffi::c_void);
+        self
+    }
+
+    /// Launches `f` with these arguments, as a programmatic dependent of the kernel before it
+    /// where [`super::pdl`] is on: `f` must open with `pdl_launch_dependents(); pdl_wait();`
+    /// (common.cuh), or do nothing before the wait but read memory no kernel writes.
+    pub(super) fn launch(
+        &mut self,
+        dev: &CudaDevice,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        name: &str,
+    ) -> Result<()> {
+        go_ex(dev, f, cfg, &mut self.ptrs, super::pdl(), name)
+    }
+}
+
 pub(super) fn go(b: &mut LaunchArgs<'_>, cfg: LaunchConfig, name: &str) -> Result<()> {
     unsafe { b.launch(cfg) }.map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
     Ok(())

@@ -117,7 +117,7 @@ pub use gattn::{
 #[cfg(feature = "cuda")]
 mod gdn;
 #[cfg(feature = "cuda")]
-pub use gdn::{gdn_chain, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN, GDN_MAX_CONV};
+pub use gdn::{gdn_chain, ChainOut, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN, GDN_MAX_CONV};
 #[cfg(feature = "cuda")]
 mod gdn_chunk;
 #[cfg(feature = "cuda")]

@@ -20,6 +20,7 @@
 //                          squares the next RMSNorm reads).
 // Only the selected experts' weights are read. The expert weights are stacked: gate_up
 // [E, 2I, H] (gate rows then up rows per expert), down [E, H, I].
+// moe_route and the decode kernels open as programmatic dependents (`cuda::pdl`).
 //
 // A shared expert of the routed width (Qwen3.5/3.6 MoE: out = sigmoid(x g) shared(x) + the
 // routed sum) can ride along at one row (decode): the router GEMV's rows are the E experts,
@@ -127,6 +128,8 @@ __device__ __forceinline__ void sort_pairs(const u32* ids, const float* ps, int 
 extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     moe_route(const void* __restrict__ logits, int is_bf16, int T, int E, int k, int norm,
               u32* __restrict__ meta, float* __restrict__ wts, int stride, int shared) {
+    pdl_launch_dependents();
+    pdl_wait();
     __shared__ float ex[ROUTE_WARPS][MOE_MAX_E];
     __shared__ u32 sel[MOE_MAX_ROWS][MOE_MAX_E_SH / 32];
     __shared__ u32 cnt[MOE_MAX_E_SH], off[MOE_MAX_E_SH];
@@ -301,6 +304,8 @@ extern "C" __global__ void __launch_bounds__(256)
              int N, int K, const u32* __restrict__ meta, int P, const bf16_t* __restrict__ nw,  \
              float eps, const float* __restrict__ ss_in, const bf16_t* __restrict__ shared_w,   \
              int E) {                                                                           \
+        pdl_launch_dependents();                                                                \
+        pdl_wait();                                                                             \
         const int p = blockIdx.y;                                                               \
         const u32 r = meta[2 + 3 * P + p], e = meta[2 + 4 * P + p];                             \
         const bf16_t* we =                                                                      \
@@ -378,6 +383,8 @@ __device__ void down_rows(const bf16_t* __restrict__ act, const bf16_t* __restri
     extern "C" __global__ void __launch_bounds__(128) moe_down_rows_sp##SP(                     \
         const bf16_t* act, const bf16_t* w, bf16_t* y, const bf16_t* resid, int H, int k,       \
         const u32* meta, const float* wts, int P, const bf16_t* shared_w, int E) {              \
+        pdl_launch_dependents();                                                                \
+        pdl_wait();                                                                             \
         down_rows<SP>(act, w, y, resid, H, k, meta, wts, P, shared_w, E);                       \
     }
 MOE_DOWN_ROWS(1)

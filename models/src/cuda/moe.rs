@@ -13,7 +13,7 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::gemv::{gemv, k_splits, rms_apply, row_sumsq, RowNorm};
-use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, opt_ptr, ptr};
+use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, opt_ptr, ptr, KernelArgs};
 use super::{moe_shape_fits, MOE_MAX_EXPERTS, MOE_MAX_ROWS, MOE_MAX_TOP_K};
 
 pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
@@ -193,18 +193,10 @@ fn route(logits: &Tensor, e: usize, k: usize, norm: bool, shared: bool) -> Resul
     let (ti, ei, ki, ni) = (t as i32, e as i32, k as i32, norm as i32);
     let (si, shi) = (stride as i32, shared as i32);
     let f = dev.get_or_load_custom_func("moe_route", MODULE, PTX)?;
-    let mut b = f.builder();
-    b.arg(&lp)
-        .arg(&is_bf16)
-        .arg(&ti)
-        .arg(&ei)
-        .arg(&ki)
-        .arg(&ni)
-        .arg(&mp)
-        .arg(&wp)
-        .arg(&si)
-        .arg(&shi);
-    go(&mut b, cfg((1, 1, 1), 256), "moe_route")?;
+    let mut b = KernelArgs::new();
+    b.arg(&lp).arg(&is_bf16).arg(&ti).arg(&ei).arg(&ki);
+    b.arg(&ni).arg(&mp).arg(&wp).arg(&si).arg(&shi);
+    b.launch(&dev, &f, cfg((1, 1, 1), 256), "moe_route")?;
     Ok(MoeRouting {
         meta,
         wts,
@@ -372,35 +364,17 @@ pub fn moe_experts(
         };
         let xp = ptr(x)?;
         let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
-        let mut b = f.builder();
-        b.arg(&xp)
-            .arg(&gp)
-            .arg(&ap)
-            .arg(&ii)
-            .arg(&hi)
-            .arg(&mp)
-            .arg(&pi)
-            .arg(&nw)
-            .arg(&eps)
-            .arg(&ss_in)
-            .arg(&sgu)
-            .arg(&ei);
-        go(&mut b, cfg((i.div_ceil(8) as u32, p as u32, 1), 128), name)?;
+        let mut b = KernelArgs::new();
+        b.arg(&xp).arg(&gp).arg(&ap).arg(&ii).arg(&hi).arg(&mp);
+        b.arg(&pi).arg(&nw).arg(&eps).arg(&ss_in).arg(&sgu).arg(&ei);
+        let grid = (i.div_ceil(8) as u32, p as u32, 1);
+        b.launch(&dev, &f, cfg(grid, 128), name)?;
         let name = format!("moe_down_rows_sp{}", i / 256);
         let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-        let mut b = f.builder();
-        b.arg(&ap)
-            .arg(&dp)
-            .arg(&yp)
-            .arg(&rp)
-            .arg(&hi)
-            .arg(&ki)
-            .arg(&mp)
-            .arg(&wp)
-            .arg(&pi)
-            .arg(&sdn)
-            .arg(&ei);
-        go(&mut b, cfg((h.div_ceil(8) as u32, 1, 1), 128), &name)?;
+        let mut b = KernelArgs::new();
+        b.arg(&ap).arg(&dp).arg(&yp).arg(&rp).arg(&hi).arg(&ki);
+        b.arg(&mp).arg(&wp).arg(&pi).arg(&sdn).arg(&ei);
+        b.launch(&dev, &f, cfg((h.div_ceil(8) as u32, 1, 1), 128), &name)?;
         let ss = want_ss.then(|| row_sumsq(&y)).transpose()?;
         return Ok((y, ss));
     }

@@ -6,10 +6,10 @@
 //! Per layer: every projection through the skinny GEMMs with the input norm, the residual add
 //! (and the next norm's sums of squares) and the SiLU-gate product fused around them
 //! (`cuda/gemv.rs`); a Gated DeltaNet layer's mixer is the [`GdnPath`] the model's
-//! [`crate::qwen3_5::GdnPaths`] name for the chain's length: `Chain` (decode's default: one copy
-//! joining the cached conv window to the new rows, then `cuda/gdn.cu`'s `gdn_chain`, conv +
-//! SiLU + L2 norms + decay/beta + the delta rule with the state in registers, and the gated
-//! RMSNorm) or the split kernels (`cuda/gdn_split.cu`: a prologue once per channel and token, a
+//! [`crate::qwen3_5::GdnPaths`] name for the chain's length: `Chain` (decode's default:
+//! `cuda/gdn.cu`'s `gdn_chain`, conv over the cached window and the new rows where they lie +
+//! SiLU + L2 norms + decay/beta + the delta rule with the state in registers, then the gated
+//! RMSNorm, which also writes the conv window to keep: two launches) or the split kernels (`cuda/gdn_split.cu`: a prologue once per channel and token, a
 //! warp-shuffle scan over twice the warps, the same gated RMSNorm). A gated full-attention layer
 //! (head_dim 256, partial RoPE, sigmoid output gate: not the dense attention kernels' shape) is
 //! three launches on the fused q|gate|k|v product (`cuda/gattn.cu`: q/k norm + RoPE + cache
@@ -28,7 +28,7 @@ use candle_core::{DType, Tensor};
 use crate::batch::{ForwardOutput, SeqForward};
 use crate::cache::{GdnState, RowInputs, StagedState};
 use crate::cuda::phases::mark;
-use crate::cuda::{self, RowNorm, ScanStates};
+use crate::cuda::{self, ChainOut, RowNorm, ScanStates};
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::{attend, AttnPattern};
 use crate::qwen3_5::{GatedAttention, GatedDeltaNet, GdnPath, Mixer, Qwen35Model};
@@ -285,18 +285,15 @@ fn gdn_mix(
     };
     let join = |state: &GdnState| Tensor::cat(&[&state.conv, &proj.narrow(1, 0, g.conv_dim())?], 0);
     Ok(match (path, keep) {
-        (GdnPath::Chain, _) => {
-            let (y, states, ext) = g.mix_fused(proj, state, keep)?;
+        (GdnPath::Chain, true) => {
+            let (y, states, ext) = g.mix_fused(proj, state, ChainOut::EveryRow)?;
             mark(proj.device(), "gdn.stage");
-            let st = if keep {
-                rows_staging(&ext, &states)?
-            } else {
-                StagedState::Final(GdnState {
-                    conv: ext.narrow(0, t, w1)?.force_contiguous()?,
-                    ssm: states.get(0)?,
-                })
-            };
-            (y, st)
+            (y, rows_staging(&ext, &states)?)
+        }
+        (GdnPath::Chain, false) => {
+            let (y, states, conv) = g.mix_fused(proj, state, ChainOut::LastRow)?;
+            let ssm = states.get(0)?;
+            (y, StagedState::Final(GdnState { conv, ssm }))
         }
         (GdnPath::SplitStates, true) => {
             mark(proj.device(), "gdn.join");

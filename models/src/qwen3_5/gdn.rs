@@ -416,21 +416,18 @@ impl GatedDeltaNet {
 
     /// The fused CUDA form of [`Self::mix`] for one sequence's causal chain of `t <=`
     /// [`crate::cuda::GDN_MAX_CHAIN`] rows (`proj` `[t, P]` bf16, from `state`): the gated-norm
-    /// output `[t, Hv * dv]`, the states after every row (`all_states`) or the last
-    /// (`[n, Hv, dk, dv]` f32), and `[state.conv; new q|k|v rows]` (`[K-1+t, conv_dim]`), whose
-    /// K-1 rows ending at row i are row i's conv window.
+    /// output `[t, Hv * dv]`, the states and the conv window rows `out` asks for
+    /// ([`crate::cuda::ChainOut`]: every row's, where rows `i+1 .. i+K` of
+    /// `[state.conv; new q|k|v rows]` are row i's window, or the last row's).
     #[cfg(feature = "cuda")]
     pub fn mix_fused(
         &self,
         proj: &Tensor,
         state: &GdnState,
-        all_states: bool,
+        out: crate::cuda::ChainOut,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        crate::cuda::phases::mark(proj.device(), "gdn.join");
-        let ext = Tensor::cat(&[&state.conv, &proj.narrow(1, 0, self.conv_dim())?], 0)?;
         let w = self.kernel_weights();
-        let (y, states) = crate::cuda::gdn_chain(&ext, proj, &state.ssm, &w, all_states)?;
-        Ok((y, states, ext))
+        crate::cuda::gdn_chain(&state.conv, proj, &state.ssm, &w, out)
     }
 
     /// The split fused form (`cuda/gdn_split.cu`: prologue, warp-shuffle scan, gated norm) of

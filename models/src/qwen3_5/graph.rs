@@ -10,11 +10,12 @@
 //!
 //! The recurrent (Gated DeltaNet) states are not at fixed addresses in the cache: each commit
 //! stores new tensors. So the graph owns one state buffer and one conv-window buffer per GDN
-//! layer, reads them and writes the layer's new state and window back into them at its end.
-//! Before a replay the cache's current state is copied in unless it is the copy the previous
-//! replay handed to the cache (a truncate, a rollback or an eager forward in between makes
-//! it another tensor); after a replay the new state is copied out into fresh tensors that the
-//! cache commits, as the eager forward's staging. Verify graphs (t > 1) would have to copy
+//! layer, which the step's kernels advance in place (`cuda::ChainOut::InPlace`). Before a
+//! replay the cache's current state is copied in unless it is what the previous replay handed
+//! to the cache (a truncate, a rollback or an eager forward in between makes it another
+//! tensor); after a replay the cache commits the buffers themselves (no copy: the next replay
+//! advances them only after the cache is done with this state), or, where the step is staged
+//! for rollback, copies of them. Verify graphs (t > 1) would have to copy
 //! out a full state per row (2.4 GB at 16 rows of the 27B shape), so only decode is captured.
 //!
 //! The model's forward replays it ([`Qwen35Model::forward_decode_graph`], in the model's
@@ -30,7 +31,7 @@ use crate::batch::{ForwardOutput, SeqForward};
 use crate::cache::{GdnState, LayerCache, SequenceCache, StagedState};
 use crate::cuda::decoder_stack::capture_graph;
 use crate::cuda::graphs::{Fnv1a, GraphObject, Key};
-use crate::cuda::{self, GraphSplit, RowNorm};
+use crate::cuda::{self, ChainOut, GraphSplit, RowNorm};
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::AttnPattern;
 use crate::qwen3_5::{GdnPath, Mixer, Qwen35Model};
@@ -162,11 +163,8 @@ impl Qwen35Model {
                         conv: st.conv.clone(),
                         ssm: st.ssm.clone(),
                     };
-                    // As the eager step: one state (after the only row) either way.
-                    let (y, new, ext) = g.mix_fused(&proj, &from, true)?;
-                    st.ssm
-                        .slice_set(&new.get(0)?.reshape(st.ssm.shape())?, 0, 0)?;
-                    st.conv.slice_set(&ext.narrow(0, 1, g.kernel - 1)?, 0, 0)?;
+                    // The new state and window over the graph's own (no copies).
+                    let (y, _, _) = g.mix_fused(&proj, &from, ChainOut::InPlace)?;
                     (y, &g.out_proj)
                 }
                 Mixer::Full(attn) => {
@@ -353,9 +351,19 @@ impl HybridDecodeGraph {
             .map_err(|e| ModelError::Unsupported(format!("graph launch: {e}")))?;
         let mut staged = Vec::with_capacity(self.states.len());
         for st in &mut self.states {
-            let s = GdnState {
-                conv: st.conv.force_contiguous()?,
-                ssm: st.ssm.force_contiguous()?,
+            // A row kept for rollback must survive the next replay: a copy. Otherwise the cache
+            // takes the graph's buffers themselves, which the next replay (the only writer,
+            // while the cache holds them) advances in place.
+            let s = if self.keep {
+                GdnState {
+                    conv: st.conv.force_contiguous()?,
+                    ssm: st.ssm.force_contiguous()?,
+                }
+            } else {
+                GdnState {
+                    conv: st.conv.clone(),
+                    ssm: st.ssm.clone(),
+                }
             };
             st.handed = Some(s.clone());
             let staged_state = if self.keep {

@@ -106,6 +106,13 @@ pub fn fused_vs_plain(
     Ok(Value::Object(res))
 }
 
+/// Largest absolute difference of two tensors of one shape (0 where they are the same bits).
+#[cfg(feature = "cuda")]
+fn max_abs(a: &Tensor, b: &Tensor) -> Result<f32> {
+    let d = (a.to_dtype(candle_core::DType::F32)? - b.to_dtype(candle_core::DType::F32)?)?;
+    Ok(d.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+}
+
 #[cfg(feature = "cuda")]
 fn rel(a: &Tensor, b: &Tensor) -> Result<f32> {
     let a = a.to_dtype(candle_core::DType::F32)?.flatten_all()?;
@@ -133,6 +140,7 @@ pub fn gdn_layer(dev: &candle_core::Device, cfg: &dflash_common::HybridConfig) -
 fn gdn_layer_cuda(dev: &candle_core::Device, cfg: &dflash_common::HybridConfig) -> Result<Value> {
     use candle_core::DType;
     use dflash_models::cache::{GdnState, StagedState};
+    use dflash_models::cuda::ChainOut;
     use dflash_models::qwen3_5::delta_rule::Forest;
     use dflash_models::qwen3_5::GatedDeltaNet;
     use dflash_models::random::WeightRng;
@@ -166,18 +174,37 @@ fn gdn_layer_cuda(dev: &candle_core::Device, cfg: &dflash_common::HybridConfig) 
             anyhow::bail!("the plain mix kept no per-row states");
         };
         let last = rows.last().context("rows")?;
-        let (yf, states, ext) = g.mix_fused(&proj, &state, true)?;
+        let (yf, states, ext) = g.mix_fused(&proj, &state, ChainOut::EveryRow)?;
         let fused_ms = crate::time_ms(dev, 20, || {
-            g.mix_fused(&proj, &state, true)?;
+            g.mix_fused(&proj, &state, ChainOut::EveryRow)?;
             Ok(())
         })?;
         let plain_ms = crate::time_ms(dev, 5, || {
             g.mix(&proj, &forest, &[&state], &[true], false)?;
             Ok(())
         })?;
+        // The last row only, fresh and in place (a decode graph's form, on copies of the
+        // state): the same bits as the every-row launch's last row.
+        let (yl, sl, wl) = g.mix_fused(&proj, &state, ChainOut::LastRow)?;
+        let own = GdnState {
+            conv: state.conv.force_contiguous()?,
+            ssm: state.ssm.force_contiguous()?,
+        };
+        let (yi, _, _) = g.mix_fused(&proj, &own, ChainOut::InPlace)?;
+        let last_fused = states.get(t - 1)?;
+        let window_fused = ext.narrow(0, t, k - 1)?;
+        let forms_bits = [
+            max_abs(&yl, &yf)?,
+            max_abs(&sl.get(0)?, &last_fused)?,
+            max_abs(&wl, &window_fused)?,
+            max_abs(&yi, &yf)?,
+            max_abs(&own.ssm.reshape(last_fused.shape())?, &last_fused)?,
+            max_abs(&own.conv, &window_fused)?,
+        ];
         res.insert(
             format!("t{t}"),
             json!({
+                "last_row_and_in_place_max_diff": forms_bits.iter().cloned().fold(0f32, f32::max),
                 "fused_mixer_ms": fused_ms,
                 "plain_mixer_ms": plain_ms,
                 "y_rel_err": rel(&yf, &y)?,

@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use dflash_common::HybridConfig;
 use dflash_models::cache::{GdnState, StagedState};
-use dflash_models::cuda::{gdn_state_along, phases, ScanStates};
+use dflash_models::cuda::{gdn_state_along, phases, ChainOut, ScanStates};
 use dflash_models::qwen3_5::delta_rule::Forest;
 use dflash_models::qwen3_5::GatedDeltaNet;
 use dflash_models::random::WeightRng;
@@ -94,7 +94,7 @@ pub fn gdn_layer_paths(dev: &Device, cfg: &HybridConfig) -> Result<Value> {
         let last = &rows.last().context("rows")?.ssm;
 
         // gdn_chain (the path before this session).
-        let (yc, sc, _) = g.mix_fused(&proj, &state, true)?;
+        let (yc, sc, _) = g.mix_fused(&proj, &state, ChainOut::EveryRow)?;
         // gdn_split, every row's state.
         let so = g.mix_split(&proj, &state, ScanStates::All, false)?;
         let ss = so.states.context("split states")?;
@@ -149,7 +149,7 @@ pub fn gdn_layer_paths(dev: &Device, cfg: &HybridConfig) -> Result<Value> {
 
         let call = |f: &mut dyn FnMut() -> Result<()>| crate::time_ms(dev, 20, f);
         let chain_ms = call(&mut || {
-            g.mix_fused(&proj, &state, true)?;
+            g.mix_fused(&proj, &state, ChainOut::EveryRow)?;
             Ok(())
         })?;
         let states_ms = call(&mut || {
@@ -179,7 +179,7 @@ pub fn gdn_layer_paths(dev: &Device, cfg: &HybridConfig) -> Result<Value> {
             Ok(())
         })?;
         let gpu = json!({
-            "chain_all_states": gpu_phases(dev, 10, || { g.mix_fused(&proj, &state, true)?; Ok(()) })?,
+            "chain_all_states": gpu_phases(dev, 10, || { g.mix_fused(&proj, &state, ChainOut::EveryRow)?; Ok(()) })?,
             "split_all_states": gpu_phases(dev, 10, || { g.mix_split(&proj, &state, ScanStates::All, false)?; Ok(()) })?,
             "split_last_state": gpu_phases(dev, 10, || { g.mix_split(&proj, &state, ScanStates::Last, false)?; Ok(()) })?,
             "split_writes_only": gpu_phases(dev, 10, || { g.mix_split(&proj, &state, ScanStates::None, true)?; Ok(()) })?,
