@@ -21,7 +21,7 @@ done
 DFLASH_PDL=1 timeout 150 /tmp/b/dflash-serve bench --model qwen3.6-35b-a3b --prefill 1024 --e2e-prompt 1024 \
   --e2e-tokens 64 --budgets 16 --out $OUT/m/h35-pdl1.json > $OUT/m/h35-pdl1.log 2>&1
 echo "35b-a3b pdl=1 rc=$? at $(el) s"; grep -m2 -i "error\|panic" $OUT/m/h35-pdl1.log | cut -c1-300
-python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in d if k.startswith(('prefill_', 'decode_', 'verify')) and not k.endswith('phases')}); print(d.get('kernel_checks')); e=d['e2e']; print('e2e', {k: (e[k].get('speedup_vs_plain'), e[k].get('warm_speedup_vs_plain'), e[k].get('tokens_match')) for k in ('chain', 'ddtree_16') if k in e})" $OUT/m/h35-pdl1.json 2>&1 | cut -c1-2500
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in d if k.startswith(('prefill_', 'decode_', 'verify', 'e2e_step')) and not k.endswith('phases')}); print(d.get('kernel_checks')); e=d['e2e']; print('e2e', {k: (e[k].get('speedup_vs_plain'), e[k].get('warm_speedup_vs_plain'), e[k].get('tokens_match')) for k in ('chain', 'ddtree_16') if k in e})" $OUT/m/h35-pdl1.json 2>&1 | cut -c1-2500
 for pdl in 0 1; do
   [ $(( 560 - $(el) )) -gt 80 ] || break
   DFLASH_PDL=$pdl timeout 75 /tmp/b/dflash-serve bench --model qwen3-8b --variants fast --contexts 1024 --batch-sizes \
