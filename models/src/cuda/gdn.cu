@@ -1,12 +1,13 @@
 // The Gated DeltaNet token mixer of a short causal chain (a decode step, t = 1, or a chain
 // verify of up to GDN_MAX_T tokens) of one sequence, in two launches per layer:
 //   gdn_chain       the short causal depthwise conv (kernel K <= 4) over [cached window; new
-//                   rows] (read where they are: no joined copy) + SiLU, q/k L2 normalisation (q scaled by dk^-1/2), the decay
-//                   g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), then the
-//                   delta rule over the t tokens with the f32 state in registers. One block per
-//                   (value head, 32 value columns): the state's columns are independent given
-//                   k, q, v, g and beta, so a block owns S[:, cols] (4 warps x 32 key rows per
-//                   thread) and recomputes its head's q / k conv itself (a few KB from L2).
+//                   rows] (read where they are: no joined copy) + SiLU, q/k L2 normalisation
+//                   (q scaled by dk^-1/2), the decay g = -exp(A_log) * softplus(a + dt_bias)
+//                   and beta = sigmoid(b), then the delta rule over the t tokens with the f32
+//                   state in registers. One block per (value head, 32 value columns): the
+//                   state's columns are independent given k, q, v, g and beta, so a block owns
+//                   S[:, cols] (4 warps x 32 key rows per thread) and recomputes its head's
+//                   q / k conv itself (a few KB from L2).
 //                   Writes the raw outputs (f32) and the state after every token (or only the
 //                   last), in the [Hv, dk, dv] layout the cache keeps; the last state may be
 //                   written over the state read (each block reads, then writes, only its own
@@ -31,14 +32,14 @@ __device__ __forceinline__ float silu_f(float x) { return x / (1.f + __expf(-x))
 
 // win: bf16 [K-1, C] (the cached K-1 pre-conv rows), C = conv channels = 2 * hk * dk + hv * dv
 // in the order [q | k | v]; the t new pre-conv rows are columns [0, C) of proj (bf16 rows of
-// stride P), which holds b at column off_b + h and a at off_b + hv + h. taps: bf16 [K, C] (tap K-1 multiplies the current
-// row). s0: f32 [hv, dk, dv] state before the chain. o: f32 [t, hv, dv]. s_out: f32
-// [all ? t : 1, hv, dk, dv].
+// stride P), which holds b at column off_b + h and a at off_b + hv + h. taps: bf16 [K, C] (tap
+// K-1 multiplies the current row). s0: f32 [hv, dk, dv] state before the chain. o: f32 [t, hv,
+// dv]. s_out: f32 [all ? t : 1, hv, dk, dv] (may be s0 when not all).
 extern "C" __global__ void __launch_bounds__(128) gdn_chain(
     const bf16_t* __restrict__ win, const bf16_t* __restrict__ proj,
     const bf16_t* __restrict__ taps, const float* __restrict__ neg_a,
-    const float* __restrict__ dt_bias, const float* s0, float* __restrict__ o, float* s_out, int t, int all_states, int hk, int hv, int C, int P, int K,
-    int off_b) {
+    const float* __restrict__ dt_bias, const float* s0, float* __restrict__ o, float* s_out,
+    int t, int all_states, int hk, int hv, int C, int P, int K, int off_b) {
     __shared__ float qs[GDN_MAX_T][GDN_DK];
     __shared__ float ks[GDN_MAX_T][GDN_DK];
     __shared__ float vs[GDN_MAX_T][GDN_COLS];
@@ -56,7 +57,8 @@ extern "C" __global__ void __launch_bounds__(128) gdn_chain(
         float acc = 0.f;
         for (int j = 0; j < K; ++j) {
             const int r = i + j;
-            const bf16_t x = r < K - 1 ? win[(size_t)r * C + ch] : proj[(size_t)(r - K + 1) * P + ch];
+            const bf16_t x =
+                r < K - 1 ? win[(size_t)r * C + ch] : proj[(size_t)(r - K + 1) * P + ch];
             acc = fmaf(bf2f(x), bf2f(taps[(size_t)j * C + ch]), acc);
         }
         float u = bf2f(f2bf(acc));
@@ -152,11 +154,12 @@ extern "C" __global__ void __launch_bounds__(128) gdn_gated_norm(
     if (win_out != nullptr) {
         const int threads = gridDim.x * gridDim.y * blockDim.x;
         const int rows = K - 1 + t - first;
-        for (int ch = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + c; ch < C; ch += threads)
+        const int ch0 = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + c;
+        for (int ch = ch0; ch < C; ch += threads)
             for (int r = 0; r < rows; ++r) {
                 const int src = first + r;
-                win_out[(size_t)r * C + ch] =
-                    src < K - 1 ? win[(size_t)src * C + ch] : proj[(size_t)(src - K + 1) * P + ch];
+                win_out[(size_t)r * C + ch] = src < K - 1 ? win[(size_t)src * C + ch]
+                                                          : proj[(size_t)(src - K + 1) * P + ch];
             }
     }
     const float v = bf2f(f2bf(o[((size_t)i * hv + h) * GDN_DV + c]));
