@@ -9,7 +9,8 @@
 #   2. gpu_check --hybrid: the fused layer checks (gdn_layer.t1/t16.last_row_and_in_place_max_diff
 #      must be 0), the decode graph against eager bit for bit (graph_vs_eager);
 #   3. the 27B shape's decode, eager and graphs, e2e with token checks: PDL off, then on;
-#   4. the 27B 4K prefill with the chunked form on.
+#   4. the 27B 4K prefill with the chunked form on;
+#   5. ncu of the 27B decode step per kernel (callK), with the time left.
 set -u
 D=${D:-.gpu-next}
 mkdir -p /tmp/b && tar -xJf $D/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
@@ -41,5 +42,16 @@ if [ $(( 540 - $(el) )) -gt 100 ]; then
     --e2e-tokens 32 --budgets 16 --no-e2e-check --out $OUT/l/h27-4k-chunked.json > $OUT/l/h27-4k-chunked.log 2>&1
   echo "27b 4k chunked rc=$? at $(el) s"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in d if k.startswith('prefill_') and not k.endswith('phases')}); print({a: round(b['ms'],1) for a,b in d['prefill_4096_phases']['phases'].items()})" $OUT/l/h27-4k-chunked.json 2>&1 | cut -c1-1200
+fi
+# 5. Where the decode step's time goes, per kernel (callK's ncu), with what time is left.
+LEFT=$(( 570 - $(el) ))
+if [ $LEFT -gt 90 ]; then
+  OURS='regex:^(moe_|gemv_|row_sumsq|rms_apply|gdn_|gattn_|argmax|topk|attn_|splitk_|kv_norm|qk_norm|add_rmsnorm|silu_mul)'
+  timeout $LEFT ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name "$OURS" \
+    -c 2600 /tmp/b/dflash-serve bench --model qwen3.6-27b --e2e-only --prefill 64 --e2e-prompt 64 \
+    --e2e-tokens 8 --budgets 16 --no-e2e-check > /tmp/h27.csv 2>$OUT/l/h27-ncu.err
+  echo "h27 ncu rc=$? at $(el) s"
+  python3 deploy/bench/next/ncu_mean.py /tmp/h27.csv > $OUT/l/h27_kernels.txt; head -30 $OUT/l/h27_kernels.txt
+  xz -9 -c /tmp/h27.csv > $OUT/l/h27_ncu.csv.xz
 fi
 echo "done at $(el) s"
