@@ -37,14 +37,14 @@ for pdl in 0 1; do
   echo "27b pdl=$pdl rc=$? at $(el) s"; grep -m2 -i "error\|panic" $OUT/l/h27-pdl$pdl.log | cut -c1-300
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in d if k.startswith(('decode_', 'e2e_step', 'verify'))}); print({k: v for k, v in d.get('kernel_checks', {}).items() if not k.startswith('gdn_chunk')}); e=d['e2e']; print('e2e', {k: (e[k].get('speedup_vs_plain'), e[k].get('warm_speedup_vs_plain'), e[k].get('tokens_match')) for k in ('chain', 'ddtree_16') if k in e})" $OUT/l/h27-pdl$pdl.json 2>&1 | cut -c1-2500
 done
-if [ $(( 540 - $(el) )) -gt 100 ]; then
-  DFLASH_GDN_CHUNKED=1 timeout $(( 560 - $(el) )) /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 4096 --e2e-prompt 1024 \
+if [ $(( ${LIMIT:-560} - 20 - $(el) )) -gt 100 ]; then
+  DFLASH_GDN_CHUNKED=1 timeout $(( ${LIMIT:-560} - $(el) )) /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 4096 --e2e-prompt 1024 \
     --e2e-tokens 32 --budgets 16 --no-e2e-check --out $OUT/l/h27-4k-chunked.json > $OUT/l/h27-4k-chunked.log 2>&1
   echo "27b 4k chunked rc=$? at $(el) s"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in d if k.startswith('prefill_') and not k.endswith('phases')}); print({a: round(b['ms'],1) for a,b in d['prefill_4096_phases']['phases'].items()})" $OUT/l/h27-4k-chunked.json 2>&1 | cut -c1-1200
 fi
 # 5. Where the decode step's time goes, per kernel (callK's ncu), with what time is left.
-LEFT=$(( 570 - $(el) ))
+LEFT=$(( ${LIMIT:-560} + 10 - $(el) ))
 if [ $LEFT -gt 90 ]; then
   OURS='regex:^(moe_|gemv_|row_sumsq|rms_apply|gdn_|gattn_|argmax|topk|attn_|splitk_|kv_norm|qk_norm|add_rmsnorm|silu_mul)'
   timeout $LEFT ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name "$OURS" \
