@@ -27,8 +27,11 @@ d = json.load(open(sys.argv[1]))
 def walk(x, path=""):
     if isinstance(x, dict):
         for k, v in x.items(): walk(v, f"{path}.{k}" if path else k)
-    elif any(s in path for s in ("in_place", "graph_vs_eager", "differ", "stale", "graph_ms", "eager_ms", "pass")):
-        print(path, x)
+    elif "profile" not in path and "by_split" not in path and any(s in path for s in (
+            "in_place", "graph_vs_eager", "differ", "pass", "decode_1.", "verify_chain_16.",
+            "verify_tree", "over_decode", "fraction_of_roofline", "recurrent_", "copy_bandwidth",
+            "prefill_1k", "error")):
+        print(path, str(x)[:120])
 walk(d)
 PY
 for pdl in 0 1; do
