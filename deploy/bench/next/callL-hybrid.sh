@@ -36,9 +36,9 @@ walk(d)
 PY
 for pdl in 0 1; do
   DFLASH_PDL=$pdl timeout 120 /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 1024 --e2e-prompt 1024 \
-    --e2e-tokens 64 --budgets 16 --out $OUT/l/h27-pdl$pdl.json > $OUT/l/h27-pdl$pdl.log 2>&1
+    --e2e-tokens 64 --budgets 16 --e2e-profile --out $OUT/l/h27-pdl$pdl.json > $OUT/l/h27-pdl$pdl.log 2>&1
   echo "27b pdl=$pdl rc=$? at $(el) s"; grep -m2 -i "error\|panic" $OUT/l/h27-pdl$pdl.log | cut -c1-300
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in d if k.startswith(('decode_', 'e2e_step', 'verify'))}); print({k: v for k, v in d.get('kernel_checks', {}).items() if not k.startswith('gdn_chunk')}); e=d['e2e']; print('e2e', {k: (e[k].get('speedup_vs_plain'), e[k].get('warm_speedup_vs_plain'), e[k].get('tokens_match')) for k in ('chain', 'ddtree_16') if k in e})" $OUT/l/h27-pdl$pdl.json 2>&1 | cut -c1-2500
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in d if k.startswith(('decode_', 'e2e_step', 'verify'))}); print({k: v for k, v in d.get('kernel_checks', {}).items() if not k.startswith('gdn_chunk')}); e=d['e2e']; print('e2e', {k: (e[k].get('speedup_vs_plain'), e[k].get('warm_speedup_vs_plain'), e[k].get('tokens_match')) for k in ('chain', 'ddtree_16') if k in e}); print('plain phases', json.dumps(e.get('plain', {}).get('phases'))[:900])" $OUT/l/h27-pdl$pdl.json 2>&1 | cut -c1-3500
 done
 if [ $(( ${LIMIT:-560} - 20 - $(el) )) -gt 100 ]; then
   DFLASH_GDN_CHUNKED=1 timeout $(( ${LIMIT:-560} - $(el) )) /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 4096 --e2e-prompt 1024 \
