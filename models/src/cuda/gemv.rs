@@ -207,7 +207,7 @@ fn launch(l: Launch<'_>) -> Result<(Tensor, Option<Tensor>)> {
     if pf % 16 != 0 {
         bail!("gemv: the prefetched weight must start on a 16-byte boundary")
     }
-    let pdl = rows_kernel && super::pdl();
+    let pdl = rows_kernel && super::launch::pdl();
     let pdl_arg = pdl as i32;
     // The kernels' GEMV_ARGS, in order.
     let mut args = [

@@ -12,6 +12,8 @@ use candle_core::op::BackpropOp;
 use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
 use half::bf16;
 
+use super::switch::EnvSwitch;
+
 pub(super) fn cuda(t: &Tensor) -> Result<CudaDevice> {
     match t.device() {
         Device::Cuda(d) => Ok(d.clone()),
@@ -185,6 +187,26 @@ pub(super) fn go_ex(
     .map_err(|e| err(e.to_string()))
 }
 
+static PDL: EnvSwitch = EnvSwitch::new("DFLASH_PDL", false);
+
+/// Whether a decode step's kernels launch as programmatic dependents of the kernel before them
+/// (PDL, sm_90, `launch::KernelArgs::launch`): the one-row skinny GEMMs (`gemv.cu`'s
+/// `gemv_rows2_*`, every projection), the decode attention (`attn_decode_*`, `attn_step_*`),
+/// the gated attention (`gattn_*`), the GDN chain and its gated norm, the MoE routing and
+/// decode kernels. Each may start while the previous kernel finishes and waits for that
+/// kernel's writes before touching memory (the GEMMs pull their own weight rows into L2 first),
+/// so a step's ~5-15 launches a layer overlap their start-up with their predecessors' tails.
+/// Off by default until a GPU has checked it (same tokens) and timed it (`DFLASH_PDL=1` or
+/// this switch turns it on). Process-wide.
+pub fn set_pdl(on: bool) {
+    PDL.set(on);
+}
+
+/// Whether decode kernels launch with PDL ([`set_pdl`]).
+pub fn pdl() -> bool {
+    PDL.get()
+}
+
 /// A kernel's arguments for [`KernelArgs::launch`]: a pointer to each value, in the kernel's
 /// order; the values outlive the builder (the driver copies them at launch).
 pub(super) struct KernelArgs<'a> {
@@ -208,7 +230,7 @@ impl<'a> KernelArgs<'a> {
     }
 
     /// Launches `f` with these arguments, as a programmatic dependent of the kernel before it
-    /// where [`super::pdl`] is on: `f` must open with `pdl_launch_dependents(); pdl_wait();`
+    /// where [`pdl`] is on: `f` must open with `pdl_launch_dependents(); pdl_wait();`
     /// (common.cuh), or do nothing before the wait but read memory no kernel writes.
     pub(super) fn launch(
         &mut self,
@@ -217,7 +239,7 @@ impl<'a> KernelArgs<'a> {
         cfg: LaunchConfig,
         name: &str,
     ) -> Result<()> {
-        go_ex(dev, f, cfg, &mut self.ptrs, super::pdl(), name)
+        go_ex(dev, f, cfg, &mut self.ptrs, pdl(), name)
     }
 }
 

@@ -100,7 +100,7 @@ mod launch;
 #[cfg(feature = "cuda")]
 mod linear_ce;
 #[cfg(feature = "cuda")]
-pub use launch::{device_address, upload_i64, upload_u32};
+pub use launch::{device_address, pdl, set_pdl, upload_i64, upload_u32};
 #[cfg(feature = "cuda")]
 mod pinned;
 #[cfg(feature = "cuda")]
@@ -292,25 +292,6 @@ pub fn hybrid_varlen_prefill() -> bool {
     HYBRID_VARLEN_PREFILL.get()
 }
 
-static PDL: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_PDL", false);
-
-/// Whether a decode step's kernels launch as programmatic dependents of the kernel before them
-/// (PDL, sm_90, `launch::KernelArgs::launch`): the one-row skinny GEMMs (`gemv.cu`'s
-/// `gemv_rows2_*`, every projection), the decode attention (`attn_decode_*`, `attn_step_*`),
-/// the gated attention (`gattn_*`), the GDN chain and its gated norm, the MoE routing and
-/// decode kernels. Each may start while the previous kernel finishes and waits for that
-/// kernel's writes before touching memory (the GEMMs pull their own weight rows into L2 first),
-/// so a step's ~5-15 launches a layer overlap their start-up with their predecessors' tails.
-/// Off by default until a GPU has checked it (same tokens) and timed it (`DFLASH_PDL=1` or
-/// this switch turns it on). Process-wide.
-pub fn set_pdl(on: bool) {
-    PDL.set(on);
-}
-
-/// Whether decode kernels launch with PDL ([`set_pdl`]).
-pub fn pdl() -> bool {
-    PDL.get()
-}
 
 static HYBRID_DECODE_GRAPHS: switch::EnvSwitch =
     switch::EnvSwitch::new("DFLASH_HYBRID_DECODE_GRAPHS", false);
