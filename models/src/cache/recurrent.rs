@@ -36,7 +36,10 @@
 //!
 //! **Full per-row states** ([`StagedState::Rows`]) remain for the fused forward's other paths
 //! (`GdnPath::Chain`, `SplitStates`), whose kernels write every row's state into one buffer:
-//! those rows are views into it, and a path replays from the last full state on it.
+//! those rows are views into it, and a path replays from the last full state on it (settling
+//! on one copies it out of the buffer). A decode step's one row is a buffer of its own
+//! ([`StagedState::OwnRows`]): settling on it keeps it as it is (no copy: the commit of a
+//! decode step launches nothing).
 
 use std::sync::{Arc, OnceLock};
 
@@ -120,6 +123,9 @@ pub enum StagedState {
     /// The state after each new row (rows may be rolled back later): the fused CUDA chain's
     /// views into its kernel's state buffer.
     Rows(Vec<GdnState>),
+    /// As [`StagedState::Rows`], every tensor a buffer of its own that no one writes again (a
+    /// decode step's one row): settling on one keeps it without a copy.
+    OwnRows(Vec<GdnState>),
     /// Only the state after the last new row (the forward settles the cache).
     Final(GdnState),
     /// The new rows' [`RowInputs`] (rows may be rolled back later): the plain path's verify.
@@ -129,8 +135,9 @@ pub enum StagedState {
 /// One unsettled row of a layer.
 #[derive(Debug, Clone)]
 enum StagedRow {
-    /// The full state after the row.
-    State(GdnState),
+    /// The full state after the row; whether its tensors are buffers of their own (else views
+    /// into a forward's buffer of many rows, copied out when settled on).
+    State(GdnState, bool),
     /// Row `i` of one forward's inputs (shared by that forward's rows).
     Inputs(Arc<RowInputs>, usize),
 }
@@ -167,7 +174,7 @@ impl RecurrentLayer {
                 "the live recurrent rows hold an uncommitted tree: compact the accepted path first"
                     .into(),
             )),
-            Some(StagedRow::State(s)) => Ok(s),
+            Some(StagedRow::State(s, _)) => Ok(s),
             Some(StagedRow::Inputs(..)) => {
                 if let Some(s) = self.tip.get() {
                     return Ok(s);
@@ -192,7 +199,7 @@ impl RecurrentLayer {
     pub fn staged_full_states(&self) -> usize {
         self.rows
             .iter()
-            .filter(|r| matches!(r, StagedRow::State(_)))
+            .filter(|r| matches!(r, StagedRow::State(..)))
             .count()
     }
 
@@ -204,7 +211,7 @@ impl RecurrentLayer {
         let mut total = 0;
         for r in &self.rows {
             match r {
-                StagedRow::State(s) => total += bytes(&s.conv) + bytes(&s.ssm),
+                StagedRow::State(s, _) => total += bytes(&s.conv) + bytes(&s.ssm),
                 StagedRow::Inputs(b, _) => {
                     let p = Arc::as_ptr(b);
                     if !seen.contains(&p) {
@@ -222,7 +229,12 @@ impl RecurrentLayer {
     pub(crate) fn apply(&mut self, staged: StagedState, path: bool) {
         self.tip = OnceLock::new();
         match staged {
-            StagedState::Rows(r) => self.rows.extend(r.into_iter().map(StagedRow::State)),
+            StagedState::Rows(r) => self
+                .rows
+                .extend(r.into_iter().map(|s| StagedRow::State(s, false))),
+            StagedState::OwnRows(r) => self
+                .rows
+                .extend(r.into_iter().map(|s| StagedRow::State(s, true))),
             StagedState::Inputs(inputs) => {
                 let n = inputs.len();
                 let inputs = Arc::new(inputs);
@@ -241,11 +253,14 @@ impl RecurrentLayer {
     /// from the base): from the last full state on it (or the base), the staged inputs of
     /// the rows after it run as a chain (the delta rule's [`state_along`], the conv window
     /// from their pre-conv rows). Always a tensor of its own, never a view into a forward's
-    /// buffer.
+    /// buffer: a full state staged as views is copied, one staged as its own buffer kept.
     fn state_along(&self, path: &[usize]) -> Result<GdnState> {
         let (mut start, mut rest) = (&self.base, path);
         for (j, &r) in path.iter().enumerate().rev() {
-            if let StagedRow::State(s) = &self.rows[r] {
+            if let StagedRow::State(s, own) = &self.rows[r] {
+                if *own && j + 1 == path.len() {
+                    return Ok(s.clone());
+                }
                 (start, rest) = (s, &path[j + 1..]);
                 break;
             }
@@ -468,5 +483,63 @@ impl RowTracker {
         self.settled = len;
         self.parents.clear();
         path
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(v: f32) -> Result<GdnState> {
+        let dev = Device::Cpu;
+        Ok(GdnState {
+            conv: Tensor::full(v, (3, 8), &dev)?,
+            ssm: Tensor::full(v, (2, 4, 4), &dev)?,
+        })
+    }
+
+    /// Settling on a staged row of its own keeps that very tensor (a decode step's commit
+    /// copies nothing); a row staged as a view into a forward's buffer is copied out, equal.
+    #[test]
+    fn settling_keeps_own_rows_and_copies_views() -> Result<()> {
+        for own in [true, false] {
+            let mut layer = RecurrentLayer::new(state(0.0)?);
+            let row = state(1.0)?;
+            let staged = if own {
+                StagedState::OwnRows(vec![row.clone()])
+            } else {
+                StagedState::Rows(vec![row.clone()])
+            };
+            layer.apply(staged, true);
+            assert_eq!(
+                layer.last().map_err(candle_core::Error::wrap)?.ssm.id(),
+                row.ssm.id()
+            );
+            layer.settle_on(&[0])?;
+            let base = layer.base();
+            assert_eq!(base.ssm.id() == row.ssm.id(), own, "own {own}: ssm kept");
+            assert_eq!(base.conv.id() == row.conv.id(), own, "own {own}: conv kept");
+            let diff = (&base.ssm - &row.ssm)?
+                .abs()?
+                .sum_all()?
+                .to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0);
+            assert_eq!(layer.staged_rows(), 0);
+        }
+        Ok(())
+    }
+
+    /// A rollback to the first of two own rows settles on that row's very tensors.
+    #[test]
+    fn rollback_to_an_earlier_own_row_keeps_it() -> Result<()> {
+        let mut layer = RecurrentLayer::new(state(0.0)?);
+        let first = state(1.0)?;
+        layer.apply(StagedState::OwnRows(vec![first.clone()]), true);
+        layer.apply(StagedState::OwnRows(vec![state(2.0)?]), true);
+        layer.settle_on(&[0])?;
+        assert_eq!(layer.base().ssm.id(), first.ssm.id());
+        let v = layer.base().ssm.flatten_all()?.to_vec1::<f32>()?;
+        assert!(v.iter().all(|&x| x == 1.0));
+        Ok(())
     }
 }

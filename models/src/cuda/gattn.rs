@@ -181,8 +181,19 @@ pub fn gated_attention_chain_split(
     let name = format!("gattn_prep_{suffix}");
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
     let mut b = KernelArgs::new();
-    b.arg(&qkvp).arg(&qwp).arg(&kwp).arg(&cp).arg(&sp).arg(&qp).arg(&kcp);
-    b.arg(&vcp).arg(&nhi).arg(&nkvi).arg(&roti).arg(&capi).arg(&ci);
+    b.arg(&qkvp)
+        .arg(&qwp)
+        .arg(&kwp)
+        .arg(&cp)
+        .arg(&sp)
+        .arg(&qp)
+        .arg(&kcp);
+    b.arg(&vcp)
+        .arg(&nhi)
+        .arg(&nkvi)
+        .arg(&roti)
+        .arg(&capi)
+        .arg(&ci);
     b.arg(&c_dev).arg(&eps);
     let grid = (t as u32, (nh + nkv) as u32, 1);
     b.launch(&dev, &f, cfg(grid, d as u32), &name)?;
@@ -203,8 +214,19 @@ pub fn gated_attention_chain_split(
     let name = format!("gattn_split_{suffix}");
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
     let mut b = KernelArgs::new();
-    b.arg(&qp).arg(&kcp).arg(&vcp).arg(&accp).arg(&mlp).arg(&ti).arg(&nhi);
-    b.arg(&nkvi).arg(&capi).arg(&ci).arg(&c_dev).arg(&kpsi).arg(&splitsi);
+    b.arg(&qp)
+        .arg(&kcp)
+        .arg(&vcp)
+        .arg(&accp)
+        .arg(&mlp)
+        .arg(&ti)
+        .arg(&nhi);
+    b.arg(&nkvi)
+        .arg(&capi)
+        .arg(&ci)
+        .arg(&c_dev)
+        .arg(&kpsi)
+        .arg(&splitsi);
     b.arg(&scale);
     let grid = (nkv as u32, splits.div_ceil(WARPS) as u32, row_groups as u32);
     b.launch(&dev, &f, cfg(grid, (WARPS * 32) as u32), &name)?;

@@ -173,7 +173,12 @@ pub fn gdn_chain(
     let f = dev.get_or_load_custom_func("gdn_chain", MODULE, PTX)?;
     let mut b = KernelArgs::new();
     b.arg(&wp).arg(&pp).arg(&tp).arg(&ap).arg(&bp).arg(&sp);
-    b.arg(&op).arg(&outp).arg(&ti).arg(&alli).arg(&hki).arg(&hvi);
+    b.arg(&op)
+        .arg(&outp)
+        .arg(&ti)
+        .arg(&alli)
+        .arg(&hki)
+        .arg(&hvi);
     b.arg(&ci).arg(&pi).arg(&ki).arg(&off_b);
     b.launch(
         &dev,

@@ -285,6 +285,13 @@ fn gdn_mix(
     };
     let join = |state: &GdnState| Tensor::cat(&[&state.conv, &proj.narrow(1, 0, g.conv_dim())?], 0);
     Ok(match (path, keep) {
+        (GdnPath::Chain, true) if t == 1 => {
+            // A decode step's one row: its state and window are buffers of their own, which
+            // the commit keeps as they are (no copies).
+            let (y, states, conv) = g.mix_fused(proj, state, ChainOut::LastRow)?;
+            let ssm = states.get(0)?;
+            (y, StagedState::OwnRows(vec![GdnState { conv, ssm }]))
+        }
         (GdnPath::Chain, true) => {
             let (y, states, ext) = g.mix_fused(proj, state, ChainOut::EveryRow)?;
             mark(proj.device(), "gdn.stage");

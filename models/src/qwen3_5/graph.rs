@@ -367,7 +367,7 @@ impl HybridDecodeGraph {
             };
             st.handed = Some(s.clone());
             let staged_state = if self.keep {
-                StagedState::Rows(vec![s])
+                StagedState::OwnRows(vec![s])
             } else {
                 StagedState::Final(s)
             };
