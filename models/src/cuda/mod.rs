@@ -233,15 +233,18 @@ pub fn gdn_tree_kernel() -> bool {
     GDN_TREE_KERNEL.get()
 }
 
-static GDN_CHUNKED: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GDN_CHUNKED", false);
+static GDN_CHUNKED: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GDN_CHUNKED", true);
 
 /// Whether a hybrid target's prefill of at least [`GDN_CHUNKED_MIN_T`] tokens runs the delta
 /// rule of its GDN layers in the chunked form on the tensor cores (`gdn_chunk.cu`: 64-token
 /// chunks, a parallel solve per chunk, then one pass over the chunks per 32 value columns)
 /// instead of `gdn_scan`'s token-by-token recurrence, which at the Qwen3.6-27B shape took 125 ms
-/// of a 4K prefill's 0.60 s (H100, session 24, `prefill_4096_phases` `gdn.scan`). Off by
-/// default until a GPU has checked and timed it (`cuda::check::gdn_chunked_errors`, the family
-/// bench's `kernel_checks`); `DFLASH_GDN_CHUNKED=1` or this switch turns it on. Process-wide.
+/// of a 4K prefill's 0.60 s (H100, session 24, `prefill_4096_phases` `gdn.scan`). On by
+/// default since session 26 (H100: `gpu_check --gdn-chunk` and the family bench's
+/// `kernel_checks` pass at hv 48 and 32, 1,000 and 4,396 tokens, within 2e-2 of the scale of
+/// the scan's output; 1.6 ms against the scan's 3.3 at 4,396 tokens of the 27B heads; the
+/// 27B's 4K prefill 0.536 s = 0.517 of the matmul rate, against 0.453 with the scan);
+/// `DFLASH_GDN_CHUNKED=0` or this switch turns it off. Process-wide.
 pub fn set_gdn_chunked(on: bool) {
     GDN_CHUNKED.set(on);
 }
@@ -291,7 +294,6 @@ pub fn set_hybrid_varlen_prefill(on: bool) {
 pub fn hybrid_varlen_prefill() -> bool {
     HYBRID_VARLEN_PREFILL.get()
 }
-
 
 static HYBRID_DECODE_GRAPHS: switch::EnvSwitch =
     switch::EnvSwitch::new("DFLASH_HYBRID_DECODE_GRAPHS", false);
