@@ -194,10 +194,11 @@ static PDL: EnvSwitch = EnvSwitch::new("DFLASH_PDL", false);
 /// `gemv_rows2_*`, every projection), the decode attention (`attn_decode_*`, `attn_step_*`),
 /// the gated attention (`gattn_*`), the GDN chain and its gated norm, the MoE routing and
 /// decode kernels. Each may start while the previous kernel finishes and waits for that
-/// kernel's writes before touching memory (the GEMMs pull their own weight rows into L2 first),
-/// so a step's ~5-15 launches a layer overlap their start-up with their predecessors' tails.
-/// Off by default until a GPU has checked it (same tokens) and timed it (`DFLASH_PDL=1` or
-/// this switch turns it on). Process-wide.
+/// kernel's writes before touching memory, so a step's ~5-15 launches a layer overlap their
+/// start-up with their predecessors' tails. Off by default: with the GEMMs also pulling their
+/// weight rows into L2 before the wait it made the 27B's decode 13% slower (H100, session 26;
+/// same tokens); without that pull it is not measured yet (`DFLASH_PDL=1` or this switch
+/// turns it on). Process-wide.
 pub fn set_pdl(on: bool) {
     PDL.set(on);
 }
