@@ -106,6 +106,9 @@ __device__ __forceinline__ void split_impl(const T* __restrict__ q, const T* __r
     const int groups = nh / nkv;
     const int rows = t * groups;
     const int L = c + t;
+    // A split past every live key (a graph's splits cover the capacity) writes nothing: the
+    // combine reads only the splits that hold live keys.
+    if (s * kps >= L) return;
     float qv[RPW][DPL], o[RPW][DPL], m[RPW], l[RPW];
     int lim[RPW];  // keys visible to the row: [0, lim)
 #pragma unroll
@@ -167,12 +170,17 @@ __device__ __forceinline__ void split_impl(const T* __restrict__ q, const T* __r
 
 // Grid (t * nh), GD threads: row tok * nh + h merged over the splits (weights exp(m_s - M)),
 // rounded to the element type as the plain attention output, times sigmoid(gate) (rounded
-// too, as the plain sigmoid), into out [t, nh * GD]: the o_proj input.
+// too, as the plain sigmoid), into out [t, nh * GD]: the o_proj input. Only the splits holding
+// live keys (the first ceil((c + t) / kps); c from c_dev when set) are read: the later ones of
+// a graph's capacity-wide split wrote nothing (and would only have added nothing).
 template <typename T>
 __device__ __forceinline__ void combine_impl(const float* __restrict__ acc,
                                              const float* __restrict__ ml,
                                              const T* __restrict__ qkv, T* out, int t, int nh,
-                                             int nkv, int splits) {
+                                             int nkv, int splits, int c,
+                                             const u32* __restrict__ c_dev, int kps) {
+    if (c_dev) c = *c_dev;
+    splits = min(splits, (c + t + kps - 1) / kps);
     const int orow = blockIdx.x, dim = threadIdx.x;
     const int tok = orow / nh, h = orow % nh;
     const size_t nrows = (size_t)t * nh;
@@ -212,10 +220,10 @@ __device__ __forceinline__ void combine_impl(const float* __restrict__ acc,
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GD) gattn_combine_##SUF(                      \
         const float* acc, const float* ml, const T* qkv, T* out, int t, int nh, int nkv,       \
-        int splits) {                                                                          \
+        int splits, int c, const u32* c_dev, int kps) {                                        \
         pdl_launch_dependents();                                                               \
         pdl_wait();                                                                            \
-        combine_impl<T>(acc, ml, qkv, out, t, nh, nkv, splits);                                \
+        combine_impl<T>(acc, ml, qkv, out, t, nh, nkv, splits, c, c_dev, kps);                 \
     }
 GATTN(bf16, bf16_t)
 GATTN(f32, float)

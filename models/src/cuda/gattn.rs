@@ -238,6 +238,7 @@ pub fn gated_attention_chain_split(
     let mut b = KernelArgs::new();
     b.arg(&accp).arg(&mlp).arg(&qkvp).arg(&outp);
     b.arg(&ti).arg(&nhi).arg(&nkvi).arg(&splitsi);
+    b.arg(&ci).arg(&c_dev).arg(&kpsi);
     b.launch(&dev, &f, cfg((nrows as u32, 1, 1), d as u32), &name)?;
     // The launches are stream-ordered; the scratch is freed (back to the pool) after them.
     drop((q, acc, ml));
