@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 20 (bundle: dflash-serve + gpu_check at c53f1c3): the decode commit without copies
+# Issue 20 (bundle: dflash-serve + gpu_check at or after c53f1c3): the decode commit without copies
 # (StagedState::OwnRows: the engine's 8_commit phase was 1.39 ms of a 27B decode step on an H100),
 # PDL without the weight pull (off, then on), the chunked prefill on by default, and the
 # hybrid checks with the GDN chain's last-row and in-place forms (must equal every-row bit for bit).
