@@ -57,4 +57,6 @@ if [ $LEFT -gt 90 ]; then
   python3 deploy/bench/next/ncu_mean.py /tmp/h27.csv > $OUT/l/h27_kernels.txt; head -30 $OUT/l/h27_kernels.txt
   xz -9 -c /tmp/h27.csv > $OUT/l/h27_ncu.csv.xz
 fi
+# Few files come back from a call (8 in session 26): one archive.
+tar -C $OUT -cJf $OUT/l.tar.xz l && rm -rf $OUT/l
 echo "done at $(el) s"

@@ -29,4 +29,5 @@ for pdl in 0 1; do
   echo "qwen3-8b pdl=$pdl rc=$? at $(el) s"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); f=d['variants']['fast']; print('decode', json.dumps(f.get('decode'))[:600]); print('e2e', json.dumps(f.get('e2e'))[:700]); print('checks', json.dumps(d.get('kernel_checks'))[:700])" $OUT/m/q8-pdl$pdl.json 2>&1 | cut -c1-2200
 done
+tar -C $OUT -cJf $OUT/m.tar.xz m && rm -rf $OUT/m
 echo "done at $(el) s"
