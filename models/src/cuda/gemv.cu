@@ -6,13 +6,13 @@
 #define GEMV_ARGS                                                                             \
     const bf16_t *x, const bf16_t *w, bf16_t *y, int M, int N, int K, int ks,                 \
         const bf16_t *resid, const bf16_t *nw, float eps, const float *ss_in, float *ss_out,  \
-        float *part, u32 *counter, const char *pf, u64 pf_bytes, int pdl
+        float *part, u32 *counter, const char *pf, u64 pf_bytes
 // MINB 0: no minimum-blocks bound (a bound of 1 is not the same: with it ptxas spends up to
 // 50% more registers on these kernels).
 #define ROWS_KERNEL(name, R, U, EPI, NORM, MINB, KS)                                          \
     extern "C" __global__ void __launch_bounds__(128, MINB) name(GEMV_ARGS) {                 \
         rows_impl<R, U, EPI, NORM, KS>(x, w, y, N, K, resid, nw, eps, ss_in, ss_out, part,    \
-                                       counter, pf, pf_bytes, pdl);                           \
+                                       counter, pf, pf_bytes);                                \
     }
 #define MMA_KERNEL(name, U, EPI, MT)                                                          \
     extern "C" __global__ void __launch_bounds__(128) name(GEMV_ARGS) {                       \

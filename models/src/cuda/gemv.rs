@@ -7,7 +7,7 @@
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, go_ex, ptr};
+use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, ptr, KernelArgs};
 use super::GEMV_MAX_ROWS;
 
 pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
@@ -208,35 +208,23 @@ fn launch(l: Launch<'_>) -> Result<(Tensor, Option<Tensor>)> {
         bail!("gemv: the prefetched weight must start on a 16-byte boundary")
     }
     let pdl = rows_kernel && super::launch::pdl();
-    let pdl_arg = pdl as i32;
     // The kernels' GEMV_ARGS, in order.
-    let mut args = [
-        &xp as *const u64 as *mut std::ffi::c_void,
-        &wp as *const u64 as *mut _,
-        &yp as *const u64 as *mut _,
-        &mi as *const i32 as *mut _,
-        &ni as *const i32 as *mut _,
-        &ki as *const i32 as *mut _,
-        &ksi as *const i32 as *mut _,
-        &resid as *const u64 as *mut _,
-        &nw as *const u64 as *mut _,
-        &eps as *const f32 as *mut _,
-        &ss_in as *const u64 as *mut _,
-        &sp as *const u64 as *mut _,
-        &pp as *const u64 as *mut _,
-        &counter as *const u64 as *mut _,
-        &pf as *const u64 as *mut _,
-        &pf_bytes as *const u64 as *mut _,
-        &pdl_arg as *const i32 as *mut _,
-    ];
-    go_ex(
-        &dev,
-        &f,
-        cfg((grid as u32, 1, 1), 128),
-        &mut args,
-        pdl,
-        &name,
-    )?;
+    let mut b = KernelArgs::new();
+    b.arg(&xp)
+        .arg(&wp)
+        .arg(&yp)
+        .arg(&mi)
+        .arg(&ni)
+        .arg(&ki)
+        .arg(&ksi);
+    b.arg(&resid)
+        .arg(&nw)
+        .arg(&eps)
+        .arg(&ss_in)
+        .arg(&sp)
+        .arg(&pp);
+    b.arg(&counter).arg(&pf).arg(&pf_bytes);
+    b.launch_as(&dev, &f, cfg((grid as u32, 1, 1), 128), pdl, &name)?;
     // The partials are freed stream-ordered after the kernel.
     drop(part);
     Ok((y, ss_out))

@@ -42,22 +42,17 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
 // Called by warps that are done with their own loads, so the copies fill the memory system's
 // slack at the end of a kernel and in the launch gap. 16-byte units, in 32-bit math: a 64-bit
 // division here costs the kernel registers (and so resident blocks).
-// Bytes [0, bytes) of p (16-byte multiples, 16-byte aligned) into L2 from the calling thread,
-// 32 KB per bulk prefetch instruction.
-__device__ __forceinline__ void bulk_prefetch_l2(const char* p, u64 bytes) {
-    for (u64 at = 0; at < bytes; at += 32768) {
-        const u32 n = (u32)min(bytes - at, (u64)32768);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p + at), "r"(n) : "memory");
-    }
-}
-
 __device__ __forceinline__ void l2_prefetch(const char* pf, u64 bytes) {
     if (pf == nullptr || bytes < 16 || (threadIdx.x & 31) != 0) return;
     const u32 units = (u32)(bytes >> 4), warps = gridDim.x * (blockDim.x >> 5);
     const u32 per_warp = (units + warps - 1) / warps;
     const u32 b0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * per_warp;
     const u32 b1 = min(units, b0 + per_warp);
-    if (b1 > b0) bulk_prefetch_l2(pf + ((u64)b0 << 4), (u64)(b1 - b0) << 4);
+    for (u32 u = b0; u < b1; u += 2048) {  // at most 32 KB per instruction
+        const u32 n = min(b1 - u, 2048u) << 4;
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf + ((u64)u << 4)), "r"(n)
+                     : "memory");
+    }
 }
 
 __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
@@ -140,27 +135,20 @@ template <int R, int U, int EPI, int NORM, int KS>
 __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                           bf16_t* __restrict__ y, int N, int K, const bf16_t* __restrict__ resid,
                           const bf16_t* __restrict__ nw, float eps, const float* ss_in,
-                          float* ss_out, float* part, u32* counter, const char* pf, u64 pf_bytes,
-                          int pdl) {
+                          float* ss_out, float* part, u32* counter, const char* pf, u64 pf_bytes) {
     constexpr int RW = EPI == EPI_SILU ? 2 * R : R;
     __shared__ float wsum[4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int grp = warp / KS, split = warp % KS;
     const int n0 = (blockIdx.x * (4 / KS) + grp) * R;
     const bool active = n0 < N;
-    // This warp's weight rows (row r at w_row(r)) and its spans of 256 elements [it0, iters).
-    auto w_row = [&](int r) { return w + (size_t)((r < R ? 0 : N) + n0 + (r % R)) * K; };
-    const int spans = K >> 8;  // 256 elements per warp instruction
-    const int per = (spans + KS - 1) / KS, it0 = split * per;
-    const int iters = min(spans, it0 + per);
-    if (pdl) {
-        // Launched as a dependent: the next kernel may launch now; then wait for the kernel
-        // before (x, the sums of squares, the residual, the counter are its or earlier ones').
-        // (Pulling this warp's own weight rows into L2 first made the 27B's decode 13% slower
-        // on an H100, session 26: every block of every wave fetched its rows twice.)
-        pdl_launch_dependents();
-        pdl_wait();
-    }
+    // Launched as a dependent (`cuda::pdl`): the next kernel may launch now; then wait for the
+    // kernel before (x, the sums of squares, the residual, the counter are its or earlier
+    // ones'). Both return at once otherwise. (Pulling this warp's own weight rows into L2
+    // before the wait made the 27B's decode 13% slower on an H100, session 26: every block of
+    // every wave fetched its rows twice.)
+    pdl_launch_dependents();
+    pdl_wait();
     float acc[RW];
 #pragma unroll
     for (int r = 0; r < RW; ++r) acc[r] = 0.f;
@@ -171,10 +159,14 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
     if (active) {
         const uint4* wrow[RW];
 #pragma unroll
-        for (int r = 0; r < RW; ++r) wrow[r] = (const uint4*)w_row(r) + lane;
+        for (int r = 0; r < RW; ++r)
+            wrow[r] = (const uint4*)(w + (size_t)((r < R ? 0 : N) + n0 + (r % R)) * K) + lane;
         const uint4* xv = (const uint4*)x + lane;
         const uint4* nv = (const uint4*)nw + lane;
         const float inv = NORM == NORM_SS ? rsqrtf(ss_in[0] / (float)K + eps) : inv_self;
+        const int spans = K >> 8;  // 256 elements per warp instruction
+        const int per = (spans + KS - 1) / KS, it0 = split * per;
+        const int iters = min(spans, it0 + per);
         for (int it = it0; it < iters; it += U) {
             uint4 wv[U][RW];
 #pragma unroll

@@ -140,8 +140,8 @@ pub(super) fn function_with_smem(
 /// Launches `f` on `dev`'s stream with `args` (a pointer to each argument's value, in the
 /// kernel's order, the values alive for the call); with `pdl`, as a programmatic dependent
 /// launch (the kernel may start before the one before it on the stream has finished: it must
-/// `griddepcontrol.wait`, `pdl_wait` in gemv_impl.cuh, before reading what that one wrote).
-pub(super) fn go_ex(
+/// `griddepcontrol.wait`, `pdl_wait` in common.cuh, before reading what that one wrote).
+fn go_ex(
     dev: &CudaDevice,
     f: &CudaFunction,
     cfg: LaunchConfig,
@@ -240,7 +240,20 @@ impl<'a> KernelArgs<'a> {
         cfg: LaunchConfig,
         name: &str,
     ) -> Result<()> {
-        go_ex(dev, f, cfg, &mut self.ptrs, pdl(), name)
+        self.launch_as(dev, f, cfg, pdl(), name)
+    }
+
+    /// [`Self::launch`] with the caller's choice of PDL (a kernel family only some of whose
+    /// kernels wait).
+    pub(super) fn launch_as(
+        &mut self,
+        dev: &CudaDevice,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        pdl: bool,
+        name: &str,
+    ) -> Result<()> {
+        go_ex(dev, f, cfg, &mut self.ptrs, pdl, name)
     }
 }
 

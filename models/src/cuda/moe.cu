@@ -313,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(256)
         rows_impl<2, 2, EPI_SILU, NORM, 1>(x + (size_t)r * K, we,                               \
                                            act + (size_t)p * N, N, K, nullptr, nw, eps,         \
                                            NORM ? ss_in + r : nullptr, nullptr, nullptr,        \
-                                           nullptr, nullptr, 0, 0);                             \
+                                           nullptr, nullptr, 0);                                \
     }
 MOE_GATE_UP_ROWS(moe_gate_up_rows, NORM_NONE)
 MOE_GATE_UP_ROWS(moe_gate_up_rows_norm, NORM_SS)

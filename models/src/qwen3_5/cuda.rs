@@ -9,8 +9,9 @@
 //! [`crate::qwen3_5::GdnPaths`] name for the chain's length: `Chain` (decode's default:
 //! `cuda/gdn.cu`'s `gdn_chain`, conv over the cached window and the new rows where they lie +
 //! SiLU + L2 norms + decay/beta + the delta rule with the state in registers, then the gated
-//! RMSNorm, which also writes the conv window to keep: two launches) or the split kernels (`cuda/gdn_split.cu`: a prologue once per channel and token, a
-//! warp-shuffle scan over twice the warps, the same gated RMSNorm). A gated full-attention layer
+//! RMSNorm, which also writes the conv window to keep: two launches) or the split kernels
+//! (`cuda/gdn_split.cu`: a prologue once per channel and token, a warp-shuffle scan over twice
+//! the warps, the same gated RMSNorm). A gated full-attention layer
 //! (head_dim 256, partial RoPE, sigmoid output gate: not the dense attention kernels' shape) is
 //! three launches on the fused q|gate|k|v product (`cuda/gattn.cu`: q/k norm + RoPE + cache
 //! write, split-K attention, merge x gate); other head sizes and paged caches run the plain
@@ -285,22 +286,25 @@ fn gdn_mix(
     };
     let join = |state: &GdnState| Tensor::cat(&[&state.conv, &proj.narrow(1, 0, g.conv_dim())?], 0);
     Ok(match (path, keep) {
-        (GdnPath::Chain, true) if t == 1 => {
-            // A decode step's one row: its state and window are buffers of their own, which
-            // the commit keeps as they are (no copies).
-            let (y, states, conv) = g.mix_fused(proj, state, ChainOut::LastRow)?;
-            let ssm = states.get(0)?;
-            (y, StagedState::OwnRows(vec![GdnState { conv, ssm }]))
-        }
-        (GdnPath::Chain, true) => {
+        (GdnPath::Chain, true) if t > 1 => {
             let (y, states, ext) = g.mix_fused(proj, state, ChainOut::EveryRow)?;
             mark(proj.device(), "gdn.stage");
             (y, rows_staging(&ext, &states)?)
         }
-        (GdnPath::Chain, false) => {
+        (GdnPath::Chain, keep) => {
+            // Only the last row's state and window, in buffers of their own: a decode step
+            // staged for rollback is kept as it is at the commit (no copies).
             let (y, states, conv) = g.mix_fused(proj, state, ChainOut::LastRow)?;
-            let ssm = states.get(0)?;
-            (y, StagedState::Final(GdnState { conv, ssm }))
+            let last = GdnState {
+                conv,
+                ssm: states.get(0)?,
+            };
+            let staged = if keep {
+                StagedState::OwnRows(vec![last])
+            } else {
+                StagedState::Final(last)
+            };
+            (y, staged)
         }
         (GdnPath::SplitStates, true) => {
             mark(proj.device(), "gdn.join");
