@@ -25,6 +25,8 @@ fn main() {
         "gattn.cu",
         "splitk.cu",
         "moe.cu",
+        "moe_route.cu",
+        "moe.cuh",
         "gemv_impl.cuh",
         "attn_step.cu",
         "common.cuh",
@@ -66,6 +68,7 @@ fn main() {
         ("gattn.cu", "gattn.ptx"),
         ("splitk.cu", "splitk.ptx"),
         ("moe.cu", "moe.ptx"),
+        ("moe_route.cu", "moe_route.ptx"),
         ("attn_step.cu", "attn_step.ptx"),
     ] {
         let status = Command::new(&nvcc)

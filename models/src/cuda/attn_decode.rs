@@ -216,10 +216,14 @@ pub(crate) fn fused_attention_rt(
     let stages = match kernel {
         BatchKernel::Step3 => Some(3),
         BatchKernel::Step2 => Some(2),
+        // One sequence's decode token: the step kernel too when switched on.
+        _ if seqs == 1 && cps == 0 && super::step_attn_one() => Some(3),
         _ => None,
     };
     if let Some(stages) = stages {
         if step_fits(seqs, t, nh, nkv, tree.is_some()) {
+            // One sequence: the step kernel's own split count (a block per SM).
+            let blocks = if batched { blocks } else { 0 };
             return step_attention(new_rows, stages, blocks);
         }
     }

@@ -26,9 +26,10 @@ pub(super) const MODULE: &str = "dflash_attn_step";
 pub const STEP_MAX_GROUPS: usize = 16;
 
 /// Whether [`step_attention`] takes a launch of `t` new tokens per sequence for `seqs`
-/// sequences with `nh` / `nkv` heads and no tree.
+/// sequences with `nh` / `nkv` heads and no tree (one sequence: only when
+/// [`super::step_attn_one`] sends it).
 pub(crate) fn step_fits(seqs: usize, t: usize, nh: usize, nkv: usize, tree: bool) -> bool {
-    seqs > 1 && t == 1 && !tree && nkv > 0 && nh.is_multiple_of(nkv) && nh / nkv <= STEP_MAX_GROUPS
+    seqs > 0 && t == 1 && !tree && nkv > 0 && nh.is_multiple_of(nkv) && nh / nkv <= STEP_MAX_GROUPS
 }
 
 /// The kernel's parameter block (`StepArgs` in attn_step.cu, same field order).
@@ -104,8 +105,8 @@ fn sms(dev: &CudaDevice) -> Result<usize> {
     Ok(n)
 }
 
-/// The attention of a batched one-token step (see the module doc): `rows` of `seqs` > 1
-/// sequences with one row each, their page tables in `rows.pages`; `stages` 2 or 3 cp.async
+/// The attention of a batched one-token step (see the module doc): `rows` of `seqs` sequences
+/// with one row each, their page tables in `rows.pages` (one sequence may have none); `stages` 2 or 3 cp.async
 /// stages per warp; `blocks` the blocks to aim at (0: see [`step_splits`]). Returns `[seqs, nh * d]`.
 pub(crate) fn step_attention(rows: &QkvRows<'_>, stages: usize, blocks: usize) -> Result<Tensor> {
     let QkvRows {

@@ -10,8 +10,8 @@ use candle_core::{Result, Tensor};
 use super::gdn::GDN_HEAD_DIM;
 use super::launch::{alloc_bf16, alloc_f32, function_with_smem, go, ptr};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn_chunk.ptx"));
-const MODULE: &str = "dflash_gdn_chunk";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdn_chunk.ptx"));
+pub(super) const MODULE: &str = "dflash_gdn_chunk";
 
 /// Tokens a chunk of the kernels' form holds (`GC_C`).
 pub const GDN_CHUNK: usize = 64;

@@ -139,9 +139,12 @@ pub use lt_gemm::{linear_lt, tuned_timings, LtMode};
 #[cfg(feature = "cuda")]
 mod moe;
 #[cfg(feature = "cuda")]
-pub use moe::{
-    moe_block, moe_experts, moe_route, moe_route_shared, moe_route_wide, MoeRouting, MoeWeights,
-    SharedExpertRefs, SHARED_ROUTER_PAD,
+pub use moe::{moe_block, moe_experts, MoeWeights, SharedExpertRefs};
+#[cfg(feature = "cuda")]
+mod moe_route;
+#[cfg(feature = "cuda")]
+pub use moe_route::{
+    moe_route, moe_route_shared, moe_route_wide, router_route, MoeRouting, SHARED_ROUTER_PAD,
 };
 #[cfg(feature = "cuda")]
 mod splitk;
@@ -315,6 +318,26 @@ pub fn set_hybrid_decode_graphs(on: bool) {
 /// `sparse_moe`).
 pub fn hybrid_decode_graphs(sparse_moe: bool) -> bool {
     HYBRID_DECODE_GRAPHS.get_or(sparse_moe)
+}
+
+static STEP_ATTN_ONE: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_STEP_ATTN_ONE", true);
+
+/// Whether a one-sequence, one-token decode step's attention runs the batched step kernel
+/// (`attn_step.cu`: the query heads of a KV head as one tensor-core tile, warp-private cp.async
+/// rings, splits over the SMs) instead of `attn_decode.cu`'s general one-launch kernel. On by
+/// default since session 27 (H100, deploy/bench/results/h100-2026-12-07-s27): the Qwen3-8B
+/// bench's one-launch attention at 1K / 8K context 13.2 / 24.0 us -> 9.9 / 16.9 (its
+/// `fused_attention:*device_split*` checks as before: 9.8e-4 from the plain path), decode from
+/// graphs 6.06 -> 5.87 ms; the Qwen3-Coder-30B-A3B shape's decode 4.08 -> 3.85 ms (ncu: 25.7 ->
+/// 16.2 us a layer); greedy tokens graphs vs eager identical. `DFLASH_STEP_ATTN_ONE=0` or this
+/// switch turns it off. Process-wide; a graph keeps the kernel it captured.
+pub fn set_step_attn_one(on: bool) {
+    STEP_ATTN_ONE.set(on);
+}
+
+/// Whether one-sequence decode takes the step kernel ([`set_step_attn_one`]).
+pub fn step_attn_one() -> bool {
+    STEP_ATTN_ONE.get()
 }
 
 /// Most rows the skinny GEMMs (`gemv*`) take (four m16 tiles per warp); wider products go to

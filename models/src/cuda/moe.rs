@@ -1,19 +1,20 @@
 //! Launch wrappers of moe.cu: the sparse-MoE block (`layers/moe.rs`'s math) on the device for
-//! up to [`MOE_MAX_ROWS`] rows per launch set, routing included, with no host round trip (so a
-//! CUDA graph can capture it) and reading only the selected experts' weights. One row (decode):
-//! router GEMV (the post-attention norm applied as the row streams in), routing, gate/up, and
-//! down with the weighted combine and the residual add in its epilogue: 4 launches. 2..64 rows:
-//! the norm, router, routing, one tensor-core gate/up and one down launch over every used
-//! expert (each expert's weights read once for all the rows routed to it), the combine: 6.
-//! A shared expert of the routed width rides along at one row ([`SharedExpertRefs`]): still
-//! 4 launches for the whole block. Shapes are checked here because the kernels trust them.
+//! up to [`MOE_MAX_ROWS`] rows per launch set, routing (moe_route.rs) included, with no host
+//! round trip (so a CUDA graph can capture it) and reading only the selected experts' weights.
+//! One row (decode): the router GEMV and the routing in one launch (the post-attention norm
+//! applied as the row streams in), gate/up, and down with the weighted combine and the residual
+//! add in its epilogue: 3 launches. 2..64 rows: the norm, router, routing, one tensor-core
+//! gate/up and one down launch over every used expert (each expert's weights read once for all
+//! the rows routed to it), the combine: 6. A shared expert of the routed width rides along at
+//! one row ([`SharedExpertRefs`]): still 3 launches for the whole block. Shapes are checked
+//! here because the kernels trust them.
 
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::gemv::{gemv, k_splits, rms_apply, row_sumsq, RowNorm};
 use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, opt_ptr, ptr, KernelArgs};
+use super::moe_route::{moe_route, moe_route_wide, router_route, MoeRouting, SHARED_ROUTER_PAD};
 use super::{moe_shape_fits, MOE_MAX_EXPERTS, MOE_MAX_ROWS, MOE_MAX_TOP_K};
 
 pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
@@ -43,9 +44,6 @@ pub struct SharedExpertRefs<'a> {
     pub gate_up: &'a Tensor,
     pub down: &'a Tensor,
 }
-
-/// Rows of [`SharedExpertRefs::router_gate`] past the E experts: the gate row and padding.
-pub const SHARED_ROUTER_PAD: usize = 16;
 
 impl MoeWeights<'_> {
     /// `(E, H, I)`, checked against each other and against what the kernels take.
@@ -84,179 +82,6 @@ impl MoeWeights<'_> {
         }
         Ok((e, h, i))
     }
-}
-
-/// The routing of a forward's rows, on the device (layout: moe.cu's header).
-pub struct MoeRouting {
-    meta: Tensor,
-    wts: Tensor,
-    rows: usize,
-    /// Pairs per row: the top k, plus one when the shared expert rides along.
-    k: usize,
-    shared: bool,
-    /// Routed by [`moe_route_wide`]: the used-expert entries are tiles of at most
-    /// [`MOE_MAX_ROWS`] pairs.
-    wide: bool,
-}
-
-impl MoeRouting {
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// Every row's `(expert, weight)` top k, highest first, as `layers::moe::route` returns
-    /// them (a host copy: for checks).
-    pub fn to_host(&self) -> Result<Vec<Vec<(usize, f32)>>> {
-        let p = self.rows * self.k;
-        let ids = self.meta.narrow(0, 1, p)?.to_vec1::<u32>()?;
-        let w = self.wts.narrow(0, 0, p)?.to_vec1::<f32>()?;
-        Ok((0..self.rows)
-            .map(|r| {
-                (0..self.k)
-                    .map(|j| (ids[r * self.k + j] as usize, w[r * self.k + j]))
-                    .collect()
-            })
-            .collect())
-    }
-
-    /// How many distinct experts the rows use (a host copy).
-    pub fn experts_used(&self) -> Result<usize> {
-        Ok(self.meta.narrow(0, 0, 1)?.to_vec1::<u32>()?[0] as usize)
-    }
-}
-
-fn alloc_u32(dev: &CudaDevice, n: usize) -> Result<Tensor> {
-    use candle_core::cuda_backend::CudaStorage;
-    // Every element the expert kernels read is written by the routing kernel first.
-    let s = unsafe { dev.alloc::<u32>(n)? };
-    Ok(Tensor::from_storage(
-        candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
-        n,
-        candle_core::op::BackpropOp::none(),
-        false,
-    ))
-}
-
-/// Routes `logits` (`[t <= 64, E]`, bf16 or f32): softmax in f32, the top `k` (ties to the
-/// lower expert), renormalised when `norm`; and groups the (row, expert) pairs by expert.
-pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<MoeRouting> {
-    let e = logits.dims2()?.1;
-    route(logits, e, k, norm, false)
-}
-
-/// [`moe_route`] of the first `e` columns of `logits` (`[t, e + SHARED_ROUTER_PAD]`), with
-/// every row's shared-expert pair (id `e`, weight `sigmoid(logits[r, e])`) after its top k.
-pub fn moe_route_shared(logits: &Tensor, e: usize, k: usize, norm: bool) -> Result<MoeRouting> {
-    if logits.dims2()?.1 != e + SHARED_ROUTER_PAD || k >= MOE_MAX_TOP_K {
-        bail!(
-            "moe_route_shared: logits {:?} for {e} experts (top {k} < {MOE_MAX_TOP_K})",
-            logits.shape()
-        )
-    }
-    route(logits, e, k, norm, true)
-}
-
-/// The routing kernels' `is_bf16` flag for `logits` (`[t, stride]`) routed over `e` experts,
-/// top `k`, with the checks both routings need (`max_rows`: the most rows `who` takes).
-fn routable(logits: &Tensor, e: usize, k: usize, max_rows: usize, who: &str) -> Result<i32> {
-    let is_bf16 = match logits.dtype() {
-        DType::BF16 => 1,
-        DType::F32 => 0,
-        other => bail!("{who}: logits must be bf16 or f32, got {other:?}"),
-    };
-    let t = logits.dims2()?.0;
-    if !logits.is_contiguous()
-        || t == 0
-        || t > max_rows
-        || !e.is_multiple_of(32)
-        || e > MOE_MAX_EXPERTS
-        || k == 0
-        || k > MOE_MAX_TOP_K.min(e)
-    {
-        bail!(
-            "{who}: logits {:?}, top {k}: needs 1..={max_rows} contiguous rows, experts % 32 == 0 and <= {MOE_MAX_EXPERTS}, 1 <= k <= {MOE_MAX_TOP_K}",
-            logits.shape()
-        )
-    }
-    Ok(is_bf16)
-}
-
-fn route(logits: &Tensor, e: usize, k: usize, norm: bool, shared: bool) -> Result<MoeRouting> {
-    let dev = cuda(logits)?;
-    let (t, stride) = logits.dims2()?;
-    let is_bf16 = routable(logits, e, k, MOE_MAX_ROWS, "moe_route")?;
-    let kk = k + shared as usize;
-    let p = t * kk;
-    let meta = alloc_u32(&dev, 2 + 6 * p)?;
-    let wts = alloc_f32(&dev, 2 * p)?;
-    let (lp, mp, wp) = (ptr(logits)?, ptr(&meta)?, ptr(&wts)?);
-    let (ti, ei, ki, ni) = (t as i32, e as i32, k as i32, norm as i32);
-    let (si, shi) = (stride as i32, shared as i32);
-    let f = dev.get_or_load_custom_func("moe_route", MODULE, PTX)?;
-    let mut b = KernelArgs::new();
-    b.arg(&lp).arg(&is_bf16).arg(&ti).arg(&ei).arg(&ki);
-    b.arg(&ni).arg(&mp).arg(&wp).arg(&si).arg(&shi);
-    b.launch(&dev, &f, cfg((1, 1, 1), 256), "moe_route")?;
-    Ok(MoeRouting {
-        meta,
-        wts,
-        rows: t,
-        k: kk,
-        shared,
-        wide: false,
-    })
-}
-
-/// [`moe_route`] for any number of rows (`logits` `[t, E]`, bf16 or f32; no shared expert):
-/// the same top k and weights, with the pairs of an expert in tiles of at most
-/// [`MOE_MAX_ROWS`] (prefills: every expert's weights read once per 64 of its pairs, where
-/// pieces of 64 rows would each read nearly every expert). Three launches (a memset, the
-/// routing of every row, the grouping by expert), no host round trip.
-pub fn moe_route_wide(logits: &Tensor, k: usize, norm: bool) -> Result<MoeRouting> {
-    let dev = cuda(logits)?;
-    let (t, e) = logits.dims2()?;
-    // The u32 routing metadata holds 2 + 6 t k entries.
-    let is_bf16 = routable(
-        logits,
-        e,
-        k,
-        (u32::MAX as usize / 8) / k.max(1),
-        "moe_route_wide",
-    )?;
-    let p = t * k;
-    let meta = alloc_u32(&dev, 2 + 6 * p)?;
-    let wts = alloc_f32(&dev, 2 * p)?;
-    let sorted = alloc_u32(&dev, p)?;
-    let counts = Tensor::zeros(e, DType::U32, logits.device())?;
-    let (lp, mp, wp, sp, cp) = (
-        ptr(logits)?,
-        ptr(&meta)?,
-        ptr(&wts)?,
-        ptr(&sorted)?,
-        ptr(&counts)?,
-    );
-    let (ti, ei, ki, ni) = (t as i32, e as i32, k as i32, norm as i32);
-    let f = dev.get_or_load_custom_func("moe_route_rows", MODULE, PTX)?;
-    let mut b = f.builder();
-    b.arg(&lp).arg(&is_bf16).arg(&ti).arg(&ei).arg(&ki).arg(&ni);
-    b.arg(&mp).arg(&wp).arg(&sp).arg(&cp);
-    go(
-        &mut b,
-        cfg((t.div_ceil(8) as u32, 1, 1), 256),
-        "moe_route_rows",
-    )?;
-    let f = dev.get_or_load_custom_func("moe_route_tiles", MODULE, PTX)?;
-    let mut b = f.builder();
-    b.arg(&cp).arg(&sp).arg(&ti).arg(&ei).arg(&ki).arg(&mp);
-    go(&mut b, cfg((e as u32, 1, 1), 256), "moe_route_tiles")?;
-    Ok(MoeRouting {
-        meta,
-        wts,
-        rows: t,
-        k,
-        shared: false,
-        wide: true,
-    })
 }
 
 /// The experts of a routed block: `(y, ss)` with `y = resid + sum_k w_k expert_k(norm(x))`
@@ -454,14 +279,11 @@ pub fn moe_block(
 ) -> Result<(Tensor, Option<Tensor>)> {
     let t = x.dims2()?.0;
     if t == 1 {
-        // The one-row GEMV applies the norm itself; so does the gate/up kernel.
+        // The router-and-routing kernel applies the norm itself; so does the gate/up kernel.
+        let e = w.dims()?.0;
         let routing = match &w.shared {
-            Some(sh) => {
-                let e = w.dims()?.0;
-                let logits = gemv(x, sh.router_gate, norm)?;
-                moe_route_shared(&logits, e, w.top_k, w.norm_topk_prob)?
-            }
-            None => moe_route(&gemv(x, w.router, norm)?, w.top_k, w.norm_topk_prob)?,
+            Some(sh) => router_route(x, norm, sh.router_gate, e, w.top_k, w.norm_topk_prob, true)?,
+            None => router_route(x, norm, w.router, e, w.top_k, w.norm_topk_prob, false)?,
         };
         return moe_experts(x, norm, w, &routing, resid, want_ss);
     }

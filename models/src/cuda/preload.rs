@@ -12,7 +12,7 @@ use candle_core::cuda_backend::kernels;
 use candle_core::{Device, Result};
 
 /// This crate's kernel modules: (module name, PTX), as each wrapper loads it.
-const OURS: [(&str, &str); 18] = [
+const OURS: [(&str, &str); 20] = [
     (super::adamw::MODULE, super::adamw::PTX),
     (super::argmax::MODULE, super::argmax::PTX),
     (super::attn_decode::MODULE, super::attn_decode::PTX),
@@ -23,11 +23,13 @@ const OURS: [(&str, &str); 18] = [
     (super::attn_varlen::MODULE, super::attn_varlen::PTX),
     (super::gattn::MODULE, super::gattn::PTX),
     (super::gdn::MODULE, super::gdn::PTX),
+    (super::gdn_chunk::MODULE, super::gdn_chunk::PTX),
     (super::gdn_split::MODULE, super::gdn_split::PTX),
     (super::gemv::MODULE, super::gemv::PTX),
     (super::kernels::MODULE, super::kernels::PTX),
     (super::linear_ce::MODULE, super::linear_ce::PTX),
     (super::moe::MODULE, super::moe::PTX),
+    (super::moe_route::MODULE, super::moe_route::PTX),
     (super::splitk::MODULE, super::splitk::PTX),
     (super::topk::MODULE, super::topk::PTX),
     (super::train_ops::MODULE, super::train_ops::PTX),

@@ -317,6 +317,10 @@ fn main() -> Result<()> {
             Ok(())
         };
         let or_err = |r: Result<Value>| r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+        let b = or_err(moe::router_route_check(&dev));
+        println!("moe router_route {b}");
+        report.insert("moe_router_route".into(), b);
+        save(&report)?;
         let b = or_err(moe::block_check(&dev));
         println!("moe block {b}");
         report.insert("moe_block".into(), b);

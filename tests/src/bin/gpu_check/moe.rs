@@ -338,3 +338,120 @@ pub fn hybrid_block_check(dev: &Device) -> Result<Value> {
     out.insert("pass".into(), json!(all && wrong_fails));
     Ok(Value::Object(out))
 }
+
+/// The one-row router-and-routing kernel (`cuda::router_route`: the router GEMV and the routing
+/// in one launch, decode's path) against the two launches it replaces (`cuda::gemv` then
+/// `cuda::moe_route` / `moe_route_shared`), which it must equal **bit for bit**: every row's
+/// experts in order and the f32 weights' bits, and the experts' output under either routing
+/// (which reads the rest of the metadata: the used experts, each pair's row and expert, each
+/// row's pairs in ascending order). 64 random rows per case: the Coder's 128 experts (with
+/// and without the renormalisation and the input norm), the 35B-A3B's 256 with the shared gate
+/// row, 512 experts top 16. Wrong case: the renormalisation flipped must differ.
+pub fn router_route_check(dev: &Device) -> Result<Value> {
+    let h = 2048;
+    let mut rng = WeightRng::on_device().rounded_to(DType::BF16);
+    let nw = rng.normal(&[h], 1.0, 0.2, DType::BF16, dev)?;
+    let norm = cuda::RowNorm {
+        ss: None,
+        weight: &nw,
+        eps: 1e-6,
+    };
+    let mut out = serde_json::Map::new();
+    let mut pass = true;
+    // (experts, top k, renormalised, shared gate row, input norm)
+    let cases = [
+        (128usize, 8usize, true, false, false),
+        (128, 8, false, false, true),
+        (128, 8, true, false, true),
+        (256, 8, true, true, true),
+        (512, 16, true, false, false),
+    ];
+    for (e, k, renorm, shared, with_norm) in cases {
+        let rows = if shared {
+            e + cuda::SHARED_ROUTER_PAD
+        } else {
+            e
+        };
+        // Router rows scaled so the logits spread over a few units, as trained routers' do.
+        let router = rng.normal(&[rows, h], 0.0, 0.05, DType::BF16, dev)?;
+        let nm = with_norm.then_some(norm);
+        let (mut differ, mut wrong_differs) = (0usize, 0usize);
+        for _ in 0..64 {
+            let x = rng.normal(&[1, h], 0.0, 1.0, DType::BF16, dev)?;
+            let logits = cuda::gemv(&x, &router, nm)?;
+            let want = match shared {
+                true => cuda::moe_route_shared(&logits, e, k, renorm)?,
+                false => cuda::moe_route(&logits, k, renorm)?,
+            };
+            let got = cuda::router_route(&x, nm, &router, e, k, renorm, shared)?;
+            let bits = |r: &cuda::MoeRouting| -> Result<Vec<Vec<(usize, u32)>>> {
+                Ok(r.to_host()?
+                    .into_iter()
+                    .map(|row| row.into_iter().map(|(i, w)| (i, w.to_bits())).collect())
+                    .collect())
+            };
+            if bits(&want)? != bits(&got)? || want.experts_used()? != got.experts_used()? {
+                differ += 1;
+            }
+            let wrong = cuda::router_route(&x, nm, &router, e, k, !renorm, shared)?;
+            if bits(&want)? != bits(&wrong)? {
+                wrong_differs += 1;
+            }
+        }
+        let ok = differ == 0 && wrong_differs == 64;
+        pass &= ok;
+        out.insert(
+            format!("e{e}_k{k}_renorm{renorm}_shared{shared}_norm{with_norm}"),
+            json!({"rows": 64, "rows_differing": differ, "wrong_renorm_rows_differing": wrong_differs, "pass": ok}),
+        );
+    }
+    // The experts' output under either routing (Coder block, random experts): bit for bit.
+    let cfg = coder_block();
+    let block = SparseMoe::random(&mut rng, &cfg, h, DType::BF16, dev)?
+        .stack_experts()?
+        .ok_or_else(|| anyhow::anyhow!("no shared expert here"))?;
+    let w = MoeWeights {
+        router: &block.router,
+        gate_up: &block.gate_up,
+        down: &block.down,
+        top_k: 8,
+        norm_topk_prob: true,
+        shared: None,
+    };
+    let mut experts_differ = 0usize;
+    for _ in 0..16 {
+        let x = rng.normal(&[1, h], 0.0, 1.0, DType::BF16, dev)?;
+        let resid = rng.normal(&[1, h], 0.0, 1.0, DType::BF16, dev)?;
+        let two = cuda::moe_route(&cuda::gemv(&x, w.router, Some(norm))?, 8, true)?;
+        let one = cuda::router_route(&x, Some(norm), w.router, 128, 8, true, false)?;
+        let (a, _) = cuda::moe_experts(&x, Some(norm), &w, &two, Some(&resid), false)?;
+        let (b, _) = cuda::moe_experts(&x, Some(norm), &w, &one, Some(&resid), false)?;
+        let d = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        experts_differ += (d != 0.0) as usize;
+    }
+    pass &= experts_differ == 0;
+    out.insert(
+        "experts_output_rows_differing_of_16".into(),
+        json!(experts_differ),
+    );
+    let x = rng.normal(&[1, h], 0.0, 1.0, DType::BF16, dev)?;
+    out.insert(
+        "ms_router_then_route".into(),
+        json!(time_ms(dev, 50, || {
+            cuda::moe_route(&cuda::gemv(&x, w.router, Some(norm))?, 8, true)?;
+            Ok(())
+        })?),
+    );
+    out.insert(
+        "ms_router_route".into(),
+        json!(time_ms(dev, 50, || {
+            cuda::router_route(&x, Some(norm), w.router, 128, 8, true, false)?;
+            Ok(())
+        })?),
+    );
+    out.insert("pass".into(), json!(pass));
+    Ok(Value::Object(out))
+}
