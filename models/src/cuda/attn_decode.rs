@@ -37,6 +37,21 @@ pub fn fused_attention_fits(t: usize, nh: usize, nkv: usize) -> bool {
     t == 1 && nkv > 0 && nh / nkv <= 16
 }
 
+/// Blocks a one-sequence step launch aims at (`DFLASH_STEP_ONE_BLOCKS`, read once; 0, the
+/// default: one per SM, [`super::attn_plan::step_splits`]'s choice). A measurement knob: fewer
+/// splits make each block stream more keys and the merge read fewer partials. Measured (H100,
+/// session 27, Qwen3-8B heads, the launch alone at 1K / 8K context): 0 (132) 9.9 / 17.2 us,
+/// 32 blocks 12.5 / 38.2, 64 10.1 / 23.5, 256 10.7 / 17.1.
+fn step_one_blocks() -> usize {
+    static BLOCKS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BLOCKS.get_or_init(|| {
+        std::env::var("DFLASH_STEP_ONE_BLOCKS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    })
+}
+
 /// Blocks a batched launch aims at (see `fused_attention_rt`). 512 rather than 1024: fewer
 /// splits per sequence, so each block streams more chunks through its double buffer and the
 /// merge reads fewer partials. Measured on the H200 (h200-2026-12-03-decode-attn, Qwen3-8B
@@ -222,8 +237,9 @@ pub(crate) fn fused_attention_rt(
     };
     if let Some(stages) = stages {
         if step_fits(seqs, t, nh, nkv, tree.is_some()) {
-            // One sequence: the step kernel's own split count (a block per SM).
-            let blocks = if batched { blocks } else { 0 };
+            // One sequence: the step kernel's own split count (a block per SM), or the blocks
+            // `DFLASH_STEP_ONE_BLOCKS` asks for (a measurement knob).
+            let blocks = if batched { blocks } else { step_one_blocks() };
             return step_attention(new_rows, stages, blocks);
         }
     }

@@ -212,20 +212,17 @@ __device__ void route_one(const bf16_t* logits, int E, int k, int norm, int shar
         asm volatile("bar.sync 1, 64;\n" ::: "memory");
         return;
     }
-    u32 ids[MOE_MAX_K];
-    float ps[MOE_MAX_K];
-    u32 kb = 0u;
+    // Pick r lands in lane r's (id, p): nothing indexed at run time, so no local memory.
+    u32 id = 0u, kb = 0u;
+    float p = 0.f;
     int jb = 0;
 #pragma unroll
     for (int j = 0; j < J; ++j)
         if (key[j] > kb) kb = key[j], jb = j;
-#pragma unroll
-    for (int r = 0; r < MOE_MAX_K; ++r) {
-        if (r >= k) break;
+    for (int r = 0; r < k; ++r) {
         const u32 g = __reduce_max_sync(0xffffffffu, kb);
         const u32 gi = __reduce_min_sync(0xffffffffu, kb == g ? (u32)(jb * 32 + lane) : 0xffffffffu);
-        ids[r] = gi;
-        ps[r] = __uint_as_float(g - 1u);
+        if (lane == r) id = gi, p = __uint_as_float(g - 1u);
         if ((int)(gi & 31u) == lane) {
             kb = 0u;
             jb = 0;
@@ -237,33 +234,31 @@ __device__ void route_one(const bf16_t* logits, int E, int k, int norm, int shar
         }
     }
     asm volatile("bar.sync 1, 64;\n" ::: "memory");
-    const float sum = total;
-    for (int j = 0; j < k; ++j) ps[j] = ps[j] / sum;
+    // route_row's arithmetic: p / sum, then the renormalisation by the top k's sum taken in
+    // pick order.
+    p = p / total;
     if (norm) {
         float s = 0.f;
-        for (int j = 0; j < k; ++j) s += ps[j];
-        for (int j = 0; j < k; ++j) ps[j] /= s;
+        for (int j = 0; j < k; ++j) s += __shfl_sync(0xffffffffu, p, j);
+        p /= s;
     }
     const int kk = k + shared, P = kk;
-    if (shared) {
-        ids[k] = (u32)E;
-        ps[k] = 1.f / (1.f + expf(-bf2f(__ldcg(logits + E))));
+    if (shared && lane == k) id = (u32)E, p = 1.f / (1.f + expf(-bf2f(__ldcg(logits + E))));
+    // Lane q writes pair q (routing order) and, at its rank among the row's experts, its
+    // place in ascending expert order (the ids are distinct; the shared one, E, ranks last).
+    int rank = 0;
+    for (int j = 0; j < kk; ++j) rank += __shfl_sync(0xffffffffu, id, j) < id;
+    if (lane == 0) meta[0] = (u32)kk, meta[1 + 2 * P + kk] = (u32)P;
+    if (lane < kk) {
+        meta[1 + lane] = id;
+        wts[lane] = p;
+        meta[1 + P + rank] = id;             // the used experts, ascending
+        meta[1 + 2 * P + lane] = (u32)lane;  // each one's first pair
+        meta[2 + 3 * P + lane] = 0u;         // pair_row
+        meta[2 + 4 * P + rank] = id;         // pair_exp
+        meta[2 + 5 * P + lane] = (u32)lane;  // row_pair
+        wts[P + rank] = p;
     }
-    u32 se[MOE_MAX_K];
-    float sw[MOE_MAX_K];
-    sort_pairs(ids, ps, kk, se, sw);
-    if (lane == 0) meta[0] = (u32)kk;
-    for (int q = lane; q < kk; q += 32) {
-        meta[1 + q] = ids[q];
-        wts[q] = ps[q];
-        meta[1 + P + q] = se[q];      // the used experts, ascending
-        meta[1 + 2 * P + q] = (u32)q;  // each one's first pair
-        meta[2 + 3 * P + q] = 0u;      // pair_row
-        meta[2 + 4 * P + q] = se[q];   // pair_exp
-        meta[2 + 5 * P + q] = (u32)q;  // row_pair
-        wts[P + q] = sw[q];
-    }
-    if (lane == 0) meta[1 + 2 * P + kk] = (u32)P;
 }
 
 // One row (decode): the router GEMV (gemv_rows2_store / _norm's rows_impl, so the logits are
