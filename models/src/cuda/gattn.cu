@@ -168,6 +168,133 @@ __device__ __forceinline__ void split_impl(const T* __restrict__ q, const T* __r
     }
 }
 
+// gattn_split2: split_impl's grid, splits and partials (the same gattn_combine reads them), a
+// second form of the work inside a warp (`cuda::set_gattn_split2`). The block stages its
+// rows' q (scaled, f32) in shared memory once. A warp walks its keys 32
+// at a time: lane j scores key j against every row (its K row read whole, q broadcast from
+// shared memory: no cross-lane sums), one online-softmax step per row for the 32 keys (warp
+// max and sum), the probabilities staged in shared memory, then lane l accumulates dims
+// 8 l .. 8 l + 7 of the rows' outputs over the 32 V rows. (The first form took a warp-wide
+// sum per key and row: ~540 instructions a key, 45 us for a 35B-A3B decode step at a 1K
+// context on an H100, the SMs 11% active; session 27's ncu.) The partial (max, sum,
+// unnormalised output) of each row goes to ml / acc [split][tok * nh + head] for gattn_combine;
+// a split without a key a row may see leaves it (-inf, 0, 0); a split past every live key
+// writes nothing (the combine reads only the splits that hold live keys).
+template <typename T>
+__device__ __forceinline__ void split2_impl(const T* __restrict__ q, const T* __restrict__ kc,
+                                           const T* __restrict__ vc, float* acc, float* ml,
+                                           int t, int nh, int nkv, int cap, int c,
+                                           const u32* __restrict__ c_dev, int kps, int splits,
+                                           float scale) {
+    __shared__ __align__(16) float qs[RPW][GD];
+    __shared__ float pb[SNW][RPW][32];
+    if (c_dev) c = *c_dev;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kvh = blockIdx.x, s = blockIdx.y * SNW + warp, z = blockIdx.z;
+    const int groups = nh / nkv;
+    const int rows = t * groups;
+    const int L = c + t;
+    for (int x = threadIdx.x; x < RPW * GD; x += blockDim.x) {
+        const int i = x / GD, dim = x % GD, row = z * RPW + i;
+        float v = 0.f;
+        if (row < rows) {
+            const int head = kvh * groups + row % groups;
+            v = ld(q[((size_t)(row / groups) * nh + head) * GD + dim]) * scale;
+        }
+        qs[i][dim] = v;
+    }
+    __syncthreads();
+    if (s >= splits || s * kps >= L) return;
+    float o[RPW][DPL], m[RPW], l[RPW];
+    int lim[RPW];  // keys visible to the row: [0, lim)
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+        const int row = z * RPW + i;
+        lim[i] = row < rows ? c + row / groups + 1 : 0;
+        m[i] = -INFINITY;
+        l[i] = 0.f;
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) o[i][e] = 0.f;
+    }
+    const int k0 = s * kps, k1 = min(L, k0 + kps);
+    const T* kbase = kc + (size_t)kvh * cap * GD;
+    const T* vbase = vc + (size_t)kvh * cap * GD + DPL * lane;
+    for (int c0 = k0; c0 < k1; c0 += 32) {
+        const int key = c0 + lane;
+        const bool valid = key < k1;
+        // Scores of lane's key against every row.
+        float sc[RPW];
+#pragma unroll
+        for (int i = 0; i < RPW; ++i) sc[i] = 0.f;
+        if (valid) {
+            const T* kr = kbase + (size_t)key * GD;
+#pragma unroll 4
+            for (int d = 0; d < GD; d += DPL) {
+                float kv[DPL];
+                load8(kr + d, kv);
+#pragma unroll
+                for (int i = 0; i < RPW; ++i) {
+                    const float4 a = *(const float4*)&qs[i][d];
+                    const float4 b = *(const float4*)&qs[i][d + 4];
+                    float acc8 = sc[i];
+                    acc8 = fmaf(a.x, kv[0], acc8);
+                    acc8 = fmaf(a.y, kv[1], acc8);
+                    acc8 = fmaf(a.z, kv[2], acc8);
+                    acc8 = fmaf(a.w, kv[3], acc8);
+                    acc8 = fmaf(b.x, kv[4], acc8);
+                    acc8 = fmaf(b.y, kv[5], acc8);
+                    acc8 = fmaf(b.z, kv[6], acc8);
+                    acc8 = fmaf(b.w, kv[7], acc8);
+                    sc[i] = acc8;
+                }
+            }
+        }
+        // One online-softmax step per row for these 32 keys.
+#pragma unroll
+        for (int i = 0; i < RPW; ++i) {
+            const float x = valid && key < lim[i] ? sc[i] : -INFINITY;
+            const float mn = fmaxf(m[i], warp_max(x));
+            float p = 0.f, alpha = 1.f;
+            if (mn != -INFINITY) {
+                alpha = __expf(m[i] - mn);  // 0 while m is -inf
+                p = __expf(x - mn);          // 0 for a key the row may not see
+            }
+            l[i] = l[i] * alpha + warp_sum(p);
+            m[i] = mn;
+            pb[warp][i][lane] = p;
+#pragma unroll
+            for (int e = 0; e < DPL; ++e) o[i][e] *= alpha;
+        }
+        __syncwarp();
+        const int n = min(32, k1 - c0);
+        for (int j = 0; j < n; ++j) {
+            float vv[DPL];
+            load8(vbase + (size_t)(c0 + j) * GD, vv);
+#pragma unroll
+            for (int i = 0; i < RPW; ++i) {
+                const float p = pb[warp][i][j];
+#pragma unroll
+                for (int e = 0; e < DPL; ++e) o[i][e] = fmaf(p, vv[e], o[i][e]);
+            }
+        }
+        __syncwarp();
+    }
+    const size_t nrows = (size_t)t * nh;
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+        const int row = z * RPW + i;
+        if (row >= rows) continue;
+        const size_t orow = (size_t)(row / groups) * nh + kvh * groups + row % groups;
+        const size_t at = (size_t)s * nrows + orow;
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) acc[at * GD + DPL * lane + e] = o[i][e];
+        if (lane == 0) {
+            ml[at * 2] = m[i];
+            ml[at * 2 + 1] = l[i];
+        }
+    }
+}
+
 // Grid (t * nh), GD threads: row tok * nh + h merged over the splits (weights exp(m_s - M)),
 // rounded to the element type as the plain attention output, times sigmoid(gate) (rounded
 // too, as the plain sigmoid), into out [t, nh * GD]: the o_proj input. Only the splits holding
@@ -217,6 +344,13 @@ __device__ __forceinline__ void combine_impl(const float* __restrict__ acc,
         pdl_launch_dependents();                                                               \
         pdl_wait();                                                                            \
         split_impl<T>(q, kc, vc, acc, ml, t, nh, nkv, cap, c, c_dev, kps, splits, scale);      \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(SNW * 32) gattn_split2_##SUF(                 \
+        const T* q, const T* kc, const T* vc, float* acc, float* ml, int t, int nh, int nkv,   \
+        int cap, int c, const u32* c_dev, int kps, int splits, float scale) {                  \
+        pdl_launch_dependents();                                                               \
+        pdl_wait();                                                                            \
+        split2_impl<T>(q, kc, vc, acc, ml, t, nh, nkv, cap, c, c_dev, kps, splits, scale);     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GD) gattn_combine_##SUF(                      \
         const float* acc, const float* ml, const T* qkv, T* out, int t, int nh, int nkv,       \

@@ -211,7 +211,10 @@ pub fn gated_attention_chain_split(
     let (accp, mlp) = (ptr(&acc)?, ptr(&ml)?);
     let (kpsi, splitsi) = (kps as i32, splits as i32);
     let scale = 1.0 / (d as f32).sqrt();
-    let name = format!("gattn_split_{suffix}");
+    let name = match super::gattn_split2() {
+        true => format!("gattn_split2_{suffix}"),
+        false => format!("gattn_split_{suffix}"),
+    };
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
     let mut b = KernelArgs::new();
     b.arg(&qp)

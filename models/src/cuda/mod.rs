@@ -320,6 +320,24 @@ pub fn hybrid_decode_graphs(sparse_moe: bool) -> bool {
     HYBRID_DECODE_GRAPHS.get_or(sparse_moe)
 }
 
+static GATTN_SPLIT2: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GATTN_SPLIT2", false);
+
+/// Whether the hybrids' gated attention runs its key splits on `gattn_split2` (gattn.cu: lanes
+/// over keys for the scores with q staged in shared memory, lanes over dims for the outputs, one
+/// online-softmax step per 32 keys) instead of `gattn_split` (a warp-wide sum per key and
+/// row: ~540 instructions a key; 45 us for a Qwen3.6-35B-A3B decode step at a 1K context on an
+/// H100 with the SMs 11% active, session 27's ncu). Same splits and partials, so the same
+/// combine. Off until a GPU checks it (`gpu_check --hybrid`'s `fused_attention_layer_vs_plain`
+/// with `DFLASH_GATTN_SPLIT2=1`); this switch or the variable turns it on. Process-wide.
+pub fn set_gattn_split2(on: bool) {
+    GATTN_SPLIT2.set(on);
+}
+
+/// Whether the gated attention takes `gattn_split2` ([`set_gattn_split2`]).
+pub fn gattn_split2() -> bool {
+    GATTN_SPLIT2.get()
+}
+
 static STEP_ATTN_ONE: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_STEP_ATTN_ONE", true);
 
 /// Whether a one-sequence, one-token decode step's attention runs the batched step kernel
