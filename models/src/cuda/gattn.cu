@@ -86,6 +86,28 @@ __device__ __forceinline__ void prep_impl(const T* __restrict__ qkv, const T* __
     }
 }
 
+// Split s's partial (max, sum, unnormalised output) of each of the warp's RPW rows (row group
+// z of KV head kvh) into ml / acc [split][tok * nh + head]; lane l holds dims 8 l .. 8 l + 7.
+__device__ __forceinline__ void put_partials(const float (&o)[RPW][DPL], const float (&m)[RPW],
+                                             const float (&l)[RPW], float* acc, float* ml, int t,
+                                             int nh, int groups, int kvh, int s, int z) {
+    const int lane = threadIdx.x & 31, rows = t * groups;
+    const size_t nrows = (size_t)t * nh;
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+        const int row = z * RPW + i;
+        if (row >= rows) continue;
+        const size_t orow = (size_t)(row / groups) * nh + kvh * groups + row % groups;
+        const size_t at = (size_t)s * nrows + orow;
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) acc[at * GD + DPL * lane + e] = o[i][e];
+        if (lane == 0) {
+            ml[at * 2] = m[i];
+            ml[at * 2 + 1] = l[i];
+        }
+    }
+}
+
 // Grid (nkv, ceil(splits / SNW), row groups), SNW warps: warp w of block (kvh, y, z) owns key
 // split s = y * SNW + w (keys [s * kps, (s + 1) * kps) of the L = c + t live ones) and the
 // RPW query rows z * RPW .. of KV head kvh (row = tok * groups + g, q head kvh * groups + g).
@@ -152,20 +174,7 @@ __device__ __forceinline__ void split_impl(const T* __restrict__ q, const T* __r
             }
         }
     }
-    const size_t nrows = (size_t)t * nh;
-#pragma unroll
-    for (int i = 0; i < RPW; ++i) {
-        const int row = z * RPW + i;
-        if (row >= rows) continue;
-        const size_t orow = (size_t)(row / groups) * nh + kvh * groups + row % groups;
-        const size_t at = (size_t)s * nrows + orow;
-#pragma unroll
-        for (int e = 0; e < DPL; ++e) acc[at * GD + DPL * lane + e] = o[i][e];
-        if (lane == 0) {
-            ml[at * 2] = m[i];
-            ml[at * 2 + 1] = l[i];
-        }
-    }
+    put_partials(o, m, l, acc, ml, t, nh, groups, kvh, s, z);
 }
 
 // gattn_split2: split_impl's grid, splits and partials (the same gattn_combine reads them), a
@@ -279,20 +288,7 @@ __device__ __forceinline__ void split2_impl(const T* __restrict__ q, const T* __
         }
         __syncwarp();
     }
-    const size_t nrows = (size_t)t * nh;
-#pragma unroll
-    for (int i = 0; i < RPW; ++i) {
-        const int row = z * RPW + i;
-        if (row >= rows) continue;
-        const size_t orow = (size_t)(row / groups) * nh + kvh * groups + row % groups;
-        const size_t at = (size_t)s * nrows + orow;
-#pragma unroll
-        for (int e = 0; e < DPL; ++e) acc[at * GD + DPL * lane + e] = o[i][e];
-        if (lane == 0) {
-            ml[at * 2] = m[i];
-            ml[at * 2 + 1] = l[i];
-        }
-    }
+    put_partials(o, m, l, acc, ml, t, nh, groups, kvh, s, z);
 }
 
 // Grid (t * nh), GD threads: row tok * nh + h merged over the splits (weights exp(m_s - M)),
