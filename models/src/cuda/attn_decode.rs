@@ -231,7 +231,8 @@ pub(crate) fn fused_attention_rt(
     let stages = match kernel {
         BatchKernel::Step3 => Some(3),
         BatchKernel::Step2 => Some(2),
-        // One sequence's decode token: the step kernel too when switched on.
+        // One sequence's decode token: the step kernel too when switched on, with the batched
+        // default's three stages (DEFAULT_BATCH_LAUNCH).
         _ if seqs == 1 && cps == 0 && super::step_attn_one() => Some(3),
         _ => None,
     };

@@ -390,11 +390,12 @@ pub fn router_route_check(dev: &Device) -> Result<Value> {
                     .map(|row| row.into_iter().map(|(i, w)| (i, w.to_bits())).collect())
                     .collect())
             };
-            if bits(&want)? != bits(&got)? || want.experts_used()? != got.experts_used()? {
+            let want_bits = bits(&want)?;
+            if want_bits != bits(&got)? || want.experts_used()? != got.experts_used()? {
                 differ += 1;
             }
             let wrong = cuda::router_route(&x, nm, &router, e, k, !renorm, shared)?;
-            if bits(&want)? != bits(&wrong)? {
+            if want_bits != bits(&wrong)? {
                 wrong_differs += 1;
             }
         }
