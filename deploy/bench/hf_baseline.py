@@ -71,12 +71,23 @@ def family_main(args, out):
     import transformers
 
     model_cls, cfg_cls, values, hybrid = FAMILIES[args.model]
+    # Without flash-linear-attention (and causal-conv1d) transformers runs its torch fallback
+    # of the Gated DeltaNet layers: say which one this baseline measured.
+    import importlib.util
+    out["gdn_kernels"] = {m: importlib.util.find_spec(m) is not None for m in ("fla", "causal_conv1d")}
     try:
         cfg = getattr(transformers, cfg_cls)(**values())
         cfg._attn_implementation = "sdpa"
         torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16).eval()
+        # Built in bf16 from the start: an f32 build of the 27B (108 GB) does not fit an 80 GB
+        # card before the cast (session 18's out-of-memory).
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16).eval()
+        finally:
+            torch.set_default_dtype(torch.float32)
+        out["parameters_GB"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     except Exception as e:  # a transformers without the class, or out of memory
         out["error"] = f"build: {e}"[:400]
         return
