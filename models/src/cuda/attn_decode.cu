@@ -414,8 +414,8 @@ __device__ __forceinline__ void attn_decode_impl(const Args& a) {
 // Every variant opens as a programmatic dependent (`cuda::pdl`).
 #define ATTN_DECODE(NAME, RT, MINB, ONE)                                                        \
     extern "C" __global__ void __launch_bounds__(NW * 32, MINB) NAME(Args a) {                  \
-        pdl_launch_dependents();                                                                \
         pdl_wait();                                                                             \
+        pdl_launch_dependents();                                                                \
         attn_decode_impl<RT, ONE>(for_sequence(a, blockIdx.z / a.tiles));                       \
     }
 ATTN_DECODE(attn_decode_rt1, 1, 1, false)

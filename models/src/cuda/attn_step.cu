@@ -143,6 +143,10 @@ __device__ __forceinline__ void attn_step_impl(const StepArgs& a) {
             if (i < nw) issue(i, i);
             commit();
         }
+        // Launched as a dependent (`cuda::pdl`): the page table, the length and the committed
+        // keys are older than the kernel before this one (the q/k/v projection, whose trigger
+        // follows its own wait), so their loads above go out before waiting for it; qkv is its.
+        pdl_wait();
         // q heads (jobs 0..G-1) and, in the block holding key c, the new K/V row (job G):
         // warp w takes jobs w, w + 4, ..., four per norm_rope4 batch.
         const bool holds_new = c / TK >= t0 && c / TK < t1;
@@ -264,6 +268,7 @@ __device__ __forceinline__ void attn_step_impl(const StepArgs& a) {
             __syncwarp();  // the stage is refilled next
         }
         wait_groups<0>();
+        pdl_launch_dependents();  // past the key stream: the next kernel may launch
         // The block's partial: the warps merged in a fixed order through shared memory (the
         // rings are free now), one row of acc/ml (or of the output) per query head.
         __syncthreads();
@@ -318,6 +323,9 @@ __device__ __forceinline__ void attn_step_impl(const StepArgs& a) {
                 a.ml[prow * 2 + 1] = den;
             }
         }
+    } else {
+        pdl_wait();  // a block with no keys still counts itself in the counter below
+        pdl_launch_dependents();
     }
     if (nsplit == 1) return;
     // Every split of the (sequence, KV head) counts itself; the last one merges.
@@ -352,7 +360,8 @@ __device__ __forceinline__ void attn_step_impl(const StepArgs& a) {
         if (lane == 0) rowD[r] = den;
     }
     __syncthreads();
-    // Weighted sum of the partials, splits in order; independent loads, several in flight.
+    // Weighted sum of the partials, splits in order; independent loads, 16 in flight (one
+    // sequence takes up to 33 splits: at 8 a batch its merge was five L2 round trips a row).
     for (int e = tid; e < G * (D / 4); e += NWS * 32) {
         const int r = e / (D / 4), q4 = e % (D / 4);
         const size_t orow = (size_t)seq * nrows + kvh * G + r;
@@ -360,7 +369,7 @@ __device__ __forceinline__ void attn_step_impl(const StepArgs& a) {
             (const float4*)(a.acc + ((size_t)seq * nsplit * nrows + kvh * G + r) * D) + q4;
         const size_t stride = nrows * (D / 4);  // float4 per split
         float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
+#pragma unroll 16
         for (int sp = 0; sp < used; ++sp) {
             const float w = wts[sp * MAXG + r];
             const float4 v = __ldcg(src + (size_t)sp * stride);
@@ -376,14 +385,10 @@ __device__ __forceinline__ void attn_step_impl(const StepArgs& a) {
 }
 
 // S stages per warp: 3 (104 KB of rings, 2 blocks per SM) or 2 (70 KB, 3 blocks per SM).
-// Both open as programmatic dependents (`cuda::pdl`).
+// Both launch as programmatic dependents (`cuda::pdl`; the waits are in attn_step_impl).
 extern "C" __global__ void __launch_bounds__(NWS * 32, 2) attn_step_s3(StepArgs a) {
-    pdl_launch_dependents();
-    pdl_wait();
     attn_step_impl<3>(a);
 }
 extern "C" __global__ void __launch_bounds__(NWS * 32, 3) attn_step_s2(StepArgs a) {
-    pdl_launch_dependents();
-    pdl_wait();
     attn_step_impl<2>(a);
 }

@@ -127,10 +127,12 @@ __device__ __forceinline__ void softmax_step(const float (&s)[NT][4], float mxA,
 
 // Programmatic dependent launch (PDL, sm_90; `cuda::pdl`): a kernel launched with the
 // attribute may start while the kernel before it on the stream finishes. launch_dependents lets
-// the next one launch early in turn; wait blocks until the kernel before has completed and its
-// writes are visible, and must come before anything that kernel (or one before it) wrote is read
-// or anything is written. In a kernel launched without the attribute both return at once (the
-// kernel before has finished), so a kernel may call them unconditionally.
+// the next one launch early in turn, and comes after this kernel's own wait (so whatever a
+// dependent reads before its wait, written two or more kernels back, is complete); wait blocks
+// until the kernel before has completed and its writes are visible, and must come before
+// anything that kernel wrote is read or anything is written. In a kernel launched without the
+// attribute both return at once (the kernel before has finished), so a kernel may call them
+// unconditionally.
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

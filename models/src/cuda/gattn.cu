@@ -330,29 +330,29 @@ __device__ __forceinline__ void combine_impl(const float* __restrict__ acc,
     extern "C" __global__ void __launch_bounds__(GD) gattn_prep_##SUF(                         \
         const T* qkv, const T* qw, const T* kw, const T* cos_t, const T* sin_t, T* q_out,      \
         T* kc, T* vc, int nh, int nkv, int r, int cap, int c, const u32* c_dev, float eps) {   \
-        pdl_launch_dependents();                                                               \
         pdl_wait();                                                                            \
+        pdl_launch_dependents();                                                               \
         prep_impl<T>(qkv, qw, kw, cos_t, sin_t, q_out, kc, vc, nh, nkv, r, cap, c, c_dev, eps); \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SNW * 32) gattn_split_##SUF(                  \
         const T* q, const T* kc, const T* vc, float* acc, float* ml, int t, int nh, int nkv,   \
         int cap, int c, const u32* c_dev, int kps, int splits, float scale) {                  \
-        pdl_launch_dependents();                                                               \
         pdl_wait();                                                                            \
+        pdl_launch_dependents();                                                               \
         split_impl<T>(q, kc, vc, acc, ml, t, nh, nkv, cap, c, c_dev, kps, splits, scale);      \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SNW * 32) gattn_split2_##SUF(                 \
         const T* q, const T* kc, const T* vc, float* acc, float* ml, int t, int nh, int nkv,   \
         int cap, int c, const u32* c_dev, int kps, int splits, float scale) {                  \
-        pdl_launch_dependents();                                                               \
         pdl_wait();                                                                            \
+        pdl_launch_dependents();                                                               \
         split2_impl<T>(q, kc, vc, acc, ml, t, nh, nkv, cap, c, c_dev, kps, splits, scale);     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GD) gattn_combine_##SUF(                      \
         const float* acc, const float* ml, const T* qkv, T* out, int t, int nh, int nkv,       \
         int splits, int c, const u32* c_dev, int kps) {                                        \
-        pdl_launch_dependents();                                                               \
         pdl_wait();                                                                            \
+        pdl_launch_dependents();                                                               \
         combine_impl<T>(acc, ml, qkv, out, t, nh, nkv, splits, c, c_dev, kps);                 \
     }
 GATTN(bf16, bf16_t)

@@ -48,8 +48,8 @@ extern "C" __global__ void __launch_bounds__(128) gdn_chain(
     const int h = blockIdx.x, cg = blockIdx.y;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int kh = h / (hv / hk);
-    pdl_launch_dependents();
     pdl_wait();
+    pdl_launch_dependents();
 
     // Conv + SiLU of one channel for token i, rounded to bf16 as the plain path's u is; row r
     // of [window; new rows] is window row r below K - 1.
@@ -149,8 +149,8 @@ extern "C" __global__ void __launch_bounds__(128) gdn_gated_norm(
     bf16_t* win_out, int first, int K, int C, int t) {
     __shared__ float red[32];
     const int h = blockIdx.x, i = blockIdx.y, c = threadIdx.x;
-    pdl_launch_dependents();
     pdl_wait();
+    pdl_launch_dependents();
     if (win_out != nullptr) {
         const int threads = gridDim.x * gridDim.y * blockDim.x;
         const int rows = K - 1 + t - first;

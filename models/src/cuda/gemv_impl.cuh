@@ -131,7 +131,7 @@ __device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_
 // Block of 4 warps; KS consecutive warps own R consecutive output columns (SILU: R gate and R
 // up rows) and split their K range in KS contiguous parts, added in part order (so the sums do
 // not depend on timing).
-template <int R, int U, int EPI, int NORM, int KS>
+template <int R, int U, int EPI, int NORM, int KS, bool PRE = true>
 __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                           bf16_t* __restrict__ y, int N, int K, const bf16_t* __restrict__ resid,
                           const bf16_t* __restrict__ nw, float eps, const float* ss_in,
@@ -142,47 +142,75 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
     const int grp = warp / KS, split = warp % KS;
     const int n0 = (blockIdx.x * (4 / KS) + grp) * R;
     const bool active = n0 < N;
-    // Launched as a dependent (`cuda::pdl`): the next kernel may launch now; then wait for the
-    // kernel before (x, the sums of squares, the residual, the counter are its or earlier
-    // ones'). Both return at once otherwise. (Pulling this warp's own weight rows into L2
-    // before the wait made the 27B's decode 13% slower on an H100, session 26: every block of
-    // every wave fetched its rows twice.)
-    pdl_launch_dependents();
-    pdl_wait();
+    // Launched as a dependent (`cuda::pdl`): wait for the kernel before (x, the sums of
+    // squares, the residual, the counter are its or earlier ones') before reading them; the
+    // weights no kernel writes, so NORM_SELF's first spans load before the wait and stream
+    // while that kernel finishes. The next kernel may launch once every block here is past its
+    // loads (pdl_launch_dependents below): early enough to hide its launch in this one's tail,
+    // late enough that its blocks take no slot a wave of this one still needs, and always
+    // after this kernel's own wait, so a dependent's pre-wait reads see every kernel before
+    // this one finished. Both return at once without PDL. (Pulling this warp's own weight
+    // rows into L2 before the wait, with the trigger at the kernel's start, made the 27B's
+    // decode 13% slower on an H100, session 26.)
     float acc[RW];
 #pragma unroll
     for (int r = 0; r < RW; ++r) acc[r] = 0.f;
+    const uint4* wrow[RW];
+#pragma unroll
+    for (int r = 0; r < RW; ++r)
+        wrow[r] = (const uint4*)(w + (size_t)((r < R ? 0 : N) + (active ? n0 : 0) + (r % R)) * K) + lane;
+    const int spans = K >> 8;  // 256 elements per warp instruction
+    const int per = (spans + KS - 1) / KS, it0 = split * per;
+    const int iters = active ? min(spans, it0 + per) : it0;
+    const uint4* xv = (const uint4*)x + lane;
+    const uint4* nv = (const uint4*)nw + lane;
+    auto load = [&](uint4 (&wv)[U][RW], int it) {
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int r = 0; r < RW; ++r)
+                wv[u][r] = it + u < iters ? ld_stream(wrow[r] + (it + u) * 32) : make_uint4(0, 0, 0, 0);
+    };
+    auto consume = [&](const uint4 (&wv)[U][RW], int it, float inv) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (it + u >= iters) break;
+            uint4 xx = __ldg(xv + (it + u) * 32);
+            if (NORM) xx = norm8(xx, __ldg(nv + (it + u) * 32), inv);
+#pragma unroll
+            for (int r = 0; r < RW; ++r) acc[r] += dot8(wv[u][r], xx);
+        }
+    };
     // NORM_SELF: every block sums x's squares itself (x is one 8-16 KB row, in L2), so the
     // kernel that wrote x needs no cross-block reduction at its end. (Not in the SiLU kernels:
-    // at their 40-register bound the extra block reduction spills.)
-    const float inv_self = NORM == NORM_SELF ? rsqrtf(row_sumsq_block(x, K) / (float)K + eps) : 0.f;
-    if (active) {
-        const uint4* wrow[RW];
-#pragma unroll
-        for (int r = 0; r < RW; ++r)
-            wrow[r] = (const uint4*)(w + (size_t)((r < R ? 0 : N) + n0 + (r % R)) * K) + lane;
-        const uint4* xv = (const uint4*)x + lane;
-        const uint4* nv = (const uint4*)nw + lane;
-        const float inv = NORM == NORM_SS ? rsqrtf(ss_in[0] / (float)K + eps) : inv_self;
-        const int spans = K >> 8;  // 256 elements per warp instruction
-        const int per = (spans + KS - 1) / KS, it0 = split * per;
-        const int iters = min(spans, it0 + per);
+    // at their 40-register bound the extra block reduction spills, and so does a batch held
+    // across iterations.) PRE: the first U spans are in flight before that sum (its block
+    // reduction ends in a barrier: loads issued after it start a round trip of x later) and
+    // before the PDL wait.
+    if (NORM == NORM_SELF && PRE) {
+        uint4 wv[U][RW];
+        load(wv, it0);
+        pdl_wait();
+        const float inv = rsqrtf(row_sumsq_block(x, K) / (float)K + eps);
         for (int it = it0; it < iters; it += U) {
-            uint4 wv[U][RW];
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-#pragma unroll
-                for (int r = 0; r < RW; ++r)
-                    wv[u][r] = it + u < iters ? ld_stream(wrow[r] + (it + u) * 32) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (it + u >= iters) break;
-                uint4 xx = __ldg(xv + (it + u) * 32);
-                if (NORM) xx = norm8(xx, __ldg(nv + (it + u) * 32), inv);
-#pragma unroll
-                for (int r = 0; r < RW; ++r) acc[r] += dot8(wv[u][r], xx);
+            if (it != it0) load(wv, it);
+            consume(wv, it, inv);
+        }
+    } else {
+        pdl_wait();
+        const float inv_self =
+            NORM == NORM_SELF ? rsqrtf(row_sumsq_block(x, K) / (float)K + eps) : 0.f;
+        if (active) {
+            const float inv = NORM == NORM_SS ? rsqrtf(ss_in[0] / (float)K + eps) : inv_self;
+            for (int it = it0; it < iters; it += U) {
+                uint4 wv[U][RW];
+                load(wv, it);
+                consume(wv, it, inv);
             }
         }
+    }
+    pdl_launch_dependents();
+    if (active) {
 #pragma unroll
         for (int r = 0; r < RW; ++r) acc[r] = warp_sum(acc[r]);
     }

@@ -194,11 +194,17 @@ static PDL: EnvSwitch = EnvSwitch::new("DFLASH_PDL", false);
 /// `gemv_rows2_*`, every projection), the decode attention (`attn_decode_*`, `attn_step_*`),
 /// the gated attention (`gattn_*`), the GDN chain and its gated norm, the MoE routing and
 /// decode kernels. Each may start while the previous kernel finishes and waits for that
-/// kernel's writes before touching memory, so a step's ~5-15 launches a layer overlap their
-/// start-up with their predecessors' tails. Off by default: with the GEMMs also pulling their
-/// weight rows into L2 before the wait it made the 27B's decode 13% slower (H100, session 26;
-/// same tokens); without that pull it is not measured yet (`DFLASH_PDL=1` or this switch
-/// turns it on). Process-wide.
+/// kernel's writes (`pdl_wait`) before reading them, so a step's ~5-15 launches a layer overlap
+/// their start-up with their predecessors' tails. Every kernel triggers its dependents
+/// (`pdl_launch_dependents`) only after its own wait, so what a kernel reads before its wait
+/// (weights; the step attention's page table, length and committed keys) was written two or
+/// more kernels back and is complete; the heavy kernels trigger once their weight or key
+/// streams are done, so dependents take no slot a wave of theirs still needs. Off by default:
+/// with the trigger at every kernel's start it made the MoE decodes slower (H100, session 27:
+/// Coder 4.21 vs 4.17 ms, 35B-A3B 4.88 vs 4.63), and with the GEMMs also pulling their weight
+/// rows into L2 before the wait the 27B's 13% slower (session 26); the late triggers are
+/// measured by `deploy/bench/next/callS-s28.sh` (`DFLASH_PDL=1` or this switch turns it on).
+/// Process-wide.
 pub fn set_pdl(on: bool) {
     PDL.set(on);
 }
@@ -231,8 +237,9 @@ impl<'a> KernelArgs<'a> {
     }
 
     /// Launches `f` with these arguments, as a programmatic dependent of the kernel before it
-    /// where [`pdl`] is on: `f` must open with `pdl_launch_dependents(); pdl_wait();`
-    /// (common.cuh), or do nothing before the wait but read memory no kernel writes.
+    /// where [`pdl`] is on: `f` must `pdl_wait()` (common.cuh) before reading what that kernel
+    /// wrote, and call `pdl_launch_dependents()` only after that wait (or not at all: exiting
+    /// triggers too); before the wait it may read only what kernels two or more back wrote.
     pub(super) fn launch(
         &mut self,
         dev: &CudaDevice,

@@ -320,15 +320,18 @@ pub fn hybrid_decode_graphs(sparse_moe: bool) -> bool {
     HYBRID_DECODE_GRAPHS.get_or(sparse_moe)
 }
 
-static GATTN_SPLIT2: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GATTN_SPLIT2", false);
+static GATTN_SPLIT2: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GATTN_SPLIT2", true);
 
 /// Whether the hybrids' gated attention runs its key splits on `gattn_split2` (gattn.cu: lanes
 /// over keys for the scores with q staged in shared memory, lanes over dims for the outputs, one
 /// online-softmax step per 32 keys) instead of `gattn_split` (a warp-wide sum per key and
 /// row: ~540 instructions a key; 45 us for a Qwen3.6-35B-A3B decode step at a 1K context on an
 /// H100 with the SMs 11% active, session 27's ncu). Same splits and partials, so the same
-/// combine. Off until a GPU checks it (`gpu_check --hybrid`'s `fused_attention_layer_vs_plain`
-/// with `DFLASH_GATTN_SPLIT2=1`); this switch or the variable turns it on. Process-wide.
+/// combine. On by default: `gpu_check --hybrid`'s `fused_attention_layer_vs_plain` passes with
+/// it (f32 8.5e-7 / 1.3e-6, bf16 1.4e-2 / 9.9e-3 at 1 / 16 query rows, each wrong case
+/// rejected) and the 27B layer's call takes 48.7 / 77.8 us against the first form's 54.2 /
+/// 127.3 (H100, session 28, deploy/bench/results/h100-2026-12-07-s28). `DFLASH_GATTN_SPLIT2=0`
+/// or this switch turns it off. Process-wide.
 pub fn set_gattn_split2(on: bool) {
     GATTN_SPLIT2.set(on);
 }

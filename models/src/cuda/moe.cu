@@ -16,7 +16,8 @@
 //                          squares the next RMSNorm reads).
 // Only the selected experts' weights are read. The expert weights are stacked: gate_up
 // [E, 2I, H] (gate rows then up rows per expert), down [E, H, I].
-// The decode kernels open as programmatic dependents (`cuda::pdl`).
+// The decode kernels launch as programmatic dependents (`cuda::pdl`), the next kernel
+// triggered once their weights have streamed.
 //
 // A shared expert of the routed width (Qwen3.5/3.6 MoE: out = sigmoid(x g) shared(x) + the
 // routed sum) can ride along at one row (decode): the router GEMV's rows are the E experts,
@@ -37,8 +38,7 @@
              int N, int K, const u32* __restrict__ meta, int P, const bf16_t* __restrict__ nw,  \
              float eps, const float* __restrict__ ss_in, const bf16_t* __restrict__ shared_w,   \
              int E) {                                                                           \
-        pdl_launch_dependents();                                                                \
-        pdl_wait();                                                                             \
+        pdl_wait(); /* the pair's row and expert; rows_impl triggers the next kernel */        \
         const int p = blockIdx.y;                                                               \
         const u32 r = meta[2 + 3 * P + p], e = meta[2 + 4 * P + p];                             \
         const bf16_t* we =                                                                      \
@@ -64,7 +64,7 @@ __device__ void down_rows(const bf16_t* __restrict__ act, const bf16_t* __restri
     constexpr int I = 256 * SP;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n0 = (blockIdx.x * 4 + warp) * 2, r = blockIdx.y;
-    if (n0 >= H) return;
+    if (n0 >= H) return;  // (an exited block counts as triggered)
     const u32* row_pair = meta + 2 + 5 * P + r * k;
     const u32* pair_exp = meta + 2 + 4 * P;
     const float* row_w = wts + P + r * k;
@@ -103,6 +103,7 @@ __device__ void down_rows(const bf16_t* __restrict__ act, const bf16_t* __restri
             out1 = bf16r(out1 + bf16r(bf16r(a1) * wb));
         }
     }
+    pdl_launch_dependents();  // past the weight stream: the next kernel may launch
     if (lane != 0) return;
     const size_t at = (size_t)r * H + n0;
     if (resid != nullptr) {
@@ -116,7 +117,6 @@ __device__ void down_rows(const bf16_t* __restrict__ act, const bf16_t* __restri
     extern "C" __global__ void __launch_bounds__(128) moe_down_rows_sp##SP(                     \
         const bf16_t* act, const bf16_t* w, bf16_t* y, const bf16_t* resid, int H, int k,       \
         const u32* meta, const float* wts, int P, const bf16_t* shared_w, int E) {              \
-        pdl_launch_dependents();                                                                \
         pdl_wait();                                                                             \
         down_rows<SP>(act, w, y, resid, H, k, meta, wts, P, shared_w, E);                       \
     }

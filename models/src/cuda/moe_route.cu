@@ -87,8 +87,8 @@ __device__ __forceinline__ void sort_pairs(const u32* ids, const float* ps, int 
 extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     moe_route(const void* __restrict__ logits, int is_bf16, int T, int E, int k, int norm,
               u32* __restrict__ meta, float* __restrict__ wts, int stride, int shared) {
-    pdl_launch_dependents();
     pdl_wait();
+    pdl_launch_dependents();
     __shared__ float ex[ROUTE_WARPS][MOE_MAX_E];
     __shared__ u32 sel[MOE_MAX_ROWS][MOE_MAX_E_SH / 32];
     __shared__ u32 cnt[MOE_MAX_E_SH], off[MOE_MAX_E_SH];
