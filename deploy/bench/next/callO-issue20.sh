@@ -56,19 +56,19 @@ print({k: d[k] for k in d if k.startswith(('prefill_', 'decode_', 'verify')) and
 e=d['e2e']; print('e2e', {k: (e[k].get('speedup_vs_plain'), e[k].get('warm_speedup_vs_plain'), e[k].get('tokens_match')) for k in ('chain', 'ddtree_16') if k in e})
 print('phases ms/round', {k: {p: round(v['ms_per_round'],3) for p, v in e[k]['engine'].items()} for k in ('plain', 'chain') if 'engine' in e.get(k, {})})
 " $OUT/o/h35.json 2>&1 | cut -c1-2500
-# PDL over the whole decode step (DFLASH_PDL=1) has never run on the MoE shapes, where the
-# launches are shortest: Coder and 35B-A3B again with it on.
-DFLASH_PDL=1 timeout 100 /tmp/b/gpu_check cuda $OUT/o/coder-pdl1.json --moe > $OUT/o/coder-pdl1.log 2>&1
-echo "coder pdl=1 rc=$? at $(el) s"
-python3 -c "import json,sys; d=json.load(open(sys.argv[1])); b=d['qwen3_coder_30b_a3b_shape_bench']; print({k: b[k] for k in b if not isinstance(b[k], (list,))}); print('block pass', d['moe_block'].get('pass'))" $OUT/o/coder-pdl1.json 2>&1 | cut -c1-1500
-DFLASH_PDL=1 timeout 120 /tmp/b/dflash-serve bench --model qwen3.6-35b-a3b --prefill 1024 --e2e-prompt 1024 \
-  --e2e-tokens 64 --budgets 16 --out $OUT/o/h35-pdl1.json > $OUT/o/h35-pdl1.log 2>&1
-echo "35b-a3b pdl=1 rc=$? at $(el) s"
+# PDL (on by default since session 28) against it off on this card: Coder and 35B-A3B again
+# with DFLASH_PDL=0:
+DFLASH_PDL=0 timeout 100 /tmp/b/gpu_check cuda $OUT/o/coder-pdl0.json --moe > $OUT/o/coder-pdl0.log 2>&1
+echo "coder pdl=0 rc=$? at $(el) s"
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); b=d['qwen3_coder_30b_a3b_shape_bench']; print({k: b[k] for k in b if not isinstance(b[k], (list,))}); print('block pass', d['moe_block'].get('pass'))" $OUT/o/coder-pdl0.json 2>&1 | cut -c1-1500
+DFLASH_PDL=0 timeout 120 /tmp/b/dflash-serve bench --model qwen3.6-35b-a3b --prefill 1024 --e2e-prompt 1024 \
+  --e2e-tokens 64 --budgets 16 --out $OUT/o/h35-pdl0.json > $OUT/o/h35-pdl0.log 2>&1
+echo "35b-a3b pdl=0 rc=$? at $(el) s"
 python3 -c "
 import json,sys; d=json.load(open(sys.argv[1]))
 print({k: d[k] for k in d if k.startswith(('decode_', 'verify')) and not k.endswith('phases')})
 e=d['e2e']; print('e2e', {k: (e[k].get('speedup_vs_plain'), e[k].get('warm_speedup_vs_plain'), e[k].get('tokens_match')) for k in ('chain', 'ddtree_16') if k in e})
-" $OUT/o/h35-pdl1.json 2>&1 | cut -c1-1500
+" $OUT/o/h35-pdl0.json 2>&1 | cut -c1-1500
 OURS='regex:^(moe_|gemv_|row_sumsq|rms_apply|gdn_|gattn_|argmax|topk|attn_|splitk_|kv_norm|qk_norm|add_rmsnorm|silu_mul)'
 LEFT=$(( ${LIMIT:-560} - $(el) ))
 if [ $LEFT -gt 60 ]; then

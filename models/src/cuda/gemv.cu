@@ -9,12 +9,11 @@
         float *part, u32 *counter, const char *pf, u64 pf_bytes
 // MINB 0: no minimum-blocks bound (a bound of 1 is not the same: with it ptxas spends up to
 // 50% more registers on these kernels).
-#define ROWS_KERNEL_PRE(name, R, U, EPI, NORM, MINB, KS, PRE)                                 \
+#define ROWS_KERNEL(name, R, U, EPI, NORM, MINB, KS)                                          \
     extern "C" __global__ void __launch_bounds__(128, MINB) name(GEMV_ARGS) {                 \
-        rows_impl<R, U, EPI, NORM, KS, PRE>(x, w, y, N, K, resid, nw, eps, ss_in, ss_out,     \
-                                            part, counter, pf, pf_bytes);                     \
+        rows_impl<R, U, EPI, NORM, KS>(x, w, y, N, K, resid, nw, eps, ss_in, ss_out, part,    \
+                                       counter, pf, pf_bytes);                                \
     }
-#define ROWS_KERNEL(name, R, U, EPI, NORM, MINB, KS) ROWS_KERNEL_PRE(name, R, U, EPI, NORM, MINB, KS, true)
 #define MMA_KERNEL(name, U, EPI, MT)                                                          \
     extern "C" __global__ void __launch_bounds__(128) name(GEMV_ARGS) {                       \
         mma_impl<U, EPI, MT>(x, w, y, M, N, K, ks, resid, ss_out, part, counter);             \
@@ -30,11 +29,7 @@
 // the same bytes: decode 4.75 -> 4.65 ms; a 2-way split of q/k/v gained nothing, 4 ways on
 // the residual kernels lost (deploy/bench/results/h200-2026-11-30-decode).
 ROWS_KERNEL(gemv_rows2_store, 2, 4, EPI_STORE, NORM_NONE, 0, 1)
-// _norm: the first weight spans load before the input norm and the PDL wait (9 blocks per SM
-// bound: 56 registers, the residency of the form without it; `DFLASH_GEMV_PRELOAD=1`, gemv.rs);
-// _norm_late: the form without, the default until the two are measured on one machine.
-ROWS_KERNEL(gemv_rows2_store_norm, 2, 4, EPI_STORE, NORM_SELF, 9, 1)
-ROWS_KERNEL_PRE(gemv_rows2_store_norm_late, 2, 4, EPI_STORE, NORM_SELF, 0, 1, false)
+ROWS_KERNEL(gemv_rows2_store_norm, 2, 4, EPI_STORE, NORM_SELF, 0, 1)
 ROWS_KERNEL(gemv_rows2_resid, 2, 4, EPI_RESID, NORM_NONE, 0, 2)
 ROWS_KERNEL(gemv_rows2_silu, 2, 2, EPI_SILU, NORM_NONE, 12, 1)
 ROWS_KERNEL(gemv_rows2_silu_norm, 2, 2, EPI_SILU, NORM_SS, 12, 1)

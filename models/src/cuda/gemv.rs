@@ -49,14 +49,6 @@ pub struct Prefetch<'a> {
     pub bytes: usize,
 }
 
-/// Whether the one-row store kernel with the input norm (q/k/v, the GDN in_proj, the router)
-/// loads its first weight spans before the norm and the PDL wait (`gemv_rows2_store_norm`)
-/// rather than after (`_norm_late`, session 27's form). Off until measured against it on one
-/// machine: the Coder's decode was unchanged with it (H100, session 28: 3.88 ms against 3.85-3.87
-/// on session 27's machines). `DFLASH_GEMV_PRELOAD=1` turns it on.
-static GEMV_PRELOAD: super::switch::EnvSwitch =
-    super::switch::EnvSwitch::new("DFLASH_GEMV_PRELOAD", false);
-
 /// Which kernel runs a product: `(name, grid, k splits)`. One row streams on CUDA cores with
 /// row-contiguous loads (2 output columns per warp, or per 2 warps for the residual epilogue),
 /// the norm applied as x streams in; 2 to 64
@@ -68,12 +60,7 @@ fn plan(m: usize, n: usize, epi: Epi, norm: bool, variant: Option<&str>) -> (Str
         Epi::Resid => "resid",
         Epi::Silu => "silu",
     };
-    // The one-row store kernel with the input norm: _late unless GEMV_PRELOAD.
-    let norm_name = match (norm, epi == Epi::Store && !GEMV_PRELOAD.get()) {
-        (false, _) => "",
-        (true, false) => "_norm",
-        (true, true) => "_norm_late",
-    };
+    let norm_name = if norm { "_norm" } else { "" };
     if m == 1 && variant.is_none_or(|v| v == "rows") {
         // 4 warps x 2 columns per block; the residual kernel splits K over 2 warps (KS in
         // gemv.cu), so its blocks own 4 columns.

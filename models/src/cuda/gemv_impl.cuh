@@ -131,7 +131,7 @@ __device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_
 // Block of 4 warps; KS consecutive warps own R consecutive output columns (SILU: R gate and R
 // up rows) and split their K range in KS contiguous parts, added in part order (so the sums do
 // not depend on timing).
-template <int R, int U, int EPI, int NORM, int KS, bool PRE = true>
+template <int R, int U, int EPI, int NORM, int KS>
 __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                           bf16_t* __restrict__ y, int N, int K, const bf16_t* __restrict__ resid,
                           const bf16_t* __restrict__ nw, float eps, const float* ss_in,
@@ -143,15 +143,13 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
     const int n0 = (blockIdx.x * (4 / KS) + grp) * R;
     const bool active = n0 < N;
     // Launched as a dependent (`cuda::pdl`): wait for the kernel before (x, the sums of
-    // squares, the residual, the counter are its or earlier ones') before reading them; the
-    // weights no kernel writes, so NORM_SELF's first spans load before the wait and stream
-    // while that kernel finishes. The next kernel may launch once every block here is past its
-    // loads (pdl_launch_dependents below): early enough to hide its launch in this one's tail,
-    // late enough that its blocks take no slot a wave of this one still needs, and always
-    // after this kernel's own wait, so a dependent's pre-wait reads see every kernel before
-    // this one finished. Both return at once without PDL. (Pulling this warp's own weight
-    // rows into L2 before the wait, with the trigger at the kernel's start, made the 27B's
-    // decode 13% slower on an H100, session 26.)
+    // squares, the residual, the counter are its or earlier ones') before reading them. The
+    // next kernel may launch once every block here is past its loads (pdl_launch_dependents
+    // below): its launch hides in this one's tail, its blocks take no slot a wave of this one
+    // still needs, and it comes after this kernel's own wait. Both return at once without PDL.
+    // (Measured, H100, session 28: loading the first weight spans before the wait and the input
+    // norm made every decode 1-3% slower; pulling a warp's weight rows into L2 before the wait,
+    // with the trigger at the kernel's start, the 27B's 13%, session 26.)
     float acc[RW];
 #pragma unroll
     for (int r = 0; r < RW; ++r) acc[r] = 0.f;
@@ -181,32 +179,17 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
             for (int r = 0; r < RW; ++r) acc[r] += dot8(wv[u][r], xx);
         }
     };
+    pdl_wait();
     // NORM_SELF: every block sums x's squares itself (x is one 8-16 KB row, in L2), so the
     // kernel that wrote x needs no cross-block reduction at its end. (Not in the SiLU kernels:
-    // at their 40-register bound the extra block reduction spills, and so does a batch held
-    // across iterations.) PRE: the first U spans are in flight before that sum (its block
-    // reduction ends in a barrier: loads issued after it start a round trip of x later) and
-    // before the PDL wait.
-    if (NORM == NORM_SELF && PRE) {
-        uint4 wv[U][RW];
-        load(wv, it0);
-        pdl_wait();
-        const float inv = rsqrtf(row_sumsq_block(x, K) / (float)K + eps);
+    // at their 40-register bound the extra block reduction spills.)
+    const float inv_self = NORM == NORM_SELF ? rsqrtf(row_sumsq_block(x, K) / (float)K + eps) : 0.f;
+    if (active) {
+        const float inv = NORM == NORM_SS ? rsqrtf(ss_in[0] / (float)K + eps) : inv_self;
         for (int it = it0; it < iters; it += U) {
-            if (it != it0) load(wv, it);
+            uint4 wv[U][RW];
+            load(wv, it);
             consume(wv, it, inv);
-        }
-    } else {
-        pdl_wait();
-        const float inv_self =
-            NORM == NORM_SELF ? rsqrtf(row_sumsq_block(x, K) / (float)K + eps) : 0.f;
-        if (active) {
-            const float inv = NORM == NORM_SS ? rsqrtf(ss_in[0] / (float)K + eps) : inv_self;
-            for (int it = it0; it < iters; it += U) {
-                uint4 wv[U][RW];
-                load(wv, it);
-                consume(wv, it, inv);
-            }
         }
     }
     pdl_launch_dependents();

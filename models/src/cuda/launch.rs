@@ -187,7 +187,7 @@ fn go_ex(
     .map_err(|e| err(e.to_string()))
 }
 
-static PDL: EnvSwitch = EnvSwitch::new("DFLASH_PDL", false);
+static PDL: EnvSwitch = EnvSwitch::new("DFLASH_PDL", true);
 
 /// Whether a decode step's kernels launch as programmatic dependents of the kernel before them
 /// (PDL, sm_90, `launch::KernelArgs::launch`): the one-row skinny GEMMs (`gemv.cu`'s
@@ -197,14 +197,17 @@ static PDL: EnvSwitch = EnvSwitch::new("DFLASH_PDL", false);
 /// kernel's writes (`pdl_wait`) before reading them, so a step's ~5-15 launches a layer overlap
 /// their start-up with their predecessors' tails. Every kernel triggers its dependents
 /// (`pdl_launch_dependents`) only after its own wait, so what a kernel reads before its wait
-/// (weights; the step attention's page table, length and committed keys) was written two or
+/// (the step attention's page table, length and committed keys) was written two or
 /// more kernels back and is complete; the heavy kernels trigger once their weight or key
-/// streams are done, so dependents take no slot a wave of theirs still needs. Off by default:
-/// with the trigger at every kernel's start it made the MoE decodes slower (H100, session 27:
-/// Coder 4.21 vs 4.17 ms, 35B-A3B 4.88 vs 4.63), and with the GEMMs also pulling their weight
-/// rows into L2 before the wait the 27B's 13% slower (session 26); the late triggers are
-/// measured by `deploy/bench/next/callS-s28.sh` (`DFLASH_PDL=1` or this switch turns it on).
-/// Process-wide.
+/// streams are done, so dependents take no slot a wave of theirs still needs. On by default:
+/// against it off, one machine, one binary (H100, session 28, call U,
+/// deploy/bench/results/h100-2026-12-07-s28): the 27B's decode through the engine 20.50 /
+/// 20.53 ms against 21.23 (-3.4%), the 35B-A3B's 4.51 against 4.60, the Coder's eager decode
+/// 3.95 against 4.33 and its graph 3.807 against 3.808, Qwen3-8B's graph 6.009 / 5.971
+/// against 5.970 / 5.964; greedy tokens identical. (With the trigger at every kernel's start
+/// it was slower on the MoE shapes, session 27, and with the GEMMs pulling their weight rows
+/// into L2 before the wait 13% slower on the 27B, session 26.) `DFLASH_PDL=0` or this switch
+/// turns it off. Process-wide.
 pub fn set_pdl(on: bool) {
     PDL.set(on);
 }
