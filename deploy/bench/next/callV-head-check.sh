@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Session 28's last call: main's head (PDL on, gattn_split2 on, no GEMV preload) checked and
-# timed as shipped: Coder `gpu_check --moe` (router_route bit for bit, graph vs eager), the 27B
-# and 35B-A3B through the engine (greedy tokens graphs vs eager), Qwen3-8B decode.
+# Main's head after session 28 (PDL on, gattn_split2 on, no GEMV preload) checked and timed as
+# shipped: Coder `gpu_check --moe` (router_route and the new one-launch o-projection + router +
+# routing, `moe_oproj_router_route`, bit for bit against the launches they replace; graph vs
+# eager), then the Coder with that launch in the decode (`DFLASH_MOE_OPROJ_ROUTER=1`: decode
+# against the first run's, the 4-layer forward against the plain one), the 27B and 35B-A3B
+# through the engine (greedy tokens graphs vs eager), Qwen3-8B decode. ~100 s on an H100.
 set -u
 D=${D:-.gpu-s28}
 mkdir -p /tmp/b && tar -xJf $D/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
@@ -9,11 +12,14 @@ T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 mkdir -p $OUT/v
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/v/gpu.txt; cat $D/BUILT
 export DFLASH_TESTS_DIR=$PWD/tests
-timeout 60 /tmp/b/gpu_check cuda $OUT/v/coder.json --moe > $OUT/v/coder.log 2>&1; echo "coder rc=$? at $(el) s"
-python3 -c "
-import json,sys; d=json.load(open(sys.argv[1])); b=d['qwen3_coder_30b_a3b_shape_bench']; f=d['moe_target_fused_vs_plain_4_layers']['decode_1']['graph_vs_eager']
-print('coder', round(b['decode_1']['graph_ms'],3), round(b['decode_1']['eager_ms'],3), round(b['decode_1']['fraction_of_roofline'],3), 'chain16', round(b['verify_chain_16']['graph_ms'],3), 'router_route', d['moe_router_route'].get('pass'), 'block', d['moe_block'].get('pass'), d['moe_hybrid_block'].get('pass'), 'graph_vs_eager', f['max_abs_diff'])
-" $OUT/v/coder.json 2>&1 | cut -c1-400
+for o in 0 1; do
+  DFLASH_MOE_OPROJ_ROUTER=$o timeout 60 /tmp/b/gpu_check cuda $OUT/v/coder-o$o.json --moe > $OUT/v/coder-o$o.log 2>&1; echo "coder oproj_router=$o rc=$? at $(el) s"
+  python3 -c "
+import json,sys; d=json.load(open(sys.argv[1])); b=d['qwen3_coder_30b_a3b_shape_bench']; f=d['moe_target_fused_vs_plain_4_layers']['decode_1']
+print('coder', round(b['decode_1']['graph_ms'],3), round(b['decode_1']['eager_ms'],3), round(b['decode_1']['fraction_of_roofline'],3), 'chain16', round(b['verify_chain_16']['graph_ms'],3), 'router_route', d['moe_router_route'].get('pass'), 'block', d['moe_block'].get('pass'), d['moe_hybrid_block'].get('pass'), 'decode vs plain / graph vs eager', f['graph_vs_plain'], f['graph_vs_eager']['max_abs_diff'])
+print('oproj_router_route', d.get('moe_oproj_router_route'))
+" $OUT/v/coder-o$o.json 2>&1 | cut -c1-900
+done
 for m in qwen3.6-27b qwen3.6-35b-a3b; do
   timeout 60 /tmp/b/dflash-serve bench --model $m --prefill 1024 --e2e-prompt 1024 --e2e-tokens 64 --budgets 16 \
     --out $OUT/v/$m.json > $OUT/v/$m.log 2>&1; echo "$m rc=$? at $(el) s"

@@ -106,7 +106,8 @@ __device__ __forceinline__ float row_sumsq_block(const bf16_t* __restrict__ x, i
 // RESID tail, called by every thread of every block once `blocksum[r]` (shared) holds the
 // block's sum of y[r, :]^2 over its columns: partials per block, then the last block adds them
 // in block order into ss_out and re-arms the counter.
-__device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_out, u32* counter) {
+__device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_out, u32* counter,
+                           u32* done = nullptr) {
     __shared__ u32 is_last;
     if ((int)threadIdx.x < M) {
         part[(size_t)blockIdx.x * M + threadIdx.x] = blocksum[threadIdx.x];
@@ -124,7 +125,15 @@ __device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_
         s = warp_sum(s);
         if (lane == 0) ss_out[r] = s;
     }
-    if (threadIdx.x == 0) *counter = 0u;
+    if (threadIdx.x == 0) {
+        *counter = 0u;
+        // `done`: every block's y is written (each wrote before counting itself): raise the
+        // flag blocks of the same launch wait on (moe_route.cu's moe_oproj_router_route).
+        if (done != nullptr) {
+            __threadfence();
+            atomicExch(done, 1u);
+        }
+    }
 }
 
 // ---- M = 1 on CUDA cores ----------------------------------------------------------------
@@ -135,7 +144,8 @@ template <int R, int U, int EPI, int NORM, int KS>
 __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                           bf16_t* __restrict__ y, int N, int K, const bf16_t* __restrict__ resid,
                           const bf16_t* __restrict__ nw, float eps, const float* ss_in,
-                          float* ss_out, float* part, u32* counter, const char* pf, u64 pf_bytes) {
+                          float* ss_out, float* part, u32* counter, const char* pf, u64 pf_bytes,
+                          u32* done = nullptr) {
     constexpr int RW = EPI == EPI_SILU ? 2 * R : R;
     __shared__ float wsum[4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -222,7 +232,7 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
     __shared__ float blocksum[1];
     if (threadIdx.x == 0) blocksum[0] = wsum[0] + wsum[1] + wsum[2] + wsum[3];
     __syncthreads();
-    resid_tail(blocksum, 1, part, ss_out, counter);
+    resid_tail(blocksum, 1, part, ss_out, counter, done);
 }
 
 // ---- M <= 64 on tensor cores -------------------------------------------------------------

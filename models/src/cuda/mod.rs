@@ -143,9 +143,13 @@ pub use moe::{moe_block, moe_experts, MoeWeights, SharedExpertRefs};
 #[cfg(feature = "cuda")]
 mod moe_route;
 #[cfg(feature = "cuda")]
+mod oproj_route;
+#[cfg(feature = "cuda")]
 pub use moe_route::{
     moe_route, moe_route_shared, moe_route_wide, router_route, MoeRouting, SHARED_ROUTER_PAD,
 };
+#[cfg(feature = "cuda")]
+pub use oproj_route::oproj_router_route;
 #[cfg(feature = "cuda")]
 mod splitk;
 #[cfg(feature = "cuda")]
@@ -318,6 +322,24 @@ pub fn set_hybrid_decode_graphs(on: bool) {
 /// `sparse_moe`).
 pub fn hybrid_decode_graphs(sparse_moe: bool) -> bool {
     HYBRID_DECODE_GRAPHS.get_or(sparse_moe)
+}
+
+static MOE_OPROJ_ROUTER: switch::EnvSwitch =
+    switch::EnvSwitch::new("DFLASH_MOE_OPROJ_ROUTER", false);
+
+/// Whether a dense-attention MoE target's one-row decode layer runs its o-projection, router
+/// GEMV and routing in one launch ([`oproj_router_route`]: the router blocks wait in the same
+/// grid for the o-projection's last block) instead of two (`gemv_resid`, `router_route`). Off
+/// until a GPU checks and times it (`gpu_check --moe`'s `moe_oproj_router_route` compares it
+/// with the two launches bit for bit; `DFLASH_MOE_OPROJ_ROUTER=1` or this switch turns it on).
+/// Process-wide.
+pub fn set_moe_oproj_router(on: bool) {
+    MOE_OPROJ_ROUTER.set(on);
+}
+
+/// Whether the one-launch o-projection + routing runs ([`set_moe_oproj_router`]).
+pub fn moe_oproj_router() -> bool {
+    MOE_OPROJ_ROUTER.get()
 }
 
 static GATTN_SPLIT2: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GATTN_SPLIT2", true);

@@ -291,6 +291,85 @@ __device__ void router_route(const bf16_t* x, const bf16_t* w, bf16_t* logits, i
 MOE_ROUTER_ROUTE(moe_router_route, NORM_NONE)
 MOE_ROUTER_ROUTE(moe_router_route_norm, NORM_SELF)
 
+// The o-projection, the router GEMV and the routing of one row in one launch (decode, behind
+// `DFLASH_MOE_OPROJ_ROUTER`): blocks (x, 0) are the residual GEMV y = resid + attn W_o^T with
+// the row's sum of squares (gemv_rows2_resid's rows_impl, bit for bit), the last of them
+// raising `flag` once every block's y is written; blocks (x < nrb, 1) wait for the flag, then
+// compute router rows of RMSNorm(y) (moe_router_route_norm's arithmetic bit for bit, reading
+// y through L2: it is written in this launch, so not through the read-only path) and the last
+// of them routes the row (route_one) and re-arms `rcounter` and `flag`; blocks (x >= nrb, 1)
+// exit. The router rows' blocks are dispatched after every o-projection block (y is the
+// slower grid dimension), so a waiting block never holds a slot one of those still needs;
+// their weights are warm in L2 (the o-projection blocks prefetch them: `pf`).
+extern "C" __global__ void __launch_bounds__(128) moe_oproj_router_route(
+    const bf16_t* attn, const bf16_t* wo, bf16_t* y, int N, int K, const bf16_t* resid,
+    float* ss_out, float* part, u32* counter, const char* pf, u64 pf_bytes, const bf16_t* wr,
+    bf16_t* logits, int NR, const bf16_t* nw, float eps, int E, int k, int norm, int shared,
+    u32* meta, float* wts, u32* rcounter, u32* flag, int nrb) {
+    if (blockIdx.y == 0) {
+        rows_impl<2, 4, EPI_RESID, NORM_NONE, 2>(attn, wo, y, N, K, resid, nullptr, 0.f, nullptr,
+                                                 ss_out, part, counter, pf, pf_bytes, flag);
+        return;
+    }
+    if ((int)blockIdx.x >= nrb) return;
+    pdl_wait();
+    if (threadIdx.x == 0) {
+        while (*(volatile u32*)flag == 0u) __nanosleep(32);
+        __threadfence();
+    }
+    __syncthreads();
+    // rows_impl<2, 4, EPI_STORE, NORM_SELF, 1> over y = x, with ld.cg for x.
+    __shared__ float red[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n0 = (blockIdx.x * 4 + warp) * 2;
+    const bool active = n0 < NR;
+    float sq = 0.f;
+    for (int i = threadIdx.x; i < N / 8; i += blockDim.x) {
+        const uint4 v = __ldcg((const uint4*)y + i);
+        sq += dot8(v, v);
+    }
+    const float inv = rsqrtf(block_sum(sq, red) / (float)N + eps);
+    float acc[2] = {0.f, 0.f};
+    if (active) {
+        const uint4* wrow[2] = {(const uint4*)(wr + (size_t)n0 * N) + lane,
+                                (const uint4*)(wr + (size_t)(n0 + 1) * N) + lane};
+        const uint4* xv = (const uint4*)y + lane;
+        const uint4* nv = (const uint4*)nw + lane;
+        const int iters = N >> 8;
+        for (int it = 0; it < iters; it += 4) {
+            uint4 wv[4][2];
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    wv[u][r] = it + u < iters ? ld_stream(wrow[r] + (it + u) * 32) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                if (it + u >= iters) break;
+                const uint4 xx = norm8(__ldcg(xv + (it + u) * 32), __ldg(nv + (it + u) * 32), inv);
+#pragma unroll
+                for (int r = 0; r < 2; ++r) acc[r] += dot8(wv[u][r], xx);
+            }
+        }
+        acc[0] = warp_sum(acc[0]);
+        acc[1] = warp_sum(acc[1]);
+    }
+    pdl_launch_dependents();
+    if (active && lane == 0) store_pair(EPI_STORE, logits, nullptr, n0, acc[0], acc[1], 0.f, 0.f);
+    __shared__ u32 is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(rcounter, 1u) == (u32)nrb - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    if (threadIdx.x == 0) {
+        *rcounter = 0u;
+        *flag = 0u;  // every router block is past its wait: each counted itself after it
+    }
+    route_one(logits, E, k, norm, shared, meta, wts);
+}
+
 // Routing of any number of rows (prefills), in the layout above with one change: the "used
 // experts" are tiles of at most MOE_MAX_ROWS pairs of one expert ([0] counts tiles, [1+P, ..)
 // holds each tile's expert, [1+2P, ..) its first pair), so the tensor-core kernels read a

@@ -59,7 +59,7 @@ impl MoeRouting {
     }
 }
 
-fn alloc_u32(dev: &CudaDevice, n: usize) -> Result<Tensor> {
+pub(super) fn alloc_u32(dev: &CudaDevice, n: usize) -> Result<Tensor> {
     use candle_core::cuda_backend::CudaStorage;
     // Every element the expert kernels read is written by the routing kernel first.
     let s = unsafe { dev.alloc::<u32>(n)? };
@@ -198,7 +198,7 @@ pub fn moe_route_wide(logits: &Tensor, k: usize, norm: bool) -> Result<MoeRoutin
 /// the kernel's last block re-arms it.
 static ROUTE_COUNTERS: Mutex<Vec<(DeviceId, Tensor)>> = Mutex::new(Vec::new());
 
-fn route_counter(dev: &CudaDevice, like: &Tensor) -> Result<u64> {
+pub(super) fn route_counter(dev: &CudaDevice, like: &Tensor) -> Result<u64> {
     let mut all = ROUTE_COUNTERS
         .lock()
         .map_err(|_| candle_core::Error::Msg("router_route: counter lock poisoned".into()))?;
