@@ -109,6 +109,9 @@ __device__ __forceinline__ float row_sumsq_block(const bf16_t* __restrict__ x, i
 __device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_out, u32* counter,
                            u32* done = nullptr) {
     __shared__ u32 is_last;
+    // With `done`, blocks of this launch read y after the flag: every thread orders its own y
+    // writes before the block counts itself (the partial's fence below is thread 0's only).
+    if (done != nullptr) __threadfence();
     if ((int)threadIdx.x < M) {
         part[(size_t)blockIdx.x * M + threadIdx.x] = blocksum[threadIdx.x];
         __threadfence();

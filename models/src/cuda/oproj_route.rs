@@ -88,9 +88,13 @@ pub fn oproj_router_route(
             bail!("oproj_router_route: operands must be 16-byte aligned")
         }
     }
-    // The o-projection's residual kernel: 4 output columns a block (2 warps split K).
+    // The o-projection's residual kernel: 4 output columns a block (2 warps split K); the
+    // router's blocks (8 rows each) are the first of the grid's second row.
     let grid = n / 4;
     let nrb = e.div_ceil(8);
+    if nrb > grid {
+        bail!("oproj_router_route: {e} experts need more router blocks than the grid's {grid} columns")
+    }
     let y = alloc_bf16(&dev, (1, n))?;
     let ss = alloc_f32(&dev, 1)?;
     let part = alloc_f32(&dev, grid)?;
