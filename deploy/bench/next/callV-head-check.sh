@@ -6,7 +6,7 @@
 # against the first run's, the 4-layer forward against the plain one), the 27B and 35B-A3B
 # through the engine (greedy tokens graphs vs eager), Qwen3-8B decode. ~100 s on an H100.
 set -u
-D=${D:-.gpu-s28}
+D=${D:-.gpu-next}
 mkdir -p /tmp/b && tar -xJf $D/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 mkdir -p $OUT/v
