@@ -93,11 +93,12 @@ __device__ __forceinline__ float store_pair(int epi, bf16_t* y, const bf16_t* re
 
 // Sum of squares of the K-wide bf16 row x, the same value in every block (a fixed order per
 // thread, then block_sum); called by every thread of the block.
+template <bool CG = false>
 __device__ __forceinline__ float row_sumsq_block(const bf16_t* __restrict__ x, int K) {
     __shared__ float red[32];
     float s = 0.f;
     for (int i = threadIdx.x; i < K / 8; i += blockDim.x) {
-        uint4 v = __ldg((const uint4*)x + i);
+        uint4 v = CG ? __ldcg((const uint4*)x + i) : __ldg((const uint4*)x + i);
         s += dot8(v, v);
     }
     return block_sum(s, red);
@@ -143,7 +144,9 @@ __device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_
 // Block of 4 warps; KS consecutive warps own R consecutive output columns (SILU: R gate and R
 // up rows) and split their K range in KS contiguous parts, added in part order (so the sums do
 // not depend on timing).
-template <int R, int U, int EPI, int NORM, int KS>
+// CG: x was written earlier in the same launch (moe_oproj_router_route), so it is read
+// through L2 (ld.cg) rather than the read-only path.
+template <int R, int U, int EPI, int NORM, int KS, bool CG = false>
 __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                           bf16_t* __restrict__ y, int N, int K, const bf16_t* __restrict__ resid,
                           const bf16_t* __restrict__ nw, float eps, const float* ss_in,
@@ -186,7 +189,7 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             if (it + u >= iters) break;
-            uint4 xx = __ldg(xv + (it + u) * 32);
+            uint4 xx = CG ? __ldcg(xv + (it + u) * 32) : __ldg(xv + (it + u) * 32);
             if (NORM) xx = norm8(xx, __ldg(nv + (it + u) * 32), inv);
 #pragma unroll
             for (int r = 0; r < RW; ++r) acc[r] += dot8(wv[u][r], xx);
@@ -196,7 +199,7 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
     // NORM_SELF: every block sums x's squares itself (x is one 8-16 KB row, in L2), so the
     // kernel that wrote x needs no cross-block reduction at its end. (Not in the SiLU kernels:
     // at their 40-register bound the extra block reduction spills.)
-    const float inv_self = NORM == NORM_SELF ? rsqrtf(row_sumsq_block(x, K) / (float)K + eps) : 0.f;
+    const float inv_self = NORM == NORM_SELF ? rsqrtf(row_sumsq_block<CG>(x, K) / (float)K + eps) : 0.f;
     if (active) {
         const float inv = NORM == NORM_SS ? rsqrtf(ss_in[0] / (float)K + eps) : inv_self;
         for (int it = it0; it < iters; it += U) {

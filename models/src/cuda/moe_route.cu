@@ -262,23 +262,28 @@ __device__ void route_one(const bf16_t* logits, int E, int k, int norm, int shar
 }
 
 // One row (decode): the router GEMV (gemv_rows2_store / _norm's rows_impl, so the logits are
-// theirs bit for bit) and the routing in one launch: the last block to finish routes the row
-// (route_one: moe_route's result) and re-arms `counter`, so a decode layer's MoE block has no
-// routing launch of its own. N router rows (E, or E + the shared gate and padding), 8 a block.
-template <int NORM>
+// theirs bit for bit) and the routing in one launch: the last of the `nblocks` router blocks to
+// finish routes the row (route_one: moe_route's result) and re-arms `counter` (and lowers
+// `flag` when given: moe_oproj_router_route's), so a decode layer's MoE block has no routing
+// launch of its own. N router rows (E, or E + the shared gate and padding), 8 a block.
+template <int NORM, bool CG = false>
 __device__ void router_route(const bf16_t* x, const bf16_t* w, bf16_t* logits, int N, int K,
                              const bf16_t* nw, float eps, int E, int k, int norm, int shared,
-                             u32* meta, float* wts, u32* counter) {
-    rows_impl<2, 4, EPI_STORE, NORM, 1>(x, w, logits, N, K, nullptr, nw, eps, nullptr, nullptr,
-                                        nullptr, nullptr, nullptr, 0);
+                             u32* meta, float* wts, u32* counter, u32 nblocks,
+                             u32* flag = nullptr) {
+    rows_impl<2, 4, EPI_STORE, NORM, 1, CG>(x, w, logits, N, K, nullptr, nw, eps, nullptr,
+                                            nullptr, nullptr, nullptr, nullptr, 0);
     __shared__ u32 is_last;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1u) == nblocks - 1;
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    if (threadIdx.x == 0) *counter = 0u;
+    if (threadIdx.x == 0) {
+        *counter = 0u;
+        if (flag != nullptr) *flag = 0u;  // every router block counted itself after its wait
+    }
     route_one(logits, E, k, norm, shared, meta, wts);
 }
 #define MOE_ROUTER_ROUTE(name, NORM)                                                            \
@@ -286,7 +291,8 @@ __device__ void router_route(const bf16_t* x, const bf16_t* w, bf16_t* logits, i
         name(const bf16_t* x, const bf16_t* w, bf16_t* logits, int N, int K, const bf16_t* nw,   \
              float eps, int E, int k, int norm, int shared, u32* meta, float* wts,               \
              u32* counter) {                                                                     \
-        router_route<NORM>(x, w, logits, N, K, nw, eps, E, k, norm, shared, meta, wts, counter); \
+        router_route<NORM>(x, w, logits, N, K, nw, eps, E, k, norm, shared, meta, wts, counter,  \
+                           gridDim.x);                                                           \
     }
 MOE_ROUTER_ROUTE(moe_router_route, NORM_NONE)
 MOE_ROUTER_ROUTE(moe_router_route_norm, NORM_SELF)
@@ -318,56 +324,8 @@ extern "C" __global__ void __launch_bounds__(128) moe_oproj_router_route(
         __threadfence();
     }
     __syncthreads();
-    // rows_impl<2, 4, EPI_STORE, NORM_SELF, 1> over y = x, with ld.cg for x.
-    __shared__ float red[32];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * 4 + warp) * 2;
-    const bool active = n0 < NR;
-    float sq = 0.f;
-    for (int i = threadIdx.x; i < N / 8; i += blockDim.x) {
-        const uint4 v = __ldcg((const uint4*)y + i);
-        sq += dot8(v, v);
-    }
-    const float inv = rsqrtf(block_sum(sq, red) / (float)N + eps);
-    float acc[2] = {0.f, 0.f};
-    if (active) {
-        const uint4* wrow[2] = {(const uint4*)(wr + (size_t)n0 * N) + lane,
-                                (const uint4*)(wr + (size_t)(n0 + 1) * N) + lane};
-        const uint4* xv = (const uint4*)y + lane;
-        const uint4* nv = (const uint4*)nw + lane;
-        const int iters = N >> 8;
-        for (int it = 0; it < iters; it += 4) {
-            uint4 wv[4][2];
-#pragma unroll
-            for (int u = 0; u < 4; ++u)
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-                    wv[u][r] = it + u < iters ? ld_stream(wrow[r] + (it + u) * 32) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                if (it + u >= iters) break;
-                const uint4 xx = norm8(__ldcg(xv + (it + u) * 32), __ldg(nv + (it + u) * 32), inv);
-#pragma unroll
-                for (int r = 0; r < 2; ++r) acc[r] += dot8(wv[u][r], xx);
-            }
-        }
-        acc[0] = warp_sum(acc[0]);
-        acc[1] = warp_sum(acc[1]);
-    }
-    pdl_launch_dependents();
-    if (active && lane == 0) store_pair(EPI_STORE, logits, nullptr, n0, acc[0], acc[1], 0.f, 0.f);
-    __shared__ u32 is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(rcounter, 1u) == (u32)nrb - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    if (threadIdx.x == 0) {
-        *rcounter = 0u;
-        *flag = 0u;  // every router block is past its wait: each counted itself after it
-    }
-    route_one(logits, E, k, norm, shared, meta, wts);
+    router_route<NORM_SELF, true>(y, wr, logits, NR, N, nw, eps, E, k, norm, shared, meta, wts,
+                                  rcounter, (u32)nrb, flag);
 }
 
 // Routing of any number of rows (prefills), in the layout above with one change: the "used
