@@ -325,7 +325,7 @@ __device__ __forceinline__ void combine_impl(const float* __restrict__ acc,
     st(out + (size_t)orow * GD + dim, a * sg);
 }
 
-// All three open as programmatic dependents (`cuda::pdl`).
+// All four launch as programmatic dependents (`cuda::pdl`).
 #define GATTN(SUF, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(GD) gattn_prep_##SUF(                         \
         const T* qkv, const T* qw, const T* kw, const T* cos_t, const T* sin_t, T* q_out,      \

@@ -6,30 +6,17 @@
 
 use std::sync::Mutex;
 
-use candle_core::cuda_backend::{CudaDevice, DeviceId};
+use candle_core::cuda_backend::DeviceId;
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::gemv::RowNorm;
 use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, ptr, KernelArgs};
-use super::moe_route::{alloc_u32, route_counter, MoeRouting, MODULE, PTX};
+use super::moe_route::{alloc_u32, device_word, route_counter, MoeRouting, MODULE, PTX};
 use super::{MOE_MAX_EXPERTS, MOE_MAX_TOP_K};
 
 /// The flag the o-projection's last block raises for the router blocks of the same launch, one
 /// per device for the process's lifetime; the last router block lowers it again.
 static FLAGS: Mutex<Vec<(DeviceId, Tensor)>> = Mutex::new(Vec::new());
-
-fn flag(dev: &CudaDevice, like: &Tensor) -> Result<u64> {
-    let mut all = FLAGS
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("oproj_router_route: flag lock poisoned".into()))?;
-    if let Some((_, f)) = all.iter().find(|(d, _)| *d == dev.id()) {
-        return ptr(f);
-    }
-    let f = Tensor::zeros(1, DType::U32, like.device())?;
-    let at = ptr(&f)?;
-    all.push((dev.id(), f));
-    Ok(at)
-}
 
 /// `(y, ss, routing)` for one row: `y = resid + attn @ o_projᵀ` and its sum of squares `ss`
 /// (what [`gemv_resid`](super::gemv_resid) returns with `counter`, the router weights
@@ -111,7 +98,8 @@ pub fn oproj_router_route(
         ptr(&wts)?,
     );
     let pf_bytes = (router.elem_count() * 2) as u64;
-    let (rc, fl) = (route_counter(&dev, attn)?, flag(&dev, attn)?);
+    let rc = route_counter(&dev, attn)?;
+    let fl = device_word(&FLAGS, &dev, attn, "oproj_router_route flag")?;
     let (ni, ki, nri, ei, kk) = (n as i32, kd as i32, nr as i32, e as i32, k as i32);
     let (eps, nti, shared, nrbi) = (norm.eps as f32, norm_topk as i32, 0i32, nrb as i32);
     let name = "moe_oproj_router_route";
