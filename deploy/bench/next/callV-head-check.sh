@@ -3,8 +3,9 @@
 # shipped: Coder `gpu_check --moe` (router_route and the new one-launch o-projection + router +
 # routing, `moe_oproj_router_route`, bit for bit against the launches they replace; graph vs
 # eager), then the Coder with that launch in the decode (`DFLASH_MOE_OPROJ_ROUTER=1`: decode
-# against the first run's, the 4-layer forward against the plain one), the 27B and 35B-A3B
-# through the engine (greedy tokens graphs vs eager), Qwen3-8B decode. ~100 s on an H100.
+# against the first run's, the 4-layer forward against the plain one), the same with the q/k/v
+# GEMV prefetching the o-projection into L2 (`DFLASH_MOE_PREFETCH_O=1`), the 27B and 35B-A3B
+# through the engine (greedy tokens graphs vs eager), Qwen3-8B decode. ~160 s on an H100.
 set -u
 D=${D:-.gpu-next}
 mkdir -p /tmp/b && tar -xJf $D/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
@@ -12,13 +13,15 @@ T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 mkdir -p $OUT/v
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/v/gpu.txt; cat $D/BUILT
 export DFLASH_TESTS_DIR=$PWD/tests
-for o in 0 1; do
-  DFLASH_MOE_OPROJ_ROUTER=$o timeout 60 /tmp/b/gpu_check cuda $OUT/v/coder-o$o.json --moe > $OUT/v/coder-o$o.log 2>&1; echo "coder oproj_router=$o rc=$? at $(el) s"
+# Variants o<oproj_router>p<prefetch_o>, the first and last twice (interleaved) for the noise.
+for v in o0p0 o1p0 o0p1 o1p1 o0p0 o1p1; do
+  o=${v:1:1}; p=${v:3:1}
+  DFLASH_MOE_OPROJ_ROUTER=$o DFLASH_MOE_PREFETCH_O=$p timeout 60 /tmp/b/gpu_check cuda $OUT/v/coder-$v.json --moe > $OUT/v/coder-$v.log 2>&1; echo "coder $v rc=$? at $(el) s"
   python3 -c "
 import json,sys; d=json.load(open(sys.argv[1])); b=d['qwen3_coder_30b_a3b_shape_bench']; f=d['moe_target_fused_vs_plain_4_layers']['decode_1']
-print('coder', round(b['decode_1']['graph_ms'],3), round(b['decode_1']['eager_ms'],3), round(b['decode_1']['fraction_of_roofline'],3), 'chain16', round(b['verify_chain_16']['graph_ms'],3), 'router_route', d['moe_router_route'].get('pass'), 'block', d['moe_block'].get('pass'), d['moe_hybrid_block'].get('pass'), 'decode vs plain / graph vs eager', f['graph_vs_plain'], f['graph_vs_eager']['max_abs_diff'])
+print('coder $v', round(b['decode_1']['graph_ms'],3), round(b['decode_1']['eager_ms'],3), round(b['decode_1']['fraction_of_roofline'],3), 'chain16', round(b['verify_chain_16']['graph_ms'],3), 'router_route', d['moe_router_route'].get('pass'), 'block', d['moe_block'].get('pass'), d['moe_hybrid_block'].get('pass'), 'decode vs plain / graph vs eager', f['graph_vs_plain'], f['graph_vs_eager']['max_abs_diff'])
 print('oproj_router_route', d.get('moe_oproj_router_route'))
-" $OUT/v/coder-o$o.json 2>&1 | cut -c1-900
+" $OUT/v/coder-$v.json 2>&1 | cut -c1-900
 done
 for m in qwen3.6-27b qwen3.6-35b-a3b; do
   timeout 60 /tmp/b/dflash-serve bench --model $m --prefill 1024 --e2e-prompt 1024 --e2e-tokens 64 --budgets 16 \

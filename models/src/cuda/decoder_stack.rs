@@ -152,7 +152,17 @@ impl Stack<'_> {
                 weight: in_norm,
                 eps,
             };
-            let qkv = cuda::gemv(&x, &fused.qkv, Some(norm))?;
+            let qkv = match (&fused.experts, one_row && cuda::moe_prefetch_o()) {
+                (Some(_), true) => {
+                    let o = layer.o_proj();
+                    let warm = cuda::Prefetch {
+                        weight: o,
+                        bytes: o.elem_count() * 2,
+                    };
+                    cuda::gemv_prefetch(&x, &fused.qkv, Some(norm), warm)?
+                }
+                _ => cuda::gemv(&x, &fused.qkv, Some(norm))?,
+            };
             let attn = self.attention(li, layer, &qkv, positions, seqs)?;
             // The o-projection is short and leaves bandwidth unused; its blocks start the
             // gate/up weights (a sparse layer: the router, read next) into L2 as they finish.

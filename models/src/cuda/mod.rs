@@ -160,7 +160,8 @@ mod topk;
 pub(crate) mod train_ops;
 #[cfg(feature = "cuda")]
 pub use gemv::{
-    gemv, gemv_resid, gemv_silu, gemv_variant, project, rms_apply, row_sumsq, Prefetch, RowNorm,
+    gemv, gemv_prefetch, gemv_resid, gemv_silu, gemv_variant, project, rms_apply, row_sumsq,
+    Prefetch, RowNorm,
 };
 #[cfg(feature = "cuda")]
 pub use topk::topk_rows;
@@ -340,6 +341,23 @@ pub fn set_moe_oproj_router(on: bool) {
 /// Whether the one-launch o-projection + routing runs ([`set_moe_oproj_router`]).
 pub fn moe_oproj_router() -> bool {
     MOE_OPROJ_ROUTER.get()
+}
+
+static MOE_PREFETCH_O: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_MOE_PREFETCH_O", false);
+
+/// Whether a dense-attention MoE target's one-row q/k/v GEMV pulls the layer's o-projection
+/// weights into L2 once its own loads are done, so they arrive during the attention (a
+/// latency-bound ~16 us launch on the Qwen3-Coder-30B-A3B shape that reads ~2 MB) and the
+/// o-projection reads them from L2. A hint: results never depend on it. Off until a GPU times
+/// it (`DFLASH_MOE_PREFETCH_O=1` or this switch turns it on; on Qwen3-8B's larger layers the
+/// same prefetch was 0.08 ms a step slower, session 6). Process-wide.
+pub fn set_moe_prefetch_o(on: bool) {
+    MOE_PREFETCH_O.set(on);
+}
+
+/// Whether the q/k/v GEMV of a MoE layer prefetches its o-projection ([`set_moe_prefetch_o`]).
+pub fn moe_prefetch_o() -> bool {
+    MOE_PREFETCH_O.get()
 }
 
 static GATTN_SPLIT2: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GATTN_SPLIT2", true);
