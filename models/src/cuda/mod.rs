@@ -360,6 +360,23 @@ pub fn moe_prefetch_o() -> bool {
     MOE_PREFETCH_O.get()
 }
 
+static MOE_PREFETCH_DOWN: switch::EnvSwitch =
+    switch::EnvSwitch::new("DFLASH_MOE_PREFETCH_DOWN", false);
+
+/// Whether the one-row MoE gate/up kernel pulls each selected expert's down weights into L2
+/// once its own loads are done (a share per block), so the down kernel reads them from L2. A
+/// hint: results never depend on it. Off until a GPU times it (`DFLASH_MOE_PREFETCH_DOWN=1` or
+/// this switch turns it on; Qwen3-8B's dense gate/up prefetching its down gained nothing,
+/// session 6). Process-wide.
+pub fn set_moe_prefetch_down(on: bool) {
+    MOE_PREFETCH_DOWN.set(on);
+}
+
+/// Whether MoE gate/up prefetches the experts' down weights ([`set_moe_prefetch_down`]).
+pub fn moe_prefetch_down() -> bool {
+    MOE_PREFETCH_DOWN.get()
+}
+
 static GATTN_SPLIT2: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GATTN_SPLIT2", true);
 
 /// Whether the hybrids' gated attention runs its key splits on `gattn_split2` (gattn.cu: lanes
