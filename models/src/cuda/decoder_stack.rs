@@ -152,17 +152,7 @@ impl Stack<'_> {
                 weight: in_norm,
                 eps,
             };
-            let qkv = match (&fused.experts, one_row && cuda::moe_prefetch_o()) {
-                (Some(_), true) => {
-                    let o = layer.o_proj();
-                    let warm = cuda::Prefetch {
-                        weight: o,
-                        bytes: o.elem_count() * 2,
-                    };
-                    cuda::gemv_prefetch(&x, &fused.qkv, Some(norm), warm)?
-                }
-                _ => cuda::gemv(&x, &fused.qkv, Some(norm))?,
-            };
+            let qkv = cuda::gemv(&x, &fused.qkv, Some(norm))?;
             let attn = self.attention(li, layer, &qkv, positions, seqs)?;
             // The o-projection is short and leaves bandwidth unused; its blocks start the
             // gate/up weights (a sparse layer: the router, read next) into L2 as they finish.
@@ -176,36 +166,6 @@ impl Stack<'_> {
                     bytes: GATE_UP_PREFETCH,
                 },
             };
-            if let (Some(ex), true) = (&fused.experts, one_row && cuda::moe_oproj_router()) {
-                // The o-projection, router and routing in one launch; the experts after it.
-                let w = moe_weights(ex);
-                let (e, _, _) = w.dims()?;
-                let post = RowNorm {
-                    ss: None,
-                    weight: post_norm,
-                    eps,
-                };
-                let (x1, ss1, routing) = cuda::oproj_router_route(
-                    &attn,
-                    layer.o_proj(),
-                    &x,
-                    &counter,
-                    post,
-                    w.router,
-                    e,
-                    w.top_k,
-                    w.norm_topk_prob,
-                )?;
-                let norm = RowNorm {
-                    ss: Some(&ss1),
-                    weight: post_norm,
-                    eps,
-                };
-                x = cuda::moe_experts(&x1, Some(norm), &w, &routing, Some(&x1), false)?.0;
-                ss = None;
-                taps.layer_output(li, &x);
-                continue;
-            }
             let (x1, ss1) =
                 cuda::gemv_resid(&attn, layer.o_proj(), &x, Some(&counter), Some(warm))?;
             let norm = RowNorm {

@@ -246,28 +246,6 @@ pub fn gemv(x: &Tensor, w: &Tensor, norm: Option<RowNorm<'_>>) -> Result<Tensor>
     .0)
 }
 
-/// [`gemv`] of one row that also pulls the leading `prefetch.bytes` of the next product's
-/// weights into L2 once its own loads are done (see [`Prefetch`]; more rows: plain [`gemv`]).
-pub fn gemv_prefetch(
-    x: &Tensor,
-    w: &Tensor,
-    norm: Option<RowNorm<'_>>,
-    prefetch: Prefetch<'_>,
-) -> Result<Tensor> {
-    let n = w.dims2()?.0;
-    Ok(launch(Launch {
-        x,
-        w,
-        n,
-        epi: Epi::Store,
-        norm,
-        resid: None,
-        variant: None,
-        prefetch: Some(prefetch),
-    })?
-    .0)
-}
-
 /// `silu(norm(x) @ gateᵀ) * (norm(x) @ upᵀ)` for `w = [gate; up]` (`[2i, k]`): `[m, i]`.
 pub fn gemv_silu(x: &Tensor, w: &Tensor, norm: Option<RowNorm<'_>>) -> Result<Tensor> {
     let n = w.dims2()?.0 / 2;

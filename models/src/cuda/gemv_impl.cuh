@@ -93,12 +93,11 @@ __device__ __forceinline__ float store_pair(int epi, bf16_t* y, const bf16_t* re
 
 // Sum of squares of the K-wide bf16 row x, the same value in every block (a fixed order per
 // thread, then block_sum); called by every thread of the block.
-template <bool CG = false>
 __device__ __forceinline__ float row_sumsq_block(const bf16_t* __restrict__ x, int K) {
     __shared__ float red[32];
     float s = 0.f;
     for (int i = threadIdx.x; i < K / 8; i += blockDim.x) {
-        uint4 v = CG ? __ldcg((const uint4*)x + i) : __ldg((const uint4*)x + i);
+        uint4 v = __ldg((const uint4*)x + i);
         s += dot8(v, v);
     }
     return block_sum(s, red);
@@ -107,12 +106,8 @@ __device__ __forceinline__ float row_sumsq_block(const bf16_t* __restrict__ x, i
 // RESID tail, called by every thread of every block once `blocksum[r]` (shared) holds the
 // block's sum of y[r, :]^2 over its columns: partials per block, then the last block adds them
 // in block order into ss_out and re-arms the counter.
-__device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_out, u32* counter,
-                           u32* done = nullptr) {
+__device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_out, u32* counter) {
     __shared__ u32 is_last;
-    // With `done`, blocks of this launch read y after the flag: every thread orders its own y
-    // writes before the block counts itself (the partial's fence below is thread 0's only).
-    if (done != nullptr) __threadfence();
     if ((int)threadIdx.x < M) {
         part[(size_t)blockIdx.x * M + threadIdx.x] = blocksum[threadIdx.x];
         __threadfence();
@@ -129,29 +124,18 @@ __device__ void resid_tail(const float* blocksum, int M, float* part, float* ss_
         s = warp_sum(s);
         if (lane == 0) ss_out[r] = s;
     }
-    if (threadIdx.x == 0) {
-        *counter = 0u;
-        // `done`: every block's y is written (each wrote before counting itself): raise the
-        // flag blocks of the same launch wait on (moe_route.cu's moe_oproj_router_route).
-        if (done != nullptr) {
-            __threadfence();
-            atomicExch(done, 1u);
-        }
-    }
+    if (threadIdx.x == 0) *counter = 0u;
 }
 
 // ---- M = 1 on CUDA cores ----------------------------------------------------------------
 // Block of 4 warps; KS consecutive warps own R consecutive output columns (SILU: R gate and R
 // up rows) and split their K range in KS contiguous parts, added in part order (so the sums do
 // not depend on timing).
-// CG: x was written earlier in the same launch (moe_oproj_router_route), so it is read
-// through L2 (ld.cg) rather than the read-only path.
-template <int R, int U, int EPI, int NORM, int KS, bool CG = false>
+template <int R, int U, int EPI, int NORM, int KS>
 __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                           bf16_t* __restrict__ y, int N, int K, const bf16_t* __restrict__ resid,
                           const bf16_t* __restrict__ nw, float eps, const float* ss_in,
-                          float* ss_out, float* part, u32* counter, const char* pf, u64 pf_bytes,
-                          u32* done = nullptr) {
+                          float* ss_out, float* part, u32* counter, const char* pf, u64 pf_bytes) {
     constexpr int RW = EPI == EPI_SILU ? 2 * R : R;
     __shared__ float wsum[4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -189,7 +173,7 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             if (it + u >= iters) break;
-            uint4 xx = CG ? __ldcg(xv + (it + u) * 32) : __ldg(xv + (it + u) * 32);
+            uint4 xx = __ldg(xv + (it + u) * 32);
             if (NORM) xx = norm8(xx, __ldg(nv + (it + u) * 32), inv);
 #pragma unroll
             for (int r = 0; r < RW; ++r) acc[r] += dot8(wv[u][r], xx);
@@ -199,7 +183,7 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
     // NORM_SELF: every block sums x's squares itself (x is one 8-16 KB row, in L2), so the
     // kernel that wrote x needs no cross-block reduction at its end. (Not in the SiLU kernels:
     // at their 40-register bound the extra block reduction spills.)
-    const float inv_self = NORM == NORM_SELF ? rsqrtf(row_sumsq_block<CG>(x, K) / (float)K + eps) : 0.f;
+    const float inv_self = NORM == NORM_SELF ? rsqrtf(row_sumsq_block(x, K) / (float)K + eps) : 0.f;
     if (active) {
         const float inv = NORM == NORM_SS ? rsqrtf(ss_in[0] / (float)K + eps) : inv_self;
         for (int it = it0; it < iters; it += U) {
@@ -238,7 +222,7 @@ __device__ void rows_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict
     __shared__ float blocksum[1];
     if (threadIdx.x == 0) blocksum[0] = wsum[0] + wsum[1] + wsum[2] + wsum[3];
     __syncthreads();
-    resid_tail(blocksum, 1, part, ss_out, counter, done);
+    resid_tail(blocksum, 1, part, ss_out, counter);
 }
 
 // ---- M <= 64 on tensor cores -------------------------------------------------------------

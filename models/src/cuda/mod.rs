@@ -143,13 +143,9 @@ pub use moe::{moe_block, moe_experts, MoeWeights, SharedExpertRefs};
 #[cfg(feature = "cuda")]
 mod moe_route;
 #[cfg(feature = "cuda")]
-mod oproj_route;
-#[cfg(feature = "cuda")]
 pub use moe_route::{
     moe_route, moe_route_shared, moe_route_wide, router_route, MoeRouting, SHARED_ROUTER_PAD,
 };
-#[cfg(feature = "cuda")]
-pub use oproj_route::oproj_router_route;
 #[cfg(feature = "cuda")]
 mod splitk;
 #[cfg(feature = "cuda")]
@@ -160,8 +156,7 @@ mod topk;
 pub(crate) mod train_ops;
 #[cfg(feature = "cuda")]
 pub use gemv::{
-    gemv, gemv_prefetch, gemv_resid, gemv_silu, gemv_variant, project, rms_apply, row_sumsq,
-    Prefetch, RowNorm,
+    gemv, gemv_resid, gemv_silu, gemv_variant, project, rms_apply, row_sumsq, Prefetch, RowNorm,
 };
 #[cfg(feature = "cuda")]
 pub use topk::topk_rows;
@@ -323,58 +318,6 @@ pub fn set_hybrid_decode_graphs(on: bool) {
 /// `sparse_moe`).
 pub fn hybrid_decode_graphs(sparse_moe: bool) -> bool {
     HYBRID_DECODE_GRAPHS.get_or(sparse_moe)
-}
-
-static MOE_OPROJ_ROUTER: switch::EnvSwitch =
-    switch::EnvSwitch::new("DFLASH_MOE_OPROJ_ROUTER", false);
-
-/// Whether a dense-attention MoE target's one-row decode layer runs its o-projection, router
-/// GEMV and routing in one launch ([`oproj_router_route`]: the router blocks wait in the same
-/// grid for the o-projection's last block) instead of two (`gemv_resid`, `router_route`). Off
-/// until a GPU checks and times it (`gpu_check --moe`'s `moe_oproj_router_route` compares it
-/// with the two launches bit for bit; `DFLASH_MOE_OPROJ_ROUTER=1` or this switch turns it on).
-/// Process-wide.
-pub fn set_moe_oproj_router(on: bool) {
-    MOE_OPROJ_ROUTER.set(on);
-}
-
-/// Whether the one-launch o-projection + routing runs ([`set_moe_oproj_router`]).
-pub fn moe_oproj_router() -> bool {
-    MOE_OPROJ_ROUTER.get()
-}
-
-static MOE_PREFETCH_O: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_MOE_PREFETCH_O", false);
-
-/// Whether a dense-attention MoE target's one-row q/k/v GEMV pulls the layer's o-projection
-/// weights into L2 once its own loads are done, so they arrive during the attention (a
-/// latency-bound ~16 us launch on the Qwen3-Coder-30B-A3B shape that reads ~2 MB) and the
-/// o-projection reads them from L2. A hint: results never depend on it. Off until a GPU times
-/// it (`DFLASH_MOE_PREFETCH_O=1` or this switch turns it on; on Qwen3-8B's larger layers the
-/// same prefetch was 0.08 ms a step slower, session 6). Process-wide.
-pub fn set_moe_prefetch_o(on: bool) {
-    MOE_PREFETCH_O.set(on);
-}
-
-/// Whether the q/k/v GEMV of a MoE layer prefetches its o-projection ([`set_moe_prefetch_o`]).
-pub fn moe_prefetch_o() -> bool {
-    MOE_PREFETCH_O.get()
-}
-
-static MOE_PREFETCH_DOWN: switch::EnvSwitch =
-    switch::EnvSwitch::new("DFLASH_MOE_PREFETCH_DOWN", false);
-
-/// Whether the one-row MoE gate/up kernel pulls each selected expert's down weights into L2
-/// once its own loads are done (a share per block), so the down kernel reads them from L2. A
-/// hint: results never depend on it. Off until a GPU times it (`DFLASH_MOE_PREFETCH_DOWN=1` or
-/// this switch turns it on; Qwen3-8B's dense gate/up prefetching its down gained nothing,
-/// session 6). Process-wide.
-pub fn set_moe_prefetch_down(on: bool) {
-    MOE_PREFETCH_DOWN.set(on);
-}
-
-/// Whether MoE gate/up prefetches the experts' down weights ([`set_moe_prefetch_down`]).
-pub fn moe_prefetch_down() -> bool {
-    MOE_PREFETCH_DOWN.get()
 }
 
 static GATTN_SPLIT2: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GATTN_SPLIT2", true);

@@ -32,28 +32,21 @@
 // act[p] = silu(x_r gate_e) * (x_r up_e) for pair p = blockIdx.y (row r, expert e), with x_r
 // the RMSNorm of row r from its sums of squares when NORM. N = I, K = H. Expert E (when
 // shared_w is given) is the shared expert, its [2I, H] rows at shared_w.
-// With down_w (the experts' [E, K, N] down weights; shared_down the shared expert's), the
-// blocks of pair p pull expert e's down matrix into L2 once their own loads are done, a share
-// each (`l2_prefetch` splits it over blockIdx.x), so the down kernel after this one finds it
-// there (`DFLASH_MOE_PREFETCH_DOWN`; a hint).
 #define MOE_GATE_UP_ROWS(name, NORM)                                                            \
     extern "C" __global__ void __launch_bounds__(128, 8)                                         \
         name(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, bf16_t* __restrict__ act, \
              int N, int K, const u32* __restrict__ meta, int P, const bf16_t* __restrict__ nw,  \
              float eps, const float* __restrict__ ss_in, const bf16_t* __restrict__ shared_w,   \
-             int E, const bf16_t* __restrict__ down_w, const bf16_t* __restrict__ shared_down) { \
+             int E) {                                                                           \
         pdl_wait(); /* the pair's row and expert; rows_impl triggers the next kernel */        \
         const int p = blockIdx.y;                                                               \
         const u32 r = meta[2 + 3 * P + p], e = meta[2 + 4 * P + p];                             \
-        const bool sh = shared_w != nullptr && e == (u32)E;                                     \
-        const bf16_t* we = sh ? shared_w : w + (size_t)e * 2 * N * K;                           \
-        const char* pf = down_w == nullptr                                                      \
-                             ? nullptr                                                          \
-                             : (const char*)(sh ? shared_down : down_w + (size_t)e * N * K);    \
+        const bf16_t* we =                                                                      \
+            shared_w != nullptr && e == (u32)E ? shared_w : w + (size_t)e * 2 * N * K;          \
         rows_impl<2, 2, EPI_SILU, NORM, 1>(x + (size_t)r * K, we,                               \
                                            act + (size_t)p * N, N, K, nullptr, nw, eps,         \
                                            NORM ? ss_in + r : nullptr, nullptr, nullptr,        \
-                                           nullptr, pf, pf ? (u64)N * K * 2 : 0);               \
+                                           nullptr, nullptr, 0);                                \
     }
 MOE_GATE_UP_ROWS(moe_gate_up_rows, NORM_NONE)
 MOE_GATE_UP_ROWS(moe_gate_up_rows_norm, NORM_SS)

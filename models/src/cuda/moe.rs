@@ -192,12 +192,6 @@ pub fn moe_experts(
         let mut b = KernelArgs::new();
         b.arg(&xp).arg(&gp).arg(&ap).arg(&ii).arg(&hi).arg(&mp);
         b.arg(&pi).arg(&nw).arg(&eps).arg(&ss_in).arg(&sgu).arg(&ei);
-        // The down weights to pull into L2 behind gate/up's own loads, when switched on.
-        let (pf_down, pf_shared) = match super::moe_prefetch_down() {
-            true => (dp, sdn),
-            false => (0u64, 0u64),
-        };
-        b.arg(&pf_down).arg(&pf_shared);
         let grid = (i.div_ceil(8) as u32, p as u32, 1);
         b.launch(&dev, &f, cfg(grid, 128), name)?;
         let name = format!("moe_down_rows_sp{}", i / 256);

@@ -262,28 +262,23 @@ __device__ void route_one(const bf16_t* logits, int E, int k, int norm, int shar
 }
 
 // One row (decode): the router GEMV (gemv_rows2_store / _norm's rows_impl, so the logits are
-// theirs bit for bit) and the routing in one launch: the last of the `nblocks` router blocks to
-// finish routes the row (route_one: moe_route's result) and re-arms `counter` (and lowers
-// `flag` when given: moe_oproj_router_route's), so a decode layer's MoE block has no routing
-// launch of its own. N router rows (E, or E + the shared gate and padding), 8 a block.
-template <int NORM, bool CG = false>
+// theirs bit for bit) and the routing in one launch: the last block to finish routes the row
+// (route_one: moe_route's result) and re-arms `counter`, so a decode layer's MoE block has no
+// routing launch of its own. N router rows (E, or E + the shared gate and padding), 8 a block.
+template <int NORM>
 __device__ void router_route(const bf16_t* x, const bf16_t* w, bf16_t* logits, int N, int K,
                              const bf16_t* nw, float eps, int E, int k, int norm, int shared,
-                             u32* meta, float* wts, u32* counter, u32 nblocks,
-                             u32* flag = nullptr) {
-    rows_impl<2, 4, EPI_STORE, NORM, 1, CG>(x, w, logits, N, K, nullptr, nw, eps, nullptr,
-                                            nullptr, nullptr, nullptr, nullptr, 0);
+                             u32* meta, float* wts, u32* counter) {
+    rows_impl<2, 4, EPI_STORE, NORM, 1>(x, w, logits, N, K, nullptr, nw, eps, nullptr, nullptr,
+                                        nullptr, nullptr, nullptr, 0);
     __shared__ u32 is_last;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1u) == nblocks - 1;
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    if (threadIdx.x == 0) {
-        *counter = 0u;
-        if (flag != nullptr) *flag = 0u;  // every router block counted itself after its wait
-    }
+    if (threadIdx.x == 0) *counter = 0u;
     route_one(logits, E, k, norm, shared, meta, wts);
 }
 #define MOE_ROUTER_ROUTE(name, NORM)                                                            \
@@ -291,42 +286,10 @@ __device__ void router_route(const bf16_t* x, const bf16_t* w, bf16_t* logits, i
         name(const bf16_t* x, const bf16_t* w, bf16_t* logits, int N, int K, const bf16_t* nw,   \
              float eps, int E, int k, int norm, int shared, u32* meta, float* wts,               \
              u32* counter) {                                                                     \
-        router_route<NORM>(x, w, logits, N, K, nw, eps, E, k, norm, shared, meta, wts, counter,  \
-                           gridDim.x);                                                           \
+        router_route<NORM>(x, w, logits, N, K, nw, eps, E, k, norm, shared, meta, wts, counter); \
     }
 MOE_ROUTER_ROUTE(moe_router_route, NORM_NONE)
 MOE_ROUTER_ROUTE(moe_router_route_norm, NORM_SELF)
-
-// The o-projection, the router GEMV and the routing of one row in one launch (decode, behind
-// `DFLASH_MOE_OPROJ_ROUTER`): blocks (x, 0) are the residual GEMV y = resid + attn W_o^T with
-// the row's sum of squares (gemv_rows2_resid's rows_impl, bit for bit), the last of them
-// raising `flag` once every block's y is written; blocks (x < nrb, 1) wait for the flag, then
-// compute router rows of RMSNorm(y) (moe_router_route_norm's arithmetic bit for bit, reading
-// y through L2: it is written in this launch, so not through the read-only path) and the last
-// of them routes the row (route_one) and re-arms `rcounter` and `flag`; blocks (x >= nrb, 1)
-// exit. The router rows' blocks are dispatched after every o-projection block (y is the
-// slower grid dimension), so a waiting block never holds a slot one of those still needs;
-// their weights are warm in L2 (the o-projection blocks prefetch them: `pf`).
-extern "C" __global__ void __launch_bounds__(128) moe_oproj_router_route(
-    const bf16_t* attn, const bf16_t* wo, bf16_t* y, int N, int K, const bf16_t* resid,
-    float* ss_out, float* part, u32* counter, const char* pf, u64 pf_bytes, const bf16_t* wr,
-    bf16_t* logits, int NR, const bf16_t* nw, float eps, int E, int k, int norm, int shared,
-    u32* meta, float* wts, u32* rcounter, u32* flag, int nrb) {
-    if (blockIdx.y == 0) {
-        rows_impl<2, 4, EPI_RESID, NORM_NONE, 2>(attn, wo, y, N, K, resid, nullptr, 0.f, nullptr,
-                                                 ss_out, part, counter, pf, pf_bytes, flag);
-        return;
-    }
-    if ((int)blockIdx.x >= nrb) return;
-    pdl_wait();
-    if (threadIdx.x == 0) {
-        while (*(volatile u32*)flag == 0u) __nanosleep(32);
-        __threadfence();
-    }
-    __syncthreads();
-    router_route<NORM_SELF, true>(y, wr, logits, NR, N, nw, eps, E, k, norm, shared, meta, wts,
-                                  rcounter, (u32)nrb, flag);
-}
 
 // Routing of any number of rows (prefills), in the layout above with one change: the "used
 // experts" are tiles of at most MOE_MAX_ROWS pairs of one expert ([0] counts tiles, [1+P, ..)

@@ -59,7 +59,7 @@ impl MoeRouting {
     }
 }
 
-pub(super) fn alloc_u32(dev: &CudaDevice, n: usize) -> Result<Tensor> {
+fn alloc_u32(dev: &CudaDevice, n: usize) -> Result<Tensor> {
     use candle_core::cuda_backend::CudaStorage;
     // Every element the expert kernels read is written by the routing kernel first.
     let s = unsafe { dev.alloc::<u32>(n)? };
@@ -198,21 +198,10 @@ pub fn moe_route_wide(logits: &Tensor, k: usize, norm: bool) -> Result<MoeRoutin
 /// the kernel's last block re-arms it.
 static ROUTE_COUNTERS: Mutex<Vec<(DeviceId, Tensor)>> = Mutex::new(Vec::new());
 
-pub(super) fn route_counter(dev: &CudaDevice, like: &Tensor) -> Result<u64> {
-    device_word(&ROUTE_COUNTERS, dev, like, "router_route counter")
-}
-
-/// The address of `slot`'s zeroed u32 for `dev`, made on first use and kept for the process's
-/// lifetime (kernels re-arm it themselves, so no launch needs a memset).
-pub(super) fn device_word(
-    slot: &Mutex<Vec<(DeviceId, Tensor)>>,
-    dev: &CudaDevice,
-    like: &Tensor,
-    what: &str,
-) -> Result<u64> {
-    let mut all = slot
+fn route_counter(dev: &CudaDevice, like: &Tensor) -> Result<u64> {
+    let mut all = ROUTE_COUNTERS
         .lock()
-        .map_err(|_| candle_core::Error::Msg(format!("{what}: lock poisoned")))?;
+        .map_err(|_| candle_core::Error::Msg("router_route: counter lock poisoned".into()))?;
     if let Some((_, c)) = all.iter().find(|(d, _)| *d == dev.id()) {
         return ptr(c);
     }

@@ -61,9 +61,6 @@ mod moe;
 #[cfg(feature = "cuda")]
 #[path = "gpu_check/moe_forward.rs"]
 mod moe_forward;
-#[cfg(feature = "cuda")]
-#[path = "gpu_check/moe_oproj.rs"]
-mod moe_oproj;
 #[path = "gpu_check/pooled.rs"]
 mod pooled;
 #[path = "gpu_check/pooled_draft.rs"]
@@ -323,10 +320,6 @@ fn main() -> Result<()> {
         let b = or_err(moe::router_route_check(&dev));
         println!("moe router_route {b}");
         report.insert("moe_router_route".into(), b);
-        save(&report)?;
-        let b = or_err(moe_oproj::oproj_router_route_check(&dev));
-        println!("moe oproj_router_route {b}");
-        report.insert("moe_oproj_router_route".into(), b);
         save(&report)?;
         let b = or_err(moe::block_check(&dev));
         println!("moe block {b}");
