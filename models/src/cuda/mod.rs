@@ -139,6 +139,8 @@ pub use lt_gemm::{linear_lt, tuned_timings, LtMode};
 #[cfg(feature = "cuda")]
 mod moe;
 #[cfg(feature = "cuda")]
+mod moe_grouped;
+#[cfg(feature = "cuda")]
 pub use moe::{moe_block, moe_experts, MoeWeights, SharedExpertRefs};
 #[cfg(feature = "cuda")]
 mod moe_route;
@@ -318,6 +320,23 @@ pub fn set_hybrid_decode_graphs(on: bool) {
 /// `sparse_moe`).
 pub fn hybrid_decode_graphs(sparse_moe: bool) -> bool {
     HYBRID_DECODE_GRAPHS.get_or(sparse_moe)
+}
+
+static MOE_GROUPED_GEMM: switch::EnvSwitch =
+    switch::EnvSwitch::new("DFLASH_MOE_GROUPED_GEMM", false);
+
+/// Whether a sparse-MoE block of at least 128 rows (prefills) outside CUDA graph capture runs
+/// its experts as two cuBLAS grouped GEMMs (moe_grouped.rs: one launch per projection for every
+/// used expert, after a copy of the per-expert pair counts to the host) instead of the tiled
+/// tensor-core kernels, which re-read an expert's weights per 64 of its pairs. Off until a GPU
+/// checks and times it (`DFLASH_MOE_GROUPED_GEMM=1` or this switch turns it on). Process-wide.
+pub fn set_moe_grouped_gemm(on: bool) {
+    MOE_GROUPED_GEMM.set(on);
+}
+
+/// Whether wide MoE blocks run on grouped GEMMs ([`set_moe_grouped_gemm`]).
+pub fn moe_grouped_gemm() -> bool {
+    MOE_GROUPED_GEMM.get()
 }
 
 static GATTN_SPLIT2: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GATTN_SPLIT2", true);

@@ -14,6 +14,7 @@ use candle_core::{bail, DType, Result, Tensor};
 
 use super::gemv::{gemv, k_splits, rms_apply, row_sumsq, RowNorm};
 use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, opt_ptr, ptr, KernelArgs};
+use super::moe_grouped::{capturing, grouped_pair_outputs, GROUPED_MIN_ROWS};
 use super::moe_route::{moe_route, moe_route_wide, router_route, MoeRouting, SHARED_ROUTER_PAD};
 use super::{moe_shape_fits, MOE_MAX_EXPERTS, MOE_MAX_ROWS, MOE_MAX_TOP_K};
 
@@ -213,45 +214,60 @@ pub fn moe_experts(
         }
         None => x,
     };
-    let (mt, slots) = if routing.wide {
-        (
-            MOE_MAX_ROWS / 16,
-            p.min(e + p.div_ceil(MOE_MAX_ROWS)) as u32,
-        )
-    } else {
-        (t.div_ceil(16), e.min(p) as u32)
+    // Wide routings of many rows outside graph capture: cuBLAS grouped GEMMs
+    // (moe_grouped.rs); else the tiled tensor-core kernels.
+    let grouped = match (
+        &routing.counts,
+        t >= GROUPED_MIN_ROWS && super::moe_grouped_gemm(),
+    ) {
+        (Some(counts), true) if !capturing(&dev)? => Some(counts),
+        _ => None,
     };
-    let pair_out = alloc_bf16(&dev, (p, h))?;
-    let op = ptr(&pair_out)?;
-    let xp = ptr(h_in)?;
-    for (name, src, wgt, dst, n, kk) in [
-        (format!("moe_gate_up_mma_m{mt}"), xp, gp, ap, i, h),
-        (format!("moe_down_mma_m{mt}"), ap, dp, op, h, i),
-    ] {
-        let ks = k_splits(n / 8);
-        let (ni, kki, ksi) = (n as i32, kk as i32, ks as i32);
-        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-        let mut b = f.builder();
-        b.arg(&src)
-            .arg(&wgt)
-            .arg(&dst)
-            .arg(&ni)
-            .arg(&kki)
-            .arg(&ksi)
-            .arg(&mp)
-            .arg(&pi);
-        go(
-            &mut b,
-            cfg(((n / 8).div_ceil(4 / ks) as u32, slots, 1), 128),
-            &name,
-        )?;
-    }
+    let pair_out = if let Some(counts) = grouped {
+        let pair_row = routing.meta.narrow(0, 2 + 3 * p, p)?;
+        grouped_pair_outputs(h_in, w.gate_up, w.down, &pair_row, counts)?
+    } else {
+        let (mt, slots) = if routing.wide {
+            (
+                MOE_MAX_ROWS / 16,
+                p.min(e + p.div_ceil(MOE_MAX_ROWS)) as u32,
+            )
+        } else {
+            (t.div_ceil(16), e.min(p) as u32)
+        };
+        let pair_out = alloc_bf16(&dev, (p, h))?;
+        let op = ptr(&pair_out)?;
+        let xp = ptr(h_in)?;
+        for (name, src, wgt, dst, n, kk) in [
+            (format!("moe_gate_up_mma_m{mt}"), xp, gp, ap, i, h),
+            (format!("moe_down_mma_m{mt}"), ap, dp, op, h, i),
+        ] {
+            let ks = k_splits(n / 8);
+            let (ni, kki, ksi) = (n as i32, kk as i32, ks as i32);
+            let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&src)
+                .arg(&wgt)
+                .arg(&dst)
+                .arg(&ni)
+                .arg(&kki)
+                .arg(&ksi)
+                .arg(&mp)
+                .arg(&pi);
+            go(
+                &mut b,
+                cfg(((n / 8).div_ceil(4 / ks) as u32, slots, 1), 128),
+                &name,
+            )?;
+        }
+        pair_out
+    };
     let ss = if want_ss {
         Some(alloc_f32(&dev, t)?)
     } else {
         None
     };
-    let sp = opt_ptr(ss.as_ref())?;
+    let (sp, op) = (opt_ptr(ss.as_ref())?, ptr(&pair_out)?);
     let f = dev.get_or_load_custom_func("moe_combine", MODULE, PTX)?;
     let mut b = f.builder();
     b.arg(&op)

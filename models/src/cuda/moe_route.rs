@@ -31,6 +31,8 @@ pub struct MoeRouting {
     /// Routed by [`moe_route_wide`]: the used-expert entries are tiles of at most
     /// [`MOE_MAX_ROWS`] pairs.
     pub(super) wide: bool,
+    /// A wide routing's pairs per expert (u32 `[E]`), for the grouped GEMMs.
+    pub(super) counts: Option<Tensor>,
 }
 
 impl MoeRouting {
@@ -138,6 +140,7 @@ fn route(logits: &Tensor, e: usize, k: usize, norm: bool, shared: bool) -> Resul
         k: kk,
         shared,
         wide: false,
+        counts: None,
     })
 }
 
@@ -190,6 +193,7 @@ pub fn moe_route_wide(logits: &Tensor, k: usize, norm: bool) -> Result<MoeRoutin
         k,
         shared: false,
         wide: true,
+        counts: Some(counts),
     })
 }
 
@@ -302,5 +306,6 @@ pub fn router_route(
         k: kk,
         shared,
         wide: false,
+        counts: None,
     })
 }
