@@ -16,7 +16,7 @@ for g in 1 0; do
   grep -m3 -iE "error|panic" $OUT/y/coder-g$g.log | cut -c1-400
   python3 -c "
 import json,sys; d=json.load(open(sys.argv[1])); m=d['moe_block']; r=m.get('rows_1000', {}); b=d['qwen3_coder_30b_a3b_shape_bench']; f=d['moe_target_fused_vs_plain_4_layers']
-print('g$g block pass', m.get('pass'), 'rows_1000', {k: r.get(k) for k in ('block_max_mean_rel_err_vs_plain_bf16', 'wrong_case_fails', 'device_ms', 'plain_ms')}, 'rows_100 ms', m.get('rows_100', {}).get('device_ms'))
+print('g$g block pass', m.get('pass'), 'rows_1000', {k: r.get(k) for k in ('block_max_mean_rel_err_vs_plain_bf16', 'wrong_case_fails', 'device_ms', 'plain_ms')}, 'rows_100 ms', m.get('rows_100', {}).get('device_ms'), 'paths', r.get('expert_paths'))
 print('g$g prefill_1k_ms', round(b['prefill_1k_ms'],2), 'decode', round(b['decode_1']['graph_ms'],3), '4-layer prefill_600 vs plain', f.get('prefill_600_last_10_rows'))
 " $OUT/y/coder-g$g.json 2>&1 | cut -c1-900
 done

@@ -192,6 +192,28 @@ pub fn block_check(dev: &Device) -> Result<Value> {
             row.insert("device_ms".into(), json!(dev_ms));
             row.insert("plain_ms".into(), json!(plain_ms));
         }
+        // Wide blocks: both expert paths (cuBLAS grouped GEMMs and the 64-pair tiles) against
+        // the plain block and timed, whichever the process default is.
+        if t >= 128 {
+            let was = cuda::moe_grouped_gemm();
+            let mut paths = serde_json::Map::new();
+            for (name, on) in [("grouped_gemm", true), ("tiles", false)] {
+                cuda::set_moe_grouped_gemm(on);
+                let block = || cuda::moe_block(&x, None, &weights(true, 8), Some(&resid), false);
+                let e = errs(&block()?.0, &plain)?;
+                pass &= within(e);
+                let ms = time_ms(dev, 10, || {
+                    block()?;
+                    Ok(())
+                })?;
+                paths.insert(
+                    name.into(),
+                    json!({"max_mean_rel_err_vs_plain_bf16": e, "device_ms": ms}),
+                );
+            }
+            cuda::set_moe_grouped_gemm(was);
+            row.insert("expert_paths".into(), Value::Object(paths));
+        }
         res.insert(format!("rows_{t}"), Value::Object(row));
     }
     res.insert("tolerance_max_mean_rel".into(), json!([TOL, MEAN_TOL]));
