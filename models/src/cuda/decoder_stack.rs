@@ -16,9 +16,10 @@
 //! ([`cuda::moe_block`]: router, routing, the selected experts only): 4 launches for one row
 //! (the norm, the weighted combine and the residual add fused around them), 5-6 for up to 64,
 //! and for wider forwards (prefills) the routing in tiles of up to 64 pairs per expert
-//! ([`cuda::moe_route_wide`]), every used expert read once per tile.
+//! ([`cuda::moe_route_wide`]), every used expert read once per tile, or from 128 rows outside
+//! graph capture two cuBLAS grouped GEMMs over every used expert (`moe_grouped.rs`).
 //!
-//! Both make no host-device copies, so a CUDA graph can capture them.
+//! Up to 64 rows both make no host-device copies, so a CUDA graph can capture them.
 
 use candle_core::{DType, Tensor};
 
