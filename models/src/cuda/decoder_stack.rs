@@ -16,8 +16,8 @@
 //! ([`cuda::moe_block`]: router, routing, the selected experts only): 4 launches for one row
 //! (the norm, the weighted combine and the residual add fused around them), 5-6 for up to 64,
 //! and for wider forwards (prefills) the routing in tiles of up to 64 pairs per expert
-//! ([`cuda::moe_route_wide`]), every used expert read once per tile, or from 128 rows outside
-//! graph capture two cuBLAS grouped GEMMs over every used expert (`moe_grouped.rs`).
+//! ([`cuda::moe_route_wide`]), every used expert read once per tile, or past 512 rows (wider than
+//! any captured step) two cuBLAS grouped GEMMs over every used expert (`moe_grouped.rs`).
 //!
 //! Up to 64 rows both make no host-device copies, so a CUDA graph can capture them.
 
@@ -45,6 +45,9 @@ const GATE_UP_PREFETCH: usize = 8 << 20;
 /// by [`cuda::moe_route_wide`] past [`cuda::MOE_MAX_ROWS`] rows) are measured; wider batches
 /// of a `qwen3_moe` target run eagerly, on the same device block.
 pub(crate) const MOE_GRAPH_MAX_ROWS: usize = 512;
+// A captured step and its eager warm-up take the same expert kernels: the grouped GEMMs start
+// past the widest captured step.
+const _: () = assert!(MOE_GRAPH_MAX_ROWS < super::moe_grouped::GROUPED_MIN_ROWS);
 
 /// One sequence's rows in a fused layer pass.
 pub(crate) struct AttnSeq<'a> {

@@ -325,7 +325,7 @@ pub fn hybrid_decode_graphs(sparse_moe: bool) -> bool {
 static MOE_GROUPED_GEMM: switch::EnvSwitch =
     switch::EnvSwitch::new("DFLASH_MOE_GROUPED_GEMM", true);
 
-/// Whether a sparse-MoE block of at least 128 rows (prefills) outside CUDA graph capture runs
+/// Whether a sparse-MoE block of more than 512 rows (prefills) outside CUDA graph capture runs
 /// its experts as two cuBLAS grouped GEMMs (moe_grouped.rs: one launch per projection for every
 /// used expert, after a copy of the per-expert pair counts to the host) instead of the tiled
 /// tensor-core kernels, which re-read an expert's weights per 64 of its pairs. On by default

@@ -6,7 +6,7 @@
 //! add in its epilogue: 3 launches. 2..64 rows: the norm, router, routing, one tensor-core
 //! gate/up and one down launch over every used expert (each expert's weights read once for all
 //! the rows routed to it), the combine: 6. A shared expert of the routed width rides along at
-//! one row ([`SharedExpertRefs`]): still 3 launches for the whole block. From 128 rows outside
+//! one row ([`SharedExpertRefs`]): still 3 launches for the whole block. Past 512 rows outside
 //! graph capture (prefills) the experts are cuBLAS grouped GEMMs instead of the 64-pair tiles
 //! (moe_grouped.rs: one host copy of the per-expert counts). Shapes are checked here because
 //! the kernels trust them.

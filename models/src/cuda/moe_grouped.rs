@@ -8,7 +8,7 @@
 //!
 //! The group sizes are the per-expert pair counts, which cuBLAS takes on the host: one small
 //! device-to-host copy (a synchronisation) per block, so this path runs only outside CUDA graph
-//! capture and for routings wide enough that the copy is noise ([`GROUPED_MIN_ROWS`]).
+//! capture and for blocks wider than any captured step ([`GROUPED_MIN_ROWS`]).
 //! The math is moe.cu's: pairs grouped by expert (the routing's pair order), `silu(gate) * up`
 //! rounded as the plain path rounds it ([`super::silu_mul`]), each pair's down product, then
 //! moe_combine's weighted sum in ascending expert order.
@@ -20,9 +20,11 @@ use candle_core::{bail, DType, Result, Tensor};
 
 use super::launch::{alloc_bf16, cuda, ptr};
 
-/// Rows of a block from which the grouped GEMMs replace the tiled kernels (the counts' copy is
-/// ~10-30 us; a 128-row block's experts take well over that).
-pub(super) const GROUPED_MIN_ROWS: usize = 128;
+/// Rows of a block from which the grouped GEMMs replace the tiled kernels: above the widest
+/// sparse-MoE step a CUDA graph captures (`decoder_stack::MOE_GRAPH_MAX_ROWS`, 512, asserted
+/// there), so a batched step computes the same way whether it replays a graph or runs its
+/// eager warm-up; prefills of more rows take the grouped GEMMs (the counts' copy is noise).
+pub(super) const GROUPED_MIN_ROWS: usize = 513;
 
 /// Whether `dev`'s stream is capturing a CUDA graph (no synchronisation allowed).
 pub(super) fn capturing(dev: &CudaDevice) -> Result<bool> {
