@@ -211,14 +211,22 @@ impl Stack<'_> {
         taps: &mut TapCollector<'_>,
     ) -> ModelResult<Tensor> {
         let eps = self.eps;
+        // Phase marks for the benches' prefill profile (`cuda::phases`; a no-op unless open).
+        let dev = x.device().clone();
+        let mark = |label| cuda::phases::mark(&dev, label);
+        mark("input_norm");
         let mut h = rms_norm(&x, self.layers[0].norm_weights().0, eps, self.mode)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let fused = fused(layer)?;
             let post_norm = layer.norm_weights().1;
+            mark("attn.qkv");
             let qkv = self.linear(&h, &fused.qkv)?;
+            mark("attn.mix");
             let attn = self.attention(li, layer, &qkv, positions, seqs)?;
+            mark("attn.out");
             let o = self.linear(&attn, layer.o_proj())?;
             let (x1, h1) = cuda::add_rmsnorm(&x, &o, post_norm, eps)?;
+            mark("mlp");
             let down = match &fused.experts {
                 Some(ex) => cuda::moe_block(&h1, None, &moe_weights(ex), None, false)?.0,
                 None => {
@@ -231,11 +239,13 @@ impl Stack<'_> {
                 Some(next) => next.norm_weights().0,
                 None => self.final_norm,
             };
+            mark("residual_norm");
             let (x2, h2) = cuda::add_rmsnorm(&x1, &down, next_norm, eps)?;
             x = x2;
             h = h2;
             taps.layer_output(li, &x);
         }
+        mark("end");
         Ok(h)
     }
 

@@ -137,9 +137,18 @@ pub(super) fn grouped_pair_outputs(
     pair_row: &Tensor,
     counts: &Tensor,
 ) -> Result<Tensor> {
+    // Phase marks for the benches' prefill profile (`super::phases`; no-ops unless open).
+    let mark = |label| super::phases::mark(h.device(), label);
+    mark("mlp.route");
     let counts = counts.to_vec1::<u32>()?;
+    mark("mlp.gather");
     let xg = h.index_select(pair_row, 0)?;
+    mark("mlp.gate_up");
     let gu = grouped_linear(&xg, gate_up, &counts)?;
+    mark("mlp.silu");
     let act = super::silu_mul(&gu)?;
-    grouped_linear(&act, down, &counts)
+    mark("mlp.down");
+    let out = grouped_linear(&act, down, &counts)?;
+    mark("mlp.combine");
+    Ok(out)
 }

@@ -147,7 +147,7 @@ pub fn run(
         out.insert(
             format!("prefill_{n}_phases"),
             json!({"seconds": seconds, "phases": phases,
-                   "note": "one more prefill with CUDA events at each phase of the plain forward (models/src/qwen3_5/mod.rs marks; the dense-attention MoE family has none): ms from each mark to the next, summed over layers"}),
+                   "note": "one more prefill with CUDA events at each phase of the plain forward (the hybrids' marks in models/src/qwen3_5, the dense-attention MoE family's in models/src/cuda/decoder_stack.rs and moe_grouped.rs): ms from each mark to the next, summed over layers"}),
         );
     }
 
