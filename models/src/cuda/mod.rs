@@ -342,6 +342,23 @@ pub fn moe_grouped_gemm() -> bool {
     MOE_GROUPED_GEMM.get()
 }
 
+static MOE_GATHER_KERNEL: switch::EnvSwitch =
+    switch::EnvSwitch::new("DFLASH_MOE_GATHER_KERNEL", false);
+
+/// Whether the grouped MoE path gathers its per-pair input rows with `moe_gather_rows` (16-byte
+/// copies) instead of candle's `index_select`, which took 24 ms of a Qwen3-Coder-30B-A3B 4K
+/// prefill's 143 on an H200 (0.5 ms a layer for 134 MB; session 29, call Z). Off until a GPU
+/// checks and times it (`gpu_check --moe`'s `expert_paths`; `DFLASH_MOE_GATHER_KERNEL=1` or this
+/// switch turns it on). Process-wide.
+pub fn set_moe_gather_kernel(on: bool) {
+    MOE_GATHER_KERNEL.set(on);
+}
+
+/// Whether the grouped MoE path gathers rows with its own kernel ([`set_moe_gather_kernel`]).
+pub fn moe_gather_kernel() -> bool {
+    MOE_GATHER_KERNEL.get()
+}
+
 static GATTN_SPLIT2: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GATTN_SPLIT2", true);
 
 /// Whether the hybrids' gated attention runs its key splits on `gattn_split2` (gattn.cu: lanes

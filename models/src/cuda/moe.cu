@@ -205,3 +205,18 @@ extern "C" __global__ void moe_combine(const bf16_t* __restrict__ pair_out,
     sq = block_sum(sq, red);
     if (threadIdx.x == 0) ss[r] = sq;
 }
+
+// out[q] = x[pair_row[q]] for the P pairs of a wide routing (rows of H bf16, H % 8 == 0): the
+// grouped GEMMs' gathered inputs (moe_grouped.rs), 16 bytes a thread, a row a block-stride.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_gather_rows(const bf16_t* __restrict__ x, const u32* __restrict__ pair_row,
+                    bf16_t* __restrict__ out, int P, int H) {
+    const int per_row = H / 8;
+    const size_t n = (size_t)P * per_row;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t q = i / per_row, c = i % per_row;
+        const uint4 v = __ldg((const uint4*)(x + (size_t)pair_row[q] * H) + c);
+        *((uint4*)(out + q * H) + c) = v;
+    }
+}

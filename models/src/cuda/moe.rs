@@ -227,7 +227,15 @@ pub fn moe_experts(
     };
     let pair_out = if let Some(counts) = grouped {
         let pair_row = routing.meta.narrow(0, 2 + 3 * p, p)?;
-        grouped_pair_outputs(h_in, w.gate_up, w.down, &pair_row, counts)?
+        super::phases::mark(x.device(), "mlp.route");
+        let counts = counts.to_vec1::<u32>()?;
+        super::phases::mark(x.device(), "mlp.gather");
+        let xg = if super::moe_gather_kernel() {
+            gather_rows(h_in, &pair_row)?
+        } else {
+            h_in.index_select(&pair_row, 0)?
+        };
+        grouped_pair_outputs(&xg, w.gate_up, w.down, &counts)?
     } else {
         let (mt, slots) = if routing.wide {
             (
@@ -320,4 +328,28 @@ pub fn moe_block(
         moe_route_wide(&logits, w.top_k, w.norm_topk_prob)?
     };
     moe_experts(&h, None, w, &routing, resid, want_ss)
+}
+
+/// `x[pair_row]` (`x: [t, H]` bf16 contiguous, `pair_row: [P]` u32 of rows < t): the rows of
+/// a wide routing's pairs, gathered with 16-byte copies (`moe_gather_rows`).
+fn gather_rows(x: &Tensor, pair_row: &Tensor) -> Result<Tensor> {
+    let dev = cuda(x)?;
+    check_bf16("moe gather x", x)?;
+    let (_, h) = x.dims2()?;
+    let p = pair_row.dims1()?;
+    if !x.is_contiguous() || pair_row.dtype() != DType::U32 || h % 8 != 0 || ptr(x)? % 16 != 0 {
+        bail!(
+            "moe gather: x {:?} must be contiguous, 16-byte aligned, width % 8 == 0, rows u32",
+            x.shape()
+        )
+    }
+    let out = alloc_bf16(&dev, (p, h))?;
+    let (xp, rp, op) = (ptr(x)?, ptr(pair_row)?, ptr(&out)?);
+    let (pi, hi) = (p as i32, h as i32);
+    let blocks = (p * h / 8).div_ceil(256).min(8192) as u32;
+    let f = dev.get_or_load_custom_func("moe_gather_rows", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&xp).arg(&rp).arg(&op).arg(&pi).arg(&hi);
+    go(&mut b, cfg((blocks, 1, 1), 256), "moe_gather_rows")?;
+    Ok(out)
 }

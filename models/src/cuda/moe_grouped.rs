@@ -126,29 +126,23 @@ pub(super) fn grouped_linear(a: &Tensor, w: &Tensor, counts: &[u32]) -> Result<T
     Ok(out)
 }
 
-/// The per-pair down outputs `[P, H]` of a wide routing's experts on `h: [T, H]` (already
-/// normed), pairs in the routing's order: gather the rows per pair, grouped gate/up, silu·up,
-/// grouped down. `pair_row` is the routing's `[P]` row of every pair; `counts` its per-expert
-/// pair counts (device, u32 `[E]`).
+/// The per-pair down outputs `[P, H]` of a wide routing's experts on `xg: [P, H]` (the normed
+/// rows gathered per pair, pairs in the routing's order): grouped gate/up, silu·up, grouped
+/// down. `counts` are the routing's per-expert pair counts.
 pub(super) fn grouped_pair_outputs(
-    h: &Tensor,
+    xg: &Tensor,
     gate_up: &Tensor,
     down: &Tensor,
-    pair_row: &Tensor,
-    counts: &Tensor,
+    counts: &[u32],
 ) -> Result<Tensor> {
     // Phase marks for the benches' prefill profile (`super::phases`; no-ops unless open).
-    let mark = |label| super::phases::mark(h.device(), label);
-    mark("mlp.route");
-    let counts = counts.to_vec1::<u32>()?;
-    mark("mlp.gather");
-    let xg = h.index_select(pair_row, 0)?;
+    let mark = |label| super::phases::mark(xg.device(), label);
     mark("mlp.gate_up");
-    let gu = grouped_linear(&xg, gate_up, &counts)?;
+    let gu = grouped_linear(xg, gate_up, counts)?;
     mark("mlp.silu");
     let act = super::silu_mul(&gu)?;
     mark("mlp.down");
-    let out = grouped_linear(&act, down, &counts)?;
+    let out = grouped_linear(&act, down, counts)?;
     mark("mlp.combine");
     Ok(out)
 }

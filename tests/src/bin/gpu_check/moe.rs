@@ -195,10 +195,15 @@ pub fn block_check(dev: &Device) -> Result<Value> {
         // Wide blocks: both expert paths (cuBLAS grouped GEMMs and the 64-pair tiles) against
         // the plain block and timed, whichever the process default is.
         if t >= 128 {
-            let was = cuda::moe_grouped_gemm();
+            let (was, was_gather) = (cuda::moe_grouped_gemm(), cuda::moe_gather_kernel());
             let mut paths = serde_json::Map::new();
-            for (name, on) in [("grouped_gemm", true), ("tiles", false)] {
+            for (name, on, gather) in [
+                ("grouped_gemm", true, false),
+                ("grouped_gemm_gather_kernel", true, true),
+                ("tiles", false, false),
+            ] {
                 cuda::set_moe_grouped_gemm(on);
+                cuda::set_moe_gather_kernel(gather);
                 let block = || cuda::moe_block(&x, None, &weights(true, 8), Some(&resid), false);
                 let e = errs(&block()?.0, &plain)?;
                 pass &= within(e);
@@ -212,6 +217,7 @@ pub fn block_check(dev: &Device) -> Result<Value> {
                 );
             }
             cuda::set_moe_grouped_gemm(was);
+            cuda::set_moe_gather_kernel(was_gather);
             row.insert("expert_paths".into(), Value::Object(paths));
         }
         res.insert(format!("rows_{t}"), Value::Object(row));
