@@ -153,15 +153,15 @@ pub fn moe_experts(
     let (pi, hi, ii, ki) = (p as i32, h as i32, i as i32, k as i32);
     let (mp, wp) = (ptr(&routing.meta)?, ptr(&routing.wts)?);
     let y = alloc_bf16(&dev, (t, h))?;
-    let act = alloc_bf16(&dev, (p, i))?;
-    let (gp, dp, ap, yp, rp) = (
-        ptr(w.gate_up)?,
-        ptr(w.down)?,
-        ptr(&act)?,
-        ptr(&y)?,
-        opt_ptr(resid)?,
-    );
+    let (gp, dp, yp, rp) = (ptr(w.gate_up)?, ptr(w.down)?, ptr(&y)?, opt_ptr(resid)?);
+    // The per-pair SiLU activations of the launches below (the grouped path makes its own).
+    let new_act = || -> Result<(Tensor, u64)> {
+        let act = alloc_bf16(&dev, (p, i))?;
+        let ap = ptr(&act)?;
+        Ok((act, ap))
+    };
     if t == 1 {
+        let (_act, ap) = new_act()?;
         // Decode: one pair per block row of gate/up, the norm applied as x streams in; down
         // combines and adds the residual in its epilogue.
         let summed;
@@ -245,6 +245,7 @@ pub fn moe_experts(
         } else {
             (t.div_ceil(16), e.min(p) as u32)
         };
+        let (_act, ap) = new_act()?;
         let pair_out = alloc_bf16(&dev, (p, h))?;
         let op = ptr(&pair_out)?;
         let xp = ptr(h_in)?;
