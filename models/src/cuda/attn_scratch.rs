@@ -3,11 +3,10 @@
 
 use std::sync::Mutex;
 
-use candle_core::cuda_backend::cudarc::driver::sys::CUstreamCaptureStatus;
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::launch::{alloc_f32, ptr};
+use super::launch::{alloc_f32, capturing, ptr};
 
 /// Merge counters per device (each launch uses `kv_heads * sequences * row tiles` of them).
 pub(super) const COUNTERS: usize = 16384;
@@ -45,11 +44,7 @@ pub(super) fn scratch(dev: &CudaDevice, like: &Tensor, floats: usize) -> Result<
     };
     let s = &mut all[idx];
     if s.partials.elem_count() < floats {
-        let status = dev
-            .cuda_stream()
-            .capture_status()
-            .map_err(|e| candle_core::Error::Msg(format!("fused_attention: {e}")))?;
-        if status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        if capturing(dev)? {
             bail!("fused_attention: scratch would grow during graph capture; run the body once uncaptured first")
         }
         let bigger = alloc_f32(dev, floats.next_power_of_two())?;

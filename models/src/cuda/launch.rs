@@ -3,7 +3,9 @@
 //! host-to-device uploads of small inputs (stream-ordered, so CUDA graphs can replay them).
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
+use candle_core::cuda_backend::cudarc::driver::sys::{
+    CUfunction_attribute_enum, CUstreamCaptureStatus,
+};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, DevicePtr, LaunchArgs, LaunchConfig,
 };
@@ -19,6 +21,16 @@ pub(super) fn cuda(t: &Tensor) -> Result<CudaDevice> {
         Device::Cuda(d) => Ok(d.clone()),
         _ => bail!("fast kernels need CUDA tensors"),
     }
+}
+
+/// Whether `dev`'s stream is capturing a CUDA graph (then nothing may synchronise, time or grow
+/// a buffer).
+pub(super) fn capturing(dev: &CudaDevice) -> Result<bool> {
+    let status = dev
+        .cuda_stream()
+        .capture_status()
+        .map_err(|e| candle_core::Error::Msg(format!("capture status: {e:?}")))?;
+    Ok(status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
 /// Device address of a contiguous tensor's first element.

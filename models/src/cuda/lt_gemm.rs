@@ -26,7 +26,7 @@ use candle_core::cuda_backend::cudarc::driver::{sys as dsys, CudaSlice, CudaStre
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{bail, Result, Tensor};
 
-use super::launch::{alloc_bf16, check_bf16, cuda, ptr};
+use super::launch::{alloc_bf16, capturing, check_bf16, cuda, ptr};
 use super::TUNED_MAX_ROWS;
 
 /// Workspace per device for split-K partials (the largest split of a 64 x 24576 f32 output
@@ -338,13 +338,8 @@ pub fn linear_lt(x: &Tensor, w: &Tensor, resid: Option<&Tensor>, mode: LtMode) -
         s.heuristic = heuristics(st.handle, &s)?.first().copied();
         st.shapes.insert(key, s);
     }
-    let capturing = dev
-        .cuda_stream()
-        .capture_status()
-        .map_err(|e| candle_core::Error::Msg(format!("capture status: {e:?}")))?
-        != dsys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     let untuned = st.shapes.get(&key).is_some_and(|s| s.tuned.is_none());
-    if mode == LtMode::Tuned && !capturing && untuned {
+    if mode == LtMode::Tuned && !capturing(&dev)? && untuned {
         let (choice, timings) = tune(&dev, st, key, x, w, resid)?;
         if let Some(s) = st.shapes.get_mut(&key) {
             s.tuned = Some(choice);

@@ -143,6 +143,8 @@ mod moe_grouped;
 #[cfg(feature = "cuda")]
 pub use moe::{moe_block, moe_experts, MoeWeights, SharedExpertRefs};
 #[cfg(feature = "cuda")]
+pub use moe_grouped::GROUPED_MIN_ROWS as MOE_GROUPED_MIN_ROWS;
+#[cfg(feature = "cuda")]
 mod moe_route;
 #[cfg(feature = "cuda")]
 pub use moe_route::{

@@ -15,8 +15,10 @@ use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::gemv::{gemv, k_splits, rms_apply, row_sumsq, RowNorm};
-use super::launch::{alloc_bf16, alloc_f32, cfg, check_bf16, cuda, go, opt_ptr, ptr, KernelArgs};
-use super::moe_grouped::{capturing, grouped_pair_outputs, GROUPED_MIN_ROWS};
+use super::launch::{
+    alloc_bf16, alloc_f32, capturing, cfg, check_bf16, cuda, go, opt_ptr, ptr, KernelArgs,
+};
+use super::moe_grouped::{grouped_pair_outputs, GROUPED_MIN_ROWS};
 use super::moe_route::{moe_route, moe_route_wide, router_route, MoeRouting, SHARED_ROUTER_PAD};
 use super::{moe_shape_fits, MOE_MAX_EXPERTS, MOE_MAX_ROWS, MOE_MAX_TOP_K};
 

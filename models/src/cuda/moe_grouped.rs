@@ -14,8 +14,6 @@
 //! moe_combine's weighted sum in ascending expert order.
 
 use candle_core::cuda_backend::cudarc::cublas::sys as cb;
-use candle_core::cuda_backend::cudarc::driver::sys as dsys;
-use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::launch::{alloc_bf16, cuda, ptr};
@@ -24,16 +22,7 @@ use super::launch::{alloc_bf16, cuda, ptr};
 /// sparse-MoE step a CUDA graph captures (`decoder_stack::MOE_GRAPH_MAX_ROWS`, 512, asserted
 /// there), so a batched step computes the same way whether it replays a graph or runs its
 /// eager warm-up; prefills of more rows take the grouped GEMMs (the counts' copy is noise).
-pub(super) const GROUPED_MIN_ROWS: usize = 513;
-
-/// Whether `dev`'s stream is capturing a CUDA graph (no synchronisation allowed).
-pub(super) fn capturing(dev: &CudaDevice) -> Result<bool> {
-    let status = dev
-        .cuda_stream()
-        .capture_status()
-        .map_err(|e| candle_core::Error::Msg(format!("capture status: {e:?}")))?;
-    Ok(status != dsys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-}
+pub const GROUPED_MIN_ROWS: usize = 513;
 
 /// `out[q] = a[q] @ w[e(q)]ᵀ` for the pairs `q` of `a: [P, K]` grouped by expert (expert `e`'s
 /// `counts[e]` pairs consecutive, in expert order), `w: [E, N, K]` (nn.Linear rows per expert):
@@ -42,13 +31,13 @@ pub(super) fn grouped_linear(a: &Tensor, w: &Tensor, counts: &[u32]) -> Result<T
     let dev = cuda(a)?;
     let (p, k) = a.dims2()?;
     let (e, n, k2) = w.dims3()?;
-    if k2 != k || counts.len() != e || counts.iter().map(|&c| c as usize).sum::<usize>() != p {
+    let pairs: usize = counts.iter().map(|&c| c as usize).sum();
+    if k2 != k || counts.len() != e || pairs != p {
         bail!(
-            "moe grouped gemm: a {:?}, w {:?} against {} expert counts summing to {}",
+            "moe grouped gemm: a {:?}, w {:?} against {} expert counts summing to {pairs}",
             a.shape(),
             w.shape(),
             counts.len(),
-            counts.iter().map(|&c| c as usize).sum::<usize>()
         )
     }
     if !a.is_contiguous()

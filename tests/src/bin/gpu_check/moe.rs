@@ -192,9 +192,10 @@ pub fn block_check(dev: &Device) -> Result<Value> {
             row.insert("device_ms".into(), json!(dev_ms));
             row.insert("plain_ms".into(), json!(plain_ms));
         }
-        // Wide blocks: both expert paths (cuBLAS grouped GEMMs and the 64-pair tiles) against
-        // the plain block and timed, whichever the process default is.
-        if t >= 128 {
+        // Blocks wide enough for the grouped GEMMs: every expert path (grouped GEMMs with
+        // either gather, the 64-pair tiles) against the plain block and timed, whichever the
+        // process default is.
+        if t >= cuda::MOE_GROUPED_MIN_ROWS {
             let (was, was_gather) = (cuda::moe_grouped_gemm(), cuda::moe_gather_kernel());
             let mut paths = serde_json::Map::new();
             for (name, on, gather) in [
