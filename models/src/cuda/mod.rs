@@ -361,6 +361,31 @@ pub fn moe_gather_kernel() -> bool {
     MOE_GATHER_KERNEL.get()
 }
 
+static HYBRID_VERIFY_LT: switch::EnvSwitch =
+    switch::EnvSwitch::new("DFLASH_HYBRID_VERIFY_LT", false);
+
+/// Whether a hybrid's verify forwards run their products on cuBLASLt (its heuristic choice):
+/// the fused chain forward of 2..=16 rows every projection (GDN in-projection, attention
+/// q|gate|k|v, o-projections with the residual folded in as beta = 1, the dense MLP's gate/up
+/// then `silu_mul` then down with the residual, the LM head; the norms as `rms_apply`) instead
+/// of the skinny tensor-core GEMMs, and the plain path's (trees of up to 64 nodes) dense MLP
+/// instead of candle's three products, SiLU, product and add.
+/// Those stream one span per warp and re-read x's fragments per 8 weight rows, and on the H200
+/// they lose to cuBLASLt at 16 rows on every Qwen3-8B projection but the o-projection
+/// (gate/up + SiLU 65.7 against 55.0 us, down + residual 42.8 against 30.7;
+/// deploy/bench/results/h200-2026-12-03-gemm2): the 27B chain-16 verify's MLP took 12.5 ms
+/// against a decode step's 9.4 (H200, session 29). Off until a GPU times it (`gpu_check
+/// --hybrid`'s `verify_lt`); `DFLASH_HYBRID_VERIFY_LT=1` or this
+/// switch turns it on. Process-wide.
+pub fn set_hybrid_verify_lt(on: bool) {
+    HYBRID_VERIFY_LT.set(on);
+}
+
+/// Whether the hybrid chain forward takes cuBLASLt products ([`set_hybrid_verify_lt`]).
+pub fn hybrid_verify_lt() -> bool {
+    HYBRID_VERIFY_LT.get()
+}
+
 static GATTN_SPLIT2: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GATTN_SPLIT2", true);
 
 /// Whether the hybrids' gated attention runs its key splits on `gattn_split2` (gattn.cu: lanes

@@ -70,6 +70,10 @@ impl Qwen35Model {
         // kernel always makes them (it needs the counter) and they feed the next input norm.
         let one_row = t == 1;
         let counter = Tensor::zeros(1, DType::U32, &dev)?;
+        let products = Products {
+            lt: !one_row && cuda::hybrid_verify_lt(),
+            counter: &counter,
+        };
         let mut ss: Option<Tensor> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             let norm = RowNorm {
@@ -80,7 +84,7 @@ impl Qwen35Model {
             let (mixed, o_proj) = match &layer.mixer {
                 Mixer::Linear(g) => {
                     mark(&dev, "gdn.in_proj");
-                    let proj = cuda::gemv(&x, &g.in_proj, Some(norm))?;
+                    let proj = products.normed(&x, &g.in_proj, norm)?;
                     let state = seq.cache.layer(li).recurrent()?.last()?;
                     let (y, st) = gdn_mix(g, &proj, state, keep, self.gdn_paths.for_tokens(t))?;
                     staged.push((li, st));
@@ -91,7 +95,7 @@ impl Qwen35Model {
                         ModelError::BadInput("fused forward on unfused weights".into())
                     })?;
                     mark(&dev, "attn.qkv");
-                    let qkv = cuda::gemv(&x, qkv_w, Some(norm))?;
+                    let qkv = products.normed(&x, qkv_w, norm)?;
                     mark(&dev, "attn.mix");
                     if let Some(mixed) = fused_attention(seq, li, attn, &qkv, (&cos, &sin), t)? {
                         (mixed, attn.o_proj())
@@ -117,7 +121,7 @@ impl Qwen35Model {
                 Mixer::Full(_) => "attn.o_proj",
             };
             mark(&dev, out_label);
-            let (x1, ss1) = cuda::gemv_resid(&mixed, o_proj, &x, Some(&counter), None)?;
+            let (x1, ss1) = products.resid(&mixed, o_proj, &x, true)?;
             mark(&dev, "mlp");
             let norm = RowNorm {
                 ss: ss1.as_ref(),
@@ -129,9 +133,8 @@ impl Qwen35Model {
                 (layer.moe_block_normed(&x1, norm)?, None)
             } else {
                 let (gate_up, down) = layer.fused_mlp()?;
-                let act = cuda::gemv_silu(&x1, gate_up, Some(norm))?;
-                let down_counter = (!one_row).then_some(&counter);
-                cuda::gemv_resid(&act, down, &x1, down_counter, None)?
+                let act = products.silu(&x1, gate_up, norm)?;
+                products.resid(&act, down, &x1, !one_row)?
             };
             x = x2;
             ss = ss2;
@@ -162,7 +165,7 @@ impl Qwen35Model {
                 let r: Vec<u32> = seq.logit_rows.iter().map(|&r| r as u32).collect();
                 h.index_select(&Tensor::new(r.as_slice(), &dev)?, 0)?
             };
-            Some(cuda::gemv(&rows, &self.lm_head, None)?.to_dtype(DType::F32)?)
+            Some(products.plain(&rows, &self.lm_head)?.to_dtype(DType::F32)?)
         };
         Ok(ForwardOutput {
             logits,
@@ -170,6 +173,72 @@ impl Qwen35Model {
             token_offsets: vec![0, t],
             logit_offsets: vec![0, seq.logit_rows.len()],
         })
+    }
+}
+
+/// The products of one fused chain forward: the skinny GEMMs with their fused norm, SiLU and
+/// residual epilogues, or, for a verify with [`cuda::hybrid_verify_lt`] on, cuBLASLt products
+/// (residual folded in as beta = 1) with the norms and the SiLU gate as their own launches.
+/// Either way the residual products may return the row sums of squares the next norm reads;
+/// where they do not, that norm sums its rows itself.
+struct Products<'a> {
+    lt: bool,
+    /// The skinny residual kernels' block counter.
+    counter: &'a Tensor,
+}
+
+impl Products<'_> {
+    fn lt(x: &Tensor, w: &Tensor, resid: Option<&Tensor>) -> ModelResult<Tensor> {
+        Ok(cuda::linear_lt(x, w, resid, cuda::LtMode::Heuristic)?)
+    }
+
+    /// `x @ wᵀ`.
+    fn plain(&self, x: &Tensor, w: &Tensor) -> ModelResult<Tensor> {
+        match self.lt {
+            true => Self::lt(x, w, None),
+            false => Ok(cuda::gemv(x, w, None)?),
+        }
+    }
+
+    /// `norm(x) @ wᵀ`.
+    fn normed(&self, x: &Tensor, w: &Tensor, norm: RowNorm<'_>) -> ModelResult<Tensor> {
+        match self.lt {
+            true => Self::lt(&cuda::rms_apply(x, norm)?, w, None),
+            false => Ok(cuda::gemv(x, w, Some(norm))?),
+        }
+    }
+
+    /// `silu(g) * u` of `norm(x) @ wᵀ = [g | u]`.
+    fn silu(&self, x: &Tensor, w: &Tensor, norm: RowNorm<'_>) -> ModelResult<Tensor> {
+        match self.lt {
+            true => Ok(cuda::silu_mul(&Self::lt(
+                &cuda::rms_apply(x, norm)?,
+                w,
+                None,
+            )?)?),
+            false => Ok(cuda::gemv_silu(x, w, Some(norm))?),
+        }
+    }
+
+    /// `resid + x @ wᵀ` and, where `sums` asks and the skinny kernel runs, its rows' sums of
+    /// squares.
+    fn resid(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        resid: &Tensor,
+        sums: bool,
+    ) -> ModelResult<(Tensor, Option<Tensor>)> {
+        match self.lt {
+            true => Ok((Self::lt(x, w, Some(resid))?, None)),
+            false => Ok(cuda::gemv_resid(
+                x,
+                w,
+                resid,
+                sums.then_some(self.counter),
+                None,
+            )?),
+        }
     }
 }
 

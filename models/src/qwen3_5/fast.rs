@@ -205,12 +205,35 @@ impl MoeKernels {
 }
 
 impl HybridLayer {
-    /// [`MoeKernels::apply`] for a sparse layer; None for a dense one.
+    /// `x1 + mlp(h)` on the device kernels of the fast path: [`MoeKernels::apply`] for a sparse
+    /// layer; for a dense one with stacked gate/up, a verify's rows (2..=64, as a tree's) as
+    /// cuBLASLt products with the residual folded in where [`crate::cuda::hybrid_verify_lt`] is
+    /// on; None otherwise (the caller runs the plain block).
     #[cfg(feature = "cuda")]
-    pub(crate) fn moe_on_device(&self, x1: &Tensor, h: &Tensor) -> ModelResult<Option<Tensor>> {
-        match &self.moe {
-            Some(k) => Ok(k.apply(x1, h)?),
-            None => Ok(None),
+    pub(crate) fn mlp_on_device(&self, x1: &Tensor, h: &Tensor) -> ModelResult<Option<Tensor>> {
+        use crate::cuda;
+        if let Some(k) = &self.moe {
+            return Ok(k.apply(x1, h)?);
+        }
+        let rows = x1.dim(0)?;
+        let lt = cuda::hybrid_verify_lt()
+            && (2..=cuda::TUNED_MAX_ROWS).contains(&rows)
+            && x1.device().is_cuda()
+            && x1.dtype() == DType::BF16
+            && x1.is_contiguous()
+            && h.is_contiguous();
+        match (&self.gate_up, self.mlp.dense()) {
+            (Some(gu), Some(m)) if lt => {
+                let act = cuda::silu_mul(&cuda::linear_lt(h, gu, None, cuda::LtMode::Heuristic)?)?;
+                let down = m.weights().2;
+                Ok(Some(cuda::linear_lt(
+                    &act,
+                    down,
+                    Some(x1),
+                    cuda::LtMode::Heuristic,
+                )?))
+            }
+            _ => Ok(None),
         }
     }
 
@@ -233,7 +256,7 @@ impl HybridLayer {
 
     /// Without CUDA there is no device block.
     #[cfg(not(feature = "cuda"))]
-    pub(crate) fn moe_on_device(
+    pub(crate) fn mlp_on_device(
         &self,
         _x1: &candle_core::Tensor,
         _h: &candle_core::Tensor,

@@ -212,9 +212,10 @@ impl Qwen35Model {
             let x1 = (x + mixed)?;
             let h2 = rms_norm(&x1, &layer.post_norm, self.cfg.rms_norm_eps, self.mode)?;
             // A sparse layer on the fast path: the block on the device (no host routing, so
-            // trees and prefill pieces stay sync-free); else the plain block.
+            // trees and prefill pieces stay sync-free); a dense one's verify rows on cuBLASLt
+            // where that switch is on; else the plain block.
             let on_device = match self.fast {
-                true => layer.moe_on_device(&x1, &h2)?,
+                true => layer.mlp_on_device(&x1, &h2)?,
                 false => None,
             };
             x = match on_device {

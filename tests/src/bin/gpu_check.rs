@@ -50,6 +50,9 @@ mod hybrid_gdn;
 #[cfg(feature = "cuda")]
 #[path = "gpu_check/hybrid_graph.rs"]
 mod hybrid_graph;
+#[cfg(feature = "cuda")]
+#[path = "gpu_check/hybrid_lt.rs"]
+mod hybrid_lt;
 #[path = "gpu_check/hybrid_noise.rs"]
 mod hybrid_noise;
 #[cfg(feature = "cuda")]

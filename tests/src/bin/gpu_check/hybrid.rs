@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 
 use crate::time_ms;
 
-fn run(
+pub(crate) fn run(
     m: &Qwen35Model,
     cache: &mut SequenceCache,
     tokens: &[u32],
@@ -106,7 +106,7 @@ pub fn qwen36_27b() -> Result<HybridConfig> {
 
 /// Parents of a 64-node tree: `binary` (depth 6) or DDTree-like (a 16-deep spine with three
 /// extra children per spine node, depth 16).
-fn tree(n: usize, binary: bool) -> (Vec<Option<usize>>, Vec<u32>) {
+pub(crate) fn tree(n: usize, binary: bool) -> (Vec<Option<usize>>, Vec<u32>) {
     let mut parents = Vec::with_capacity(n);
     let mut depth = Vec::with_capacity(n);
     for i in 0..n {
@@ -304,6 +304,14 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
             .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
         println!("hybrid GDN paths, whole model {p}");
         res.insert("gdn_paths_whole_model".into(), p);
+        let decode_ms = res
+            .get("decode_1")
+            .and_then(|d| d["ms"].as_f64())
+            .unwrap_or(f64::NAN);
+        let lt = crate::hybrid_lt::verify_lt(dev, &m, &mut cache, vocab, decode_ms)
+            .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+        println!("hybrid verify products on cuBLASLt {lt}");
+        res.insert("verify_lt".into(), lt);
     }
     res.insert("weights_init_s".into(), json!(init_s));
     res.insert("weight_bytes_GB".into(), json!(weight_bytes / 1e9));
