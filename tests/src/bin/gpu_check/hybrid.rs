@@ -104,9 +104,42 @@ pub fn qwen36_27b() -> Result<HybridConfig> {
     )?)
 }
 
+/// The timed forwards: a decode step, a chain verify, and the two 64-node tree shapes
+/// (`Some(binary)`, see [`tree`]).
+pub(crate) const SHAPES: [(&str, usize, Option<bool>); 4] = [
+    ("decode_1", 1, None),
+    ("verify_chain_16", 16, None),
+    ("verify_tree_64_binary_depth6", 64, Some(true)),
+    ("verify_tree_64_ddtree_like_depth16", 64, Some(false)),
+];
+
+/// Tokens, attention pattern and positions of a [`SHAPES`] forward of `n` tokens from `start`.
+pub(crate) fn shape_inputs(
+    start: usize,
+    n: usize,
+    kind: Option<bool>,
+    vocab: u32,
+) -> (Vec<u32>, AttnPattern, Vec<u32>) {
+    let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % vocab).collect();
+    let (pattern, positions) = match kind {
+        None => (
+            AttnPattern::Causal,
+            (start as u32..(start + n) as u32).collect::<Vec<_>>(),
+        ),
+        Some(binary) => {
+            let (parents, depth) = tree(n, binary);
+            (
+                AttnPattern::Tree { parents },
+                depth.iter().map(|d| start as u32 + d).collect(),
+            )
+        }
+    };
+    (tokens, pattern, positions)
+}
+
 /// Parents of a 64-node tree: `binary` (depth 6) or DDTree-like (a 16-deep spine with three
 /// extra children per spine node, depth 16).
-pub(crate) fn tree(n: usize, binary: bool) -> (Vec<Option<usize>>, Vec<u32>) {
+fn tree(n: usize, binary: bool) -> (Vec<Option<usize>>, Vec<u32>) {
     let mut parents = Vec::with_capacity(n);
     let mut depth = Vec::with_capacity(n);
     for i in 0..n {
@@ -232,27 +265,8 @@ pub fn bench(dev: &Device, copy_bw: f64, cfg: HybridConfig) -> Result<Value> {
     }
     res.insert("fused_path".into(), json!(m.fast_kernels()));
     let start = cache.len();
-    let shapes: [(&str, usize, Option<bool>); 4] = [
-        ("decode_1", 1, None),
-        ("verify_chain_16", 16, None),
-        ("verify_tree_64_binary_depth6", 64, Some(true)),
-        ("verify_tree_64_ddtree_like_depth16", 64, Some(false)),
-    ];
-    for (name, n, kind) in shapes {
-        let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % vocab).collect();
-        let (pattern, positions) = match kind {
-            None => (
-                AttnPattern::Causal,
-                (start as u32..(start + n) as u32).collect::<Vec<_>>(),
-            ),
-            Some(binary) => {
-                let (parents, depth) = tree(n, binary);
-                (
-                    AttnPattern::Tree { parents },
-                    depth.iter().map(|d| start as u32 + d).collect(),
-                )
-            }
-        };
+    for (name, n, kind) in SHAPES {
+        let (tokens, pattern, positions) = shape_inputs(start, n, kind, vocab);
         let rows: Vec<usize> = (0..n).collect();
         let mut timed = |model: &Qwen35Model| {
             time_ms(dev, 5, || {

@@ -9,10 +9,10 @@
 use anyhow::{Context, Result};
 use candle_core::Device;
 use dflash_models::cuda::{self, phases};
-use dflash_models::{AttnPattern, Qwen35Model, SequenceCache};
+use dflash_models::{Qwen35Model, SequenceCache};
 use serde_json::{json, Value};
 
-use crate::hybrid::{run, tree};
+use crate::hybrid::{run, shape_inputs, SHAPES};
 use crate::hybrid_fused::compare;
 
 /// One forward's GPU time by phase (after warm runs).
@@ -45,26 +45,9 @@ pub fn verify_lt(
     let was = cuda::hybrid_verify_lt();
     let start = cache.len();
     let mut res = serde_json::Map::new();
-    let shapes: [(&str, usize, Option<bool>); 3] = [
-        ("verify_chain_16", 16, None),
-        ("verify_tree_64_binary_depth6", 64, Some(true)),
-        ("verify_tree_64_ddtree_like_depth16", 64, Some(false)),
-    ];
-    for (name, n, kind) in shapes {
-        let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % vocab).collect();
-        let (pattern, positions) = match kind {
-            None => (
-                AttnPattern::Causal,
-                (start as u32..(start + n) as u32).collect::<Vec<_>>(),
-            ),
-            Some(binary) => {
-                let (parents, depth) = tree(n, binary);
-                (
-                    AttnPattern::Tree { parents },
-                    depth.iter().map(|d| start as u32 + d).collect(),
-                )
-            }
-        };
+    // The verify shapes: every one but the decode step.
+    for (name, n, kind) in SHAPES.into_iter().filter(|s| s.1 > 1) {
+        let (tokens, pattern, positions) = shape_inputs(start, n, kind, vocab);
         let rows: Vec<usize> = (0..n).collect();
         let mut out = serde_json::Map::new();
         let mut logits = Vec::new();
