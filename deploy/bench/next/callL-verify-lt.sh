@@ -2,7 +2,9 @@
 # Session 30 (issue 20): the hybrid verify's products on cuBLASLt (DFLASH_HYBRID_VERIFY_LT,
 # off by default until this call) against the skinny GEMMs, on one machine:
 #   1. gpu_check --hybrid: every hybrid check and figure as in call O, plus `verify_lt` (chain-16
-#      and both 64-node trees timed each way, phases each way, logits of the two compared);
+#      and both 64-node trees timed each way, phases each way, logits and a decode after a
+#      committed path compared with the default; the trees also on the fused tree forward,
+#      DFLASH_HYBRID_FUSED_TREE, off by default until this call);
 #   2. the 27B through the engine, 256 generated tokens (a 64-token run is 10 rounds, too few
 #      for the steady state), verify products default then on cuBLASLt;
 #   3. the MoE row gather kernel (DFLASH_MOE_GATHER_KERNEL=1): `gpu_check --moe`'s expert paths
@@ -24,18 +26,20 @@ for k in ("decode_1", "verify_chain_16", "verify_tree_64_binary_depth6", "verify
     print(k, {a: h.get(k, {}).get(a) for a in ("ms", "fraction_of_roofline")})
 lt = h.get("verify_lt", {})
 for k, v in lt.items():
-    if isinstance(v, dict) and "default" in v:
-        print(k, "default", round(v["default"]["ms"], 3), round(v["default"]["over_decode"], 4),
-              "lt", round(v["lt"]["ms"], 3), round(v["lt"]["over_decode"], 4), "agree", v["lt_vs_default"])
-        for w in ("default", "lt"):
-            print("  ", w, {p: round(q["ms"], 3) for p, q in v[w]["profile"].items() if isinstance(q, dict)})
-    else:
-        print(k, str(v)[:300])
+    if not isinstance(v, dict):
+        print(k, v); continue
+    for w in ("default", "lt", "fused_tree"):
+        if w in v:
+            e = v[w]
+            print(k, w, round(e["ms"], 3), round(e["over_decode"], 4), "vs default", e.get("vs_default"),
+                  "commit+decode", e.get("commit_path_then_decode_vs_default"))
+            print("   ", {p: round(q["ms"], 3) for p, q in e["profile"].items() if isinstance(q, dict)})
+    if "error" in v: print(k, v["error"][:400])
 g = h.get("gdn_paths_whole_model", {}).get("split_inputs", {})
 print("split_inputs verify/decode", g.get("verify_16_over_decode"), "vs plain", g.get("vs_plain", {}).get("verify_chain_16"))
 PY
 for lt in 0 1; do
-  DFLASH_HYBRID_VERIFY_LT=$lt timeout 170 /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 1024 --e2e-prompt 1024 \
+  DFLASH_HYBRID_VERIFY_LT=$lt DFLASH_HYBRID_FUSED_TREE=$lt timeout 170 /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 1024 --e2e-prompt 1024 \
     --e2e-tokens 256 --budgets 16 --e2e-profile --out $OUT/l/h27-lt$lt.json > $OUT/l/h27-lt$lt.log 2>&1
   echo "27b lt$lt rc=$? at $(el) s"; grep -m2 -i "error\|panic" $OUT/l/h27-lt$lt.log | cut -c1-300
   python3 -c "

@@ -386,6 +386,26 @@ pub fn hybrid_verify_lt() -> bool {
     HYBRID_VERIFY_LT.get()
 }
 
+static HYBRID_FUSED_TREE: switch::EnvSwitch =
+    switch::EnvSwitch::new("DFLASH_HYBRID_FUSED_TREE", false);
+
+/// Whether a hybrid's verify tree (one sequence, up to 64 nodes, depth the GDN tree kernels
+/// take) runs the fused forward (`qwen3_5/cuda.rs`) instead of the plain path's candle ops: the
+/// norms, residual adds and SiLU gate fused around cuBLASLt products, the GDN tree kernels as
+/// on the plain path, the gated attention as the plain path's ops over the tree mask. The plain
+/// path launches ~25 small candle ops per attention layer and ~10 per other layer on top of its
+/// products; the 27B's 64-node tree took 26.9 ms against the fused 16-row chain's 21.5 (H200,
+/// session 29). Off until a GPU checks and times it (`gpu_check --hybrid`'s `verify_lt`);
+/// `DFLASH_HYBRID_FUSED_TREE=1` or this switch turns it on. Process-wide.
+pub fn set_hybrid_fused_tree(on: bool) {
+    HYBRID_FUSED_TREE.set(on);
+}
+
+/// Whether hybrid verify trees take the fused forward ([`set_hybrid_fused_tree`]).
+pub fn hybrid_fused_tree() -> bool {
+    HYBRID_FUSED_TREE.get()
+}
+
 static GATTN_SPLIT2: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GATTN_SPLIT2", true);
 
 /// Whether the hybrids' gated attention runs its key splits on `gattn_split2` (gattn.cu: lanes

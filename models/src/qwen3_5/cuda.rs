@@ -1,7 +1,9 @@
 //! The fused-kernel forward of [`Qwen35Model`] (CUDA, bf16) for one sequence's short causal
-//! chain: a decode step or a chain verify of up to [`cuda::GDN_MAX_CHAIN`] tokens. Same
-//! contract and outputs as the plain path in `qwen3_5/mod.rs` (to bf16 rounding), which stays
-//! the reference and takes everything else (trees, batches, prefills, f32, CPU).
+//! chain: a decode step or a chain verify of up to [`cuda::GDN_MAX_CHAIN`] tokens; and, where
+//! [`cuda::hybrid_fused_tree`] is on, its verify tree of up to 64 nodes (the GDN tree kernels,
+//! the gated attention as the plain path's ops over the tree mask, every product on cuBLASLt).
+//! Same contract and outputs as the plain path in `qwen3_5/forward.rs` (to bf16 rounding),
+//! which stays the reference and takes everything else (batches, prefills, f32, CPU).
 //!
 //! Per layer: every projection through the skinny GEMMs with the input norm, the residual add
 //! (and the next norm's sums of squares) and the SiLU-gate product fused around them
@@ -32,19 +34,33 @@ use crate::cuda::phases::mark;
 use crate::cuda::{self, ChainOut, RowNorm, ScanStates};
 use crate::error::{ModelError, ModelResult};
 use crate::layers::attention::{attend, AttnPattern};
+use crate::qwen3_5::delta_rule::{dfs_order, Forest};
 use crate::qwen3_5::{GatedAttention, GatedDeltaNet, GdnPath, Mixer, Qwen35Model};
 use crate::taps::TapCollector;
 
 impl Qwen35Model {
-    /// Whether the fused forward applies to `batch` (see the module doc).
+    /// Whether the fused forward applies to `batch` (see the module doc): one sequence's causal
+    /// chain of up to [`cuda::GDN_MAX_CHAIN`] tokens, or, with [`cuda::hybrid_fused_tree`] on,
+    /// its verify tree of up to [`cuda::TUNED_MAX_ROWS`] nodes the GDN tree kernels take.
     pub(crate) fn takes_fused(&self, batch: &[SeqForward<'_>]) -> bool {
+        let [s] = batch else { return false };
+        let t = s.tokens.len();
         self.fast
-            && matches!(batch, [s] if *s.pattern == AttnPattern::Causal
-                && !s.tokens.is_empty()
-                && s.tokens.len() <= cuda::GDN_MAX_CHAIN)
+            && t > 0
+            && match s.pattern {
+                AttnPattern::Causal => t <= cuda::GDN_MAX_CHAIN,
+                AttnPattern::Tree { parents } => {
+                    cuda::hybrid_fused_tree()
+                        && t <= cuda::TUNED_MAX_ROWS
+                        && parents.len() == t
+                        && dfs_order(parents, cuda::GDN_TREE_MAX_DEPTH).is_some()
+                }
+                _ => false,
+            }
     }
 
-    /// The fused forward of one causal chain (checked by the caller: [`Self::takes_fused`]).
+    /// The fused forward of one causal chain or verify tree (checked by the caller:
+    /// [`Self::takes_fused`]).
     pub(crate) fn forward_fused(
         &self,
         seq: &mut SeqForward<'_>,
@@ -57,6 +73,21 @@ impl Qwen35Model {
         })?;
         tracker.check_extendable(seq.cache.len())?;
         let keep = t <= tracker.rollback;
+        let tree = match seq.pattern {
+            AttnPattern::Tree { parents } => Some(parents.as_slice()),
+            _ => None,
+        };
+        // A tree's GDN layers share one plan of it (the plain path's `Forest`).
+        let forest = match tree {
+            Some(_) if !keep => {
+                return Err(ModelError::BadInput(format!(
+                    "a tree of {t} nodes exceeds the cache's rollback window of {} rows; create the cache with new_cache_with_rollback",
+                    tracker.rollback
+                )))
+            }
+            Some(p) => Some(Forest::new(&[p], self.cfg.linear_conv_kernel_dim, &dev)?),
+            None => None,
+        };
         let len = seq.cache.len();
         let eps = self.cfg.rms_norm_eps;
         let positions = Tensor::new(seq.positions, &dev)?;
@@ -71,7 +102,8 @@ impl Qwen35Model {
         let one_row = t == 1;
         let counter = Tensor::zeros(1, DType::U32, &dev)?;
         let products = Products {
-            lt: !one_row && cuda::hybrid_verify_lt(),
+            // Past a chain's 16 rows (trees) the skinny kernels lose at every shape measured.
+            lt: t > cuda::GDN_MAX_CHAIN || (!one_row && cuda::hybrid_verify_lt()),
             counter: &counter,
         };
         let mut ss: Option<Tensor> = None;
@@ -86,7 +118,13 @@ impl Qwen35Model {
                     mark(&dev, "gdn.in_proj");
                     let proj = products.normed(&x, &g.in_proj, norm)?;
                     let state = seq.cache.layer(li).recurrent()?.last()?;
-                    let (y, st) = gdn_mix(g, &proj, state, keep, self.gdn_paths.for_tokens(t))?;
+                    let (y, st) = match (&forest, tree) {
+                        (Some(f), Some(p)) => match g.mix_tree_split(&proj, f, p, state)? {
+                            Some(out) => out,
+                            None => g.mix_staged(&proj, f, p, state)?,
+                        },
+                        _ => gdn_mix(g, &proj, state, keep, self.gdn_paths.for_tokens(t))?,
+                    };
                     staged.push((li, st));
                     (y, &g.out_proj)
                 }
@@ -97,7 +135,12 @@ impl Qwen35Model {
                     mark(&dev, "attn.qkv");
                     let qkv = products.normed(&x, qkv_w, norm)?;
                     mark(&dev, "attn.mix");
-                    if let Some(mixed) = fused_attention(seq, li, attn, &qkv, (&cos, &sin), t)? {
+                    // The gated-attention kernels run causal chains; a tree takes the ops.
+                    let fused = match tree {
+                        None => fused_attention(seq, li, attn, &qkv, (&cos, &sin), t)?,
+                        Some(_) => None,
+                    };
+                    if let Some(mixed) = fused {
                         (mixed, attn.o_proj())
                     } else {
                         let mask = seq.pattern.mask(len, t, &dev)?;
@@ -150,9 +193,16 @@ impl Qwen35Model {
             },
         )?;
         mark(&dev, "end");
-        let parents: Vec<Option<usize>> = (0..t).map(|i| i.checked_sub(1)).collect();
+        let chain: Vec<Option<usize>>;
+        let parents = match tree {
+            Some(p) => p,
+            None => {
+                chain = (0..t).map(|i| i.checked_sub(1)).collect();
+                chain.as_slice()
+            }
+        };
         seq.cache
-            .commit_recurrent(t, keep.then_some(parents.as_slice()), staged)?;
+            .commit_recurrent(t, keep.then_some(parents), staged)?;
         let taps = tapped.finish(tapped.wants_final_norm().then_some(&h))?;
         let logits = if seq.logit_rows.is_empty() {
             None

@@ -1,19 +1,21 @@
 //! The 27B-shaped hybrid's verify forwards with their products on cuBLASLt
 //! (`cuda::set_hybrid_verify_lt`: the fused chain forward's every projection, the plain tree
-//! path's dense MLP) against the default, from the same 1K prefix (`gpu-check cuda --hybrid`,
-//! issue 20): the time of each forward (then truncated back, as the bench's `verify_chain_16`
-//! and trees), a GPU-timeline profile by phase (`cuda::phases`) each way, and the logits of
-//! the two against each other (bf16 rounding of different accumulation orders: rel err and
-//! argmax agreement; the chain's against the plain path are in `gdn_paths_whole_model`).
+//! path's dense MLP) and, for trees, the fused tree forward (`cuda::set_hybrid_fused_tree`)
+//! against the default, from the same 1K prefix (`gpu-check cuda --hybrid`, issue 20): the time
+//! of each forward (then truncated back, as the bench's `verify_chain_16` and trees), a
+//! GPU-timeline profile by phase (`cuda::phases`), and against the default (bf16 rounding of
+//! other accumulation orders: rel err and argmax agreement) the verify's logits and those of a
+//! decode step after committing a root-to-leaf path (8 rows of the chain), which reads the K/V
+//! and recurrent state the commit kept.
 
 use anyhow::{Context, Result};
 use candle_core::Device;
 use dflash_models::cuda::{self, phases};
-use dflash_models::{Qwen35Model, SequenceCache};
+use dflash_models::{AttnPattern, Qwen35Model, SequenceCache};
 use serde_json::{json, Value};
 
 use crate::hybrid::{run, shape_inputs, SHAPES};
-use crate::hybrid_fused::compare;
+use crate::hybrid_fused::{compare, logits};
 
 /// One forward's GPU time by phase (after warm runs).
 fn profile(
@@ -35,6 +37,40 @@ fn profile(
     Ok(Value::Object(prof))
 }
 
+/// The verify forwards' configurations: `(name, cuBLASLt products, fused tree forward)`.
+const CONFIGS: [(&str, bool, bool); 3] = [
+    ("default", false, false),
+    ("lt", true, false),
+    ("fused_tree", true, true),
+];
+
+/// A root-to-leaf path of the tree `parents` (the first child at every depth), as absolute
+/// cache rows from `start`.
+fn first_path(parents: &[Option<usize>], start: usize) -> Vec<usize> {
+    let mut path = vec![0usize];
+    while let Some(c) = (0..parents.len()).find(|&c| parents[c] == path.last().copied()) {
+        path.push(c);
+    }
+    path.into_iter().map(|i| start + i).collect()
+}
+
+/// Verify, commit the rows `keep`, then decode `next`: that step's logits (they read the K/V
+/// and the recurrent state the commit kept). On a clone of the cache.
+fn commit_then_decode(
+    m: &Qwen35Model,
+    cache: &SequenceCache,
+    (tokens, pattern, positions): (&[u32], &AttnPattern, &[u32]),
+    keep: &[usize],
+    next: u32,
+) -> Result<candle_core::Tensor> {
+    let mut c = cache.clone();
+    let start = c.len();
+    let rows: Vec<usize> = (0..tokens.len()).collect();
+    run(m, &mut c, tokens, positions, pattern, &rows)?;
+    c.compact(start, keep)?;
+    logits(m, &mut c, &[next], start + keep.len())
+}
+
 pub fn verify_lt(
     dev: &Device,
     m: &Qwen35Model,
@@ -42,17 +78,25 @@ pub fn verify_lt(
     vocab: u32,
     decode_ms: f64,
 ) -> Result<Value> {
-    let was = cuda::hybrid_verify_lt();
+    let was = (cuda::hybrid_verify_lt(), cuda::hybrid_fused_tree());
     let start = cache.len();
     let mut res = serde_json::Map::new();
     // The verify shapes: every one but the decode step.
     for (name, n, kind) in SHAPES.into_iter().filter(|s| s.1 > 1) {
         let (tokens, pattern, positions) = shape_inputs(start, n, kind, vocab);
         let rows: Vec<usize> = (0..n).collect();
+        let keep = match &pattern {
+            AttnPattern::Tree { parents } => first_path(parents, start),
+            _ => (start..start + 8).collect(),
+        };
         let mut out = serde_json::Map::new();
-        let mut logits = Vec::new();
-        for lt in [false, true] {
+        let mut reference = None;
+        for (key, lt, fused_tree) in CONFIGS {
+            if fused_tree && kind.is_none() {
+                continue;
+            }
             cuda::set_hybrid_verify_lt(lt);
+            cuda::set_hybrid_fused_tree(fused_tree);
             let mut once = || -> Result<Option<candle_core::Tensor>> {
                 let l = run(m, cache, &tokens, &positions, &pattern, &rows)?;
                 cache.truncate(start)?;
@@ -60,17 +104,29 @@ pub fn verify_lt(
             };
             let ms = crate::time_ms(dev, 7, || once().map(|_| ()))?;
             let prof = profile(dev, &mut once)?;
-            logits.push(once()?.context("logits")?);
-            let key = if lt { "lt" } else { "default" };
-            out.insert(
-                key.into(),
-                json!({"ms": ms, "over_decode": ms / decode_ms, "profile": prof}),
-            );
+            let l = once()?.context("logits")?;
+            let next = commit_then_decode(
+                m,
+                cache,
+                (&tokens, &pattern, &positions),
+                &keep,
+                4242 % vocab,
+            )?;
+            let mut entry = json!({"ms": ms, "over_decode": ms / decode_ms, "profile": prof});
+            match &reference {
+                None => reference = Some((l, next)),
+                Some((l0, n0)) => {
+                    entry["vs_default"] = compare(&l, l0)?;
+                    entry["commit_path_then_decode_vs_default"] = compare(&next, n0)?;
+                }
+            }
+            out.insert(key.into(), entry);
         }
-        out.insert("lt_vs_default".into(), compare(&logits[1], &logits[0])?);
+        out.insert("committed_rows".into(), json!(keep.len()));
         res.insert(name.into(), Value::Object(out));
     }
-    cuda::set_hybrid_verify_lt(was);
+    cuda::set_hybrid_verify_lt(was.0);
+    cuda::set_hybrid_fused_tree(was.1);
     res.insert("decode_ms".into(), json!(decode_ms));
     Ok(Value::Object(res))
 }
