@@ -119,10 +119,13 @@ impl Qwen35Model {
                     let proj = products.normed(&x, &g.in_proj, norm)?;
                     let state = seq.cache.layer(li).recurrent()?.last()?;
                     let (y, st) = match (&forest, tree) {
-                        (Some(f), Some(p)) => match g.mix_tree_split(&proj, f, p, state)? {
-                            Some(out) => out,
-                            None => g.mix_staged(&proj, f, p, state)?,
-                        },
+                        // As the plain path: the tree kernels where they take it.
+                        (Some(f), Some(p)) => {
+                            match self.gdn_kernels(g, &proj, f, p, state, true)? {
+                                Some(out) => out,
+                                None => g.mix_staged(&proj, f, p, state)?,
+                            }
+                        }
                         _ => gdn_mix(g, &proj, state, keep, self.gdn_paths.for_tokens(t))?,
                     };
                     staged.push((li, st));
@@ -238,8 +241,15 @@ struct Products<'a> {
 }
 
 impl Products<'_> {
+    /// cuBLASLt reads dense rows (no-op copies where they already are).
     fn lt(x: &Tensor, w: &Tensor, resid: Option<&Tensor>) -> ModelResult<Tensor> {
-        Ok(cuda::linear_lt(x, w, resid, cuda::LtMode::Heuristic)?)
+        let resid = resid.map(Tensor::contiguous).transpose()?;
+        Ok(cuda::linear_lt(
+            &x.contiguous()?,
+            w,
+            resid.as_ref(),
+            cuda::LtMode::Heuristic,
+        )?)
     }
 
     /// `x @ wᵀ`.
