@@ -4,7 +4,9 @@
 #   1. gpu_check --hybrid: every hybrid check and figure as in call O, plus `verify_lt` (chain-16
 #      and both 64-node trees timed each way, phases each way, logits and a decode after a
 #      committed path compared with the default; the trees also on the fused tree forward,
-#      DFLASH_HYBRID_FUSED_TREE, off by default until this call);
+#      DFLASH_HYBRID_FUSED_TREE, off by default until this call), and the gated-attention
+#      kernels on a 64-node tree (ancestor bits) against the plain ops (`fused_attention_layer_
+#      vs_plain.*_tree64`);
 #   2. the 27B through the engine, 256 generated tokens (a 64-token run is 10 rounds, too few
 #      for the steady state), verify products default then on cuBLASLt;
 #   3. the MoE row gather kernel (DFLASH_MOE_GATHER_KERNEL=1): `gpu_check --moe`'s expert paths
@@ -35,6 +37,8 @@ for k, v in lt.items():
                   "commit+decode", e.get("commit_path_then_decode_vs_default"))
             print("   ", {p: round(q["ms"], 3) for p, q in e["profile"].items() if isinstance(q, dict)})
     if "error" in v: print(k, v["error"][:400])
+for k, v in h.get("fused_attention_layer_vs_plain", {}).items():
+    print("attn", k, {a: v.get(a) for a in ("pass", "out_rel_err", "wrong_case_rejected", "wrong_tree_run_as_chain_rel_err", "fused_us_per_call", "plain_us_per_call_incl_cache_copy")})
 g = h.get("gdn_paths_whole_model", {}).get("split_inputs", {})
 print("split_inputs verify/decode", g.get("verify_16_over_decode"), "vs plain", g.get("vs_plain", {}).get("verify_chain_16"))
 PY

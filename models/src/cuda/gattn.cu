@@ -1,5 +1,6 @@
 // The hybrid's gated full attention (qwen3_5/gated_attention.rs) for one sequence's short causal
-// chain (decode steps and chain verifies of up to 16 tokens) in three launches, instead of the
+// chain (decode steps and chain verifies of up to 16 tokens) or verify tree (up to 64 nodes,
+// their ancestor bits masking the new rows) in three launches, instead of the
 // plain path's ~30 candle ops: gattn_prep (q/k zero-centred RMSNorm + partial RoPE, the new
 // K/V into the cache), gattn_split (split-K attention over the cache, GQA, causal among the
 // new rows) and gattn_combine (merge of the splits times the sigmoid output gate: the o_proj
@@ -44,6 +45,14 @@ __device__ __forceinline__ void load8(const float* __restrict__ p, float (&v)[8]
 // x as the element type would hold it (the plain path rounds there).
 __device__ __forceinline__ float rnd(float x, float) { return x; }
 __device__ __forceinline__ float rnd(float x, bf16_t) { return bf2f(f2bf(x)); }
+
+// Whether new token tok may see key `key` (below its causal bound c + tok + 1, checked by the
+// caller) of c committed ones: always for a causal chain (anc null), else a committed key or a
+// new token among its ancestors (anc: one u64 per new token, bit j = new token j is tok or
+// an ancestor of it; at most 64 new tokens; cuda::tree_bits).
+__device__ __forceinline__ bool tree_sees(const u64* __restrict__ anc, int tok, int key, int c) {
+    return anc == nullptr || key < c || ((__ldg(anc + tok) >> (key - c)) & 1ull);
+}
 
 // Grid (t, nh + nkv), GD threads: block (tok, h) normalises q head h (h < nh) or K head
 // h - nh of token tok, applies RoPE to its first r dims (rotate-half within them, as HF's
@@ -120,7 +129,7 @@ __device__ __forceinline__ void split_impl(const T* __restrict__ q, const T* __r
                                            const T* __restrict__ vc, float* acc, float* ml,
                                            int t, int nh, int nkv, int cap, int c,
                                            const u32* __restrict__ c_dev, int kps, int splits,
-                                           float scale) {
+                                           float scale, const u64* __restrict__ anc) {
     if (c_dev) c = *c_dev;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kvh = blockIdx.x, s = blockIdx.y * SNW + warp, z = blockIdx.z;
@@ -163,7 +172,7 @@ __device__ __forceinline__ void split_impl(const T* __restrict__ q, const T* __r
 #pragma unroll
             for (int e = 0; e < DPL; ++e) part = fmaf(qv[i][e], kv[e], part);
             const float sc = warp_sum(part);
-            if (key < lim[i]) {
+            if (key < lim[i] && tree_sees(anc, (z * RPW + i) / groups, key, c)) {
                 const float mn = fmaxf(m[i], sc);
                 const float alpha = __expf(m[i] - mn);  // 0 while m is -inf
                 const float p = __expf(sc - mn);
@@ -194,7 +203,7 @@ __device__ __forceinline__ void split2_impl(const T* __restrict__ q, const T* __
                                            const T* __restrict__ vc, float* acc, float* ml,
                                            int t, int nh, int nkv, int cap, int c,
                                            const u32* __restrict__ c_dev, int kps, int splits,
-                                           float scale) {
+                                           float scale, const u64* __restrict__ anc) {
     __shared__ __align__(16) float qs[RPW][GD];
     __shared__ float pb[SNW][RPW][32];
     if (c_dev) c = *c_dev;
@@ -261,7 +270,8 @@ __device__ __forceinline__ void split2_impl(const T* __restrict__ q, const T* __
         // One online-softmax step per row for these 32 keys.
 #pragma unroll
         for (int i = 0; i < RPW; ++i) {
-            const float x = valid && key < lim[i] ? sc[i] : -INFINITY;
+            const bool sees = valid && key < lim[i] && tree_sees(anc, (z * RPW + i) / groups, key, c);
+            const float x = sees ? sc[i] : -INFINITY;
             const float mn = fmaxf(m[i], warp_max(x));
             float p = 0.f, alpha = 1.f;
             if (mn != -INFINITY) {
@@ -336,17 +346,17 @@ __device__ __forceinline__ void combine_impl(const float* __restrict__ acc,
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SNW * 32) gattn_split_##SUF(                  \
         const T* q, const T* kc, const T* vc, float* acc, float* ml, int t, int nh, int nkv,   \
-        int cap, int c, const u32* c_dev, int kps, int splits, float scale) {                  \
+        int cap, int c, const u32* c_dev, int kps, int splits, float scale, const u64* anc) {    \
         pdl_wait();                                                                            \
         pdl_launch_dependents();                                                               \
-        split_impl<T>(q, kc, vc, acc, ml, t, nh, nkv, cap, c, c_dev, kps, splits, scale);      \
+        split_impl<T>(q, kc, vc, acc, ml, t, nh, nkv, cap, c, c_dev, kps, splits, scale, anc);      \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SNW * 32) gattn_split2_##SUF(                 \
         const T* q, const T* kc, const T* vc, float* acc, float* ml, int t, int nh, int nkv,   \
-        int cap, int c, const u32* c_dev, int kps, int splits, float scale) {                  \
+        int cap, int c, const u32* c_dev, int kps, int splits, float scale, const u64* anc) {    \
         pdl_wait();                                                                            \
         pdl_launch_dependents();                                                               \
-        split2_impl<T>(q, kc, vc, acc, ml, t, nh, nkv, cap, c, c_dev, kps, splits, scale);     \
+        split2_impl<T>(q, kc, vc, acc, ml, t, nh, nkv, cap, c, c_dev, kps, splits, scale, anc);     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GD) gattn_combine_##SUF(                      \
         const float* acc, const float* ml, const T* qkv, T* out, int t, int nh, int nkv,       \

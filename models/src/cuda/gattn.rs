@@ -1,6 +1,6 @@
 //! Launch wrapper of gattn.cu: the hybrid's gated full attention (head dim 256, partial RoPE,
-//! zero-centred q/k norms, sigmoid output gate) for one sequence's causal chain of new tokens
-//! in three launches, from the stacked q|gate|k|v projection to the o_proj input. Shapes are
+//! zero-centred q/k norms, sigmoid output gate) for one sequence's causal chain or verify tree
+//! of new tokens in three launches, from the stacked q|gate|k|v projection to the o_proj input. Shapes are
 //! checked here because the kernels trust them.
 
 use candle_core::cuda_backend::CudaDevice;
@@ -41,6 +41,9 @@ pub struct GattnRows<'a> {
     /// For a CUDA graph: the committed length read from this u32 `[1]` device tensor at each
     /// launch instead of `cache_len` (then only a bound for the checks), over a fixed split.
     pub graph: Option<GraphSplit<'a>>,
+    /// A verify tree's ancestor bits (i64 `[t]`, [`super::tree_bits`] of at most 64 nodes):
+    /// each new row sees the committed rows and its ancestors; None: a causal chain.
+    pub tree: Option<&'a Tensor>,
     /// `(query heads, KV heads)`.
     pub heads: (usize, usize),
     pub rotary_dim: usize,
@@ -82,7 +85,8 @@ fn split_plan(live: usize, nkv: usize, row_groups: usize) -> (usize, usize) {
 }
 
 /// `attn * sigmoid(gate)` `[t, nh * 256]` (the o_proj input, the inputs' dtype: bf16 or f32)
-/// of the `t` new tokens, each seeing the committed rows and the new rows up to itself, with
+/// of the `t` new tokens, each seeing the committed rows and the new rows up to itself (of a
+/// tree: its ancestors and itself), with
 /// their normed and rotated K and their V written into the cache on the way.
 pub fn gated_attention_chain(r: &GattnRows<'_>) -> Result<Tensor> {
     gated_attention_chain_split(r, None)
@@ -113,6 +117,15 @@ pub fn gated_attention_chain_split(
             || g.keys_per_split == 0
         {
             bail!("gated_attention_chain: a graph's cache length is one u32 and keys per split > 0")
+        }
+    }
+    if let Some(bits) = r.tree {
+        if bits.dtype() != DType::I64 || bits.dims1()? != t || t > 64 {
+            bail!(
+                "gated_attention_chain: a tree's ancestor bits are i64 [t] for t <= 64 new rows, got {:?} {:?} for {t}",
+                bits.dtype(),
+                bits.shape()
+            )
         }
     }
     if t == 0
@@ -175,6 +188,7 @@ pub fn gated_attention_chain_split(
         Some(g) => ptr(g.cache_len)?,
         None => 0u64,
     };
+    let anc = r.tree.map(ptr).transpose()?.unwrap_or(0);
     let q = alloc(&dev, dtype, (t * nh, d))?;
     let qp = ptr(&q)?;
     let eps = r.eps as f32;
@@ -230,7 +244,7 @@ pub fn gated_attention_chain_split(
         .arg(&c_dev)
         .arg(&kpsi)
         .arg(&splitsi);
-    b.arg(&scale);
+    b.arg(&scale).arg(&anc);
     let grid = (nkv as u32, splits.div_ceil(WARPS) as u32, row_groups as u32);
     b.launch(&dev, &f, cfg(grid, (WARPS * 32) as u32), &name)?;
 

@@ -392,7 +392,7 @@ static HYBRID_FUSED_TREE: switch::EnvSwitch =
 /// Whether a hybrid's verify tree (one sequence, up to 64 nodes, depth the GDN tree kernels
 /// take) runs the fused forward (`qwen3_5/cuda.rs`) instead of the plain path's candle ops: the
 /// norms, residual adds and SiLU gate fused around cuBLASLt products, the GDN tree kernels as
-/// on the plain path, the gated attention as the plain path's ops over the tree mask. The plain
+/// on the plain path, the gated attention on gattn.cu with the tree's ancestor bits. The plain
 /// path launches ~25 small candle ops per attention layer and ~10 per other layer on top of its
 /// products; the 27B's 64-node tree took 26.9 ms against the fused 16-row chain's 21.5 (H200,
 /// session 29). Off until a GPU checks and times it (`gpu_check --hybrid`'s `verify_lt`);

@@ -1,7 +1,8 @@
 //! The fused-kernel forward of [`Qwen35Model`] (CUDA, bf16) for one sequence's short causal
 //! chain: a decode step or a chain verify of up to [`cuda::GDN_MAX_CHAIN`] tokens; and, where
 //! [`cuda::hybrid_fused_tree`] is on, its verify tree of up to 64 nodes (the GDN tree kernels,
-//! the gated attention as the plain path's ops over the tree mask, every product on cuBLASLt).
+//! the gated-attention kernels masking the new rows by ancestor bits, every product on
+//! cuBLASLt).
 //! Same contract and outputs as the plain path in `qwen3_5/forward.rs` (to bf16 rounding),
 //! which stays the reference and takes everything else (batches, prefills, f32, CPU).
 //!
@@ -88,6 +89,10 @@ impl Qwen35Model {
             Some(p) => Some(Forest::new(&[p], self.cfg.linear_conv_kernel_dim, &dev)?),
             None => None,
         };
+        // Its ancestor bits for the gated-attention kernels (one word a node: at most 64).
+        let tree_bits = tree
+            .map(|p| Tensor::new(cuda::tree_bits(p).as_slice(), &dev))
+            .transpose()?;
         let len = seq.cache.len();
         let eps = self.cfg.rms_norm_eps;
         let positions = Tensor::new(seq.positions, &dev)?;
@@ -138,11 +143,8 @@ impl Qwen35Model {
                     mark(&dev, "attn.qkv");
                     let qkv = products.normed(&x, qkv_w, norm)?;
                     mark(&dev, "attn.mix");
-                    // The gated-attention kernels run causal chains; a tree takes the ops.
-                    let fused = match tree {
-                        None => fused_attention(seq, li, attn, &qkv, (&cos, &sin), t)?,
-                        Some(_) => None,
-                    };
+                    let fused =
+                        fused_attention(seq, li, attn, &qkv, (&cos, &sin), t, tree_bits.as_ref())?;
                     if let Some(mixed) = fused {
                         (mixed, attn.o_proj())
                     } else {
@@ -302,9 +304,10 @@ impl Products<'_> {
     }
 }
 
-/// The gated-attention layer `li` of the chain through `cuda/gattn.cu` (q/k norm + partial
-/// RoPE + the K/V write, split-K attention, the gate), or None where the kernels do not take
-/// it (head size, a paged cache): the caller runs the plain ops. The new rows are written
+/// The gated-attention layer `li` of the chain or tree (`tree_bits`: its ancestor bits)
+/// through `cuda/gattn.cu` (q/k norm + partial RoPE + the K/V write, split-K attention, the
+/// gate), or None where the kernels do not take it (head size, a paged cache): the caller
+/// runs the plain ops. The new rows are written
 /// where [`crate::cache::SequenceCache::write_kv`] puts them and made live only by the commit, as there.
 fn fused_attention(
     seq: &SeqForward<'_>,
@@ -313,6 +316,7 @@ fn fused_attention(
     qkv: &Tensor,
     rope: (&Tensor, &Tensor),
     t: usize,
+    tree_bits: Option<&Tensor>,
 ) -> ModelResult<Option<Tensor>> {
     let len = seq.cache.len();
     if !seq.cache.page_table().is_contiguous() {
@@ -326,7 +330,10 @@ fn fused_attention(
         });
     }
     let kv = seq.cache.layer(li).attention()?.buffers();
-    Ok(attn.attend_chain_fused(qkv, rope.0, rope.1, kv, len, None)?)
+    Ok(match tree_bits {
+        Some(bits) => attn.attend_tree_fused(qkv, rope, kv, len, bits)?,
+        None => attn.attend_chain_fused(qkv, rope.0, rope.1, kv, len, None)?,
+    })
 }
 
 impl Qwen35Model {

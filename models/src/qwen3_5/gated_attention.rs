@@ -236,10 +236,39 @@ impl GatedAttention {
         qkv: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
+        kv: (&Tensor, &Tensor),
+        cache_len: usize,
+        keys_per_split: Option<usize>,
+        graph: Option<crate::cuda::GraphSplit<'_>>,
+    ) -> Result<Option<Tensor>> {
+        self.attend_fused(qkv, (cos, sin), kv, cache_len, keys_per_split, graph, None)
+    }
+
+    /// [`Self::attend_chain_fused`] for a verify tree of at most 64 nodes: each new row sees
+    /// the committed rows, its ancestors and itself (`bits`: i64 `[t]`, `cuda::tree_bits`).
+    #[cfg(feature = "cuda")]
+    pub fn attend_tree_fused(
+        &self,
+        qkv: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        kv: (&Tensor, &Tensor),
+        cache_len: usize,
+        bits: &Tensor,
+    ) -> Result<Option<Tensor>> {
+        self.attend_fused(qkv, (cos, sin), kv, cache_len, None, None, Some(bits))
+    }
+
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::too_many_arguments)]
+    fn attend_fused(
+        &self,
+        qkv: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
         (kc, vc): (&Tensor, &Tensor),
         cache_len: usize,
         keys_per_split: Option<usize>,
         graph: Option<crate::cuda::GraphSplit<'_>>,
+        tree: Option<&Tensor>,
     ) -> Result<Option<Tensor>> {
         if self.head_dim != crate::cuda::GATTN_HEAD_DIM {
             return Ok(None);
@@ -255,6 +284,7 @@ impl GatedAttention {
                 vc,
                 cache_len,
                 graph,
+                tree,
                 heads: (self.num_heads, self.num_kv_heads),
                 rotary_dim: self.rotary_dim,
                 eps: self.eps,

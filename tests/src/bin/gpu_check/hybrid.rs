@@ -139,7 +139,7 @@ pub(crate) fn shape_inputs(
 
 /// Parents of a 64-node tree: `binary` (depth 6) or DDTree-like (a 16-deep spine with three
 /// extra children per spine node, depth 16).
-fn tree(n: usize, binary: bool) -> (Vec<Option<usize>>, Vec<u32>) {
+pub(crate) fn tree(n: usize, binary: bool) -> (Vec<Option<usize>>, Vec<u32>) {
     let mut parents = Vec::with_capacity(n);
     let mut depth = Vec::with_capacity(n);
     for i in 0..n {

@@ -2,12 +2,14 @@
 //! (`cuda/gattn.cu` through `GatedAttention::attend_chain_fused`) against the plain ops
 //! (`split_heads`, the cache write, `attend`, `gated`) on the same random q|gate|k|v rows and a
 //! random committed cache of 1K rows, in f32 (tight tolerance) and bf16 (the stated one), for
-//! a decode step and a 16-token chain. Reported per case: the o_proj input's largest
+//! a decode step, a 16-token chain and a 64-node verify tree (DDTree-like: a 16-deep spine,
+//! three side children per spine node; the kernels through `attend_tree_fused`, masking by
+//! ancestor bits). Reported per case: the o_proj input's largest
 //! difference over the largest plain value, the same for the K rows written to the cache, and
 //! whether the V rows written are equal; both paths' times per call (and the fused one's by
-//! keys per split); and a wrong case (the fused
-//! kernels given the RoPE tables of positions 0.. instead of 1024..: the rotation as good as
-//! skipped) that the tolerance must reject.
+//! keys per split); and wrong cases the tolerance must reject: the fused kernels given the RoPE
+//! tables of positions 0.. instead of 1024.. (the rotation as good as skipped), and for the
+//! tree, the fused kernels run as a causal chain over the same rows.
 
 use anyhow::Result;
 use serde_json::Value;
@@ -85,6 +87,8 @@ mod cuda_impl {
         vc: Tensor,
         c: usize,
         t: usize,
+        /// A verify tree's parents and ancestor bits; None: a causal chain.
+        tree: Option<(Vec<Option<usize>>, Tensor)>,
     }
 
     impl Case<'_> {
@@ -102,7 +106,13 @@ mod cuda_impl {
             kc.slice_set(&k, 1, self.c)?;
             vc.slice_set(&v, 1, self.c)?;
             let live = self.c + self.t;
-            let mask = AttnPattern::Causal.mask(self.c, self.t, self.kc.device())?;
+            let pattern = match &self.tree {
+                Some((parents, _)) => AttnPattern::Tree {
+                    parents: parents.clone(),
+                },
+                None => AttnPattern::Causal,
+            };
+            let mask = pattern.mask(self.c, self.t, self.kc.device())?;
             let a = attend(
                 &q,
                 &kc.narrow(1, 0, live)?,
@@ -119,6 +129,14 @@ mod cuda_impl {
             Ok((out, kc, vc))
         }
 
+        /// The fused kernels over the same rows as a causal chain (a tree's wrong case).
+        fn fused_as_chain(&self, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+            let (kc, vc) = (self.kc.copy()?, self.vc.copy()?);
+            self.attn
+                .attend_chain_fused(&self.qkv, cos, sin, (&kc, &vc), self.c, None)?
+                .context("the fused kernels did not take the 27B head size")
+        }
+
         fn fused_into(
             &self,
             cos: &Tensor,
@@ -126,9 +144,21 @@ mod cuda_impl {
             cache: (&Tensor, &Tensor),
             keys_per_split: Option<usize>,
         ) -> Result<Tensor> {
-            self.attn
-                .attend_chain_fused(&self.qkv, cos, sin, cache, self.c, keys_per_split)?
-                .context("the fused kernels did not take the 27B head size")
+            let out = match &self.tree {
+                Some((_, bits)) => {
+                    self.attn
+                        .attend_tree_fused(&self.qkv, (cos, sin), cache, self.c, bits)?
+                }
+                None => self.attn.attend_chain_fused(
+                    &self.qkv,
+                    cos,
+                    sin,
+                    cache,
+                    self.c,
+                    keys_per_split,
+                )?,
+            };
+            out.context("the fused kernels did not take the 27B head size")
         }
 
         fn new_rows(&self, x: &Tensor) -> Result<Tensor> {
@@ -150,7 +180,14 @@ mod cuda_impl {
             let attn = GatedAttention::random(&mut rng, cfg, dtype, dev, OpsMode::Fused)?;
             let kc = rng.normal(&[nkv, cap, d], 0.0, 1.0, dtype, dev)?;
             let vc = rng.normal(&[nkv, cap, d], 0.0, 1.0, dtype, dev)?;
-            for t in [1usize, 16] {
+            let (parents, _) = crate::hybrid::tree(64, false);
+            let bits = Tensor::new(dflash_models::cuda::tree_bits(&parents).as_slice(), dev)?;
+            for (label, t, tree) in [
+                ("t1", 1usize, None),
+                ("t16", 16, None),
+                ("tree64", 64, Some((parents.clone(), bits.clone()))),
+            ] {
+                let is_tree = tree.is_some();
                 let case = Case {
                     attn: &attn,
                     cfg,
@@ -159,6 +196,7 @@ mod cuda_impl {
                     vc: vc.clone(),
                     c,
                     t,
+                    tree,
                 };
                 let (cos, sin) = rope(case.cfg, c, t, dtype, dev)?;
                 let (po, pk, pv) = case.plain(&cos, &sin)?;
@@ -170,6 +208,10 @@ mod cuda_impl {
                 let committed_equal = rel(&fk.narrow(1, 0, c)?, &kc.narrow(1, 0, c)?)? == 0.0;
                 let (wcos, wsin) = rope(case.cfg, 0, t, dtype, dev)?;
                 let wrong_rel = rel(&case.fused(&wcos, &wsin)?.0, &po)?;
+                let wrong_chain_rel = match is_tree {
+                    true => Some(rel(&case.fused_as_chain(&cos, &sin)?, &po)?),
+                    false => None,
+                };
                 // Per call, 20 back to back (launch overheads included, as the eager
                 // forward sees them); the fused kernels on one cache copy (they rewrite the
                 // same new rows), the plain ops with their cache copies.
@@ -192,7 +234,12 @@ mod cuda_impl {
                     Ok(())
                 })?;
                 let mut sweep = serde_json::Map::new();
-                for kps in [16usize, 32, 64, 128, 256] {
+                // (The tree form is timed by the plan's split only.)
+                let sweep_splits: &[usize] = match is_tree {
+                    true => &[],
+                    false => &[16, 32, 64, 128, 256],
+                };
+                for &kps in sweep_splits {
                     let us = per_call(&mut || {
                         case.fused_into(&cos, &sin, (&kc1, &vc1), Some(kps))?;
                         Ok(())
@@ -200,7 +247,7 @@ mod cuda_impl {
                     sweep.insert(format!("keys_per_split_{kps}"), json!(us));
                 }
                 res.insert(
-                    format!("{dtype:?}_t{t}").to_lowercase(),
+                    format!("{dtype:?}_{label}").to_lowercase(),
                     json!({
                         "out_rel_err": out_rel,
                         "new_k_rows_rel_err": k_rel,
@@ -209,7 +256,8 @@ mod cuda_impl {
                         "tolerance": tol,
                         "pass": out_rel <= tol && k_rel <= tol && v_equal && committed_equal,
                         "wrong_rope_positions_from_0_rel_err": wrong_rel,
-                        "wrong_case_rejected": wrong_rel > tol,
+                        "wrong_tree_run_as_chain_rel_err": wrong_chain_rel,
+                        "wrong_case_rejected": wrong_rel > tol && wrong_chain_rel.is_none_or(|w| w > tol),
                         "fused_us_per_call": fused_us,
                         "plain_us_per_call_incl_cache_copy": plain_us,
                         "fused_us_per_call_by_split": sweep,
