@@ -9,7 +9,8 @@
 #      vs_plain.*_tree64`);
 #   2. the 27B through the engine, 256 generated tokens (a 64-token run is 10 rounds, too few
 #      for the steady state), verify products default then on cuBLASLt;
-#   3. the MoE row gather kernel (DFLASH_MOE_GATHER_KERNEL=1): `gpu_check --moe`'s expert paths
+#   3. the 35B-A3B through the engine (128 tokens) both ways, if time is left;
+#   4. the MoE row gather kernel (DFLASH_MOE_GATHER_KERNEL=1): `gpu_check --moe`'s expert paths
 #      and the Coder's 4K prefill phases with it off and on, if time is left.
 # Bundle: dflash-serve + gpu_check. ~450 s.
 set -u
@@ -54,6 +55,19 @@ print({k: v for k, v in d.get('kernel_checks', {}).items() if not k.startswith('
 e=d['e2e']; print('e2e', {k: (round(e[k]['speedup_vs_plain'],3), round(e[k]['warm_speedup_vs_plain'],3), e[k].get('tokens_match')) for k in ('chain', 'ddtree_16') if k in e})
 print('phases ms/round', {k: {p: round(v['ms_per_round'],3) for p, v in e[k]['engine'].items()} for k in ('plain', 'chain', 'ddtree_16') if 'engine' in e.get(k, {})})
 " $OUT/l/h27-lt$lt.json 2>&1 | cut -c1-3000
+done
+# The sparse-MoE hybrid: its chain and DDTree-16 verifies take the same forms.
+for lt in 0 1; do
+  left=$(( 560 - $(el) )); [ $left -gt 200 ] || break
+  DFLASH_HYBRID_VERIFY_LT=$lt DFLASH_HYBRID_FUSED_TREE=$lt timeout 90 /tmp/b/dflash-serve bench --model qwen3.6-35b-a3b --prefill 1024 \
+    --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --e2e-profile --out $OUT/l/h35-lt$lt.json > $OUT/l/h35-lt$lt.log 2>&1
+  echo "35b-a3b lt$lt rc=$? at $(el) s"; grep -m2 -i "error\|panic" $OUT/l/h35-lt$lt.log | cut -c1-300
+  python3 -c "
+import json,sys; d=json.load(open(sys.argv[1]))
+print(d.get('e2e_step_graph_check'))
+e=d['e2e']; print('e2e', {k: (round(e[k]['speedup_vs_plain'],3), round(e[k]['warm_speedup_vs_plain'],3), e[k].get('tokens_match')) for k in ('chain', 'ddtree_16') if k in e})
+print('phases ms/round', {k: {p: round(v['ms_per_round'],3) for p, v in e[k]['engine'].items()} for k in ('plain', 'chain', 'ddtree_16') if 'engine' in e.get(k, {})})
+" $OUT/l/h35-lt$lt.json 2>&1 | cut -c1-2000
 done
 left=$(( 560 - $(el) ))
 if [ $left -gt 150 ]; then
