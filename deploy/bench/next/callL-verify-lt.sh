@@ -6,9 +6,11 @@
 #      committed path compared with the default; the trees also on the fused tree forward,
 #      DFLASH_HYBRID_FUSED_TREE, off by default until this call), and the gated-attention
 #      kernels on a 64-node tree (ancestor bits) against the plain ops (`fused_attention_layer_
-#      vs_plain.*_tree64`);
+#      vs_plain.*_tree64`), and the commit settled on all GDN layers in one batch
+#      (DFLASH_BATCHED_GDN_SETTLE, off by default until this call: `verify_lt.batched_settle`,
+#      bit for bit against layer by layer);
 #   2. the 27B through the engine, 256 generated tokens (a 64-token run is 10 rounds, too few
-#      for the steady state), verify products default then on cuBLASLt;
+#      for the steady state), the three switches off then on;
 #   3. the 35B-A3B through the engine (128 tokens) both ways, if time is left;
 #   4. the MoE row gather kernel (DFLASH_MOE_GATHER_KERNEL=1): `gpu_check --moe`'s expert paths
 #      and the Coder's 4K prefill phases with it off and on, if time is left.
@@ -38,13 +40,14 @@ for k, v in lt.items():
                   "commit+decode", e.get("commit_path_then_decode_vs_default"))
             print("   ", {p: round(q["ms"], 3) for p, q in e["profile"].items() if isinstance(q, dict)})
     if "error" in v: print(k, v["error"][:400])
+    if k == "batched_settle": print(k, v)
 for k, v in h.get("fused_attention_layer_vs_plain", {}).items():
     print("attn", k, {a: v.get(a) for a in ("pass", "out_rel_err", "wrong_case_rejected", "wrong_tree_run_as_chain_rel_err", "fused_us_per_call", "plain_us_per_call_incl_cache_copy")})
 g = h.get("gdn_paths_whole_model", {}).get("split_inputs", {})
 print("split_inputs verify/decode", g.get("verify_16_over_decode"), "vs plain", g.get("vs_plain", {}).get("verify_chain_16"))
 PY
 for lt in 0 1; do
-  DFLASH_HYBRID_VERIFY_LT=$lt DFLASH_HYBRID_FUSED_TREE=$lt timeout 170 /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 1024 --e2e-prompt 1024 \
+  DFLASH_HYBRID_VERIFY_LT=$lt DFLASH_HYBRID_FUSED_TREE=$lt DFLASH_BATCHED_GDN_SETTLE=$lt timeout 170 /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 1024 --e2e-prompt 1024 \
     --e2e-tokens 256 --budgets 16 --e2e-profile --out $OUT/l/h27-lt$lt.json > $OUT/l/h27-lt$lt.log 2>&1
   echo "27b lt$lt rc=$? at $(el) s"; grep -m2 -i "error\|panic" $OUT/l/h27-lt$lt.log | cut -c1-300
   python3 -c "
@@ -59,7 +62,7 @@ done
 # The sparse-MoE hybrid: its chain and DDTree-16 verifies take the same forms.
 for lt in 0 1; do
   left=$(( 560 - $(el) )); [ $left -gt 200 ] || break
-  DFLASH_HYBRID_VERIFY_LT=$lt DFLASH_HYBRID_FUSED_TREE=$lt timeout 90 /tmp/b/dflash-serve bench --model qwen3.6-35b-a3b --prefill 1024 \
+  DFLASH_HYBRID_VERIFY_LT=$lt DFLASH_HYBRID_FUSED_TREE=$lt DFLASH_BATCHED_GDN_SETTLE=$lt timeout 90 /tmp/b/dflash-serve bench --model qwen3.6-35b-a3b --prefill 1024 \
     --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --e2e-profile --out $OUT/l/h35-lt$lt.json > $OUT/l/h35-lt$lt.log 2>&1
   echo "35b-a3b lt$lt rc=$? at $(el) s"; grep -m2 -i "error\|panic" $OUT/l/h35-lt$lt.log | cut -c1-300
   python3 -c "

@@ -439,9 +439,24 @@ impl SequenceCache {
             Some(tracker) => tracker.compact(start, keep)?,
             None => Vec::new(),
         };
+        #[cfg(feature = "cuda")]
+        let settled = {
+            let mut recurrent: Vec<&mut RecurrentLayer> = self
+                .layers
+                .iter_mut()
+                .filter_map(|l| match l {
+                    LayerCache::Recurrent(r) => Some(r),
+                    LayerCache::Attention(_) => None,
+                })
+                .collect();
+            RecurrentLayer::settle_batched(&mut recurrent, &recurrent_path)?
+        };
+        #[cfg(not(feature = "cuda"))]
+        let settled = false;
         for layer in &mut self.layers {
             match layer {
                 LayerCache::Attention(kv) => kv.compact(&self.table, start, keep)?,
+                LayerCache::Recurrent(_) if settled => {}
                 LayerCache::Recurrent(r) => r.settle_on(&recurrent_path)?,
             }
         }

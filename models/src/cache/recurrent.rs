@@ -328,6 +328,75 @@ impl RecurrentLayer {
         Ok(())
     }
 
+    /// Settles every layer of `layers` on `path` in one batch on CUDA
+    /// ([`crate::cuda::gdn_settle_layers`]) where [`crate::cuda::batched_gdn_settle`] is on and
+    /// each layer's path is staged inputs of one forward, at the same rows for every layer (a
+    /// `SplitInputs` verify); false (nothing changed) otherwise: the caller settles them one
+    /// by one ([`Self::settle_on`]), which gives the same states.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn settle_batched(layers: &mut [&mut Self], path: &[usize]) -> Result<bool> {
+        if !crate::cuda::batched_gdn_settle() || path.is_empty() || layers.is_empty() {
+            return Ok(false);
+        }
+        let mut rows: Option<Vec<u32>> = None;
+        let mut blocks: Vec<&RowInputs> = Vec::with_capacity(layers.len());
+        for layer in layers.iter() {
+            if !layer.base.ssm.device().is_cuda() {
+                return Ok(false);
+            }
+            let mut block: Option<&Arc<RowInputs>> = None;
+            let mut at = Vec::with_capacity(path.len());
+            for &r in path {
+                match layer.rows.get(r) {
+                    Some(StagedRow::Inputs(b, i)) if block.is_none_or(|x| Arc::ptr_eq(x, b)) => {
+                        block = Some(b);
+                        at.push(*i as u32);
+                    }
+                    _ => return Ok(false),
+                }
+            }
+            match (&rows, block) {
+                (None, Some(b)) => {
+                    rows = Some(at);
+                    blocks.push(b.as_ref());
+                }
+                (Some(r), Some(b)) if *r == at => blocks.push(b.as_ref()),
+                _ => return Ok(false),
+            }
+        }
+        let Some(rows) = rows else { return Ok(false) };
+        let inputs: Vec<crate::cuda::SettleLayer<'_>> = layers
+            .iter()
+            .zip(&blocks)
+            .map(|(l, b)| crate::cuda::SettleLayer {
+                ssm: &l.base.ssm,
+                conv: &l.base.conv,
+                k: &b.k,
+                writes: &b.writes,
+                g: &b.g,
+                pre_conv: &b.pre_conv,
+            })
+            .collect();
+        // Every layer's base and staged rows must be what the kernels read as they are.
+        let dense = inputs.iter().all(|i| {
+            [i.ssm, i.conv, i.k, i.writes, i.g, i.pre_conv]
+                .iter()
+                .all(|t| t.is_contiguous())
+        });
+        if !dense {
+            return Ok(false);
+        }
+        let settled = crate::cuda::gdn_settle_layers(&inputs, &rows)?;
+        drop(inputs);
+        for (layer, (conv, ssm)) in layers.iter_mut().zip(settled) {
+            layer.base = GdnState { conv, ssm };
+            layer.rows.clear();
+            layer.path = true;
+            layer.tip = OnceLock::new();
+        }
+        Ok(true)
+    }
+
     /// Keeps the first `n` unsettled rows (the caller checked that they form one path).
     pub(crate) fn truncate_rows(&mut self, n: usize) {
         if n < self.rows.len() {

@@ -277,3 +277,54 @@ extern "C" __global__ void __launch_bounds__(256) gdn_state_along(
     }
     s_out[idx] = s;
 }
+
+// A commit of one path over every GDN layer at once (the batched settle, cuda/gdn_settle.rs):
+// per layer l, table[5 l .. 5 l + 5) = s0, k, u, g, s_out (f32, as gdn_state_along's, the
+// layer's staged rows of one forward), and the path's rows idx[0 .. m) within those staged rows
+// (the same for every layer: one forward staged them all). gdn_state_along's operations in its
+// order per state element, so the result equals it bit for bit. Grid (ceil(hv dk dv / 256),
+// layers).
+extern "C" __global__ void __launch_bounds__(256) gdn_state_along_layers(
+    const u64* __restrict__ table, const u32* __restrict__ idx, int m, int hk, int hv, int dk,
+    int dv) {
+    const u64* t = table + (size_t)blockIdx.y * 5;
+    const float* __restrict__ s0 = (const float*)t[0];
+    const float* __restrict__ k = (const float*)t[1];
+    const float* __restrict__ u = (const float*)t[2];
+    const float* __restrict__ g = (const float*)t[3];
+    float* __restrict__ s_out = (float*)t[4];
+    const size_t i0 = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t n = (size_t)hv * dk * dv;
+    if (i0 >= n) return;
+    const int c = (int)(i0 % dv);
+    const int r = (int)((i0 / dv) % dk);
+    const int h = (int)(i0 / ((size_t)dk * dv));
+    const int kh = h / (hv / hk);
+    float s = s0[i0];
+    for (int i = 0; i < m; ++i) {
+        const size_t row = idx[i];
+        s *= expf(g[row * hv + h]);
+        s = fmaf(k[(row * hk + kh) * dk + r], u[(row * hv + h) * dv + c], s);
+    }
+    s_out[i0] = s;
+}
+
+// The conv windows of that commit: per layer l, table[3 l .. 3 l + 3) = the base window
+// w0 [w, row_bytes], the staged pre-conv rows pre [t, row_bytes] and the new window out
+// [w, row_bytes]; out row j is row m + j of [w0; pre[idx[0]]; ..; pre[idx[m - 1]]] (the last w
+// rows along the path). 16-byte copies (row_bytes % 16 == 0). Grid (ceil(w row_bytes / 16 /
+// 256), layers).
+extern "C" __global__ void __launch_bounds__(256) gdn_conv_window_layers(
+    const u64* __restrict__ table, const u32* __restrict__ idx, int m, int w, int row_bytes) {
+    const u64* t = table + (size_t)blockIdx.y * 3;
+    const uint4* __restrict__ w0 = (const uint4*)t[0];
+    const uint4* __restrict__ pre = (const uint4*)t[1];
+    uint4* __restrict__ out = (uint4*)t[2];
+    const int per_row = row_bytes / 16;
+    const int x = blockIdx.x * blockDim.x + threadIdx.x;
+    if (x >= w * per_row) return;
+    const int j = x / per_row, col = x % per_row;
+    const int src = m + j;  // row of [w0; path rows]
+    out[x] = src < w ? w0[(size_t)src * per_row + col]
+                     : pre[(size_t)idx[src - w] * per_row + col];
+}

@@ -123,6 +123,10 @@ mod gdn_chunk;
 #[cfg(feature = "cuda")]
 pub use gdn_chunk::{GDN_CHUNK, GDN_CHUNKED_MIN_T};
 #[cfg(feature = "cuda")]
+mod gdn_settle;
+#[cfg(feature = "cuda")]
+pub use gdn_settle::{gdn_settle_layers, SettleLayer};
+#[cfg(feature = "cuda")]
 mod gdn_split;
 #[cfg(feature = "cuda")]
 pub use gdn_split::{
@@ -404,6 +408,26 @@ pub fn set_hybrid_fused_tree(on: bool) {
 /// Whether hybrid verify trees take the fused forward ([`set_hybrid_fused_tree`]).
 pub fn hybrid_fused_tree() -> bool {
     HYBRID_FUSED_TREE.get()
+}
+
+static BATCHED_GDN_SETTLE: switch::EnvSwitch =
+    switch::EnvSwitch::new("DFLASH_BATCHED_GDN_SETTLE", false);
+
+/// Whether a hybrid cache's commit settles every GDN layer on the accepted path in two launches
+/// (`gdn_settle_layers`: all layers' states, then all conv windows) where each layer's path is
+/// staged inputs of one forward (a `SplitInputs` verify, chain or tree), instead of a state
+/// rebuild and a window copy per layer: a 27B chain round's commit took 1.62 ms of its ~25
+/// (H200, session 29's engine profile). Bit for bit the per-layer result (the same operations
+/// in the same order). Off until a GPU checks and times it (`gpu_check --hybrid`'s
+/// `verify_lt.*.batched_settle`); `DFLASH_BATCHED_GDN_SETTLE=1` or this switch turns it on.
+/// Process-wide.
+pub fn set_batched_gdn_settle(on: bool) {
+    BATCHED_GDN_SETTLE.set(on);
+}
+
+/// Whether commits settle the GDN layers in one batch ([`set_batched_gdn_settle`]).
+pub fn batched_gdn_settle() -> bool {
+    BATCHED_GDN_SETTLE.get()
 }
 
 static GATTN_SPLIT2: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GATTN_SPLIT2", true);

@@ -128,5 +128,64 @@ pub fn verify_lt(
     cuda::set_hybrid_verify_lt(was.0);
     cuda::set_hybrid_fused_tree(was.1);
     res.insert("decode_ms".into(), json!(decode_ms));
+    res.insert(
+        "batched_settle".into(),
+        batched_settle(dev, m, cache, vocab)?,
+    );
+    Ok(Value::Object(res))
+}
+
+/// The commit settled on every GDN layer in one batch (`cuda::set_batched_gdn_settle`) against
+/// layer by layer, after the default verify forwards (chain-16 keeping 8 rows, the DDTree-like
+/// tree keeping its first root-to-leaf path): the verify + commit time each way, and the
+/// logits of a decode step after the commit, which must be equal bit for bit (the same
+/// operations in the same order).
+fn batched_settle(
+    dev: &Device,
+    m: &Qwen35Model,
+    cache: &mut SequenceCache,
+    vocab: u32,
+) -> Result<Value> {
+    let was = cuda::batched_gdn_settle();
+    let start = cache.len();
+    let mut res = serde_json::Map::new();
+    for (name, n, kind) in SHAPES.into_iter().filter(|s| s.1 > 1 && s.2 != Some(true)) {
+        let (tokens, pattern, positions) = shape_inputs(start, n, kind, vocab);
+        let rows: Vec<usize> = (0..n).collect();
+        let keep = match &pattern {
+            AttnPattern::Tree { parents } => first_path(parents, start),
+            _ => (start..start + 8).collect(),
+        };
+        let mut out = serde_json::Map::new();
+        let mut next = Vec::new();
+        for batched in [false, true] {
+            cuda::set_batched_gdn_settle(batched);
+            let ms = crate::time_ms(dev, 7, || {
+                let mut c = cache.clone();
+                run(m, &mut c, &tokens, &positions, &pattern, &rows)?;
+                c.compact(start, &keep)?;
+                Ok(())
+            })?;
+            next.push(commit_then_decode(
+                m,
+                cache,
+                (&tokens, &pattern, &positions),
+                &keep,
+                4242 % vocab,
+            )?);
+            let key = if batched { "batched" } else { "per_layer" };
+            out.insert(format!("{key}_verify_and_commit_ms"), json!(ms));
+        }
+        let diff = (&next[1] - &next[0])?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        out.insert("next_logits_max_abs_diff".into(), json!(diff));
+        out.insert("bit_equal".into(), json!(diff == 0.0));
+        out.insert("committed_rows".into(), json!(keep.len()));
+        res.insert(name.into(), Value::Object(out));
+    }
+    cuda::set_batched_gdn_settle(was);
     Ok(Value::Object(res))
 }
