@@ -377,13 +377,8 @@ impl RecurrentLayer {
                 pre_conv: &b.pre_conv,
             })
             .collect();
-        // Every layer's base and staged rows must be what the kernels read as they are.
-        let dense = inputs.iter().all(|i| {
-            [i.ssm, i.conv, i.k, i.writes, i.g, i.pre_conv]
-                .iter()
-                .all(|t| t.is_contiguous())
-        });
-        if !dense {
+        // Shapes, dtypes or layouts the kernels do not take settle layer by layer.
+        if !crate::cuda::settle_fits(&inputs, &rows) {
             return Ok(false);
         }
         let settled = crate::cuda::gdn_settle_layers(&inputs, &rows)?;

@@ -7,7 +7,6 @@
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::gdn::check_f32;
 use super::gdn_split::{MODULE, PTX};
 use super::launch::{alloc_bf16, alloc_f32, cfg, cuda, go, ptr};
 
@@ -26,6 +25,65 @@ pub struct SettleLayer<'a> {
     pub pre_conv: &'a Tensor,
 }
 
+/// Why the kernels cannot take `layers` and `rows` (None: they can): every state, key, write
+/// and log-decay contiguous f32 of the first layer's shapes, every conv window and pre-conv
+/// block contiguous of one dtype (bf16 or f32) with rows of a multiple of 16 bytes, the rows
+/// within the staged ones.
+fn unfit(layers: &[SettleLayer<'_>], rows: &[u32]) -> Option<String> {
+    let first = layers.first()?;
+    let dims = |t: &Tensor| t.dims().to_vec();
+    let (ssm, k, conv) = (dims(first.ssm), dims(first.k), dims(first.conv));
+    let ([hv, dk, dv], [t, hk, kd], [_, cd]) = (ssm.as_slice(), k.as_slice(), conv.as_slice())
+    else {
+        return Some(format!("state {ssm:?}, k {k:?}, conv {conv:?}"));
+    };
+    let dtype = first.conv.dtype();
+    let (t, hv) = (*t, *hv);
+    if rows.is_empty()
+        || kd != dk
+        || *hk == 0
+        || !hv.is_multiple_of(*hk)
+        || !matches!(dtype, DType::BF16 | DType::F32)
+        || !(cd * dtype.size_in_bytes()).is_multiple_of(16)
+        || rows.iter().any(|&r| r as usize >= t)
+    {
+        return Some(format!(
+            "state {ssm:?}, k {k:?}, conv {conv:?} {dtype:?}, rows {rows:?}"
+        ));
+    }
+    let f32_of = |x: &Tensor, shape: &[usize]| {
+        x.dtype() == DType::F32 && x.is_contiguous() && x.dims() == shape
+    };
+    let same =
+        |x: &Tensor, shape: &[usize]| x.dtype() == dtype && x.is_contiguous() && x.dims() == shape;
+    for l in layers {
+        if !(f32_of(l.ssm, &ssm)
+            && f32_of(l.k, &k)
+            && f32_of(l.writes, &[t, hv, *dv])
+            && f32_of(l.g, &[t, hv])
+            && same(l.conv, &conv)
+            && same(l.pre_conv, &[t, *cd]))
+        {
+            return Some(format!(
+                "a layer's state {:?}, k {:?}, writes {:?}, g {:?}, conv {:?}, pre-conv {:?} against the first's",
+                l.ssm.shape(),
+                l.k.shape(),
+                l.writes.shape(),
+                l.g.shape(),
+                l.conv.shape(),
+                l.pre_conv.shape()
+            ));
+        }
+    }
+    None
+}
+
+/// Whether [`gdn_settle_layers`] takes `layers` and `rows` (else the caller settles layer by
+/// layer).
+pub fn settle_fits(layers: &[SettleLayer<'_>], rows: &[u32]) -> bool {
+    unfit(layers, rows).is_none()
+}
+
 /// Every layer's `(conv window, state)` after the staged rows `rows` (a path, in order): each
 /// equal bit for bit to that layer's `gdn_state_along` and window copy.
 pub fn gdn_settle_layers(
@@ -35,55 +93,24 @@ pub fn gdn_settle_layers(
     let Some(first) = layers.first() else {
         return Ok(Vec::new());
     };
+    if let Some(why) = unfit(layers, rows) {
+        bail!("gdn_settle_layers: {why}")
+    }
     let dev = cuda(first.ssm)?;
     let (hv, dk, dv) = first.ssm.dims3()?;
-    let (t, hk, kd) = first.k.dims3()?;
+    let (_, hk, _) = first.k.dims3()?;
     let (w, cd) = first.conv.dims2()?;
     let dtype = first.conv.dtype();
     let row_bytes = cd * dtype.size_in_bytes();
     let m = rows.len();
-    if m == 0
-        || kd != dk
-        || hk == 0
-        || !hv.is_multiple_of(hk)
-        || !row_bytes.is_multiple_of(16)
-        || rows.iter().any(|&r| r as usize >= t)
-    {
-        bail!(
-            "gdn_settle_layers: state {:?}, k {:?}, conv {:?}, {m} rows of {t}",
-            first.ssm.shape(),
-            first.k.shape(),
-            first.conv.shape()
-        )
-    }
     let mut states = Vec::with_capacity(layers.len() * 5);
     let mut windows = Vec::with_capacity(layers.len() * 3);
     let mut out = Vec::with_capacity(layers.len());
     for l in layers {
-        check_f32("settle state", l.ssm, hv * dk * dv)?;
-        check_f32("settle k", l.k, t * hk * dk)?;
-        check_f32("settle writes", l.writes, t * hv * dv)?;
-        check_f32("settle g", l.g, t * hv)?;
-        if l.conv.dtype() != dtype
-            || l.pre_conv.dtype() != dtype
-            || l.conv.dims2()? != (w, cd)
-            || l.pre_conv.dims2()? != (t, cd)
-            || !l.conv.is_contiguous()
-            || !l.pre_conv.is_contiguous()
-        {
-            bail!(
-                "gdn_settle_layers: conv {:?} {:?} and pre-conv {:?} {:?} of another shape than the first layer's",
-                l.conv.dtype(),
-                l.conv.shape(),
-                l.pre_conv.dtype(),
-                l.pre_conv.shape()
-            )
-        }
         let ssm = alloc_f32(&dev, hv * dk * dv)?.reshape((hv, dk, dv))?;
         let conv = match dtype {
             DType::BF16 => alloc_bf16(&dev, (w, cd))?,
-            DType::F32 => alloc_f32(&dev, w * cd)?.reshape((w, cd))?,
-            other => bail!("gdn_settle_layers: conv windows of {other:?}"),
+            _ => alloc_f32(&dev, w * cd)?.reshape((w, cd))?,
         };
         for p in [l.ssm, l.k, l.writes, l.g, &ssm] {
             states.push(ptr(p)? as i64);
