@@ -54,6 +54,15 @@ fn first_path(parents: &[Option<usize>], start: usize) -> Vec<usize> {
     path.into_iter().map(|i| start + i).collect()
 }
 
+/// The rows a timed verify from `start` commits: a tree's first root-to-leaf path, a chain's
+/// first 8 rows.
+fn kept_rows(pattern: &AttnPattern, start: usize) -> Vec<usize> {
+    match pattern {
+        AttnPattern::Tree { parents } => first_path(parents, start),
+        _ => (start..start + 8).collect(),
+    }
+}
+
 /// Verify, commit the rows `keep`, then decode `next`: that step's logits (they read the K/V
 /// and the recurrent state the commit kept). On a clone of the cache.
 fn commit_then_decode(
@@ -85,10 +94,7 @@ pub fn verify_lt(
     for (name, n, kind) in SHAPES.into_iter().filter(|s| s.1 > 1) {
         let (tokens, pattern, positions) = shape_inputs(start, n, kind, vocab);
         let rows: Vec<usize> = (0..n).collect();
-        let keep = match &pattern {
-            AttnPattern::Tree { parents } => first_path(parents, start),
-            _ => (start..start + 8).collect(),
-        };
+        let keep = kept_rows(&pattern, start);
         let mut out = serde_json::Map::new();
         let mut reference = None;
         for (key, lt, fused_tree) in CONFIGS {
@@ -152,10 +158,7 @@ fn batched_settle(
     for (name, n, kind) in SHAPES.into_iter().filter(|s| s.1 > 1 && s.2 != Some(true)) {
         let (tokens, pattern, positions) = shape_inputs(start, n, kind, vocab);
         let rows: Vec<usize> = (0..n).collect();
-        let keep = match &pattern {
-            AttnPattern::Tree { parents } => first_path(parents, start),
-            _ => (start..start + 8).collect(),
-        };
+        let keep = kept_rows(&pattern, start);
         let mut out = serde_json::Map::new();
         let mut next = Vec::new();
         for batched in [false, true] {
