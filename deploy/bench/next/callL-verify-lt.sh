@@ -14,15 +14,17 @@
 #   3. the 35B-A3B through the engine (128 tokens) both ways, if time is left;
 #   4. the MoE row gather kernel (DFLASH_MOE_GATHER_KERNEL=1): `gpu_check --moe`'s expert paths
 #      and the Coder's 4K prefill phases with it off and on, if time is left.
-# Bundle: dflash-serve + gpu_check. ~450 s.
+# Bundle: dflash-serve + gpu_check. ~450 s; LIMIT (default 560) caps the call, TOKENS (default
+# 256) the engine runs' generated tokens.
 set -u
+LIMIT=${LIMIT:-560}; TOKENS=${TOKENS:-256}
 D=${D:-.gpu-next}
 mkdir -p /tmp/b && tar -xJf $D/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 mkdir -p $OUT/l
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/l/gpu.txt; cat $D/BUILT
 export DFLASH_TESTS_DIR=$PWD/tests
-( cd /tmp/b && timeout 200 ./gpu_check cuda $OUT/l/hybrid.json --hybrid > $OUT/l/hybrid.log 2>&1; echo "hybrid rc=$? at $(el) s" )
+( cd /tmp/b && timeout $(( LIMIT < 400 ? LIMIT / 2 : 200 )) ./gpu_check cuda $OUT/l/hybrid.json --hybrid > $OUT/l/hybrid.log 2>&1; echo "hybrid rc=$? at $(el) s" )
 python3 - $OUT/l/hybrid.json <<'PY' 2>&1 | cut -c1-3000
 import json, sys
 d = json.load(open(sys.argv[1]))
@@ -47,8 +49,9 @@ g = h.get("gdn_paths_whole_model", {}).get("split_inputs", {})
 print("split_inputs verify/decode", g.get("verify_16_over_decode"), "vs plain", g.get("vs_plain", {}).get("verify_chain_16"))
 PY
 for lt in 0 1; do
-  DFLASH_HYBRID_VERIFY_LT=$lt DFLASH_HYBRID_FUSED_TREE=$lt DFLASH_BATCHED_GDN_SETTLE=$lt timeout 170 /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 1024 --e2e-prompt 1024 \
-    --e2e-tokens 256 --budgets 16 --e2e-profile --out $OUT/l/h27-lt$lt.json > $OUT/l/h27-lt$lt.log 2>&1
+  left=$(( LIMIT - 20 - $(el) )); [ $left -gt 60 ] || break
+  DFLASH_HYBRID_VERIFY_LT=$lt DFLASH_HYBRID_FUSED_TREE=$lt DFLASH_BATCHED_GDN_SETTLE=$lt timeout $(( left < 170 ? left : 170 )) /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 1024 --e2e-prompt 1024 \
+    --e2e-tokens $TOKENS --budgets 16 --e2e-profile --out $OUT/l/h27-lt$lt.json > $OUT/l/h27-lt$lt.log 2>&1
   echo "27b lt$lt rc=$? at $(el) s"; grep -m2 -i "error\|panic" $OUT/l/h27-lt$lt.log | cut -c1-300
   python3 -c "
 import json,sys; d=json.load(open(sys.argv[1]))
@@ -61,7 +64,7 @@ print('phases ms/round', {k: {p: round(v['ms_per_round'],3) for p, v in e[k]['en
 done
 # The sparse-MoE hybrid: its chain and DDTree-16 verifies take the same forms.
 for lt in 0 1; do
-  left=$(( 560 - $(el) )); [ $left -gt 200 ] || break
+  left=$(( LIMIT - $(el) )); [ $left -gt 200 ] || break
   DFLASH_HYBRID_VERIFY_LT=$lt DFLASH_HYBRID_FUSED_TREE=$lt DFLASH_BATCHED_GDN_SETTLE=$lt timeout 90 /tmp/b/dflash-serve bench --model qwen3.6-35b-a3b --prefill 1024 \
     --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --e2e-profile --out $OUT/l/h35-lt$lt.json > $OUT/l/h35-lt$lt.log 2>&1
   echo "35b-a3b lt$lt rc=$? at $(el) s"; grep -m2 -i "error\|panic" $OUT/l/h35-lt$lt.log | cut -c1-300
@@ -72,7 +75,7 @@ e=d['e2e']; print('e2e', {k: (round(e[k]['speedup_vs_plain'],3), round(e[k]['war
 print('phases ms/round', {k: {p: round(v['ms_per_round'],3) for p, v in e[k]['engine'].items()} for k in ('plain', 'chain', 'ddtree_16') if 'engine' in e.get(k, {})})
 " $OUT/l/h35-lt$lt.json 2>&1 | cut -c1-2000
 done
-left=$(( 560 - $(el) ))
+left=$(( LIMIT - $(el) ))
 if [ $left -gt 150 ]; then
   DFLASH_MOE_GATHER_KERNEL=1 timeout 80 /tmp/b/gpu_check cuda $OUT/l/coder-k1.json --moe > $OUT/l/coder-k1.log 2>&1; echo "gpu_check k1 rc=$? at $(el) s"
   python3 -c "
