@@ -440,7 +440,7 @@ impl SequenceCache {
             None => Vec::new(),
         };
         #[cfg(feature = "cuda")]
-        let settled = {
+        let settled = crate::cuda::batched_gdn_settle() && {
             let mut recurrent: Vec<&mut RecurrentLayer> = self
                 .layers
                 .iter_mut()

@@ -329,13 +329,14 @@ impl RecurrentLayer {
     }
 
     /// Settles every layer of `layers` on `path` in one batch on CUDA
-    /// ([`crate::cuda::gdn_settle_layers`]) where [`crate::cuda::batched_gdn_settle`] is on and
-    /// each layer's path is staged inputs of one forward, at the same rows for every layer (a
-    /// `SplitInputs` verify); false (nothing changed) otherwise: the caller settles them one
-    /// by one ([`Self::settle_on`]), which gives the same states.
+    /// ([`crate::cuda::gdn_settle_layers`], which the caller chose:
+    /// [`crate::cuda::batched_gdn_settle`]) where each layer's path is staged inputs of one
+    /// forward, at the same rows for every layer (a `SplitInputs` verify), in shapes the kernels
+    /// take; false (nothing changed) otherwise: the caller settles them one by one
+    /// ([`Self::settle_on`]), which gives the same states.
     #[cfg(feature = "cuda")]
     pub(crate) fn settle_batched(layers: &mut [&mut Self], path: &[usize]) -> Result<bool> {
-        if !crate::cuda::batched_gdn_settle() || path.is_empty() || layers.is_empty() {
+        if path.is_empty() || layers.is_empty() {
             return Ok(false);
         }
         let mut rows: Option<Vec<u32>> = None;
@@ -378,10 +379,9 @@ impl RecurrentLayer {
             })
             .collect();
         // Shapes, dtypes or layouts the kernels do not take settle layer by layer.
-        if !crate::cuda::settle_fits(&inputs, &rows) {
+        let Some(settled) = crate::cuda::gdn_settle_layers(&inputs, &rows)? else {
             return Ok(false);
-        }
-        let settled = crate::cuda::gdn_settle_layers(&inputs, &rows)?;
+        };
         drop(inputs);
         for (layer, (conv, ssm)) in layers.iter_mut().zip(settled) {
             layer.base = GdnState { conv, ssm };

@@ -5,7 +5,7 @@
 //! checked here because the kernels trust them.
 
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use super::gdn_split::{MODULE, PTX};
 use super::launch::{alloc_bf16, alloc_f32, cfg, cuda, go, ptr};
@@ -78,23 +78,19 @@ fn unfit(layers: &[SettleLayer<'_>], rows: &[u32]) -> Option<String> {
     None
 }
 
-/// Whether [`gdn_settle_layers`] takes `layers` and `rows` (else the caller settles layer by
-/// layer).
-pub fn settle_fits(layers: &[SettleLayer<'_>], rows: &[u32]) -> bool {
-    unfit(layers, rows).is_none()
-}
-
 /// Every layer's `(conv window, state)` after the staged rows `rows` (a path, in order): each
-/// equal bit for bit to that layer's `gdn_state_along` and window copy.
+/// equal bit for bit to that layer's `gdn_state_along` and window copy. None (nothing launched)
+/// where the kernels do not take the layers' shapes, dtypes or layouts.
 pub fn gdn_settle_layers(
     layers: &[SettleLayer<'_>],
     rows: &[u32],
-) -> Result<Vec<(Tensor, Tensor)>> {
+) -> Result<Option<Vec<(Tensor, Tensor)>>> {
     let Some(first) = layers.first() else {
-        return Ok(Vec::new());
+        return Ok(Some(Vec::new()));
     };
     if let Some(why) = unfit(layers, rows) {
-        bail!("gdn_settle_layers: {why}")
+        tracing::debug!("batched GDN settle declined: {why}");
+        return Ok(None);
     }
     let dev = cuda(first.ssm)?;
     let (hv, dk, dv) = first.ssm.dims3()?;
@@ -145,5 +141,5 @@ pub fn gdn_settle_layers(
     go(&mut b, cfg((blocks, n, 1), 256), "gdn_conv_window_layers")?;
     // The tables are freed stream-ordered after the launches.
     drop((states, windows, idx));
-    Ok(out)
+    Ok(Some(out))
 }

@@ -125,7 +125,7 @@ pub use gdn_chunk::{GDN_CHUNK, GDN_CHUNKED_MIN_T};
 #[cfg(feature = "cuda")]
 mod gdn_settle;
 #[cfg(feature = "cuda")]
-pub use gdn_settle::{gdn_settle_layers, settle_fits, SettleLayer};
+pub use gdn_settle::{gdn_settle_layers, SettleLayer};
 #[cfg(feature = "cuda")]
 mod gdn_split;
 #[cfg(feature = "cuda")]

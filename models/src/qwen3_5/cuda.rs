@@ -242,22 +242,24 @@ struct Products<'a> {
     counter: &'a Tensor,
 }
 
-impl Products<'_> {
-    /// cuBLASLt reads dense rows (no-op copies where they already are).
-    fn lt(x: &Tensor, w: &Tensor, resid: Option<&Tensor>) -> ModelResult<Tensor> {
-        let resid = resid.map(Tensor::contiguous).transpose()?;
-        Ok(cuda::linear_lt(
-            &x.contiguous()?,
-            w,
-            resid.as_ref(),
-            cuda::LtMode::Heuristic,
-        )?)
-    }
+/// `x @ wᵀ (+ resid)` as a verify's cuBLASLt product (its heuristic choice): the fused chain
+/// and tree forwards' products and the plain tree path's dense MLP. cuBLASLt reads dense rows
+/// (no-op copies where they already are).
+pub(crate) fn lt_product(x: &Tensor, w: &Tensor, resid: Option<&Tensor>) -> ModelResult<Tensor> {
+    let resid = resid.map(Tensor::contiguous).transpose()?;
+    Ok(cuda::linear_lt(
+        &x.contiguous()?,
+        w,
+        resid.as_ref(),
+        cuda::LtMode::Heuristic,
+    )?)
+}
 
+impl Products<'_> {
     /// `x @ wᵀ`.
     fn plain(&self, x: &Tensor, w: &Tensor) -> ModelResult<Tensor> {
         match self.lt {
-            true => Self::lt(x, w, None),
+            true => lt_product(x, w, None),
             false => Ok(cuda::gemv(x, w, None)?),
         }
     }
@@ -265,7 +267,7 @@ impl Products<'_> {
     /// `norm(x) @ wᵀ`.
     fn normed(&self, x: &Tensor, w: &Tensor, norm: RowNorm<'_>) -> ModelResult<Tensor> {
         match self.lt {
-            true => Self::lt(&cuda::rms_apply(x, norm)?, w, None),
+            true => lt_product(&cuda::rms_apply(x, norm)?, w, None),
             false => Ok(cuda::gemv(x, w, Some(norm))?),
         }
     }
@@ -273,7 +275,7 @@ impl Products<'_> {
     /// `silu(g) * u` of `norm(x) @ wᵀ = [g | u]`.
     fn silu(&self, x: &Tensor, w: &Tensor, norm: RowNorm<'_>) -> ModelResult<Tensor> {
         match self.lt {
-            true => Ok(cuda::silu_mul(&Self::lt(
+            true => Ok(cuda::silu_mul(&lt_product(
                 &cuda::rms_apply(x, norm)?,
                 w,
                 None,
@@ -292,7 +294,7 @@ impl Products<'_> {
         sums: bool,
     ) -> ModelResult<(Tensor, Option<Tensor>)> {
         match self.lt {
-            true => Ok((Self::lt(x, w, Some(resid))?, None)),
+            true => Ok((lt_product(x, w, Some(resid))?, None)),
             false => Ok(cuda::gemv_resid(
                 x,
                 w,

@@ -219,19 +219,12 @@ impl HybridLayer {
         let lt = cuda::hybrid_verify_lt()
             && (2..=cuda::TUNED_MAX_ROWS).contains(&rows)
             && x1.device().is_cuda()
-            && x1.dtype() == DType::BF16
-            && x1.is_contiguous()
-            && h.is_contiguous();
+            && x1.dtype() == DType::BF16;
         match (&self.gate_up, self.mlp.dense()) {
             (Some(gu), Some(m)) if lt => {
-                let act = cuda::silu_mul(&cuda::linear_lt(h, gu, None, cuda::LtMode::Heuristic)?)?;
-                let down = m.weights().2;
-                Ok(Some(cuda::linear_lt(
-                    &act,
-                    down,
-                    Some(x1),
-                    cuda::LtMode::Heuristic,
-                )?))
+                use crate::qwen3_5::cuda::lt_product;
+                let act = cuda::silu_mul(&lt_product(h, gu, None)?)?;
+                Ok(Some(lt_product(&act, m.weights().2, Some(x1))?))
             }
             _ => Ok(None),
         }

@@ -17,14 +17,16 @@ use serde_json::{json, Value};
 use crate::hybrid::{run, shape_inputs, SHAPES};
 use crate::hybrid_fused::{compare, logits};
 
-/// One forward's GPU time by phase (after warm runs).
-fn profile(
+/// The GPU time of one run of `once` (after warm runs) by phase: from `first` and each
+/// `cuda::phases` mark inside it to the next, summed per label, and their total.
+pub(crate) fn profile(
     dev: &Device,
-    once: &mut dyn FnMut() -> Result<Option<candle_core::Tensor>>,
+    first: &'static str,
+    once: &mut dyn FnMut() -> Result<()>,
 ) -> Result<Value> {
     dev.synchronize()?;
     phases::start();
-    phases::mark(dev, "start");
+    phases::mark(dev, first);
     once()?;
     phases::mark(dev, "end");
     let mut prof = serde_json::Map::new();
@@ -65,7 +67,7 @@ fn kept_rows(pattern: &AttnPattern, start: usize) -> Vec<usize> {
 
 /// Verify, commit the rows `keep`, then decode `next`: that step's logits (they read the K/V
 /// and the recurrent state the commit kept). On a clone of the cache.
-fn commit_then_decode(
+pub(crate) fn commit_then_decode(
     m: &Qwen35Model,
     cache: &SequenceCache,
     (tokens, pattern, positions): (&[u32], &AttnPattern, &[u32]),
@@ -109,7 +111,7 @@ pub fn verify_lt(
                 Ok(l)
             };
             let ms = crate::time_ms(dev, 7, || once().map(|_| ()))?;
-            let prof = profile(dev, &mut once)?;
+            let prof = profile(dev, "start", &mut || once().map(|_| ()))?;
             let l = once()?.context("logits")?;
             let next = commit_then_decode(
                 m,

@@ -15,10 +15,11 @@ use anyhow::Result;
 use candle_core::Device;
 use dflash_models::cuda::phases;
 use dflash_models::qwen3_5::{GdnPath, GdnPaths};
-use dflash_models::{Qwen35Model, SequenceCache};
+use dflash_models::{AttnPattern, Qwen35Model, SequenceCache};
 use serde_json::{json, Value};
 
 use crate::hybrid_fused::{compare, logits};
+use crate::hybrid_lt::{commit_then_decode, profile};
 
 /// Rows a timed verify commits (the accepted prefix).
 const ACCEPT: usize = 8;
@@ -29,23 +30,6 @@ fn name(p: GdnPath) -> &'static str {
         GdnPath::SplitStates => "split_states",
         GdnPath::SplitInputs => "split_inputs",
     }
-}
-
-/// Verify `tokens` from the cache's end, commit the first `accept` rows, then decode `next`:
-/// the decode step's logits (they read the committed recurrent state).
-fn commit_then_decode(
-    m: &Qwen35Model,
-    cache: &SequenceCache,
-    tokens: &[u32],
-    accept: usize,
-    next: u32,
-) -> Result<candle_core::Tensor> {
-    let mut c = cache.clone();
-    let start = c.len();
-    logits(m, &mut c, tokens, start)?;
-    let keep: Vec<usize> = (start..start + accept).collect();
-    c.compact(start, &keep)?;
-    logits(m, &mut c, &[next], start + accept)
 }
 
 /// `roof_decode_ms`: the decode roofline as the bench computes it.
@@ -83,23 +67,14 @@ pub fn paths(
                 Ok(())
             })?;
             // One forward + commit profiled (after the warm runs above).
-            dev.synchronize()?;
             let mut c = cache.clone();
-            phases::start();
-            phases::mark(dev, "embed");
-            logits(&model, &mut c, &tokens, start)?;
-            phases::mark(dev, "commit");
-            c.compact(start, &keep)?;
-            phases::mark(dev, "end");
-            let spans = phases::finish()?;
+            let prof = profile(dev, "embed", &mut || {
+                logits(&model, &mut c, &tokens, start)?;
+                phases::mark(dev, "commit");
+                c.compact(start, &keep)?;
+                Ok(())
+            })?;
             drop(c);
-            let mut prof = serde_json::Map::new();
-            let mut total = 0.0;
-            for (l, ms, count) in spans {
-                total += ms;
-                prof.insert(l.into(), json!({"ms": ms, "count": count}));
-            }
-            prof.insert("total_ms".into(), json!(total));
             if n == 1 {
                 decode_ms.insert(name(path).into(), json!(alone));
             }
@@ -109,7 +84,7 @@ pub fn paths(
                     "ms": alone,
                     "with_commit_ms": with_commit,
                     "committed_rows": keep.len(),
-                    "profile_forward_and_commit": Value::Object(prof),
+                    "profile_forward_and_commit": prof,
                 }),
             );
         }
@@ -154,8 +129,13 @@ pub fn paths(
             let p = run(plain)?;
             parity.insert(label.into(), compare(&f, &p)?);
         }
-        let f = commit_then_decode(&model, cache, &v16, ACCEPT, 4242 % vocab)?;
-        let p = commit_then_decode(plain, cache, &v16, ACCEPT, 4242 % vocab)?;
+        // A verify of 16 committed on its first ACCEPT rows, then a decode step.
+        let causal = AttnPattern::Causal;
+        let positions: Vec<u32> = (start as u32..start as u32 + 16).collect();
+        let keep: Vec<usize> = (start..start + ACCEPT).collect();
+        let verify = (v16.as_slice(), &causal, positions.as_slice());
+        let f = commit_then_decode(&model, cache, verify, &keep, 4242 % vocab)?;
+        let p = commit_then_decode(plain, cache, verify, &keep, 4242 % vocab)?;
         parity.insert("verify_16_commit_8_then_decode".into(), compare(&f, &p)?);
         out.insert("vs_plain".into(), Value::Object(parity));
         res.insert(name(path).into(), Value::Object(out));
