@@ -362,6 +362,14 @@ pub fn linear_lt(x: &Tensor, w: &Tensor, resid: Option<&Tensor>, mode: LtMode) -
     }
 }
 
+/// [`linear_lt`] on cuBLASLt's heuristic choice for inputs of any layout (dense copies where
+/// they are strided): the hybrid verifies' products (the fused chain and tree forwards, the
+/// plain tree path's MLP).
+pub fn linear_lt_dense(x: &Tensor, w: &Tensor, resid: Option<&Tensor>) -> Result<Tensor> {
+    let resid = resid.map(Tensor::contiguous).transpose()?;
+    linear_lt(&x.contiguous()?, w, resid.as_ref(), LtMode::Heuristic)
+}
+
 fn tune(
     dev: &CudaDevice,
     st: &DeviceLt,

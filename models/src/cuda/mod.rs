@@ -139,7 +139,7 @@ mod lt_gemm;
 #[cfg(feature = "cuda")]
 pub mod phases;
 #[cfg(feature = "cuda")]
-pub use lt_gemm::{linear_lt, tuned_timings, LtMode};
+pub use lt_gemm::{linear_lt, linear_lt_dense, tuned_timings, LtMode};
 #[cfg(feature = "cuda")]
 mod moe;
 #[cfg(feature = "cuda")]

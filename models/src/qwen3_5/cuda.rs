@@ -242,17 +242,8 @@ struct Products<'a> {
     counter: &'a Tensor,
 }
 
-/// `x @ wᵀ (+ resid)` as a verify's cuBLASLt product (its heuristic choice): the fused chain
-/// and tree forwards' products and the plain tree path's dense MLP. cuBLASLt reads dense rows
-/// (no-op copies where they already are).
-pub(crate) fn lt_product(x: &Tensor, w: &Tensor, resid: Option<&Tensor>) -> ModelResult<Tensor> {
-    let resid = resid.map(Tensor::contiguous).transpose()?;
-    Ok(cuda::linear_lt(
-        &x.contiguous()?,
-        w,
-        resid.as_ref(),
-        cuda::LtMode::Heuristic,
-    )?)
+fn lt_product(x: &Tensor, w: &Tensor, resid: Option<&Tensor>) -> ModelResult<Tensor> {
+    Ok(cuda::linear_lt_dense(x, w, resid)?)
 }
 
 impl Products<'_> {

@@ -222,9 +222,8 @@ impl HybridLayer {
             && x1.dtype() == DType::BF16;
         match (&self.gate_up, self.mlp.dense()) {
             (Some(gu), Some(m)) if lt => {
-                use crate::qwen3_5::cuda::lt_product;
-                let act = cuda::silu_mul(&lt_product(h, gu, None)?)?;
-                Ok(Some(lt_product(&act, m.weights().2, Some(x1))?))
+                let act = cuda::silu_mul(&cuda::linear_lt_dense(h, gu, None)?)?;
+                Ok(Some(cuda::linear_lt_dense(&act, m.weights().2, Some(x1))?))
             }
             _ => Ok(None),
         }
