@@ -27,9 +27,15 @@ use crate::layers::ops::OpsMode;
 mod adamw;
 mod adamw_consts;
 mod switch;
+mod switch_hybrid;
 #[cfg(feature = "cuda")]
 pub use adamw::{adamw_step, pack_f32, SUMSQ_BLOCKS};
 pub use adamw_consts::AdamWConsts;
+pub use switch_hybrid::{
+    batched_gdn_settle, hybrid_fused_tree, hybrid_lt_product, hybrid_verify_lt, moe_gather_kernel,
+    set_batched_gdn_settle, set_hybrid_fused_tree, set_hybrid_verify_lt, set_moe_gather_kernel,
+    HYBRID_FUSED_TREE_MAX_NODES, HYBRID_LT_MIN_WEIGHT,
+};
 #[cfg(feature = "cuda")]
 mod argmax;
 #[cfg(feature = "cuda")]
@@ -346,88 +352,6 @@ pub fn set_moe_grouped_gemm(on: bool) {
 /// Whether wide MoE blocks run on grouped GEMMs ([`set_moe_grouped_gemm`]).
 pub fn moe_grouped_gemm() -> bool {
     MOE_GROUPED_GEMM.get()
-}
-
-static MOE_GATHER_KERNEL: switch::EnvSwitch =
-    switch::EnvSwitch::new("DFLASH_MOE_GATHER_KERNEL", false);
-
-/// Whether the grouped MoE path gathers its per-pair input rows with `moe_gather_rows` (16-byte
-/// copies) instead of candle's `index_select`, which took 24 ms of a Qwen3-Coder-30B-A3B 4K
-/// prefill's 143 on an H200 (0.5 ms a layer for 134 MB; session 29, call Z). Off until a GPU
-/// checks and times it (`gpu_check --moe`'s `expert_paths`; `DFLASH_MOE_GATHER_KERNEL=1` or this
-/// switch turns it on). Process-wide.
-pub fn set_moe_gather_kernel(on: bool) {
-    MOE_GATHER_KERNEL.set(on);
-}
-
-/// Whether the grouped MoE path gathers rows with its own kernel ([`set_moe_gather_kernel`]).
-pub fn moe_gather_kernel() -> bool {
-    MOE_GATHER_KERNEL.get()
-}
-
-static HYBRID_VERIFY_LT: switch::EnvSwitch =
-    switch::EnvSwitch::new("DFLASH_HYBRID_VERIFY_LT", false);
-
-/// Whether a hybrid's verify forwards run their products on cuBLASLt (its heuristic choice):
-/// the fused chain forward of 2..=16 rows every projection (GDN in-projection, attention
-/// q|gate|k|v, o-projections with the residual folded in as beta = 1, the dense MLP's gate/up
-/// then `silu_mul` then down with the residual, the LM head; the norms as `rms_apply`) instead
-/// of the skinny tensor-core GEMMs, and the plain path's (trees of up to 64 nodes) dense MLP
-/// instead of candle's three products, SiLU, product and add.
-/// Those stream one span per warp and re-read x's fragments per 8 weight rows, and on the H200
-/// they lose to cuBLASLt at 16 rows on every Qwen3-8B projection but the o-projection
-/// (gate/up + SiLU 65.7 against 55.0 us, down + residual 42.8 against 30.7;
-/// deploy/bench/results/h200-2026-12-03-gemm2): the 27B chain-16 verify's MLP took 12.5 ms
-/// against a decode step's 9.4 (H200, session 29). Off until a GPU times it (`gpu_check
-/// --hybrid`'s `verify_lt`); `DFLASH_HYBRID_VERIFY_LT=1` or this
-/// switch turns it on. Process-wide.
-pub fn set_hybrid_verify_lt(on: bool) {
-    HYBRID_VERIFY_LT.set(on);
-}
-
-/// Whether the hybrid chain forward takes cuBLASLt products ([`set_hybrid_verify_lt`]).
-pub fn hybrid_verify_lt() -> bool {
-    HYBRID_VERIFY_LT.get()
-}
-
-static HYBRID_FUSED_TREE: switch::EnvSwitch =
-    switch::EnvSwitch::new("DFLASH_HYBRID_FUSED_TREE", false);
-
-/// Whether a hybrid's verify tree (one sequence, up to 64 nodes, depth the GDN tree kernels
-/// take) runs the fused forward (`qwen3_5/cuda.rs`) instead of the plain path's candle ops: the
-/// norms, residual adds and SiLU gate fused around cuBLASLt products, the GDN tree kernels as
-/// on the plain path, the gated attention on gattn.cu with the tree's ancestor bits. The plain
-/// path launches ~25 small candle ops per attention layer and ~10 per other layer on top of its
-/// products; the 27B's 64-node tree took 26.9 ms against the fused 16-row chain's 21.5 (H200,
-/// session 29). Off until a GPU checks and times it (`gpu_check --hybrid`'s `verify_lt`);
-/// `DFLASH_HYBRID_FUSED_TREE=1` or this switch turns it on. Process-wide.
-pub fn set_hybrid_fused_tree(on: bool) {
-    HYBRID_FUSED_TREE.set(on);
-}
-
-/// Whether hybrid verify trees take the fused forward ([`set_hybrid_fused_tree`]).
-pub fn hybrid_fused_tree() -> bool {
-    HYBRID_FUSED_TREE.get()
-}
-
-static BATCHED_GDN_SETTLE: switch::EnvSwitch =
-    switch::EnvSwitch::new("DFLASH_BATCHED_GDN_SETTLE", false);
-
-/// Whether a hybrid cache's commit settles every GDN layer on the accepted path in two launches
-/// (`gdn_settle_layers`: all layers' states, then all conv windows) where each layer's path is
-/// staged inputs of one forward (a `SplitInputs` verify, chain or tree), instead of a state
-/// rebuild and a window copy per layer: a 27B chain round's commit took 1.62 ms of its ~25
-/// (H200, session 29's engine profile). Bit for bit the per-layer result (the same operations
-/// in the same order). Off until a GPU checks and times it (`gpu_check --hybrid`'s
-/// `verify_lt.*.batched_settle`); `DFLASH_BATCHED_GDN_SETTLE=1` or this switch turns it on.
-/// Process-wide.
-pub fn set_batched_gdn_settle(on: bool) {
-    BATCHED_GDN_SETTLE.set(on);
-}
-
-/// Whether commits settle the GDN layers in one batch ([`set_batched_gdn_settle`]).
-pub fn batched_gdn_settle() -> bool {
-    BATCHED_GDN_SETTLE.get()
 }
 
 static GATTN_SPLIT2: switch::EnvSwitch = switch::EnvSwitch::new("DFLASH_GATTN_SPLIT2", true);

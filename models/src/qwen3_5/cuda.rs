@@ -1,6 +1,7 @@
 //! The fused-kernel forward of [`Qwen35Model`] (CUDA, bf16) for one sequence's short causal
 //! chain: a decode step or a chain verify of up to [`cuda::GDN_MAX_CHAIN`] tokens; and, where
-//! [`cuda::hybrid_fused_tree`] is on, its verify tree of up to 64 nodes (the GDN tree kernels,
+//! [`cuda::hybrid_fused_tree`] is on, its verify tree of up to
+//! [`cuda::HYBRID_FUSED_TREE_MAX_NODES`] nodes (the GDN tree kernels,
 //! the gated-attention kernels masking the new rows by ancestor bits, every product on
 //! cuBLASLt).
 //! Same contract and outputs as the plain path in `qwen3_5/forward.rs` (to bf16 rounding),
@@ -42,7 +43,8 @@ use crate::taps::TapCollector;
 impl Qwen35Model {
     /// Whether the fused forward applies to `batch` (see the module doc): one sequence's causal
     /// chain of up to [`cuda::GDN_MAX_CHAIN`] tokens, or, with [`cuda::hybrid_fused_tree`] on,
-    /// its verify tree of up to [`cuda::TUNED_MAX_ROWS`] nodes the GDN tree kernels take.
+    /// its verify tree of up to [`cuda::HYBRID_FUSED_TREE_MAX_NODES`] nodes the GDN tree kernels
+    /// take.
     pub(crate) fn takes_fused(&self, batch: &[SeqForward<'_>]) -> bool {
         let [s] = batch else { return false };
         let t = s.tokens.len();
@@ -52,7 +54,7 @@ impl Qwen35Model {
                 AttnPattern::Causal => t <= cuda::GDN_MAX_CHAIN,
                 AttnPattern::Tree { parents } => {
                     cuda::hybrid_fused_tree()
-                        && t <= cuda::TUNED_MAX_ROWS
+                        && t <= cuda::HYBRID_FUSED_TREE_MAX_NODES
                         && parents.len() == t
                         && dfs_order(parents, cuda::GDN_TREE_MAX_DEPTH).is_some()
                 }
@@ -108,7 +110,8 @@ impl Qwen35Model {
         let counter = Tensor::zeros(1, DType::U32, &dev)?;
         let products = Products {
             // Past a chain's 16 rows (trees) the skinny kernels lose at every shape measured.
-            lt: t > cuda::GDN_MAX_CHAIN || (!one_row && cuda::hybrid_verify_lt()),
+            all_lt: t > cuda::GDN_MAX_CHAIN,
+            rows: t,
             counter: &counter,
         };
         let mut ss: Option<Tensor> = None;
@@ -232,12 +235,14 @@ impl Qwen35Model {
 }
 
 /// The products of one fused chain forward: the skinny GEMMs with their fused norm, SiLU and
-/// residual epilogues, or, for a verify with [`cuda::hybrid_verify_lt`] on, cuBLASLt products
-/// (residual folded in as beta = 1) with the norms and the SiLU gate as their own launches.
-/// Either way the residual products may return the row sums of squares the next norm reads;
-/// where they do not, that norm sums its rows itself.
+/// residual epilogues, or cuBLASLt products (residual folded in as beta = 1) with the norms and
+/// the SiLU gate as their own launches: every product past a chain's rows (a tree), else the
+/// unnormed ones [`cuda::hybrid_lt_product`] picks. Either way the residual products may return
+/// the row sums of squares the next norm reads; where they do not, that norm sums its rows
+/// itself.
 struct Products<'a> {
-    lt: bool,
+    all_lt: bool,
+    rows: usize,
     /// The skinny residual kernels' block counter.
     counter: &'a Tensor,
 }
@@ -247,17 +252,22 @@ fn lt_product(x: &Tensor, w: &Tensor, resid: Option<&Tensor>) -> ModelResult<Ten
 }
 
 impl Products<'_> {
+    /// Whether the unnormed product with `w` runs on cuBLASLt.
+    fn lt(&self, w: &Tensor) -> bool {
+        self.all_lt || cuda::hybrid_lt_product(self.rows, w.elem_count())
+    }
+
     /// `x @ wᵀ`.
     fn plain(&self, x: &Tensor, w: &Tensor) -> ModelResult<Tensor> {
-        match self.lt {
+        match self.lt(w) {
             true => lt_product(x, w, None),
             false => Ok(cuda::gemv(x, w, None)?),
         }
     }
 
-    /// `norm(x) @ wᵀ`.
+    /// `norm(x) @ wᵀ` (cuBLASLt only for trees: the skinny kernels fold the norm in).
     fn normed(&self, x: &Tensor, w: &Tensor, norm: RowNorm<'_>) -> ModelResult<Tensor> {
-        match self.lt {
+        match self.all_lt {
             true => lt_product(&cuda::rms_apply(x, norm)?, w, None),
             false => Ok(cuda::gemv(x, w, Some(norm))?),
         }
@@ -265,7 +275,7 @@ impl Products<'_> {
 
     /// `silu(g) * u` of `norm(x) @ wᵀ = [g | u]`.
     fn silu(&self, x: &Tensor, w: &Tensor, norm: RowNorm<'_>) -> ModelResult<Tensor> {
-        match self.lt {
+        match self.lt(w) {
             true => Ok(cuda::silu_mul(&lt_product(
                 &cuda::rms_apply(x, norm)?,
                 w,
@@ -284,7 +294,7 @@ impl Products<'_> {
         resid: &Tensor,
         sums: bool,
     ) -> ModelResult<(Tensor, Option<Tensor>)> {
-        match self.lt {
+        match self.lt(w) {
             true => Ok((lt_product(x, w, Some(resid))?, None)),
             false => Ok(cuda::gemv_resid(
                 x,

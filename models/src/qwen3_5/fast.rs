@@ -207,8 +207,8 @@ impl MoeKernels {
 impl HybridLayer {
     /// `x1 + mlp(h)` on the device kernels of the fast path: [`MoeKernels::apply`] for a sparse
     /// layer; for a dense one with stacked gate/up, a verify's rows (2..=64, as a tree's) as
-    /// cuBLASLt products with the residual folded in where [`crate::cuda::hybrid_verify_lt`] is
-    /// on; None otherwise (the caller runs the plain block).
+    /// cuBLASLt products with the residual folded in where [`crate::cuda::hybrid_lt_product`]
+    /// picks them; None otherwise (the caller runs the plain block).
     #[cfg(feature = "cuda")]
     pub(crate) fn mlp_on_device(&self, x1: &Tensor, h: &Tensor) -> ModelResult<Option<Tensor>> {
         use crate::cuda;
@@ -216,12 +216,10 @@ impl HybridLayer {
             return Ok(k.apply(x1, h)?);
         }
         let rows = x1.dim(0)?;
-        let lt = cuda::hybrid_verify_lt()
-            && (2..=cuda::TUNED_MAX_ROWS).contains(&rows)
-            && x1.device().is_cuda()
-            && x1.dtype() == DType::BF16;
+        let fits =
+            rows <= cuda::TUNED_MAX_ROWS && x1.device().is_cuda() && x1.dtype() == DType::BF16;
         match (&self.gate_up, self.mlp.dense()) {
-            (Some(gu), Some(m)) if lt => {
+            (Some(gu), Some(m)) if fits && cuda::hybrid_lt_product(rows, gu.elem_count()) => {
                 let act = cuda::silu_mul(&cuda::linear_lt_dense(h, gu, None)?)?;
                 Ok(Some(cuda::linear_lt_dense(&act, m.weights().2, Some(x1))?))
             }

@@ -1,9 +1,10 @@
-//! The 27B-shaped hybrid's verify forwards with their products on cuBLASLt
-//! (`cuda::set_hybrid_verify_lt`: the fused chain forward's every projection, the plain tree
-//! path's dense MLP) and, for trees, the fused tree forward (`cuda::set_hybrid_fused_tree`)
-//! against the default, from the same 1K prefix (`gpu-check cuda --hybrid`, issue 20): the time
-//! of each forward (then truncated back, as the bench's `verify_chain_16` and trees), a
-//! GPU-timeline profile by phase (`cuda::phases`), and against the default (bf16 rounding of
+//! The 27B-shaped hybrid's verify forwards with their larger unnormed products on cuBLASLt
+//! (`cuda::set_hybrid_verify_lt`: the fused chain forward's o-projections, MLP and LM head, the
+//! plain tree path's dense MLP) and, for trees, the fused tree forward
+//! (`cuda::set_hybrid_fused_tree`, up to `cuda::HYBRID_FUSED_TREE_MAX_NODES` nodes) against every
+//! product on the skinny kernels, from the same 1K prefix (`gpu-check cuda --hybrid`, issue 20):
+//! the time of each forward (then truncated back, as the bench's `verify_chain_16` and trees), a
+//! GPU-timeline profile by phase (`cuda::phases`), and against the skinny one (bf16 rounding of
 //! other accumulation orders: rel err and argmax agreement) the verify's logits and those of a
 //! decode step after committing a root-to-leaf path (8 rows of the chain), which reads the K/V
 //! and recurrent state the commit kept.
@@ -39,12 +40,22 @@ pub(crate) fn profile(
     Ok(Value::Object(prof))
 }
 
-/// The verify forwards' configurations: `(name, cuBLASLt products, fused tree forward)`.
+/// The verify forwards' configurations: `(name, cuBLASLt products where they pay, fused tree
+/// forward)`; the first (every product on the skinny kernels, trees on the plain path) is the
+/// reference, the last the shipped defaults.
 const CONFIGS: [(&str, bool, bool); 3] = [
-    ("default", false, false),
+    ("skinny", false, false),
     ("lt", true, false),
     ("fused_tree", true, true),
 ];
+
+/// The verify shapes: [`SHAPES`]' but the decode step, and a 16-node tree (DDTree-16's size,
+/// which the fused tree forward takes).
+fn verify_shapes() -> Vec<(&'static str, usize, Option<bool>)> {
+    let mut shapes: Vec<_> = SHAPES.into_iter().filter(|s| s.1 > 1).collect();
+    shapes.insert(1, ("verify_tree_16_binary_depth4", 16, Some(true)));
+    shapes
+}
 
 /// A root-to-leaf path of the tree `parents` (the first child at every depth), as absolute
 /// cache rows from `start`.
@@ -92,8 +103,7 @@ pub fn verify_lt(
     let was = (cuda::hybrid_verify_lt(), cuda::hybrid_fused_tree());
     let start = cache.len();
     let mut res = serde_json::Map::new();
-    // The verify shapes: every one but the decode step.
-    for (name, n, kind) in SHAPES.into_iter().filter(|s| s.1 > 1) {
+    for (name, n, kind) in verify_shapes() {
         let (tokens, pattern, positions) = shape_inputs(start, n, kind, vocab);
         let rows: Vec<usize> = (0..n).collect();
         let keep = kept_rows(&pattern, start);
@@ -124,8 +134,8 @@ pub fn verify_lt(
             match &reference {
                 None => reference = Some((l, next)),
                 Some((l0, n0)) => {
-                    entry["vs_default"] = compare(&l, l0)?;
-                    entry["commit_path_then_decode_vs_default"] = compare(&next, n0)?;
+                    entry["vs_skinny"] = compare(&l, l0)?;
+                    entry["commit_path_then_decode_vs_skinny"] = compare(&next, n0)?;
                 }
             }
             out.insert(key.into(), entry);
