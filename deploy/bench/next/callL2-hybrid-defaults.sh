@@ -7,11 +7,13 @@
 #      over decode on the defaults), `verify_lt` (chain-16, a 16-node tree and both 64-node
 #      trees: skinny / lt / fused_tree, phases, logits and a decode after a committed path
 #      against skinny; the batched commit bit for bit);
-#   2. the 27B through the engine (TOKENS generated, default 256), defaults then all off;
-#   3. the 35B-A3B through the engine (128 tokens), defaults then all off, if time is left.
-# Bundle: dflash-serve + gpu_check. ~250 s; LIMIT (default 420) caps the call.
+#   2. the 27B through the engine (TOKENS generated, default 256): defaults, all off, and the
+#      defaults with the chunked GDN tree form (DFLASH_GDN_TREE_CHUNKED=1, off by default until
+#      this call; `gdn_layer_paths.gdn_tree_*_chunked` check it against the plain tree form);
+#   3. the 35B-A3B through the engine (128 tokens) the same three ways, if time is left.
+# Bundle: dflash-serve + gpu_check. ~330 s; LIMIT (default 480) caps the call.
 set -u
-LIMIT=${LIMIT:-420}; TOKENS=${TOKENS:-256}
+LIMIT=${LIMIT:-480}; TOKENS=${TOKENS:-256}
 D=${D:-.gpu-next}
 mkdir -p /tmp/b && tar -xJf $D/bundle.tar.xz -C /tmp/b && . /tmp/b/env.sh
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
@@ -29,12 +31,15 @@ for k, v in h.get("verify_lt", {}).items():
     if not isinstance(v, dict):
         print(k, v); continue
     if k == "batched_settle": print(k, v); continue
-    for w in ("skinny", "lt", "fused_tree"):
+    for w in ("skinny", "lt", "fused_tree", "tree_chunked"):
         if w in v:
             e = v[w]; c = e.get("vs_skinny") or {}; n = e.get("commit_path_then_decode_vs_skinny") or {}
             print(k, w, round(e["ms"], 3), round(e["over_decode"], 4), "rel", c.get("rel_err"), c.get("argmax_agree"), "next", n.get("rel_err"), n.get("argmax_agree"))
             print("   ", {p: round(q["ms"], 2) for p, q in e["profile"].items() if isinstance(q, dict)})
     if "error" in v: print(k, v["error"][:400])
+for k, v in h.get("gdn_layer_paths", {}).items():
+    if k.startswith("gdn_tree") and isinstance(v, dict):
+        print("gdn", k, {a: v.get(a) for a in ("pass", "y_rel_err", "writes_rel_err", "deepest_path_state_rel_err", "wrong_tree_as_star_y_rel_err", "call_ms")})
 for k, v in h.get("fused_attention_layer_vs_plain", {}).items():
     print("attn", k, {a: v.get(a) for a in ("pass", "out_rel_err", "wrong_case_rejected")})
 PY
@@ -48,15 +53,16 @@ print('ms/round (draft, verify, commit)', {k: tuple(round(e[k]['engine'][p],3) f
 " $1 2>&1 | cut -c1-1500
 }
 OFF="DFLASH_HYBRID_VERIFY_LT=0 DFLASH_HYBRID_FUSED_TREE=0 DFLASH_BATCHED_GDN_SETTLE=0 DFLASH_MOE_GATHER_KERNEL=0"
-for v in on off; do
+CHUNK="DFLASH_GDN_TREE_CHUNKED=1"
+for v in on off chunk; do
   left=$(( LIMIT - 20 - $(el) )); [ $left -gt 60 ] || break
-  env $([ $v = off ] && echo $OFF) timeout $(( left < 150 ? left : 150 )) /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 1024 --e2e-prompt 1024 \
+  env $([ $v = off ] && echo $OFF) $([ $v = chunk ] && echo $CHUNK) timeout $(( left < 150 ? left : 150 )) /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 1024 --e2e-prompt 1024 \
     --e2e-tokens $TOKENS --budgets 16 --e2e-profile --out $OUT/l2/h27-$v.json > $OUT/l2/h27-$v.log 2>&1
   echo "27b $v rc=$? at $(el) s"; grep -m2 -i "error\|panic" $OUT/l2/h27-$v.log | cut -c1-300; summary $OUT/l2/h27-$v.json
 done
-for v in on off; do
+for v in on off chunk; do
   left=$(( LIMIT - $(el) )); [ $left -gt 100 ] || break
-  env $([ $v = off ] && echo $OFF) timeout 90 /tmp/b/dflash-serve bench --model qwen3.6-35b-a3b --prefill 1024 \
+  env $([ $v = off ] && echo $OFF) $([ $v = chunk ] && echo $CHUNK) timeout 90 /tmp/b/dflash-serve bench --model qwen3.6-35b-a3b --prefill 1024 \
     --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --e2e-profile --out $OUT/l2/h35-$v.json > $OUT/l2/h35-$v.log 2>&1
   echo "35b-a3b $v rc=$? at $(el) s"; grep -m2 -i "error\|panic" $OUT/l2/h35-$v.log | cut -c1-300; summary $OUT/l2/h35-$v.json
 done

@@ -21,6 +21,12 @@
 //                    copied in (cp.async) while the current one is computed.
 // The sequential kernel's loads were what bounded the first (all-f32) form: a block waited on
 // 96 KB of synchronous loads per chunk, 192 blocks in two waves of one per SM.
+// A verify tree of up to 64 nodes (`anc`: one u64 of ancestor bits a node, itself included;
+// parents before children) is one chunk of the same form with the causal mask replaced by the
+// ancestor mask: G_i sums the log-decays along the node's root path, A keeps the strict
+// ancestors, P the ancestors and the node itself, and the forward substitution still runs in
+// index order (A is zero off the ancestors); the scan then writes every node's v_new (the
+// value it wrote, which the commit rebuilds the accepted path's state from) and no state.
 // Every exponent is <= 0 (g <= 0), so nothing overflows. Rows past t (the last chunk's tail)
 // are zero: they write nothing into the state and their outputs are not written.
 
@@ -96,12 +102,14 @@ __device__ __forceinline__ void gc_wait() { asm volatile("cp.async.wait_group %0
 // q, k: f32 [t, hk, 128] (q already scaled by dk^-1/2); v: f32 [t, hv * 128]; g, beta: f32
 // [t, hv] (gdn_prep's outputs). Writes U, PU: f32 [hv, nc, 64, 128]; W, Qp: bf16
 // [hv, nc, 64, 128]; KT: bf16 [hv, nc, 128, 64] (k e^(G_last - G), transposed); Gc: f32
-// [hv, nc, 64]. Grid (nc, hv), 256 threads, dynamic shared memory gdn_chunk_solve_smem bytes.
+// [hv, nc, 64]. anc (nullable): a tree's ancestor bits, u64 [t] (then t <= 64, nc = 1); null for
+// a causal run. Grid (nc, hv), 256 threads, dynamic shared memory gdn_chunk_solve_smem bytes.
 extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_solve(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ U,
     float* __restrict__ PU, bf16_t* __restrict__ W, bf16_t* __restrict__ Qp,
-    bf16_t* __restrict__ KT, float* __restrict__ Gc, int t, int hk, int hv) {
+    bf16_t* __restrict__ KT, float* __restrict__ Gc, int t, int hk, int hv,
+    const u64* __restrict__ anc) {
     extern __shared__ float gc_smem[];
     float* ks = gc_smem;               // [64][GC_LD]: the keys, then W
     float* qs = ks + GC_C * GC_LD;     // [64][GC_LD]: the queries, then U
@@ -109,6 +117,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_solve(
     float* ps = as + GC_C * GC_C;      // [64][GC_LDP]: P
     float* gs = ps + GC_C * GC_LDP;    // [64]: G
     float* bs = gs + GC_C;             // [64]: beta
+    u64* ancs = reinterpret_cast<u64*>(bs + GC_C);  // [64]: a tree's ancestor bits
     const int c = blockIdx.x, h = blockIdx.y, nc = gridDim.x, tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31, fg = lane >> 2, ft = lane & 3;
     const int kh = h / (hv / hk), row0 = c * GC_C;
@@ -128,19 +137,36 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_solve(
     }
     gc_commit();
     if (warp == 0) {
-        // G: an inclusive prefix sum over the chunk, two tokens a lane.
         const int i0 = 2 * lane, i1 = 2 * lane + 1;
         const float g0 = i0 < n ? g[(size_t)(row0 + i0) * hv + h] : 0.f;
         const float g1 = i1 < n ? g[(size_t)(row0 + i1) * hv + h] : 0.f;
-        float pair = g0 + g1, run = pair;
+        if (anc) {
+            // G along each node's root path: its ancestors' log-decays (and its own), root
+            // first; the raw ones staged in A's tile (written only after the next barrier).
+            const u64 a0 = i0 < n ? anc[i0] : 0ull, a1 = i1 < n ? anc[i1] : 0ull;
+            ancs[i0] = a0;
+            ancs[i1] = a1;
+            as[i0] = g0;
+            as[i1] = g1;
+            __syncwarp();
+            float s0 = 0.f, s1 = 0.f;
+            for (u64 m = a0; m; m &= m - 1) s0 += as[__ffsll((long long)m) - 1];
+            for (u64 m = a1; m; m &= m - 1) s1 += as[__ffsll((long long)m) - 1];
+            __syncwarp();
+            gs[i0] = s0;
+            gs[i1] = s1;
+        } else {
+            // G: an inclusive prefix sum over the chunk, two tokens a lane.
+            float pair = g0 + g1, run = pair;
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const float y = __shfl_up_sync(0xffffffffu, run, o);
-            if (lane >= o) run += y;
+            for (int o = 1; o < 32; o <<= 1) {
+                const float y = __shfl_up_sync(0xffffffffu, run, o);
+                if (lane >= o) run += y;
+            }
+            const float before = run - pair;
+            gs[i0] = before + g0;
+            gs[i1] = before + g0 + g1;
         }
-        const float before = run - pair;
-        gs[i0] = before + g0;
-        gs[i1] = before + g0 + g1;
         bs[i0] = i0 < n ? beta[(size_t)(row0 + i0) * hv + h] : 0.f;
         bs[i1] = i1 < n ? beta[(size_t)(row0 + i1) * hv + h] : 0.f;
     }
@@ -170,10 +196,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_solve(
             for (int e = 0; e < 4; ++e) {
                 const int i = m0 + fg + (e >> 1) * 8, j = nt * 8 + 2 * ft + (e & 1);
                 const float dec = __expf(gs[i] - gs[j]);
+                // Visible: j up to i (causal), or j an ancestor of i or i itself (a tree).
+                const bool seen = anc ? ((ancs[i] >> j) & 1ull) != 0 : j <= i;
                 if (warp < 4)
-                    as[i * GC_C + j] = j < i ? bs[i] * dec * acc[nt][e] : 0.f;
+                    as[i * GC_C + j] = seen && j != i ? bs[i] * dec * acc[nt][e] : 0.f;
                 else
-                    ps[i * GC_LDP + j] = j <= i ? dec * acc[nt][e] : 0.f;
+                    ps[i * GC_LDP + j] = seen ? dec * acc[nt][e] : 0.f;
             }
         }
     }
@@ -273,12 +301,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_solve(
 // s0: f32 [hv, 128, 128] state before the run; U, PU, W, Qp, KT, Gc as gdn_chunk_solve writes
 // them. o: f32 [t, hv, 128]; s_out (nullable): f32 [hv, 128, 128], the state after the last
 // token; it may be s0 (each block reads its own columns of s0 at the start and writes the same
-// columns of s_out at the end). Grid (hv, 128 / 64), 256 threads, dynamic shared memory
-// gdn_chunk_scan_smem bytes.
+// columns of s_out at the end). vn_out (nullable): f32 [t, hv, 128], every token's v_new (a
+// tree's writes; with s_out null the last chunk's state update is skipped). Grid (hv, 128 / 64),
+// 256 threads, dynamic shared memory gdn_chunk_scan_smem bytes.
 extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(
     const float* s0, const float* __restrict__ U, const float* __restrict__ PU,
     const bf16_t* __restrict__ W, const bf16_t* __restrict__ Qp, const bf16_t* __restrict__ KT,
-    const float* __restrict__ Gc, float* __restrict__ o, float* s_out, int t, int hv) {
+    const float* __restrict__ Gc, float* __restrict__ o, float* s_out, int t, int hv,
+    float* __restrict__ vn_out) {
     extern __shared__ float gc_smem[];
     // Two stages of [W | Q' | KT] (bf16), then the state transposed and v_new transposed.
     bf16_t* stage0 = reinterpret_cast<bf16_t*>(gc_smem);
@@ -361,14 +391,20 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int i = m0 + fg + 8 * r, j = n0 + 8 * nt + 2 * ft;
-                    vn_t[j * GC_LDT + i] = f2bf(uu[nt][r].x - av[nt][2 * r]);
-                    vn_t[(j + 1) * GC_LDT + i] = f2bf(uu[nt][r].y - av[nt][2 * r + 1]);
-                    if (i < n)
-                        *reinterpret_cast<float2*>(o + ((size_t)(row0 + i) * hv + h) * GC_D + col0 + j) =
+                    const float2 vn = make_float2(uu[nt][r].x - av[nt][2 * r],
+                                                  uu[nt][r].y - av[nt][2 * r + 1]);
+                    vn_t[j * GC_LDT + i] = f2bf(vn.x);
+                    vn_t[(j + 1) * GC_LDT + i] = f2bf(vn.y);
+                    if (i < n) {
+                        const size_t at = ((size_t)(row0 + i) * hv + h) * GC_D + col0 + j;
+                        *reinterpret_cast<float2*>(o + at) =
                             make_float2(pu[nt][r].x + ao[nt][2 * r], pu[nt][r].y + ao[nt][2 * r + 1]);
+                        if (vn_out) *reinterpret_cast<float2*>(vn_out + at) = vn;
+                    }
                 }
         }
         __syncthreads();
+        if (!s_out && c + 1 == nc) break;  // no state wanted after the last chunk
         // S' = e^(G_last) S + KT v_new: warp w's 16 state rows by the 64 columns.
         {
             const float dec = __expf(glast);

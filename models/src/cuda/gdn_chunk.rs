@@ -24,10 +24,108 @@ pub const GDN_CHUNKED_MIN_T: usize = 4 * GDN_CHUNK;
 const SEGMENT: usize = 4096;
 /// Value columns per scan block (`GC_BV`).
 const SCAN_COLUMNS: usize = 64;
-/// Shared memory of the two kernels (as laid out in gdn_chunk.cu): the solve's f32 tiles (two
-/// blocks an SM); the scan's two bf16 stages of [W | Q' | KT] and its state and v_new tiles.
-const SOLVE_SMEM: usize = 4 * (2 * 64 * 132 + 64 * 64 + 64 * 68 + 2 * 64);
+/// Shared memory of the two kernels (as laid out in gdn_chunk.cu): the solve's f32 tiles and a
+/// tree's ancestor bits (two blocks an SM); the scan's two bf16 stages of [W | Q' | KT] and its state and v_new tiles.
+const SOLVE_SMEM: usize = 4 * (2 * 64 * 132 + 64 * 64 + 64 * 68 + 2 * 64) + 8 * 64;
 const SCAN_SMEM: usize = 2 * (2 * (2 * 64 * 136 + 128 * 72) + 64 * 136 + 64 * 72);
+
+/// The per-chunk buffers the solve writes and the scan reads, for `rows` = value heads x
+/// chunks x 64 rows.
+struct ChunkBuffers {
+    u: Tensor,
+    pu: Tensor,
+    w: Tensor,
+    qp: Tensor,
+    kt: Tensor,
+    gc: Tensor,
+}
+
+impl ChunkBuffers {
+    fn new(dev: &CudaDevice, rows: usize) -> Result<Self> {
+        let d = GDN_HEAD_DIM;
+        Ok(Self {
+            u: alloc_f32(dev, rows * d)?,
+            pu: alloc_f32(dev, rows * d)?,
+            w: alloc_bf16(dev, rows * d)?,
+            qp: alloc_bf16(dev, rows * d)?,
+            kt: alloc_bf16(dev, rows * d)?,
+            gc: alloc_f32(dev, rows)?,
+        })
+    }
+}
+
+/// `gdn_prep`'s outputs as device addresses at a run's first token, and the run's length.
+struct Run {
+    q: u64,
+    k: u64,
+    v: u64,
+    g: u64,
+    beta: u64,
+    n: usize,
+}
+
+/// `gdn_chunk_solve` over `run` (`anc`: a tree's ancestor bits, 0 for a causal run).
+fn solve(
+    dev: &CudaDevice,
+    run: &Run,
+    buf: &ChunkBuffers,
+    (hk, hv): (usize, usize),
+    anc: u64,
+) -> Result<()> {
+    let f = function_with_smem(dev, (MODULE, PTX), "gdn_chunk_solve", SOLVE_SMEM)?;
+    let stream = dev.cuda_stream();
+    let (up, pup, wp) = (ptr(&buf.u)?, ptr(&buf.pu)?, ptr(&buf.w)?);
+    let (qpp, ktp, gcp) = (ptr(&buf.qp)?, ptr(&buf.kt)?, ptr(&buf.gc)?);
+    let (ni, hki, hvi) = (run.n as i32, hk as i32, hv as i32);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&run.q)
+        .arg(&run.k)
+        .arg(&run.v)
+        .arg(&run.g)
+        .arg(&run.beta);
+    b.arg(&up).arg(&pup).arg(&wp).arg(&qpp).arg(&ktp).arg(&gcp);
+    b.arg(&ni).arg(&hki).arg(&hvi).arg(&anc);
+    let cfg = LaunchConfig {
+        grid_dim: (run.n.div_ceil(GDN_CHUNK) as u32, hv as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: SOLVE_SMEM as u32,
+    };
+    go(&mut b, cfg, "gdn_chunk_solve")
+}
+
+/// `gdn_chunk_scan` of `n` tokens from the state at `from`: outputs at `o`, the state after them
+/// at `s_out`, every token's v_new at `vn_out` (each address 0 for none but `from` and `o`).
+#[allow(clippy::too_many_arguments)]
+fn scan(
+    dev: &CudaDevice,
+    buf: &ChunkBuffers,
+    n: usize,
+    hv: usize,
+    from: u64,
+    o: u64,
+    s_out: u64,
+    vn_out: u64,
+) -> Result<()> {
+    let f = function_with_smem(dev, (MODULE, PTX), "gdn_chunk_scan", SCAN_SMEM)?;
+    let stream = dev.cuda_stream();
+    let (up, pup, wp) = (ptr(&buf.u)?, ptr(&buf.pu)?, ptr(&buf.w)?);
+    let (qpp, ktp, gcp) = (ptr(&buf.qp)?, ptr(&buf.kt)?, ptr(&buf.gc)?);
+    let (ni, hvi) = (n as i32, hv as i32);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&from).arg(&up).arg(&pup).arg(&wp).arg(&qpp).arg(&ktp);
+    b.arg(&gcp)
+        .arg(&o)
+        .arg(&s_out)
+        .arg(&ni)
+        .arg(&hvi)
+        .arg(&vn_out);
+    let cfg = LaunchConfig {
+        grid_dim: (hv as u32, (GDN_HEAD_DIM / SCAN_COLUMNS) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: SCAN_SMEM as u32,
+    };
+    go(&mut b, cfg, "gdn_chunk_scan")
+}
 
 /// The delta rule over `t` tokens from the state `s0` (f32 `[hv, 128, 128]`) given `gdn_prep`'s
 /// f32 outputs (`q`, `k` `[t, hk, 128]`, `v` `[t, hv * 128]`, `g`, `beta` `[t, hv]`): the raw
@@ -47,53 +145,65 @@ pub(super) fn chunked_delta_rule(
     let d = GDN_HEAD_DIM;
     let o = alloc_f32(dev, t * hv * d)?;
     let s_last = alloc_f32(dev, hv * d * d)?;
-    let seg_chunks = t.min(SEGMENT).div_ceil(GDN_CHUNK);
-    let rows = hv * seg_chunks * GDN_CHUNK;
-    let (u, pu) = (alloc_f32(dev, rows * d)?, alloc_f32(dev, rows * d)?);
-    let (w, qp, kt) = (
-        alloc_bf16(dev, rows * d)?,
-        alloc_bf16(dev, rows * d)?,
-        alloc_bf16(dev, rows * d)?,
-    );
-    let gc = alloc_f32(dev, rows)?;
-    let solve = function_with_smem(dev, (MODULE, PTX), "gdn_chunk_solve", SOLVE_SMEM)?;
-    let scan = function_with_smem(dev, (MODULE, PTX), "gdn_chunk_scan", SCAN_SMEM)?;
-    let (up, pup, gcp) = (ptr(&u)?, ptr(&pu)?, ptr(&gc)?);
-    let (wp, qpp, ktp) = (ptr(&w)?, ptr(&qp)?, ptr(&kt)?);
+    let buf = ChunkBuffers::new(dev, hv * t.min(SEGMENT).div_ceil(GDN_CHUNK) * GDN_CHUNK)?;
     let (qb, kb, vb, gb, bb, ob) = (ptr(q)?, ptr(k)?, ptr(v)?, ptr(g)?, ptr(beta)?, ptr(&o)?);
     let last = ptr(&s_last)?;
-    let (hki, hvi) = (hk as i32, hv as i32);
-    let stream = dev.cuda_stream();
     for start in (0..t).step_by(SEGMENT) {
-        let n = (t - start).min(SEGMENT);
-        let nc = n.div_ceil(GDN_CHUNK);
-        let ni = n as i32;
         // Byte offsets of the segment's first token in each input and in the output.
         let at = |base: u64, per_token: usize| base + (start * per_token * 4) as u64;
-        let (qs, ks) = (at(qb, hk * d), at(kb, hk * d));
-        let (vs, gs, bs, os) = (at(vb, hv * d), at(gb, hv), at(bb, hv), at(ob, hv * d));
-        let mut b = stream.launch_builder(&solve);
-        b.arg(&qs).arg(&ks).arg(&vs).arg(&gs).arg(&bs);
-        b.arg(&up).arg(&pup).arg(&wp).arg(&qpp).arg(&ktp).arg(&gcp);
-        b.arg(&ni).arg(&hki).arg(&hvi);
-        let cfg = LaunchConfig {
-            grid_dim: (nc as u32, hv as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: SOLVE_SMEM as u32,
+        let run = Run {
+            q: at(qb, hk * d),
+            k: at(kb, hk * d),
+            v: at(vb, hv * d),
+            g: at(gb, hv),
+            beta: at(bb, hv),
+            n: (t - start).min(SEGMENT),
         };
-        go(&mut b, cfg, "gdn_chunk_solve")?;
+        solve(dev, &run, &buf, (hk, hv), 0)?;
         // The first segment starts from the cache's state; later ones from the state the
         // previous one left (in place: each block reads and writes only its own columns).
         let from = if start == 0 { ptr(s0)? } else { last };
-        let mut b = stream.launch_builder(&scan);
-        b.arg(&from).arg(&up).arg(&pup).arg(&wp).arg(&qpp).arg(&ktp);
-        b.arg(&gcp).arg(&os).arg(&last).arg(&ni).arg(&hvi);
-        let cfg = LaunchConfig {
-            grid_dim: (hv as u32, (d / SCAN_COLUMNS) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: SCAN_SMEM as u32,
-        };
-        go(&mut b, cfg, "gdn_chunk_scan")?;
+        scan(dev, &buf, run.n, hv, from, at(ob, hv * d), last, 0)?;
     }
     Ok((o, s_last))
+}
+
+/// The delta rule over a verify tree of `t <= 64` nodes from the committed state `s0` (inputs
+/// as [`chunked_delta_rule`]'s; `anc`: i64 `[t]` ancestor bits, `cuda::tree_bits`, parents
+/// before children): every node's raw output f32 `[t * hv * 128]` and the value it wrote (its
+/// v_new) f32 `[t * hv * 128]`, from which the commit rebuilds the accepted path's state. One
+/// chunk: two launches for any tree shape.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn tree_delta_rule(
+    dev: &CudaDevice,
+    s0: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    anc: &Tensor,
+    (t, hk, hv): (usize, usize, usize),
+) -> Result<(Tensor, Tensor)> {
+    if t == 0 || t > GDN_CHUNK || anc.elem_count() != t || !anc.is_contiguous() {
+        candle_core::bail!(
+            "tree_delta_rule: {t} nodes, ancestor bits {:?}",
+            anc.shape()
+        );
+    }
+    let d = GDN_HEAD_DIM;
+    let o = alloc_f32(dev, t * hv * d)?;
+    let vn = alloc_f32(dev, t * hv * d)?;
+    let buf = ChunkBuffers::new(dev, hv * GDN_CHUNK)?;
+    let run = Run {
+        q: ptr(q)?,
+        k: ptr(k)?,
+        v: ptr(v)?,
+        g: ptr(g)?,
+        beta: ptr(beta)?,
+        n: t,
+    };
+    solve(dev, &run, &buf, (hk, hv), ptr(anc)?)?;
+    scan(dev, &buf, t, hv, ptr(s0)?, ptr(&o)?, 0, ptr(&vn)?)?;
+    Ok((o, vn))
 }

@@ -10,7 +10,7 @@ use candle_core::{bail, Result, Tensor};
 use super::gdn::{
     check_chain, check_f32, gated_norm, ChainDims, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN,
 };
-use super::gdn_chunk::{chunked_delta_rule, GDN_CHUNKED_MIN_T};
+use super::gdn_chunk::{chunked_delta_rule, tree_delta_rule, GDN_CHUNK, GDN_CHUNKED_MIN_T};
 use super::launch::{alloc_f32, cfg, cuda, go, ptr};
 use super::phases::mark;
 
@@ -229,13 +229,7 @@ pub fn gdn_tree(
         ("order", order, t),
         ("depth", depth, t),
     ] {
-        if x.dtype() != candle_core::DType::U32 || x.elem_count() != n || !x.is_contiguous() {
-            bail!(
-                "gdn_tree: {name} must be {n} contiguous u32, got {:?} {:?}",
-                x.dtype(),
-                x.shape()
-            )
-        }
+        check_u32("gdn_tree", name, x, n)?;
     }
     let (d, hk, hv) = (GDN_HEAD_DIM, w.hk, w.hv);
     let Prepped { q, k, v, g, beta } = prep(win, proj, w, Some(conv_rows), dims)?;
@@ -254,6 +248,60 @@ pub fn gdn_tree(
         cfg((hv as u32, (d / 16) as u32, 1), 128),
         "gdn_scan_tree",
     )?;
+    let y = gated_norm(&o, proj, w, t, None)?;
+    Ok(SplitOut {
+        y,
+        states: None,
+        k: k.reshape((t, hk, d))?,
+        g: g.reshape((t, hv))?,
+        u: Some(u.reshape((t, hv, d))?),
+    })
+}
+
+fn check_u32(op: &str, name: &str, x: &Tensor, n: usize) -> Result<()> {
+    if x.dtype() != candle_core::DType::U32 || x.elem_count() != n || !x.is_contiguous() {
+        bail!(
+            "{op}: {name} must be {n} contiguous u32, got {:?} {:?}",
+            x.dtype(),
+            x.shape()
+        )
+    }
+    Ok(())
+}
+
+/// [`gdn_tree`] in the chunked form (`gdn_chunk.cu` with the ancestor mask): a tree of up to
+/// [`GDN_CHUNK`] nodes, any depth, parents before children; `anc` (i64 `[t]`,
+/// `cuda::tree_bits`) in place of the depth-first order. The same outputs, the delta rule's
+/// products on the tensor cores (bf16 operands where the prefill's chunked form has them)
+/// instead of one node after another. Four launches.
+pub fn gdn_tree_chunked(
+    win: &Tensor,
+    proj: &Tensor,
+    s0: &Tensor,
+    w: &GdnWeights<'_>,
+    conv_rows: &Tensor,
+    anc: &Tensor,
+) -> Result<SplitOut> {
+    let dev = cuda(proj)?;
+    let dims = check_chain(
+        "gdn_tree_chunked",
+        ("gdn win", win),
+        false,
+        GDN_CHUNK,
+        proj,
+        s0,
+        w,
+    )?;
+    let (t, d, hk, hv) = (dims.t, GDN_HEAD_DIM, w.hk, w.hv);
+    check_u32("gdn_tree_chunked", "conv rows", conv_rows, t * dims.kernel)?;
+    if anc.dtype() != candle_core::DType::I64 || anc.elem_count() != t || !anc.is_contiguous() {
+        bail!(
+            "gdn_tree_chunked: ancestor bits must be {t} contiguous i64, got {:?}",
+            anc.shape()
+        )
+    }
+    let Prepped { q, k, v, g, beta } = prep(win, proj, w, Some(conv_rows), dims)?;
+    let (o, u) = tree_delta_rule(&dev, s0, &q, &k, &v, &g, &beta, anc, (t, hk, hv))?;
     let y = gated_norm(&o, proj, w, t, None)?;
     Ok(SplitOut {
         y,

@@ -32,8 +32,9 @@ mod switch_hybrid;
 pub use adamw::{adamw_step, pack_f32, SUMSQ_BLOCKS};
 pub use adamw_consts::AdamWConsts;
 pub use switch_hybrid::{
-    batched_gdn_settle, hybrid_fused_tree, hybrid_lt_product, hybrid_verify_lt, moe_gather_kernel,
-    set_batched_gdn_settle, set_hybrid_fused_tree, set_hybrid_verify_lt, set_moe_gather_kernel,
+    batched_gdn_settle, gdn_tree_chunked_on, hybrid_fused_tree, hybrid_lt_product,
+    hybrid_verify_lt, moe_gather_kernel, set_batched_gdn_settle, set_gdn_tree_chunked,
+    set_hybrid_fused_tree, set_hybrid_verify_lt, set_moe_gather_kernel,
     HYBRID_FUSED_TREE_MAX_NODES, HYBRID_LT_MIN_WEIGHT,
 };
 #[cfg(feature = "cuda")]
@@ -136,7 +137,8 @@ pub use gdn_settle::{gdn_settle_layers, SettleLayer};
 mod gdn_split;
 #[cfg(feature = "cuda")]
 pub use gdn_split::{
-    gdn_split, gdn_state_along, gdn_tree, ScanStates, SplitOut, GDN_SPLIT_MAX_T, GDN_TREE_MAX_DEPTH,
+    gdn_split, gdn_state_along, gdn_tree, gdn_tree_chunked, ScanStates, SplitOut, GDN_SPLIT_MAX_T,
+    GDN_TREE_MAX_DEPTH,
 };
 #[cfg(feature = "cuda")]
 mod gemv;

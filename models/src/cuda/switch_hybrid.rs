@@ -96,3 +96,21 @@ pub fn set_batched_gdn_settle(on: bool) {
 pub fn batched_gdn_settle() -> bool {
     BATCHED_GDN_SETTLE.get()
 }
+
+static GDN_TREE_CHUNKED: EnvSwitch = EnvSwitch::new("DFLASH_GDN_TREE_CHUNKED", false);
+
+/// Whether a hybrid's verify tree of up to 64 nodes runs its GDN layers' delta rule in the
+/// chunked form with the ancestor mask (`gdn_tree_chunked`: the prefill's two tensor-core
+/// kernels on one chunk, any depth) instead of `gdn_scan_tree`'s walk of one node after another
+/// (the 27B's 64-node tree spent 5.0-5.7 ms of its ~32 in the GDN mix against the 16-row chain's
+/// ~1.3, H100, session 31). Off until a GPU checks and times it (`gpu_check --hybrid`'s
+/// `gdn_layer_paths` tree cases and `verify_lt`); `DFLASH_GDN_TREE_CHUNKED=1` or this switch
+/// turns it on.
+pub fn set_gdn_tree_chunked(on: bool) {
+    GDN_TREE_CHUNKED.set(on);
+}
+
+/// Whether verify trees take the chunked GDN form ([`set_gdn_tree_chunked`]).
+pub fn gdn_tree_chunked_on() -> bool {
+    GDN_TREE_CHUNKED.get()
+}

@@ -20,6 +20,9 @@ use crate::qwen3_5::delta_rule::{
 };
 use crate::random::WeightRng;
 
+#[cfg(feature = "cuda")]
+mod tree;
+
 /// Which delta-rule form a forward that settles uses (tests pin one to compare them);
 /// rollback-able forwards always take the tree form (the chunked one for chains longer than a
 /// chunk), see [`GatedDeltaNet::mix_staged`].
@@ -504,65 +507,6 @@ impl GatedDeltaNet {
             Tensor::cat(&[&state.conv.narrow(0, t, w1 - t)?, &rows], 0)?
         };
         Ok(Some((out.y, StagedState::Final(GdnState { conv, ssm }))))
-    }
-
-    /// A verify tree's mixer (one sequence, `parents` the tree, rollback-able) on the CUDA tree
-    /// kernels (`cuda::gdn_tree`): the same outputs and [`RowInputs`] staging as
-    /// [`Self::mix_staged`], in three launches. `None` where the kernels do not apply (as
-    /// [`Self::mix_prefill_split`], or a tree too deep); the caller then runs `mix_staged`.
-    #[cfg(feature = "cuda")]
-    pub fn mix_tree_split(
-        &self,
-        proj: &Tensor,
-        forest: &Forest,
-        parents: &[Option<usize>],
-        state: &GdnState,
-    ) -> Result<Option<(Tensor, StagedState)>> {
-        let t = proj.dim(0)?;
-        let applies = self.kernels_apply(proj, state)? && forest.len() == t;
-        let order = crate::qwen3_5::delta_rule::dfs_order(parents, crate::cuda::GDN_TREE_MAX_DEPTH);
-        let (Some((order, depth)), true) = (order, applies) else {
-            // Visible once per process: a declined tree runs the plain tree form (~15x slower
-            // for 64 nodes at the 27B shape), which a benchmark must be able to see.
-            static DECLINED: std::sync::Once = std::sync::Once::new();
-            DECLINED.call_once(|| {
-                let depth = crate::qwen3_5::delta_rule::dfs_order(parents, usize::MAX)
-                    .and_then(|(_, d)| d.into_iter().max());
-                tracing::warn!(
-                    rows = t,
-                    forest_rows = forest.len(),
-                    kernels_apply = applies,
-                    // None: a parent after its child (not a topological order).
-                    tree_depth = ?depth,
-                    max_depth = crate::cuda::GDN_TREE_MAX_DEPTH,
-                    state_contiguous = state.ssm.is_contiguous(),
-                    "GDN tree kernels declined a verify tree (plain tree form instead; logged once)"
-                )
-            });
-            return Ok(None);
-        };
-        let dev = proj.device();
-        let w = self.kernel_weights();
-        let out = crate::cuda::gdn_tree(
-            &state.conv,
-            proj,
-            &state.ssm,
-            &w,
-            &forest.conv_taps,
-            &Tensor::new(order.as_slice(), dev)?,
-            &Tensor::new(depth.as_slice(), dev)?,
-        )?;
-        let writes = match out.u {
-            Some(u) => u,
-            None => candle_core::bail!("gdn_tree returned no written values"),
-        };
-        let staged = StagedState::Inputs(RowInputs {
-            pre_conv: proj.narrow(1, 0, self.conv_dim())?.contiguous()?,
-            k: out.k,
-            writes,
-            g: out.g,
-        });
-        Ok(Some((out.y, staged)))
     }
 
     /// HF `Qwen3_5RMSNormGated`: RMS-normalise (f32 inside), times the plain (not zero-centred)

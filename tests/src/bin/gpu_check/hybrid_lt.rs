@@ -41,12 +41,13 @@ pub(crate) fn profile(
 }
 
 /// The verify forwards' configurations: `(name, cuBLASLt products where they pay, fused tree
-/// forward)`; the first (every product on the skinny kernels, trees on the plain path) is the
-/// reference, the last the shipped defaults.
-const CONFIGS: [(&str, bool, bool); 3] = [
-    ("skinny", false, false),
-    ("lt", true, false),
-    ("fused_tree", true, true),
+/// forward, chunked GDN tree form)`; the first (every product on the skinny kernels, trees on
+/// the plain path) is the reference, `fused_tree` the shipped defaults.
+const CONFIGS: [(&str, bool, bool, bool); 4] = [
+    ("skinny", false, false, false),
+    ("lt", true, false, false),
+    ("fused_tree", true, true, false),
+    ("tree_chunked", true, true, true),
 ];
 
 /// The verify shapes: [`SHAPES`]' but the decode step, and a 16-node tree (DDTree-16's size,
@@ -100,7 +101,11 @@ pub fn verify_lt(
     vocab: u32,
     decode_ms: f64,
 ) -> Result<Value> {
-    let was = (cuda::hybrid_verify_lt(), cuda::hybrid_fused_tree());
+    let was = (
+        cuda::hybrid_verify_lt(),
+        cuda::hybrid_fused_tree(),
+        cuda::gdn_tree_chunked_on(),
+    );
     let start = cache.len();
     let mut res = serde_json::Map::new();
     for (name, n, kind) in verify_shapes() {
@@ -109,12 +114,13 @@ pub fn verify_lt(
         let keep = kept_rows(&pattern, start);
         let mut out = serde_json::Map::new();
         let mut reference = None;
-        for (key, lt, fused_tree) in CONFIGS {
+        for (key, lt, fused_tree, chunked) in CONFIGS {
             if fused_tree && kind.is_none() {
                 continue;
             }
             cuda::set_hybrid_verify_lt(lt);
             cuda::set_hybrid_fused_tree(fused_tree);
+            cuda::set_gdn_tree_chunked(chunked);
             let mut once = || -> Result<Option<candle_core::Tensor>> {
                 let l = run(m, cache, &tokens, &positions, &pattern, &rows)?;
                 cache.truncate(start)?;
@@ -145,6 +151,7 @@ pub fn verify_lt(
     }
     cuda::set_hybrid_verify_lt(was.0);
     cuda::set_hybrid_fused_tree(was.1);
+    cuda::set_gdn_tree_chunked(was.2);
     res.insert("decode_ms".into(), json!(decode_ms));
     res.insert(
         "batched_settle".into(),
