@@ -34,7 +34,7 @@ pub use adamw_consts::AdamWConsts;
 pub use switch_hybrid::{
     batched_gdn_settle, gdn_tree_chunked_on, hybrid_fused_tree, hybrid_lt_product,
     hybrid_verify_lt, moe_gather_kernel, set_batched_gdn_settle, set_gdn_tree_chunked,
-    set_hybrid_fused_tree, set_hybrid_verify_lt, set_moe_gather_kernel,
+    set_hybrid_fused_tree, set_hybrid_verify_lt, set_moe_gather_kernel, GDN_TREE_CHUNKED_MIN_NODES,
     HYBRID_FUSED_TREE_MAX_NODES, HYBRID_LT_MIN_WEIGHT,
 };
 #[cfg(feature = "cuda")]

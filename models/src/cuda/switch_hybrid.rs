@@ -97,20 +97,29 @@ pub fn batched_gdn_settle() -> bool {
     BATCHED_GDN_SETTLE.get()
 }
 
-static GDN_TREE_CHUNKED: EnvSwitch = EnvSwitch::new("DFLASH_GDN_TREE_CHUNKED", false);
+static GDN_TREE_CHUNKED: EnvSwitch = EnvSwitch::new("DFLASH_GDN_TREE_CHUNKED", true);
 
-/// Whether a hybrid's verify tree of up to 64 nodes runs its GDN layers' delta rule in the
-/// chunked form with the ancestor mask (`gdn_tree_chunked`: the prefill's two tensor-core
-/// kernels on one chunk, any depth) instead of `gdn_scan_tree`'s walk of one node after another
-/// (the 27B's 64-node tree spent 5.0-5.7 ms of its ~32 in the GDN mix against the 16-row chain's
-/// ~1.3, H100, session 31). Off until a GPU checks and times it (`gpu_check --hybrid`'s
-/// `gdn_layer_paths` tree cases and `verify_lt`); `DFLASH_GDN_TREE_CHUNKED=1` or this switch
-/// turns it on.
+/// The fewest nodes a verify tree takes the chunked GDN form with ([`set_gdn_tree_chunked`]):
+/// its cost is one 64-row chunk whatever the tree (a 27B layer call 0.083-0.091 ms), the
+/// depth-first walk's grows with the nodes (0.062 ms at 16, 0.137 at 64; H100, session 31), so
+/// DDTree-16 stays on the walk (its 27B verify 24.7 ms a round on it, 26.1 chunked) and trees
+/// past the fused tree forward's 32 nodes take the chunked form.
+pub const GDN_TREE_CHUNKED_MIN_NODES: usize = 33;
+
+/// Whether a hybrid's verify tree of [`GDN_TREE_CHUNKED_MIN_NODES`]..=64 nodes runs its GDN
+/// layers' delta rule in the chunked form with the ancestor mask (`gdn_tree_chunked`: the
+/// prefill's two tensor-core kernels on one chunk, any depth) instead of `gdn_scan_tree`'s walk
+/// of one node after another. Within the check's tolerance of the plain tree form like the walk
+/// (`gpu_check --hybrid`'s `gdn_layer_paths.gdn_tree_64_chunked`: y rel 9.6e-3, writes 5.1e-3,
+/// the deepest path's rebuilt state 6.6e-3, the tree read as a star rejected); the 27B's
+/// 64-node trees 1.513x / 1.547x -> **1.465x / 1.472x** a decode step (GDN mix 5.0 / 5.6 ->
+/// 4.2 ms; H100, session 31, call L2). `DFLASH_GDN_TREE_CHUNKED=0` or this switch turns it off.
 pub fn set_gdn_tree_chunked(on: bool) {
     GDN_TREE_CHUNKED.set(on);
 }
 
-/// Whether verify trees take the chunked GDN form ([`set_gdn_tree_chunked`]).
+/// Whether verify trees of [`GDN_TREE_CHUNKED_MIN_NODES`] nodes or more take the chunked GDN
+/// form ([`set_gdn_tree_chunked`]).
 pub fn gdn_tree_chunked_on() -> bool {
     GDN_TREE_CHUNKED.get()
 }

@@ -24,7 +24,9 @@ impl GatedDeltaNet {
     ) -> Result<Option<(Tensor, StagedState)>> {
         let t = proj.dim(0)?;
         let applies = self.kernels_apply(proj, state)? && forest.len() == t;
-        if applies && crate::cuda::gdn_tree_chunked_on() && t <= crate::cuda::GDN_CHUNK {
+        let chunked =
+            (crate::cuda::GDN_TREE_CHUNKED_MIN_NODES..=crate::cuda::GDN_CHUNK).contains(&t);
+        if applies && chunked && crate::cuda::gdn_tree_chunked_on() {
             // Any depth; parents before children (the solve's order).
             if parents
                 .iter()

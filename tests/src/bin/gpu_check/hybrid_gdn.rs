@@ -277,12 +277,13 @@ pub fn gdn_layer_paths(dev: &Device, cfg: &HybridConfig) -> Result<Value> {
     // tree form (`mix_staged`): outputs, the staged keys / writes / log-decays, and the state
     // rebuilt along the deepest path from each side's staging; a tree branching at every depth
     // (16 nodes) and a DDTree-like one (64 nodes: a main path of 16 with side branches).
-    // Each on the depth-first walk and on the chunked form (`cuda::set_gdn_tree_chunked`).
+    // On the depth-first walk, and past `cuda::GDN_TREE_CHUNKED_MIN_NODES` on the chunked form
+    // (`cuda::set_gdn_tree_chunked`).
     let was_chunked = dflash_models::cuda::gdn_tree_chunked_on();
     for (name, parents, chunked) in [
         ("gdn_tree_16", branching_tree(16), false),
         ("gdn_tree_64", ddtree_like(64), false),
-        ("gdn_tree_16_chunked", branching_tree(16), true),
+        ("gdn_tree_40_chunked", branching_tree(40), true),
         ("gdn_tree_64_chunked", ddtree_like(64), true),
     ] {
         dflash_models::cuda::set_gdn_tree_chunked(chunked);
