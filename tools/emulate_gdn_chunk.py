@@ -5,7 +5,8 @@
 # hand (the GPU check is `cuda::check::gdn_chunked_errors`, in the family bench's
 # kernel_checks). Needs numpy. `python3 tools/emulate_gdn_chunk.py` runs twice: in float64
 # (errors ~1e-15 when the indexing is right) and with the kernels' TF32 / bf16 roundings (the
-# errors the GPU check should see, ~1e-3 of the scale).
+# errors the GPU check should see, ~1e-3 of the scale); each for a causal run of 150 tokens and
+# for a 40-node verify tree (the ancestor-bit form, `cuda::gdn_tree_chunked`).
 import numpy as np
 C, D, BV = 64, 128, 64
 LD, LDP, LDH, LDT = 132, 68, 136, 72
@@ -56,14 +57,19 @@ def mma16(a, lda, m0, b, ldb, n0, k0):
     return A @ B
 # C fragment element e of lane (g, t): row g + 8(e>>1), column 2t + (e&1).
 
-def solve_kernel(q, k, v, g, beta, t, hk, hv, c, h, nc, out):
+def solve_kernel(q, k, v, g, beta, t, hk, hv, c, h, nc, out, anc=None):
     U, PU, W, Qp, KT, Gc = out
     ks = np.zeros(C*LD); qs = np.zeros(C*LD); as_ = np.zeros(C*C); ps = np.zeros(C*LDP)
     kh = h // (hv // hk); row0 = c*C; n = min(C, t-row0); blk = (h*nc + c)*C
     for i in range(n):
         for d in range(D):
             ks[i*LD+d] = k[((row0+i)*hk+kh)*D+d]; qs[i*LD+d] = q[((row0+i)*hk+kh)*D+d]
-    gs = np.cumsum([g[(row0+i)*hv+h] if i < n else 0. for i in range(C)])
+    graw = [g[(row0+i)*hv+h] if i < n else 0. for i in range(C)]
+    if anc is None:
+        gs = np.cumsum(graw)
+    else:  # a tree: G along each node's root path, its ancestors' bits in ascending order
+        ancs = [anc[i] if i < n else 0 for i in range(C)]
+        gs = np.array([sum(graw[j] for j in range(C) if ancs[i] >> j & 1) for i in range(C)])
     bs = np.array([beta[(row0+i)*hv+h] if i < n else 0. for i in range(C)])
     for warp in range(8):
         lhs = ks if warp < 4 else qs
@@ -79,8 +85,9 @@ def solve_kernel(q, k, v, g, beta, t, hk, hv, c, h, nc, out):
                     i = m0 + fg + (e >> 1)*8; j = nt*8 + 2*ft + (e & 1)
                     val = acc[nt][fg + 8*(e >> 1), 2*ft + (e & 1)]
                     dec = np.exp(gs[i]-gs[j])
-                    if warp < 4: as_[i*C+j] = f32(bs[i]*dec*val) if j < i else 0.
-                    else: ps[i*LDP+j] = f32(dec*val) if j <= i else 0.
+                    seen = j <= i if anc is None else (ancs[i] >> j & 1) == 1
+                    if warp < 4: as_[i*C+j] = f32(bs[i]*dec*val) if seen and j != i else 0.
+                    else: ps[i*LDP+j] = f32(dec*val) if seen else 0.
     glast = gs[C-1]
     xs_cols = {}
     for tid in range(256):
@@ -121,7 +128,7 @@ def solve_kernel(q, k, v, g, beta, t, hk, hv, c, h, nc, out):
                         e = np.exp(gs[i])
                         Qp[at], Qp[at+1] = bf16(qv[0]*e - v0), bf16(qv[1]*e - v1)
 
-def scan_kernel(s0, U, PU, W, Qp, KT, Gc, o, s_out, t, hv, h, cb):
+def scan_kernel(s0, U, PU, W, Qp, KT, Gc, o, s_out, t, hv, h, cb, vn_out=None):
     col0 = cb*BV; nc = (t + C - 1)//C; head = h*D*D
     st_t = np.zeros(BV*LDH); vn_t = np.zeros(BV*LDT)
     st = np.zeros((8, 8, 16, 8))   # [warp][nt] 16x8 C tiles, f32 in the kernel
@@ -158,6 +165,10 @@ def scan_kernel(s0, U, PU, W, Qp, KT, Gc, o, s_out, t, hv, h, cb):
                         if i < n:
                             oo = ((row0+i)*hv+h)*D + col0 + j
                             o[oo] = PU[at] + ao[nt][fg+8*r, 2*ft]; o[oo+1] = PU[at+1] + ao[nt][fg+8*r, 2*ft+1]
+                            if vn_out is not None:
+                                vn_out[oo] = f32(U[at] - av[nt][fg+8*r, 2*ft])
+                                vn_out[oo+1] = f32(U[at+1] - av[nt][fg+8*r, 2*ft+1])
+        if s_out is None and c + 1 == nc: return  # no state wanted after the last chunk
         st *= np.exp(glast)
         for warp in range(8):
             for k0 in range(0, C, 16):
@@ -199,6 +210,39 @@ def run(t=150, hk=1, hv=2, seed=0):
     print(f"{label}: o max err {np.abs(o - oref.ravel()).max():.3g} (scale {np.abs(oref).max():.3g}), "
           f"state max err {np.abs(s_out - S.ravel()).max():.3g} (scale {np.abs(S).max():.3g})")
 
+def run_tree(t=40, hk=1, hv=2, seed=1):
+    # A verify tree (parents before children) in one chunk: gdn_chunk_solve with the ancestor
+    # bits, gdn_chunk_scan writing every node's v_new and no state (cuda::tree_delta_rule),
+    # against the delta rule walked node by node from each node's parent state.
+    rng = np.random.default_rng(seed)
+    parents = [None] + [int(rng.integers(0, i)) for i in range(1, t)]
+    anc = [0]*t
+    for i in range(t): anc[i] = (anc[parents[i]] if parents[i] is not None else 0) | (1 << i)
+    q = rng.normal(size=(t, hk, D)); k = rng.normal(size=(t, hk, D))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True); k /= np.linalg.norm(k, axis=-1, keepdims=True); q *= D**-0.5
+    v = rng.normal(size=(t, hv, D)); g = -rng.uniform(0.01, 0.5, size=(t, hv)); beta = rng.uniform(0, 1, size=(t, hv))
+    s0 = rng.normal(size=(hv, D, D))*0.1
+    oref = np.zeros((t, hv, D)); vref = np.zeros((t, hv, D)); states = {}
+    for i in range(t):
+        for h in range(hv):
+            kk = k[i, h // (hv//hk)]; qq = q[i, h // (hv//hk)]
+            S = (s0[h] if parents[i] is None else states[parents[i], h]) * np.exp(g[i, h])
+            vref[i, h] = beta[i, h]*(v[i, h] - S.T @ kk)
+            states[i, h] = S + np.outer(kk, vref[i, h])
+            oref[i, h] = states[i, h].T @ qq
+    bufs = [np.zeros(hv*C*D) for _ in range(5)] + [np.zeros(hv*C)]
+    for h in range(hv):
+        solve_kernel(q.ravel(), k.ravel(), v.ravel(), g.ravel(), beta.ravel(), t, hk, hv, 0, h, 1, bufs, anc)
+    o = np.zeros(t*hv*D); vn = np.zeros(t*hv*D)
+    for h in range(hv):
+        for cb in range(D//BV):
+            scan_kernel(s0.ravel(), *bufs, o, None, t, hv, h, cb, vn)
+    label = "tree, with the kernels' roundings" if ROUND else "tree, float64"
+    print(f"{label}: o max err {np.abs(o - oref.ravel()).max():.3g} (scale {np.abs(oref).max():.3g}), "
+          f"v_new max err {np.abs(vn - vref.ravel()).max():.3g} (scale {np.abs(vref).max():.3g})")
+
 run()
+run_tree()
 ROUND = True
 run()
+run_tree()

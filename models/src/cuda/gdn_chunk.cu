@@ -26,7 +26,9 @@
 // ancestor mask: G_i sums the log-decays along the node's root path, A keeps the strict
 // ancestors, P the ancestors and the node itself, and the forward substitution still runs in
 // index order (A is zero off the ancestors); the scan then writes every node's v_new (the
-// value it wrote, which the commit rebuilds the accepted path's state from) and no state.
+// value it wrote, which the commit rebuilds the accepted path's state from) and no state. The
+// CPU reference of that form is `qwen3_5::delta_rule::tree` (its tests: the node-by-node
+// recurrence); tools/emulate_gdn_chunk.py emulates both modes lane by lane.
 // Every exponent is <= 0 (g <= 0), so nothing overflows. Rows past t (the last chunk's tail)
 // are zero: they write nothing into the state and their outputs are not written.
 
