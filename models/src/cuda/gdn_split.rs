@@ -214,27 +214,14 @@ pub fn gdn_tree(
     depth: &Tensor,
 ) -> Result<SplitOut> {
     let dev = cuda(proj)?;
-    let dims = check_chain(
-        "gdn_tree",
-        ("gdn win", win),
-        false,
-        GDN_SPLIT_MAX_T,
-        proj,
-        s0,
-        w,
-    )?;
-    let (t, kernel) = (dims.t, dims.kernel);
-    for (name, x, n) in [
-        ("conv rows", conv_rows, t * kernel),
-        ("order", order, t),
-        ("depth", depth, t),
-    ] {
-        check_u32("gdn_tree", name, x, n)?;
-    }
+    let rows = proj.dim(0)?;
+    check_u32("gdn_tree", "order", order, rows)?;
+    check_u32("gdn_tree", "depth", depth, rows)?;
+    let (t, pre) = tree_front("gdn_tree", (win, proj, s0), w, conv_rows, GDN_SPLIT_MAX_T)?;
     let (d, hk, hv) = (GDN_HEAD_DIM, w.hk, w.hv);
-    let Prepped { q, k, v, g, beta } = prep(win, proj, w, Some(conv_rows), dims)?;
+    let Prepped { q, k, v, g, beta } = &pre;
     let (hki, hvi, ti) = (hk as i32, hv as i32, t as i32);
-    let (qp, kp, vp, gp, betap) = (ptr(&q)?, ptr(&k)?, ptr(&v)?, ptr(&g)?, ptr(&beta)?);
+    let (qp, kp, vp, gp, betap) = (ptr(q)?, ptr(k)?, ptr(v)?, ptr(g)?, ptr(beta)?);
     let o = alloc_f32(&dev, t * hv * d)?;
     let u = alloc_f32(&dev, t * hv * d)?;
     let (sp, op, up, orp, dp) = (ptr(s0)?, ptr(&o)?, ptr(&u)?, ptr(order)?, ptr(depth)?);
@@ -248,12 +235,39 @@ pub fn gdn_tree(
         cfg((hv as u32, (d / 16) as u32, 1), 128),
         "gdn_scan_tree",
     )?;
-    let y = gated_norm(&o, proj, w, t, None)?;
+    tree_out(&o, u, pre, proj, w)
+}
+
+/// The checks and the prologue (`gdn_prep` with the tree's conv rows) of a tree launch of at
+/// most `max_t` nodes: the node count and the delta rule's inputs.
+fn tree_front(
+    op: &str,
+    (win, proj, s0): (&Tensor, &Tensor, &Tensor),
+    w: &GdnWeights<'_>,
+    conv_rows: &Tensor,
+    max_t: usize,
+) -> Result<(usize, Prepped)> {
+    let dims = check_chain(op, ("gdn win", win), false, max_t, proj, s0, w)?;
+    check_u32(op, "conv rows", conv_rows, dims.t * dims.kernel)?;
+    let t = dims.t;
+    Ok((t, prep(win, proj, w, Some(conv_rows), dims)?))
+}
+
+/// A tree launch's outputs from its raw outputs `o` and writes `u` (f32 `[t * hv * 128]`):
+/// the gated norm, the keys, log-decays and writes by node.
+fn tree_out(
+    o: &Tensor,
+    u: Tensor,
+    pre: Prepped,
+    proj: &Tensor,
+    w: &GdnWeights<'_>,
+) -> Result<SplitOut> {
+    let (t, d, hk, hv) = (proj.dim(0)?, GDN_HEAD_DIM, w.hk, w.hv);
     Ok(SplitOut {
-        y,
+        y: gated_norm(o, proj, w, t, None)?,
         states: None,
-        k: k.reshape((t, hk, d))?,
-        g: g.reshape((t, hv))?,
+        k: pre.k.reshape((t, hk, d))?,
+        g: pre.g.reshape((t, hv))?,
         u: Some(u.reshape((t, hv, d))?),
     })
 }
@@ -283,33 +297,17 @@ pub fn gdn_tree_chunked(
     anc: &Tensor,
 ) -> Result<SplitOut> {
     let dev = cuda(proj)?;
-    let dims = check_chain(
-        "gdn_tree_chunked",
-        ("gdn win", win),
-        false,
-        GDN_CHUNK,
-        proj,
-        s0,
-        w,
-    )?;
-    let (t, d, hk, hv) = (dims.t, GDN_HEAD_DIM, w.hk, w.hv);
-    check_u32("gdn_tree_chunked", "conv rows", conv_rows, t * dims.kernel)?;
+    let t = proj.dim(0)?;
     if anc.dtype() != candle_core::DType::I64 || anc.elem_count() != t || !anc.is_contiguous() {
         bail!(
             "gdn_tree_chunked: ancestor bits must be {t} contiguous i64, got {:?}",
             anc.shape()
         )
     }
-    let Prepped { q, k, v, g, beta } = prep(win, proj, w, Some(conv_rows), dims)?;
-    let (o, u) = tree_delta_rule(&dev, s0, &q, &k, &v, &g, &beta, anc, (t, hk, hv))?;
-    let y = gated_norm(&o, proj, w, t, None)?;
-    Ok(SplitOut {
-        y,
-        states: None,
-        k: k.reshape((t, hk, d))?,
-        g: g.reshape((t, hv))?,
-        u: Some(u.reshape((t, hv, d))?),
-    })
+    let (t, pre) = tree_front("gdn_tree_chunked", (win, proj, s0), w, conv_rows, GDN_CHUNK)?;
+    let Prepped { q, k, v, g, beta } = &pre;
+    let (o, u) = tree_delta_rule(&dev, s0, q, k, v, g, beta, anc, (t, w.hk, w.hv))?;
+    tree_out(&o, u, pre, proj, w)
 }
 
 /// The state after `m` rows from `s0` (f32 `[hv, dk, dv]`), given their keys per key head `k`
