@@ -64,6 +64,27 @@ struct Run {
     n: usize,
 }
 
+impl Run {
+    /// The `n` tokens from token `start` of `[q, k, v, g, beta]` (f32, `hk` key heads and `hv`
+    /// value heads of 128).
+    fn at(inputs: [&Tensor; 5], start: usize, n: usize, (hk, hv): (usize, usize)) -> Result<Self> {
+        let d = GDN_HEAD_DIM;
+        // Byte offset of token `start` in an input of `per_token` f32 a token.
+        let at = |x: &Tensor, per_token: usize| -> Result<u64> {
+            Ok(ptr(x)? + (start * per_token * 4) as u64)
+        };
+        let [q, k, v, g, beta] = inputs;
+        Ok(Self {
+            q: at(q, hk * d)?,
+            k: at(k, hk * d)?,
+            v: at(v, hv * d)?,
+            g: at(g, hv)?,
+            beta: at(beta, hv)?,
+            n,
+        })
+    }
+}
+
 /// `gdn_chunk_solve` over `run` (`anc`: a tree's ancestor bits, 0 for a causal run).
 fn solve(
     dev: &CudaDevice,
@@ -146,24 +167,16 @@ pub(super) fn chunked_delta_rule(
     let o = alloc_f32(dev, t * hv * d)?;
     let s_last = alloc_f32(dev, hv * d * d)?;
     let buf = ChunkBuffers::new(dev, hv * t.min(SEGMENT).div_ceil(GDN_CHUNK) * GDN_CHUNK)?;
-    let (qb, kb, vb, gb, bb, ob) = (ptr(q)?, ptr(k)?, ptr(v)?, ptr(g)?, ptr(beta)?, ptr(&o)?);
-    let last = ptr(&s_last)?;
+    let (ob, last) = (ptr(&o)?, ptr(&s_last)?);
     for start in (0..t).step_by(SEGMENT) {
-        // Byte offsets of the segment's first token in each input and in the output.
-        let at = |base: u64, per_token: usize| base + (start * per_token * 4) as u64;
-        let run = Run {
-            q: at(qb, hk * d),
-            k: at(kb, hk * d),
-            v: at(vb, hv * d),
-            g: at(gb, hv),
-            beta: at(bb, hv),
-            n: (t - start).min(SEGMENT),
-        };
+        let n = (t - start).min(SEGMENT);
+        let run = Run::at([q, k, v, g, beta], start, n, (hk, hv))?;
         solve(dev, &run, &buf, (hk, hv), 0)?;
         // The first segment starts from the cache's state; later ones from the state the
         // previous one left (in place: each block reads and writes only its own columns).
         let from = if start == 0 { ptr(s0)? } else { last };
-        scan(dev, &buf, run.n, hv, from, at(ob, hv * d), last, 0)?;
+        let o_at = ob + (start * hv * d * 4) as u64;
+        scan(dev, &buf, n, hv, from, o_at, last, 0)?;
     }
     Ok((o, s_last))
 }
@@ -172,7 +185,8 @@ pub(super) fn chunked_delta_rule(
 /// as [`chunked_delta_rule`]'s; `anc`: i64 `[t]` ancestor bits, `cuda::tree_bits`, parents
 /// before children): every node's raw output f32 `[t * hv * 128]` and the value it wrote (its
 /// v_new) f32 `[t * hv * 128]`, from which the commit rebuilds the accepted path's state. One
-/// chunk: two launches for any tree shape.
+/// chunk: two launches for any tree shape. Shapes are checked by the caller
+/// (`gdn_tree_chunked`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn tree_delta_rule(
     dev: &CudaDevice,
@@ -185,24 +199,11 @@ pub(super) fn tree_delta_rule(
     anc: &Tensor,
     (t, hk, hv): (usize, usize, usize),
 ) -> Result<(Tensor, Tensor)> {
-    if t == 0 || t > GDN_CHUNK || anc.elem_count() != t || !anc.is_contiguous() {
-        candle_core::bail!(
-            "tree_delta_rule: {t} nodes, ancestor bits {:?}",
-            anc.shape()
-        );
-    }
     let d = GDN_HEAD_DIM;
     let o = alloc_f32(dev, t * hv * d)?;
     let vn = alloc_f32(dev, t * hv * d)?;
     let buf = ChunkBuffers::new(dev, hv * GDN_CHUNK)?;
-    let run = Run {
-        q: ptr(q)?,
-        k: ptr(k)?,
-        v: ptr(v)?,
-        g: ptr(g)?,
-        beta: ptr(beta)?,
-        n: t,
-    };
+    let run = Run::at([q, k, v, g, beta], 0, t, (hk, hv))?;
     solve(dev, &run, &buf, (hk, hv), ptr(anc)?)?;
     scan(dev, &buf, t, hv, ptr(s0)?, ptr(&o)?, 0, ptr(&vn)?)?;
     Ok((o, vn))

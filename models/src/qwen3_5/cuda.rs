@@ -92,9 +92,7 @@ impl Qwen35Model {
             None => None,
         };
         // Its ancestor bits for the gated-attention kernels (one word a node: at most 64).
-        let tree_bits = tree
-            .map(|p| Tensor::new(cuda::tree_bits(p).as_slice(), &dev))
-            .transpose()?;
+        let tree_bits = forest.as_ref().and_then(|f| f.ancestor_bits.as_ref());
         let len = seq.cache.len();
         let eps = self.cfg.rms_norm_eps;
         let positions = Tensor::new(seq.positions, &dev)?;
@@ -146,8 +144,7 @@ impl Qwen35Model {
                     mark(&dev, "attn.qkv");
                     let qkv = products.normed(&x, qkv_w, norm)?;
                     mark(&dev, "attn.mix");
-                    let fused =
-                        fused_attention(seq, li, attn, &qkv, (&cos, &sin), t, tree_bits.as_ref())?;
+                    let fused = fused_attention(seq, li, attn, &qkv, (&cos, &sin), t, tree_bits)?;
                     if let Some(mixed) = fused {
                         (mixed, attn.o_proj())
                     } else {

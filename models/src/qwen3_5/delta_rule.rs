@@ -82,6 +82,10 @@ pub struct Forest {
     /// order, that each token's conv reads, oldest first.
     pub conv_taps: Tensor,
     pub kernel: usize,
+    /// One segment of at most 64 tokens, each parent before its children: every token's
+    /// ancestor bits (`cuda::tree_bits`: one i64 a token, itself included), on the device, for
+    /// the CUDA kernels that mask a verify tree by them; `None` otherwise.
+    pub ancestor_bits: Option<Tensor>,
 }
 
 impl Forest {
@@ -175,7 +179,17 @@ impl Forest {
                 taps.extend(path);
             }
         }
+        let ancestor_bits = match segments {
+            [seg]
+                if seg.len() <= 64
+                    && seg.iter().enumerate().all(|(i, p)| p.is_none_or(|p| p < i)) =>
+            {
+                Some(Tensor::new(crate::cuda::tree_bits(seg).as_slice(), dev)?)
+            }
+            _ => None,
+        };
         Ok(Self {
+            ancestor_bits,
             conv_taps: Tensor::new(taps.as_slice(), dev)?,
             segments: spans,
             depth,
@@ -530,5 +544,28 @@ mod tests {
         assert!(dfs_order(&chain, 5).is_some());
         assert!(dfs_order(&chain, 4).is_none());
         assert!(dfs_order(&[Some(1), None], 32).is_none());
+    }
+
+    /// The forest carries a verify tree's ancestor bits (`cuda::tree_bits`) for one segment of
+    /// up to 64 tokens, parents first; none for several segments, longer trees or a parent
+    /// after its child.
+    #[test]
+    fn forest_ancestor_bits_only_for_one_short_ordered_tree() -> candle_core::Result<()> {
+        let dev = candle_core::Device::Cpu;
+        let tree = [None, Some(0), Some(0), Some(1)];
+        let f = super::Forest::new(&[&tree], 4, &dev)?;
+        let bits = f.ancestor_bits.expect("a 4-node tree has bits");
+        assert_eq!(bits.to_vec1::<i64>()?, vec![0b1, 0b11, 0b101, 0b1011]);
+        assert!(super::Forest::new(&[&tree, &tree], 4, &dev)?
+            .ancestor_bits
+            .is_none());
+        let long: Vec<Option<usize>> = (0..65).map(|i: usize| i.checked_sub(1)).collect();
+        assert!(super::Forest::new(&[&long], 4, &dev)?
+            .ancestor_bits
+            .is_none());
+        assert!(super::Forest::new(&[&[Some(1), None]], 4, &dev)?
+            .ancestor_bits
+            .is_none());
+        Ok(())
     }
 }

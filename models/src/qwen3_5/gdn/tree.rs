@@ -26,27 +26,23 @@ impl GatedDeltaNet {
         let applies = self.kernels_apply(proj, state)? && forest.len() == t;
         let chunked =
             (crate::cuda::GDN_TREE_CHUNKED_MIN_NODES..=crate::cuda::GDN_CHUNK).contains(&t);
-        if applies && chunked && crate::cuda::gdn_tree_chunked_on() {
-            // Any depth; parents before children (the solve's order).
-            if parents
-                .iter()
-                .enumerate()
-                .all(|(i, p)| p.is_none_or(|p| p < i))
-            {
-                let anc = Tensor::new(crate::cuda::tree_bits(parents).as_slice(), proj.device())?;
-                let out = crate::cuda::gdn_tree_chunked(
-                    &state.conv,
-                    proj,
-                    &state.ssm,
-                    &self.kernel_weights(),
-                    &forest.conv_taps,
-                    &anc,
-                )?;
-                return Ok(Some((
-                    out.y,
-                    self.staged_inputs(proj, out.k, out.u, out.g)?,
-                )));
-            }
+        // Any depth; the forest has the bits only where parents come before their children.
+        if let (true, Some(anc)) = (
+            applies && chunked && crate::cuda::gdn_tree_chunked_on(),
+            &forest.ancestor_bits,
+        ) {
+            let out = crate::cuda::gdn_tree_chunked(
+                &state.conv,
+                proj,
+                &state.ssm,
+                &self.kernel_weights(),
+                &forest.conv_taps,
+                anc,
+            )?;
+            return Ok(Some((
+                out.y,
+                self.staged_inputs(proj, out.k, out.u, out.g)?,
+            )));
         }
         let order = crate::qwen3_5::delta_rule::dfs_order(parents, crate::cuda::GDN_TREE_MAX_DEPTH);
         let (Some((order, depth)), true) = (order, applies) else {
