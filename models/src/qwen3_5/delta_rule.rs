@@ -86,6 +86,10 @@ pub struct Forest {
     /// ancestor bits (`cuda::tree_bits`: one i64 a token, itself included), on the device, for
     /// the CUDA kernels that mask a verify tree by them; `None` otherwise.
     pub ancestor_bits: Option<Tensor>,
+    /// One segment's depth-first walk for the CUDA tree scan (`cuda::gdn_tree`): its
+    /// [`dfs_order`] and depths on the device, built by the first GDN layer that asks
+    /// ([`Self::depth_first_walk`]) and shared by the others.
+    walk: std::sync::OnceLock<Option<(Tensor, Tensor)>>,
 }
 
 impl Forest {
@@ -190,6 +194,7 @@ impl Forest {
         };
         Ok(Self {
             ancestor_bits,
+            walk: std::sync::OnceLock::new(),
             conv_taps: Tensor::new(taps.as_slice(), dev)?,
             segments: spans,
             depth,
@@ -209,6 +214,31 @@ impl Forest {
 
     pub fn is_empty(&self) -> bool {
         self.depth.is_empty()
+    }
+
+    /// The depth-first order and depths (`[t]` u32 each, on `dev`) of this forest's one segment
+    /// `parents` (the tree it was built from) for a walk at most `max_depth` deep, uploaded
+    /// once per forward: `None` for several segments or where [`dfs_order`] refuses the tree.
+    pub fn depth_first_walk(
+        &self,
+        parents: &[Option<usize>],
+        max_depth: usize,
+        dev: &Device,
+    ) -> Result<Option<&(Tensor, Tensor)>> {
+        if self.segments.len() != 1 || parents.len() != self.len() {
+            return Ok(None);
+        }
+        if let Some(walk) = self.walk.get() {
+            return Ok(walk.as_ref());
+        }
+        let walk = match dfs_order(parents, max_depth) {
+            Some((order, depth)) => Some((
+                Tensor::new(order.as_slice(), dev)?,
+                Tensor::new(depth.as_slice(), dev)?,
+            )),
+            None => None,
+        };
+        Ok(self.walk.get_or_init(|| walk).as_ref())
     }
 }
 
@@ -544,6 +574,31 @@ mod tests {
         assert!(dfs_order(&chain, 5).is_some());
         assert!(dfs_order(&chain, 4).is_none());
         assert!(dfs_order(&[Some(1), None], 32).is_none());
+    }
+
+    /// The forest's depth-first walk is the segment's [`dfs_order`], built once and shared by
+    /// every later call; none for several segments or a tree the walk refuses.
+    #[test]
+    fn forest_depth_first_walk_built_once_for_one_segment() -> candle_core::Result<()> {
+        let dev = candle_core::Device::Cpu;
+        let tree = [None, Some(0), Some(0), Some(1), Some(1), Some(2)];
+        let f = super::Forest::new(&[&tree], 4, &dev)?;
+        let (order, depth) = f
+            .depth_first_walk(&tree, 32, &dev)?
+            .expect("a shallow tree");
+        assert_eq!(order.to_vec1::<u32>()?, vec![0, 1, 3, 4, 2, 5]);
+        assert_eq!(depth.to_vec1::<u32>()?, vec![0, 1, 2, 2, 1, 2]);
+        let again = f.depth_first_walk(&tree, 32, &dev)?.expect("kept");
+        assert!(std::ptr::eq(
+            again,
+            f.depth_first_walk(&tree, 32, &dev)?.unwrap()
+        ));
+        assert!(super::Forest::new(&[&tree], 4, &dev)?
+            .depth_first_walk(&tree, 2, &dev)?
+            .is_none());
+        let two = super::Forest::new(&[&tree, &tree], 4, &dev)?;
+        assert!(two.depth_first_walk(&tree, 32, &dev)?.is_none());
+        Ok(())
     }
 
     /// The forest carries a verify tree's ancestor bits (`cuda::tree_bits`) for one segment of

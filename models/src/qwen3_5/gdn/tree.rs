@@ -44,8 +44,13 @@ impl GatedDeltaNet {
                 self.staged_inputs(proj, out.k, out.u, out.g)?,
             )));
         }
-        let order = crate::qwen3_5::delta_rule::dfs_order(parents, crate::cuda::GDN_TREE_MAX_DEPTH);
-        let (Some((order, depth)), true) = (order, applies) else {
+        let walk = match applies {
+            true => {
+                forest.depth_first_walk(parents, crate::cuda::GDN_TREE_MAX_DEPTH, proj.device())?
+            }
+            false => None,
+        };
+        let Some((order, depth)) = walk else {
             // Visible once per process: a declined tree runs the plain tree form (~15x slower
             // for 64 nodes at the 27B shape), which a benchmark must be able to see.
             static DECLINED: std::sync::Once = std::sync::Once::new();
@@ -65,16 +70,14 @@ impl GatedDeltaNet {
             });
             return Ok(None);
         };
-        let dev = proj.device();
-        let w = self.kernel_weights();
         let out = crate::cuda::gdn_tree(
             &state.conv,
             proj,
             &state.ssm,
-            &w,
+            &self.kernel_weights(),
             &forest.conv_taps,
-            &Tensor::new(order.as_slice(), dev)?,
-            &Tensor::new(depth.as_slice(), dev)?,
+            order,
+            depth,
         )?;
         Ok(Some((
             out.y,
