@@ -7,10 +7,9 @@
 #      over decode on the defaults), `verify_lt` (chain-16, a 16-node tree and both 64-node
 #      trees: skinny / lt / fused_tree, phases, logits and a decode after a committed path
 #      against skinny; the batched commit bit for bit);
-#   2. the 27B through the engine (TOKENS generated, default 256): defaults, all off, and the
-#      defaults with the chunked GDN tree form (DFLASH_GDN_TREE_CHUNKED=1, off by default until
-#      this call; `gdn_layer_paths.gdn_tree_*_chunked` check it against the plain tree form);
-#   3. the 35B-A3B through the engine (128 tokens) the same three ways, if time is left.
+#   2. the 27B through the engine (TOKENS generated, default 256): defaults and all off (the
+#      chunked GDN tree form, on by default since call L2, does not reach budget-16 trees);
+#   3. the 35B-A3B through the engine (128 tokens) the same two ways, if time is left.
 # Bundle: dflash-serve + gpu_check. ~330 s; LIMIT (default 480) caps the call.
 set -u
 LIMIT=${LIMIT:-480}; TOKENS=${TOKENS:-256}
@@ -54,13 +53,13 @@ print('ms/round (draft, verify, commit)', {k: tuple(round(e[k]['engine'][p],3) f
 }
 OFF="DFLASH_HYBRID_VERIFY_LT=0 DFLASH_HYBRID_FUSED_TREE=0 DFLASH_BATCHED_GDN_SETTLE=0 DFLASH_MOE_GATHER_KERNEL=0"
 CHUNK="DFLASH_GDN_TREE_CHUNKED=1"
-for v in on off chunk; do
+for v in on off; do
   left=$(( LIMIT - 20 - $(el) )); [ $left -gt 60 ] || break
   env $([ $v = off ] && echo $OFF) $([ $v = chunk ] && echo $CHUNK) timeout $(( left < 150 ? left : 150 )) /tmp/b/dflash-serve bench --model qwen3.6-27b --prefill 1024 --e2e-prompt 1024 \
     --e2e-tokens $TOKENS --budgets 16 --e2e-profile --out $OUT/l2/h27-$v.json > $OUT/l2/h27-$v.log 2>&1
   echo "27b $v rc=$? at $(el) s"; grep -m2 -i "error\|panic" $OUT/l2/h27-$v.log | cut -c1-300; summary $OUT/l2/h27-$v.json
 done
-for v in on off chunk; do
+for v in on off; do
   left=$(( LIMIT - $(el) )); [ $left -gt 100 ] || break
   env $([ $v = off ] && echo $OFF) $([ $v = chunk ] && echo $CHUNK) timeout 90 /tmp/b/dflash-serve bench --model qwen3.6-35b-a3b --prefill 1024 \
     --e2e-prompt 1024 --e2e-tokens 128 --budgets 16 --e2e-profile --out $OUT/l2/h35-$v.json > $OUT/l2/h35-$v.log 2>&1
