@@ -22,6 +22,7 @@
 mod cuda;
 pub mod delta_rule;
 mod fast;
+mod forest;
 mod forward;
 pub mod gated_attention;
 pub mod gdn;
