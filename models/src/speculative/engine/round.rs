@@ -122,14 +122,20 @@ impl Engine {
         profile::mark(&dev, "3_draft_select");
 
         let max_positions = self.target.max_positions();
+        // Prefilled sequences hold their bonus token (the prompt is never empty).
+        let bonuses = self
+            .seqs
+            .iter()
+            .map(|s| s.tokens.last().copied())
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| {
+                ModelError::BadCacheOp("a sequence entered a round without a token".into())
+            })?;
         let trees: Vec<DraftTree> = self
             .seqs
             .iter()
-            .map(|s| {
-                let bonus = *s
-                    .tokens
-                    .last()
-                    .expect("prefilled sequences hold a bonus token");
+            .zip(bonuses)
+            .map(|(s, bonus)| {
                 // Drafts past the length limit or the position table can never be committed.
                 let start = s.tokens.len() - 1;
                 let depth_cap = (s.req.max_new_tokens - s.generated)
