@@ -320,20 +320,30 @@ static HYBRID_DECODE_GRAPHS: switch::EnvSwitch =
 /// Whether a hybrid target built from now on replays its decode steps from CUDA graphs
 /// (`qwen3_5/graph.rs`, `Qwen35Model::forward_decode_graph`; a model's own setting is
 /// `with_step_graphs`). Without a call or `DFLASH_HYBRID_DECODE_GRAPHS` (`1` on, `0` off) they
-/// are on for sparse-MoE hybrids and off for dense ones, as measured (H100, session 24,
-/// 1K context, greedy tokens identical both ways): the 12-layer Qwen3.6-35B-A3B shape's decode,
-/// ~15 small launches a layer, 2.005 ms from graphs against 2.15 eager; the dense 27B's, whose
-/// launches are few and long, 23.38 against 22.99 (the replay's state copies in and out cost
-/// more than the launches it saves). Process-wide.
+/// are off: for dense hybrids, whose launches are few and long, the replay's state copies cost
+/// more than the launches it saves (27B 23.38 ms against 22.99 eager, H100, session 24); for
+/// sparse-MoE hybrids (~15 small launches a layer) graphs won only before programmatic
+/// dependent launch ([`pdl`], on since session 28: the 12-layer 35B-A3B shape 2.005 ms against
+/// 2.15 eager in session 24). With PDL the eager step overlaps each launch's prologue with the
+/// previous kernel's tail, and the full Qwen3.6-35B-A3B shape decoded faster eager in 8 of 11
+/// paired runs through the engine (`decode_through_engine` against `decode_step_graphs_off`,
+/// sessions 29 and 31, 1K context), by 0.17 ms a token on average on an H100 and by 0.44 ms
+/// (4.07 -> 3.63 ms, 0.347 -> 0.389 of the roofline) on the H200
+/// (deploy/bench/results/h200-2026-12-07-s29/callO.tar.xz, `o/h35.json`). With PDL off
+/// (`DFLASH_PDL=0`) they stay on for sparse-MoE hybrids, as measured then. Process-wide.
 pub fn set_hybrid_decode_graphs(on: bool) {
     HYBRID_DECODE_GRAPHS.set(on);
 }
 
 /// Whether hybrid decode graphs are on for a model with (`sparse_moe`) or without sparse-MoE
-/// layers ([`set_hybrid_decode_graphs`], else `DFLASH_HYBRID_DECODE_GRAPHS`, else
-/// `sparse_moe`).
+/// layers ([`set_hybrid_decode_graphs`], else `DFLASH_HYBRID_DECODE_GRAPHS`, else `sparse_moe`
+/// without [`pdl`]).
 pub fn hybrid_decode_graphs(sparse_moe: bool) -> bool {
-    HYBRID_DECODE_GRAPHS.get_or(sparse_moe)
+    #[cfg(feature = "cuda")]
+    let pdl_on = pdl();
+    #[cfg(not(feature = "cuda"))]
+    let pdl_on = false;
+    HYBRID_DECODE_GRAPHS.get_or(sparse_moe && !pdl_on)
 }
 
 static MOE_GROUPED_GEMM: switch::EnvSwitch =
