@@ -15,8 +15,10 @@
 //! to the cache (a truncate, a rollback or an eager forward in between makes it another
 //! tensor); after a replay the cache commits the buffers themselves (no copy: the next replay
 //! advances them only after the cache is done with this state), or, where the step is staged
-//! for rollback, copies of them. Verify graphs (t > 1) would have to copy
-//! out a full state per row (2.4 GB at 16 rows of the 27B shape), so only decode is captured.
+//! for rollback, copies of them. Only decode is captured: a verify (t > 1) stages its rows'
+//! inputs, not states (`cache::RowInputs`), so it could be, but its launches are long (a 16-row
+//! 27B verify ~20 ms over ~700 launches) and even the one-row step measured no faster from
+//! graphs once launches overlap by PDL (`cuda::hybrid_decode_graphs`).
 //!
 //! The model's forward replays it ([`Qwen35Model::forward_decode_graph`], in the model's
 //! [`crate::cuda::graphs::GraphCache`], where `cuda::hybrid_decode_graphs` or the model's
