@@ -17,7 +17,7 @@
 //! advances them only after the cache is done with this state), or, where the step is staged
 //! for rollback, copies of them. Only decode is captured: a verify (t > 1) stages its rows'
 //! inputs, not states (`cache::RowInputs`), so it could be, but its launches are long (a 16-row
-//! 27B verify ~20 ms over ~700 launches) and even the one-row step measured no faster from
+//! 27B verify takes ~20 ms, the decode step ~16) and even the one-row step measured no faster from
 //! graphs once launches overlap by PDL (`cuda::hybrid_decode_graphs`).
 //!
 //! The model's forward replays it ([`Qwen35Model::forward_decode_graph`], in the model's
