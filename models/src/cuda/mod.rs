@@ -327,8 +327,8 @@ static HYBRID_DECODE_GRAPHS: switch::EnvSwitch =
 /// 2.15 eager in session 24). With PDL the eager step overlaps each launch's prologue with the
 /// previous kernel's tail, and the full Qwen3.6-35B-A3B shape decoded faster eager in 8 of 11
 /// paired runs through the engine (`decode_through_engine` against `decode_step_graphs_off`,
-/// sessions 29 and 31, 1K context), by 0.17 ms a token on average on an H100 and by 0.44 ms
-/// (4.07 -> 3.63 ms, 0.347 -> 0.389 of the roofline) on the H200
+/// sessions 29 and 31, 1K context), by 0.13 ms a token on average over the ten H100 runs and
+/// by 0.44 ms (4.07 -> 3.63 ms, 0.347 -> 0.389 of the roofline) on the H200
 /// (deploy/bench/results/h200-2026-12-07-s29/callO.tar.xz, `o/h35.json`). With PDL off
 /// (`DFLASH_PDL=0`) they stay on for sparse-MoE hybrids, as measured then. Process-wide.
 pub fn set_hybrid_decode_graphs(on: bool) {
