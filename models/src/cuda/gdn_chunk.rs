@@ -25,7 +25,8 @@ const SEGMENT: usize = 4096;
 /// Value columns per scan block (`GC_BV`).
 const SCAN_COLUMNS: usize = 64;
 /// Shared memory of the two kernels (as laid out in gdn_chunk.cu): the solve's f32 tiles and a
-/// tree's ancestor bits (two blocks an SM); the scan's two bf16 stages of [W | Q' | KT] and its state and v_new tiles.
+/// tree's ancestor bits (two blocks an SM); the scan's two bf16 stages of [W | Q' | KT] and its
+/// state and v_new tiles.
 const SOLVE_SMEM: usize = 4 * (2 * 64 * 132 + 64 * 64 + 64 * 68 + 2 * 64) + 8 * 64;
 const SCAN_SMEM: usize = 2 * (2 * (2 * 64 * 136 + 128 * 72) + 64 * 136 + 64 * 72);
 

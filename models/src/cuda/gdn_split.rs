@@ -5,7 +5,7 @@
 //! Shapes are checked here because the kernels trust them.
 
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-use candle_core::{bail, Result, Tensor};
+use candle_core::{bail, DType, Result, Tensor};
 
 use super::gdn::{
     check_chain, check_f32, gated_norm, ChainDims, GdnWeights, GDN_HEAD_DIM, GDN_MAX_CHAIN,
@@ -215,8 +215,8 @@ pub fn gdn_tree(
 ) -> Result<SplitOut> {
     let dev = cuda(proj)?;
     let rows = proj.dim(0)?;
-    check_u32("gdn_tree", "order", order, rows)?;
-    check_u32("gdn_tree", "depth", depth, rows)?;
+    check_index("gdn_tree", "order", order, DType::U32, rows)?;
+    check_index("gdn_tree", "depth", depth, DType::U32, rows)?;
     let (t, pre) = tree_front("gdn_tree", (win, proj, s0), w, conv_rows, GDN_SPLIT_MAX_T)?;
     let (d, hk, hv) = (GDN_HEAD_DIM, w.hk, w.hv);
     let Prepped { q, k, v, g, beta } = &pre;
@@ -248,7 +248,7 @@ fn tree_front(
     max_t: usize,
 ) -> Result<(usize, Prepped)> {
     let dims = check_chain(op, ("gdn win", win), false, max_t, proj, s0, w)?;
-    check_u32(op, "conv rows", conv_rows, dims.t * dims.kernel)?;
+    check_index(op, "conv rows", conv_rows, DType::U32, dims.t * dims.kernel)?;
     let t = dims.t;
     Ok((t, prep(win, proj, w, Some(conv_rows), dims)?))
 }
@@ -272,10 +272,11 @@ fn tree_out(
     })
 }
 
-fn check_u32(op: &str, name: &str, x: &Tensor, n: usize) -> Result<()> {
-    if x.dtype() != candle_core::DType::U32 || x.elem_count() != n || !x.is_contiguous() {
+/// `x` holds `n` contiguous elements of the index type `dtype`.
+fn check_index(op: &str, name: &str, x: &Tensor, dtype: DType, n: usize) -> Result<()> {
+    if x.dtype() != dtype || x.elem_count() != n || !x.is_contiguous() {
         bail!(
-            "{op}: {name} must be {n} contiguous u32, got {:?} {:?}",
+            "{op}: {name} must be {n} contiguous {dtype:?}, got {:?} {:?}",
             x.dtype(),
             x.shape()
         )
@@ -298,12 +299,7 @@ pub fn gdn_tree_chunked(
 ) -> Result<SplitOut> {
     let dev = cuda(proj)?;
     let t = proj.dim(0)?;
-    if anc.dtype() != candle_core::DType::I64 || anc.elem_count() != t || !anc.is_contiguous() {
-        bail!(
-            "gdn_tree_chunked: ancestor bits must be {t} contiguous i64, got {:?}",
-            anc.shape()
-        )
-    }
+    check_index("gdn_tree_chunked", "ancestor bits", anc, DType::I64, t)?;
     let (t, pre) = tree_front("gdn_tree_chunked", (win, proj, s0), w, conv_rows, GDN_CHUNK)?;
     let Prepped { q, k, v, g, beta } = &pre;
     let (o, u) = tree_delta_rule(&dev, s0, q, k, v, g, beta, anc, (t, w.hk, w.hv))?;

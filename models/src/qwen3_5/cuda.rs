@@ -92,7 +92,10 @@ impl Qwen35Model {
             None => None,
         };
         // Its ancestor bits for the gated-attention kernels (one word a node: at most 64).
-        let tree_bits = forest.as_ref().and_then(|f| f.ancestor_bits.as_ref());
+        let tree_bits = match &forest {
+            Some(f) => f.ancestor_bits()?,
+            None => None,
+        };
         let len = seq.cache.len();
         let eps = self.cfg.rms_norm_eps;
         let positions = Tensor::new(seq.positions, &dev)?;

@@ -3,6 +3,8 @@
 //! the depth levels of [`super::delta_rule::recurrent`], the conv taps along each path, and
 //! for the CUDA tree kernels the ancestor bits and the depth-first walk ([`dfs_order`]).
 
+use std::sync::OnceLock;
+
 use candle_core::{Device, Result, Tensor};
 
 /// A depth-first pre-order of the tokens of a tree given by `parents` (each parent before its
@@ -57,14 +59,15 @@ pub struct Forest {
     /// order, that each token's conv reads, oldest first.
     pub conv_taps: Tensor,
     pub kernel: usize,
-    /// One segment of at most 64 tokens, each parent before its children: every token's
-    /// ancestor bits (`cuda::tree_bits`: one i64 a token, itself included), on the device, for
-    /// the CUDA kernels that mask a verify tree by them; `None` otherwise.
-    pub ancestor_bits: Option<Tensor>,
-    /// One segment's depth-first walk for the CUDA tree scan (`cuda::gdn_tree`): its
-    /// [`dfs_order`] and depths on the device, built by the first GDN layer that asks
-    /// ([`Self::depth_first_walk`]) and shared by the others.
-    walk: std::sync::OnceLock<Option<(Tensor, Tensor)>>,
+    /// The parents of a forest of one segment (a verify tree or one chain), for what the CUDA
+    /// tree kernels need of it, built on the device by the first GDN layer that asks and shared
+    /// by the others (none of it for forwards that never ask, e.g. prefills).
+    tree: Option<Vec<Option<usize>>>,
+    dev: Device,
+    /// [`Self::ancestor_bits`], once built.
+    ancestor_bits: OnceLock<Option<Tensor>>,
+    /// [`Self::depth_first_walk`], once built: order, depths and the deepest depth.
+    walk: OnceLock<Option<(Tensor, Tensor, usize)>>,
 }
 
 impl Forest {
@@ -158,18 +161,14 @@ impl Forest {
                 taps.extend(path);
             }
         }
-        let ancestor_bits = match segments {
-            [seg]
-                if seg.len() <= 64
-                    && seg.iter().enumerate().all(|(i, p)| p.is_none_or(|p| p < i)) =>
-            {
-                Some(Tensor::new(crate::cuda::tree_bits(seg).as_slice(), dev)?)
-            }
-            _ => None,
-        };
         Ok(Self {
-            ancestor_bits,
-            walk: std::sync::OnceLock::new(),
+            tree: match segments {
+                [seg] => Some(seg.to_vec()),
+                _ => None,
+            },
+            dev: dev.clone(),
+            ancestor_bits: OnceLock::new(),
+            walk: OnceLock::new(),
             conv_taps: Tensor::new(taps.as_slice(), dev)?,
             segments: spans,
             depth,
@@ -191,29 +190,55 @@ impl Forest {
         self.depth.is_empty()
     }
 
-    /// The depth-first order and depths (`[t]` u32 each, on `dev`) of this forest's one segment
-    /// `parents` (the tree it was built from) for a walk at most `max_depth` deep, uploaded
-    /// once per forward: `None` for several segments or where [`dfs_order`] refuses the tree.
-    pub fn depth_first_walk(
-        &self,
-        parents: &[Option<usize>],
-        max_depth: usize,
-        dev: &Device,
-    ) -> Result<Option<&(Tensor, Tensor)>> {
-        if self.segments.len() != 1 || parents.len() != self.len() {
-            return Ok(None);
+    /// Every token's ancestor bits (`cuda::tree_bits`: one i64 a token, itself included; i64
+    /// `[t]` on the device) for the CUDA kernels that mask a verify tree by them, uploaded once
+    /// per forward: `None` unless the forest is one segment of at most 64 tokens, each parent
+    /// before its children.
+    pub fn ancestor_bits(&self) -> Result<Option<&Tensor>> {
+        if let Some(bits) = self.ancestor_bits.get() {
+            return Ok(bits.as_ref());
         }
-        if let Some(walk) = self.walk.get() {
-            return Ok(walk.as_ref());
-        }
-        let walk = match dfs_order(parents, max_depth) {
-            Some((order, depth)) => Some((
-                Tensor::new(order.as_slice(), dev)?,
-                Tensor::new(depth.as_slice(), dev)?,
-            )),
-            None => None,
+        let bits = match &self.tree {
+            Some(seg)
+                if seg.len() <= 64
+                    && seg.iter().enumerate().all(|(i, p)| p.is_none_or(|p| p < i)) =>
+            {
+                Some(Tensor::new(
+                    crate::cuda::tree_bits(seg).as_slice(),
+                    &self.dev,
+                )?)
+            }
+            _ => None,
         };
-        Ok(self.walk.get_or_init(|| walk).as_ref())
+        Ok(self.ancestor_bits.get_or_init(|| bits).as_ref())
+    }
+
+    /// The depth-first order and depths (`[t]` u32 each, on the device) of this forest's one
+    /// segment for the CUDA tree scan (`cuda::gdn_tree`), uploaded once per forward: `None`
+    /// for several segments, a parent after its child, or a tree `max_depth` or more deep
+    /// (as [`dfs_order`]).
+    pub fn depth_first_walk(&self, max_depth: usize) -> Result<Option<(&Tensor, &Tensor)>> {
+        let walk = match self.walk.get() {
+            Some(walk) => walk,
+            None => {
+                let walk = match self.tree.as_deref().and_then(|p| dfs_order(p, usize::MAX)) {
+                    Some((order, depth)) => {
+                        let deepest = depth.iter().max().map_or(0, |&d| d as usize);
+                        Some((
+                            Tensor::new(order.as_slice(), &self.dev)?,
+                            Tensor::new(depth.as_slice(), &self.dev)?,
+                            deepest,
+                        ))
+                    }
+                    None => None,
+                };
+                self.walk.get_or_init(|| walk)
+            }
+        };
+        Ok(match walk {
+            Some((order, depth, deepest)) if *deepest < max_depth => Some((order, depth)),
+            _ => None,
+        })
     }
 }
 
@@ -260,21 +285,16 @@ mod tests {
         let dev = candle_core::Device::Cpu;
         let tree = [None, Some(0), Some(0), Some(1), Some(1), Some(2)];
         let f = super::Forest::new(&[&tree], 4, &dev)?;
-        let (order, depth) = f
-            .depth_first_walk(&tree, 32, &dev)?
-            .expect("a shallow tree");
+        let (order, depth) = f.depth_first_walk(32)?.expect("a shallow tree");
         assert_eq!(order.to_vec1::<u32>()?, vec![0, 1, 3, 4, 2, 5]);
         assert_eq!(depth.to_vec1::<u32>()?, vec![0, 1, 2, 2, 1, 2]);
-        let again = f.depth_first_walk(&tree, 32, &dev)?.expect("kept");
-        assert!(std::ptr::eq(
-            again,
-            f.depth_first_walk(&tree, 32, &dev)?.unwrap()
-        ));
+        let again = f.depth_first_walk(32)?.expect("kept");
+        assert!(std::ptr::eq(again.0, f.depth_first_walk(32)?.unwrap().0));
         assert!(super::Forest::new(&[&tree], 4, &dev)?
-            .depth_first_walk(&tree, 2, &dev)?
+            .depth_first_walk(2)?
             .is_none());
         let two = super::Forest::new(&[&tree, &tree], 4, &dev)?;
-        assert!(two.depth_first_walk(&tree, 32, &dev)?.is_none());
+        assert!(two.depth_first_walk(32)?.is_none());
         Ok(())
     }
 
@@ -286,17 +306,17 @@ mod tests {
         let dev = candle_core::Device::Cpu;
         let tree = [None, Some(0), Some(0), Some(1)];
         let f = super::Forest::new(&[&tree], 4, &dev)?;
-        let bits = f.ancestor_bits.expect("a 4-node tree has bits");
+        let bits = f.ancestor_bits()?.expect("a 4-node tree has bits");
         assert_eq!(bits.to_vec1::<i64>()?, vec![0b1, 0b11, 0b101, 0b1011]);
         assert!(super::Forest::new(&[&tree, &tree], 4, &dev)?
-            .ancestor_bits
+            .ancestor_bits()?
             .is_none());
         let long: Vec<Option<usize>> = (0..65).map(|i: usize| i.checked_sub(1)).collect();
         assert!(super::Forest::new(&[&long], 4, &dev)?
-            .ancestor_bits
+            .ancestor_bits()?
             .is_none());
         assert!(super::Forest::new(&[&[Some(1), None]], 4, &dev)?
-            .ancestor_bits
+            .ancestor_bits()?
             .is_none());
         Ok(())
     }

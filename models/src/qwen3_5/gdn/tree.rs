@@ -27,27 +27,24 @@ impl GatedDeltaNet {
         let chunked =
             (crate::cuda::GDN_TREE_CHUNKED_MIN_NODES..=crate::cuda::GDN_CHUNK).contains(&t);
         // Any depth; the forest has the bits only where parents come before their children.
-        if let (true, Some(anc)) = (
-            applies && chunked && crate::cuda::gdn_tree_chunked_on(),
-            &forest.ancestor_bits,
-        ) {
-            let out = crate::cuda::gdn_tree_chunked(
-                &state.conv,
-                proj,
-                &state.ssm,
-                &self.kernel_weights(),
-                &forest.conv_taps,
-                anc,
-            )?;
-            return Ok(Some((
-                out.y,
-                self.staged_inputs(proj, out.k, out.u, out.g)?,
-            )));
+        if applies && chunked && crate::cuda::gdn_tree_chunked_on() {
+            if let Some(anc) = forest.ancestor_bits()? {
+                let out = crate::cuda::gdn_tree_chunked(
+                    &state.conv,
+                    proj,
+                    &state.ssm,
+                    &self.kernel_weights(),
+                    &forest.conv_taps,
+                    anc,
+                )?;
+                return Ok(Some((
+                    out.y,
+                    self.staged_inputs(proj, out.k, out.u, out.g)?,
+                )));
+            }
         }
         let walk = match applies {
-            true => {
-                forest.depth_first_walk(parents, crate::cuda::GDN_TREE_MAX_DEPTH, proj.device())?
-            }
+            true => forest.depth_first_walk(crate::cuda::GDN_TREE_MAX_DEPTH)?,
             false => None,
         };
         let Some((order, depth)) = walk else {
